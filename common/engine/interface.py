@@ -1,0 +1,73 @@
+"""What a node needs from an engine, whether torch or simulated. Pure Python.
+
+One `step` runs a batch of prefill chunks and decode tokens and returns the sampled tokens;
+`on_layer(i)` fires as soon as layer i's KV is in the cache so a prefill node can start
+sending that layer while later layers compute. `export_kv`/`import_kv` move one request's
+KV per layer in the block-independent frame format of `kv_cache.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from common.model_config import ModelConfig
+from common.sampling import SamplingParams
+
+LayerHook = Callable[[int], None]
+
+
+@dataclass
+class PrefillWork:
+    seq_id: str
+    token_ids: list[int]  # the tokens of this chunk
+    start_pos: int  # sequence position of token_ids[0]; > 0 for later chunks
+    block_table: list[int]
+    params: SamplingParams | None  # None: not the last chunk, nothing to sample
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class DecodeWork:
+    seq_id: str
+    token_id: int  # the newest token, whose KV this step computes
+    position: int
+    block_table: list[int]
+    params: SamplingParams
+
+
+class Engine(Protocol):
+    model_config: ModelConfig
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+
+    def step(
+        self, prefills: Sequence[PrefillWork], decodes: Sequence[DecodeWork],
+        on_layer: LayerHook | None = None,
+    ) -> list[int]:
+        """Tokens sampled: one per prefill with params (in order), then one per decode."""
+        ...
+
+    def kv_frame_bytes(self, num_tokens: int) -> int:
+        """Size of one layer's frame for a request of num_tokens tokens."""
+        ...
+
+    def export_kv(self, layer: int, block_table: Sequence[int], num_tokens: int) -> Any:
+        """One layer's frame (buffer protocol) for the first num_tokens tokens."""
+        ...
+
+    def import_kv(
+        self, layer: int, block_table: Sequence[int], num_tokens: int, frame: Any
+    ) -> None:
+        ...
+
+
+def sample_positions(prefills: Sequence[PrefillWork], decodes: Sequence[DecodeWork]) -> list[int]:
+    """Sequence position of each token to be sampled (the key of its random draw)."""
+    return [p.end_pos for p in prefills if p.params is not None] + [d.position + 1 for d in decodes]

@@ -1,0 +1,69 @@
+"""One preallocated paged KV tensor per node, and the per-layer export/import format.
+
+Layout: `(num_layers, 2, num_slots, num_kv_heads, head_dim)` where slot = block * block_size
++ offset, so a block table plus a position gives a slot. Writes go through a slot mapping.
+
+Transfer format ("KV frame"): for one request and one layer, one contiguous buffer
+`(2, num_tokens, num_kv_heads, head_dim)`: K for all its tokens, then V. It does not depend
+on block ids, so the receiver scatters it into whatever blocks it reserved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+
+def slots_for(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of token positions [start, end) for a sequence with this block table."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim)
+        self.data = torch.zeros(shape, dtype=dtype, device=device)  # touch pages now, not mid-run
+
+    @property
+    def frame_shape_per_token(self) -> tuple[int, int]:
+        return int(self.data.shape[3]), int(self.data.shape[4])
+
+    def bytes_per_token_per_layer(self) -> int:
+        heads, dim = self.frame_shape_per_token
+        return 2 * heads * dim * self.data.element_size()
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: (T, kv_heads, head_dim) for the tokens whose slots are in slot_mapping (T,)."""
+        self.data[layer, 0].index_copy_(0, slot_mapping, k)
+        self.data[layer, 1].index_copy_(0, slot_mapping, v)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at `slots` (any shape S) as (*S, kv_heads, head_dim)."""
+        return self.data[layer, 0][slots], self.data[layer, 1][slots]
+
+    def export_layer(
+        self, layer: int, slots: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One request's K and V of one layer as a contiguous (2, T, kv_heads, head_dim)."""
+        if out is None:
+            return self.data[layer].index_select(1, slots)
+        torch.index_select(self.data[layer], 1, slots, out=out)
+        return out
+
+    def import_layer(self, layer: int, slots: torch.Tensor, frame: torch.Tensor) -> None:
+        """Scatter a frame made by `export_layer` into this cache's `slots`."""
+        self.data[layer].index_copy_(1, slots, frame.view(2, len(slots), *self.frame_shape_per_token))

@@ -1,0 +1,228 @@
+"""A Llama-family decoder in plain torch, reading and writing a paged KV cache.
+
+Tokens of a step are flattened into one (T, hidden) batch: first the prefill spans (whole
+prompts or chunks of them), then one token per decoding sequence. Linear layers run once
+over all T tokens; attention is per prefill span (causal over its context) and batched over
+the decode sequences (one query each, gathered keys padded and masked). Q/K/V and
+gate/up projections are fused into one matmul each, which matters on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.engine.interface import LayerHook
+from common.engine.kv_cache import KVCache
+from common.errors import ModelLoadError
+from common.model_config import ModelConfig
+
+
+@dataclass
+class PrefillSpan:
+    """Query tokens [q_start, q_start + q_len) of the flat batch; they are the last q_len of a
+    context of ctx_len tokens whose cache slots are `ctx_slots` (None when q_len == ctx_len)."""
+
+    q_start: int
+    q_len: int
+    ctx_len: int
+    ctx_slots: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) cache slot of every token of the step
+    prefills: list[PrefillSpan]
+    num_prefill_tokens: int
+    decode_slots: torch.Tensor | None  # (B, L_max) context slots per decoding sequence
+    decode_mask: torch.Tensor | None  # (B, 1, 1, L_max) True where a slot is real
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        inv_freq = torch.where(medium, blended, scaled)
+    elif kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind != "default":
+        raise ModelLoadError(f"unsupported rope scaling {kind!r} (supported: llama3, linear)")
+    return inv_freq
+
+
+class Rotary(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(cfg))
+        emb = torch.cat((freqs, freqs), dim=-1)  # (P, head_dim)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: (T, heads, head_dim)
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+        meta: AttentionMetadata, cache: KVCache,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rotary(q.view(-1, self.n_heads, self.head_dim), positions)  # (T, H, D)
+        k = rotary(k.view(-1, self.n_kv, self.head_dim), positions)  # (T, KVH, D)
+        v = v.view(-1, self.n_kv, self.head_dim)
+        cache.write(self.layer, meta.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        for span in meta.prefills:
+            rows = slice(span.q_start, span.q_start + span.q_len)
+            qs = q[rows].transpose(0, 1).unsqueeze(0)  # (1, H, q_len, D)
+            if span.ctx_slots is None:
+                ks, vs = k[rows], v[rows]
+                mask, causal = None, True
+            else:
+                ks, vs = cache.gather(self.layer, span.ctx_slots)
+                # query i sits at context position ctx_len - q_len + i
+                q_pos = torch.arange(span.ctx_len - span.q_len, span.ctx_len).unsqueeze(1)
+                mask, causal = torch.arange(span.ctx_len).unsqueeze(0) <= q_pos, False
+            o = F.scaled_dot_product_attention(
+                qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask, is_causal=causal, enable_gqa=True,
+            )
+            out[rows] = o.squeeze(0).transpose(0, 1)
+        if meta.decode_slots is not None:
+            qd = q[meta.num_prefill_tokens :].unsqueeze(2)  # (B, H, 1, D)
+            kd, vd = cache.gather(self.layer, meta.decode_slots)  # (B, L, KVH, D)
+            o = F.scaled_dot_product_attention(
+                qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=meta.decode_mask,
+                enable_gqa=True,
+            )
+            out[meta.num_prefill_tokens :] = o.squeeze(2)
+        return self.o_proj(out.view(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg, max_positions)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        cache: KVCache, on_layer: LayerHook | None = None,
+    ) -> torch.Tensor:
+        """Hidden states (T, hidden) after the final norm; KV of every layer lands in `cache`,
+        and `on_layer(i)` runs as soon as layer i's KV is there (for layer-wise transfer)."""
+        h = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = h + layer.self_attn(layer.input_layernorm(h), positions, self.rotary, meta, cache)
+            if on_layer is not None:
+                on_layer(i)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
+        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up as they arrive."""
+        params = dict(self.named_parameters())
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        fused = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
+                 "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1)}
+        seen: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.") if not name.startswith("lm_head") else name
+            parts = name.split(".")
+            if len(parts) >= 4 and parts[-2] in fused:
+                target, idx = fused[parts[-2]]
+                prefix = ".".join(parts[:-2])
+                key = f"{prefix}.{target}.{parts[-1]}"
+                group = pending.setdefault(key, {})
+                group[str(idx)] = tensor
+                if len(group) == (3 if target == "qkv" else 2):
+                    name, tensor = key, torch.cat([group[str(i)] for i in range(len(group))])
+                    del pending[key]
+                else:
+                    continue
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            param = params.get(name)
+            if param is None:
+                continue  # e.g. rotary inv_freq buffers in some checkpoints
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ModelLoadError(f"weight {name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            param.data.copy_(tensor)
+            seen.add(name)
+        missing = [n for n in params if n not in seen and not (n == "lm_head.weight" and self.cfg.tie_word_embeddings)]
+        if missing or pending:
+            raise ModelLoadError(f"the checkpoint lacks weights: {sorted(missing)[:5] or sorted(pending)[:5]}")
+        self.to(dtype)

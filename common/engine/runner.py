@@ -1,0 +1,132 @@
+"""The torch engine: model + paged KV cache + sampler behind the `Engine` interface."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from common.config import EngineConfig
+from common.engine.interface import DecodeWork, LayerHook, PrefillWork, sample_positions
+from common.engine.kv_cache import KVCache
+from common.engine.loader import iter_weights
+from common.engine.model import AttentionMetadata, LlamaModel, PrefillSpan
+from common.engine.sampler import sample
+from common.model_config import ModelConfig, load_model_config, resolve_model
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def num_kv_blocks(cfg: EngineConfig, model_cfg: ModelConfig, element_size: int) -> int:
+    if cfg.num_kv_blocks:
+        return cfg.num_kv_blocks
+    per_block = cfg.block_size * model_cfg.kv_bytes_per_token(element_size)
+    return max(1, int(cfg.kv_cache_gb * 2**30) // per_block)
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, eos_token_ids: tuple[int, ...] | None = None) -> None:
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.cfg = cfg
+        source = resolve_model(cfg.model)
+        self.model_config = load_model_config(source)
+        self.model_id = source.model_id
+        self.eos_token_ids = eos_token_ids or self.model_config.eos_token_ids
+        self.dtype = DTYPES[cfg.dtype]
+        self.device = torch.device(cfg.device)
+        self.block_size = cfg.block_size
+        self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
+        with torch.device(self.device):
+            self.model = LlamaModel(self.model_config, self.max_model_len)
+        self.model.load_weights(iter_weights(source, self.model_config), self.dtype)
+        self.model.eval()
+        self.num_blocks = num_kv_blocks(cfg, self.model_config, self.dtype.itemsize)
+        mc = self.model_config
+        self.kv_cache = KVCache(
+            mc.num_layers, self.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim,
+            self.dtype, self.device,
+        )
+        log.info("torch engine: %s %s on %s, %d KV blocks of %d tokens", self.model_id,
+                 cfg.dtype, cfg.device, self.num_blocks, cfg.block_size)
+
+    # -- slots ---------------------------------------------------------------------------
+    def slots(self, block_table: Sequence[int], start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end, device=self.device)
+        table = torch.tensor(block_table, dtype=torch.long, device=self.device)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _metadata(
+        self, prefills: Sequence[PrefillWork], decodes: Sequence[DecodeWork]
+    ) -> AttentionMetadata:
+        slot_parts, spans, q_start = [], [], 0
+        for p in prefills:
+            n = len(p.token_ids)
+            slot_parts.append(self.slots(p.block_table, p.start_pos, p.end_pos))
+            ctx_slots = None if p.start_pos == 0 else self.slots(p.block_table, 0, p.end_pos)
+            spans.append(PrefillSpan(q_start, n, p.end_pos, ctx_slots))
+            q_start += n
+        decode_slots = decode_mask = None
+        if decodes:
+            ctx = [self.slots(d.block_table, 0, d.position + 1) for d in decodes]
+            slot_parts.extend(c[-1:] for c in ctx)
+            lengths = torch.tensor([len(c) for c in ctx], device=self.device)
+            decode_slots = torch.nn.utils.rnn.pad_sequence(ctx, batch_first=True)
+            width = decode_slots.shape[1]
+            decode_mask = (torch.arange(width, device=self.device) < lengths.unsqueeze(1))
+            decode_mask = decode_mask[:, None, None, :]  # (B, 1, 1, L)
+        return AttentionMetadata(torch.cat(slot_parts), spans, q_start, decode_slots, decode_mask)
+
+    # -- Engine interface ----------------------------------------------------------------
+    def step(
+        self, prefills: Sequence[PrefillWork], decodes: Sequence[DecodeWork],
+        on_layer: LayerHook | None = None,
+    ) -> list[int]:
+        if not prefills and not decodes:
+            return []
+        logits = self.forward(prefills, decodes, on_layer, all_rows=False)
+        if logits.shape[0] == 0:
+            return []
+        params = [p.params for p in prefills if p.params is not None] + [d.params for d in decodes]
+        return sample(logits, params, sample_positions(prefills, decodes))
+
+    def forward(
+        self, prefills: Sequence[PrefillWork], decodes: Sequence[DecodeWork],
+        on_layer: LayerHook | None = None, all_rows: bool = False,
+    ) -> torch.Tensor:
+        """Float32 logits of the rows that sample (or of every token, with all_rows)."""
+        ids: list[int] = []
+        pos: list[torch.Tensor] = []
+        rows: list[int] = []
+        for p in prefills:
+            ids.extend(p.token_ids)
+            pos.append(torch.arange(p.start_pos, p.end_pos))
+            if p.params is not None:
+                rows.append(len(ids) - 1)
+        for d in decodes:
+            ids.append(d.token_id)
+            pos.append(torch.tensor([d.position]))
+            rows.append(len(ids) - 1)
+        meta = self._metadata(prefills, decodes)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.cat(pos).to(self.device)
+        hidden = self.model(input_ids, positions, meta, self.kv_cache, on_layer)
+        return self.model.logits(hidden if all_rows else hidden[rows]).cpu()
+
+    def kv_frame_bytes(self, num_tokens: int) -> int:
+        return num_tokens * self.kv_cache.bytes_per_token_per_layer()
+
+    def export_kv(
+        self, layer: int, block_table: Sequence[int], num_tokens: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.kv_cache.export_layer(layer, self.slots(block_table, 0, num_tokens), out)
+
+    def import_kv(
+        self, layer: int, block_table: Sequence[int], num_tokens: int, frame: object
+    ) -> None:
+        if not isinstance(frame, torch.Tensor):
+            frame = torch.frombuffer(frame, dtype=self.dtype)  # type: ignore[call-overload]
+        self.kv_cache.import_layer(layer, self.slots(block_table, 0, num_tokens), frame.to(self.device))

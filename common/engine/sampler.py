@@ -1,0 +1,48 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with counter-based randomness.
+
+A sampled row draws one uniform u = counter_uniform(seed, position) and inverts the CDF of
+the filtered distribution, sorted by probability (ties by token id). The draw depends only
+on the logits and (seed, position), so it is the same in any batch and any process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from common.sampling import SamplingParams, counter_uniform
+
+
+def sample(
+    logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
+) -> list[int]:
+    """logits: (N, V) float32; positions: the sequence position of the token being chosen."""
+    assert logits.shape[0] == len(params) == len(positions)
+    greedy_tokens = logits.argmax(dim=-1).tolist()
+    out: list[int] = []
+    for row, (p, pos) in enumerate(zip(params, positions, strict=True)):
+        if p.greedy:
+            out.append(int(greedy_tokens[row]))
+            continue
+        assert p.seed is not None, "sampled requests get a seed before they reach the engine"
+        out.append(_sample_row(logits[row], p, counter_uniform(p.seed, pos)))
+    return out
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, u: float) -> int:
+    scaled = logits / p.temperature
+    if p.top_k > 0 and p.top_k < scaled.numel():
+        values, ids = torch.topk(scaled, p.top_k)  # sorted, descending
+    else:
+        values, ids = torch.sort(scaled, descending=True, stable=True)
+    probs = torch.softmax(values, dim=-1)
+    cdf = torch.cumsum(probs, dim=-1)
+    if p.top_p < 1.0:
+        # keep the smallest head whose mass reaches top_p (always at least one token)
+        keep = int(torch.searchsorted(cdf, torch.tensor([p.top_p]), right=False).item()) + 1
+        cdf = cdf[:keep]
+        ids = ids[:keep]
+    target = torch.tensor([u * float(cdf[-1])])
+    index = min(int(torch.searchsorted(cdf, target, right=True).item()), len(ids) - 1)
+    return int(ids[index])

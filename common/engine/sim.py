@@ -1,0 +1,96 @@
+"""Simulated engine: the `Engine` interface with the forward pass replaced by the cost model.
+
+It waits the modelled step time (x `sim_time_scale`), fires `on_layer` at evenly spaced
+moments through a prefill as a real engine would, and returns deterministic tokens: a pure
+function of (seed, position), so runs are reproducible and a request's text does not depend
+on which node produced it. KV frames have the simulated model's real size x `sim_kv_scale`,
+so transfers cost what they would. The "cache" does not store them (dozens of sim nodes
+must fit in a small machine): import copies each frame into one reused scratch buffer, which
+pays the copy a real cache would, and export hands out one reused, pre-filled buffer.
+Never imports torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from common.config import EngineConfig
+from common.costmodel import CostModel
+from common.engine.interface import DecodeWork, LayerHook, PrefillWork
+from common.model_config import ModelConfig
+from common.sampling import counter_int
+
+FIRST_ORDINARY_TOKEN = 1000  # avoid special and control tokens of the embedded tokenizer
+ORDINARY_TOKEN_SPAN = 20000
+
+
+class SimEngine:
+    def __init__(self, cfg: EngineConfig, sleep: bool = True) -> None:
+        self.cfg = cfg
+        self.cost = CostModel.named(cfg.sim_profile)
+        m = self.cost.model
+        self.model_id = f"sim-{cfg.sim_profile}"
+        self.model_config = ModelConfig(
+            vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=0,
+            num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim, rms_norm_eps=1e-5, rope_theta=500000.0,
+            max_position_embeddings=m.max_context, tie_word_embeddings=False,
+        )
+        self.eos_token_ids: tuple[int, ...] = ()
+        self.block_size = cfg.block_size
+        self.max_model_len = cfg.max_model_len or m.max_context
+        self.num_blocks = cfg.num_kv_blocks or max(1, self.cost.kv_capacity_tokens() // cfg.block_size)
+        per_layer = m.kv_bytes_per_token // m.num_layers
+        self.frame_bytes_per_token = max(1, round(per_layer * cfg.sim_kv_scale))
+        self.sleep = sleep
+        self._export = np.zeros(0, dtype=np.uint8)
+        self._scratch = np.zeros(0, dtype=np.uint8)
+        self.modelled_seconds = 0.0  # total modelled (unscaled) time, for reports
+
+    def step(
+        self, prefills: Sequence[PrefillWork], decodes: Sequence[DecodeWork],
+        on_layer: LayerHook | None = None,
+    ) -> list[int]:
+        modelled = self.cost.step_seconds(
+            [(len(p.token_ids), p.start_pos) for p in prefills], [d.position + 1 for d in decodes]
+        )
+        self.modelled_seconds += modelled
+        wall = modelled * self.cfg.sim_time_scale
+        start = time.monotonic()
+        layers = self.model_config.num_layers
+        for i in range(layers):
+            if self.sleep:
+                delay = start + wall * (i + 1) / layers - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+            if on_layer is not None:
+                on_layer(i)
+        tokens = [self._token(p.params.seed, p.end_pos) for p in prefills if p.params is not None]
+        tokens += [self._token(d.params.seed, d.position + 1) for d in decodes]
+        return tokens
+
+    @staticmethod
+    def _token(seed: int | None, position: int) -> int:
+        return FIRST_ORDINARY_TOKEN + counter_int(seed or 0, position, ORDINARY_TOKEN_SPAN)
+
+    def kv_frame_bytes(self, num_tokens: int) -> int:
+        return num_tokens * self.frame_bytes_per_token
+
+    def export_kv(self, layer: int, block_table: Sequence[int], num_tokens: int) -> memoryview:
+        size = self.kv_frame_bytes(num_tokens)
+        if self._export.size < size:
+            self._export = (np.arange(size * 2, dtype=np.uint64) % 251).astype(np.uint8)
+        return memoryview(self._export[layer % 2 : layer % 2 + size])
+
+    def import_kv(
+        self, layer: int, block_table: Sequence[int], num_tokens: int, frame: object
+    ) -> None:
+        data = np.frombuffer(frame, dtype=np.uint8)  # type: ignore[call-overload]
+        if data.size != self.kv_frame_bytes(num_tokens):
+            raise ValueError(f"KV frame of {data.size} bytes, expected {self.kv_frame_bytes(num_tokens)}")
+        if self._scratch.size < data.size:
+            self._scratch = np.empty(data.size * 2, dtype=np.uint8)
+        self._scratch[: data.size] = data

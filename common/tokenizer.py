@@ -1,0 +1,254 @@
+"""Tokenizer and chat template, loaded from GGUF metadata or a Hugging Face folder (no torch).
+
+The gateway tokenizes and detokenizes; nodes only see token ids. Both load the tokenizer
+through this module so they agree, and `fingerprint()` lets the gateway check that at
+registration. The GGUF path rebuilds the byte-level BPE from `tokenizer.ggml.*` exactly as
+transformers' GGUF converter does, so ids match the Hugging Face reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+from common.errors import ModelLoadError
+from common.model_config import ModelSource, gguf_field, open_gguf, resolve_model
+
+GGUF_TOKEN_TYPE_CONTROL = 3
+GGUF_TOKEN_TYPE_USER_DEFINED = 4
+
+
+@dataclass
+class Tokenizer:
+    backend: HFTokenizer
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    add_bos_token: bool
+    chat_template: str | None
+
+    @classmethod
+    def load(cls, model: str | ModelSource | None = None) -> Tokenizer:
+        source = model if isinstance(model, ModelSource) else resolve_model(model)
+        if source.kind == "gguf":
+            return cls._from_gguf(source.path)
+        return cls._from_hf(source.path)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(self.backend.encode(text, add_special_tokens=False).ids)
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.backend.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def token_to_str(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template: use /v1/completions instead")
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._special_text(self.bos_token_id),
+            eos_token=self._special_text(self.eos_token_ids[0] if self.eos_token_ids else None),
+        )
+
+    def fingerprint(self) -> str:
+        """A short hash of the vocabulary, so processes can check they tokenize alike."""
+        vocab = sorted(self.backend.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
+        digest = hashlib.sha256(json.dumps(vocab).encode())
+        digest.update(repr((self.eos_token_ids, self.bos_token_id)).encode())
+        return digest.hexdigest()[:16]
+
+    def _special_text(self, token_id: int | None) -> str:
+        if token_id is None:
+            return ""
+        return self.backend.id_to_token(token_id) or ""
+
+    @classmethod
+    def _from_gguf(cls, path: Path) -> Tokenizer:
+        reader = open_gguf(path)
+        if gguf_field(reader, "tokenizer.ggml.model") != "gpt2":
+            raise ModelLoadError(f"{path}: only byte-level BPE ('gpt2') GGUF tokenizers are supported")
+        tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens")
+        merges: list[str] = gguf_field(reader, "tokenizer.ggml.merges") or []
+        types: list[int] = gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
+        backend = HFTokenizer(bpe)
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        backend.decoder = decoders.ByteLevel()
+        special = [
+            AddedToken(tok, special=True, normalized=False)
+            for tok, kind in zip(tokens, types, strict=True)
+            if kind in (GGUF_TOKEN_TYPE_CONTROL, GGUF_TOKEN_TYPE_USER_DEFINED)
+        ]
+        backend.add_special_tokens(special)
+        eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+        eos_ids = [int(eos)] if eos is not None else []
+        eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
+        if eot is not None and int(eot) not in eos_ids:
+            eos_ids.append(int(eot))
+        bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
+        return cls(
+            backend=backend,
+            eos_token_ids=tuple(eos_ids),
+            bos_token_id=None if bos is None else int(bos),
+            add_bos_token=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
+            chat_template=gguf_field(reader, "tokenizer.chat_template"),
+        )
+
+    @classmethod
+    def _from_hf(cls, folder: Path) -> Tokenizer:
+        tok_path = folder / "tokenizer.json"
+        if not tok_path.is_file():
+            raise ModelLoadError(f"{folder} has no tokenizer.json")
+        try:
+            backend = HFTokenizer.from_file(str(tok_path))
+        except Exception as exc:
+            raise ModelLoadError(f"{tok_path} is not a valid tokenizer file: {exc}") from exc
+        cfg: dict[str, Any] = {}
+        cfg_path = folder / "tokenizer_config.json"
+        if cfg_path.is_file():
+            cfg = json.loads(cfg_path.read_text())
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja = folder / "chat_template.jinja"
+        if template is None and jinja.is_file():
+            template = jinja.read_text()
+
+        def token_id(name: str) -> int | None:
+            value = cfg.get(name)
+            if isinstance(value, dict):
+                value = value.get("content")
+            return None if value is None else backend.token_to_id(value)
+
+        from common.model_config import load_model_config
+
+        model_cfg = load_model_config(ModelSource("hf", folder))
+        eos_ids = list(model_cfg.eos_token_ids)
+        cfg_eos = token_id("eos_token")
+        if cfg_eos is not None and cfg_eos not in eos_ids:
+            eos_ids.append(cfg_eos)
+        bos = token_id("bos_token")
+        if bos is None:
+            bos = model_cfg.bos_token_id
+        return cls(
+            backend=backend,
+            eos_token_ids=tuple(eos_ids),
+            bos_token_id=bos,
+            add_bos_token=bool(cfg.get("add_bos_token", False)),
+            chat_template=template,
+        )
+
+
+def render_chat_template(template: str, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+    try:
+        return env.from_string(template).render(messages=messages, **kwargs)
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"chat template failed: {exc}") from exc
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas without re-decoding everything.
+
+    vLLM's scheme: decode a short window before the new tokens (`prefix_offset`) and the
+    window plus the new tokens, and emit the difference. A delta that ends in U+FFFD is an
+    incomplete UTF-8 sequence; it is held back until the next token completes it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_ids or [])[-6:]
+        self.prefix_offset = len(self.ids)
+        self.read_offset = len(self.ids)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset])
+        full = decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            if self.prefix_offset > 64:  # keep the window short
+                drop = self.prefix_offset
+                self.ids = self.ids[drop:]
+                self.prefix_offset -= drop
+                self.read_offset -= drop
+            return delta
+        return ""
+
+
+class StopStringMatcher:
+    """Finds stop strings in streamed text and holds back what could be the start of one.
+
+    OpenAI semantics: the text ends right before the first stop string, which is not
+    included. Up to `longest - 1` characters are held back between chunks, and flushed with
+    the next delta (or at the end) once they cannot begin a stop string.
+    """
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.holdback = max((len(s) for s in self.stops), default=1) - 1
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, delta: str) -> str:
+        """Returns the text that is safe to emit now; sets `stopped` on a match."""
+        if self.stopped:
+            return ""
+        text = self.pending + delta
+        hits = [(text.find(s), s) for s in self.stops if s in text]
+        if hits:
+            self.stopped = True
+            self.pending = ""
+            return text[: min(i for i, _ in hits)]
+        if not self.stops or self.holdback == 0:
+            self.pending = ""
+            return text
+        keep = _longest_stop_prefix_suffix(text, self.stops)
+        self.pending = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def _longest_stop_prefix_suffix(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best

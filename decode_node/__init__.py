@@ -1,0 +1,1 @@
+"""Decode node: receives KV into its paged cache and runs continuous batching."""

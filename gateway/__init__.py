@@ -1,0 +1,1 @@
+"""HTTP gateway: OpenAI-compatible API, placement of requests on prefill and decode nodes."""

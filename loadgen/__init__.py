@@ -1,0 +1,1 @@
+"""Load generator: seeded workloads, SSE client, metrics and reports."""

@@ -1,0 +1,1 @@
+"""Prefill node: batches prompts, computes KV, sends the first token and the KV."""

@@ -1,0 +1,82 @@
+"""Our model against Hugging Face transformers (test-only dependency), in float32."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from common.config import EngineConfig
+from common.engine.interface import PrefillWork
+from common.engine.runner import ModelRunner
+from common.sampling import SamplingParams
+from tests.conftest import CHAT_PROMPTS, chat_ids, make_engine
+
+GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+def tiny_llama_folder(tmp_path, tie: bool, shard: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+        rms_norm_eps=1e-5, tie_word_embeddings=tie,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 32},
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    folder = tmp_path / ("tied" if tie else "untied")
+    model.save_pretrained(folder, max_shard_size="200KB" if shard else "1GB")
+    return model, folder
+
+
+@pytest.mark.parametrize("tie,shard", [(False, True), (True, False)])
+def test_tiny_random_llama_logits_match(tmp_path, tie, shard):
+    ref, folder = tiny_llama_folder(tmp_path, tie, shard)
+    assert (folder / "model.safetensors.index.json").exists() == shard
+    saved = json.loads((folder / "config.json").read_text())
+    assert "llama3" in json.dumps(saved)  # the scaling variant really is exercised
+    runner = ModelRunner(EngineConfig(model=str(folder), num_kv_blocks=64, block_size=4))
+    ids = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = runner.forward([PrefillWork("x", ids, 0, list(range(64))[::-1][:38], None)], [], all_rows=True)
+    with torch.no_grad():
+        theirs = ref(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    out, past = [], None
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            res = model(x, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            tok = int(res.logits[0, -1].argmax())
+            out.append(tok)
+            x = torch.tensor([[tok]])
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_smollm():
+    from transformers import AutoModelForCausalLM
+
+    from common.model_config import default_model_path
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+
+
+def test_smollm2_gguf_greedy_matches_transformers(smol_runner, tokenizer, hf_smollm):
+    engine = make_engine(smol_runner, tokenizer)
+    prompts = [chat_ids(tokenizer, p) for p in CHAT_PROMPTS[:5]]
+    ours = engine.generate(prompts, GREEDY_32)  # all five in one continuous batch
+    for prompt, out in zip(prompts, ours, strict=True):
+        assert out.token_ids == hf_greedy(hf_smollm, prompt, 32), tokenizer.decode(prompt)
+    assert "Paris" in ours[0].text

@@ -1,0 +1,53 @@
+"""Shared fixtures. The real SmolLM2 model is loaded once per session (a few seconds) and
+shared; each test builds its own scheduler/engine around it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "List three prime numbers.",
+    "Who wrote Romeo and Juliet?",
+    "Translate 'good morning' into Spanish.",
+]
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from common.tokenizer import Tokenizer
+
+    return Tokenizer.load(None)
+
+
+@pytest.fixture(scope="session")
+def smol_runner():
+    import torch
+
+    from common.config import EngineConfig
+    from common.engine.runner import ModelRunner
+
+    torch.set_num_threads(2)
+    return ModelRunner(EngineConfig(num_kv_blocks=512))
+
+
+def make_engine(runner, tokenizer, **overrides):
+    """A fresh colocated engine (own scheduler and block manager) around a shared runner."""
+    from common.config import EngineConfig
+    from common.engine.llm_engine import LLMEngine
+
+    cfg = EngineConfig(num_kv_blocks=runner.num_blocks, **overrides)
+    return LLMEngine(cfg, engine=runner, tokenizer=tokenizer)
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(
+        tokenizer.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False
+    )

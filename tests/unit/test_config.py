@@ -1,0 +1,33 @@
+import argparse
+
+import pytest
+
+from common.config import EngineConfig, add_flags, from_args
+from common.errors import ConfigError
+
+
+def parse(argv):
+    p = argparse.ArgumentParser()
+    add_flags(p, EngineConfig)
+    return from_args(EngineConfig, p.parse_args(argv))
+
+
+def test_flags_env_and_defaults(monkeypatch):
+    monkeypatch.setenv("PDSERVE_MAX_BATCH", "7")
+    monkeypatch.setenv("PDSERVE_DTYPE", "bfloat16")
+    cfg = parse(["--block-size", "32", "--max-batch", "3"])
+    assert cfg.block_size == 32 and cfg.max_batch == 3  # flag beats env
+    assert cfg.dtype == "bfloat16"  # env beats default
+    assert cfg.chunk_size == 0  # default
+
+
+@pytest.mark.parametrize("env,value,match", [
+    ("PDSERVE_BLOCK_SIZE", "12", "power of two"),
+    ("PDSERVE_BLOCK_SIZE", "abc", "not a valid int"),
+    ("PDSERVE_DTYPE", "int8", "choose one of"),
+    ("PDSERVE_MAX_BATCH", "0", "at least 1"),
+])
+def test_bad_values_name_the_setting(monkeypatch, env, value, match):
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ConfigError, match=match):
+        parse([])

@@ -1,0 +1,69 @@
+"""The simulated engine: same interface, cost-model timing, deterministic tokens, real-size KV."""
+
+import sys
+import time
+
+from common.config import EngineConfig
+from common.engine.interface import DecodeWork, PrefillWork
+from common.engine.sim import SimEngine
+from common.sampling import SamplingParams
+
+P = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def test_sim_never_imports_torch():
+    import subprocess
+
+    code = (
+        "import sys; from common.engine.llm_engine import LLMEngine; from common.config import "
+        "EngineConfig; e = LLMEngine(EngineConfig(engine='sim', sim_time_scale=0.01)); "
+        "print(len(e.generate([[1, 2, 3]], __import__('common.sampling').sampling."
+        "SamplingParams(max_tokens=4))[0].token_ids)); assert 'torch' not in sys.modules"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "4"
+
+
+def test_tokens_depend_only_on_seed_and_position():
+    eng = SimEngine(EngineConfig(engine="sim"), sleep=False)
+    a = eng.step([PrefillWork("a", [5] * 10, 0, [0], P)], [])
+    b = eng.step([PrefillWork("b", [9] * 3, 7, [1], P)], [DecodeWork("c", 1, 9, [2], P)])
+    assert b == [a[0], a[0]]  # same seed (none) and same position 10
+    seeded = P.with_seed(3)
+    c = eng.step([], [DecodeWork("d", 1, 9, [2], seeded)])
+    assert c == eng.step([], [DecodeWork("e", 4, 9, [3], seeded)])
+
+
+def test_waits_the_modelled_time_scaled_and_fires_every_layer():
+    cfg = EngineConfig(engine="sim", sim_time_scale=2.0)
+    eng = SimEngine(cfg)
+    layers: list[int] = []
+    work = [PrefillWork("a", list(range(2000)), 0, list(range(125)), P)]
+    start = time.monotonic()
+    eng.step(work, [], on_layer=layers.append)
+    elapsed = time.monotonic() - start
+    modelled = eng.cost.prefill_seconds(2000)
+    assert layers == list(range(32))
+    assert elapsed >= 2.0 * modelled * 0.99
+    assert elapsed < 2.0 * modelled + 0.05
+
+
+def test_kv_frames_have_the_scaled_real_size():
+    eng = SimEngine(EngineConfig(engine="sim", sim_kv_scale=0.5), sleep=False)
+    real_per_layer = 131072 // 32  # Llama-3.1-8B fp16: 4 KiB per token per layer
+    assert eng.kv_frame_bytes(100) == 100 * real_per_layer // 2
+    frame = eng.export_kv(3, [0, 1], 100)
+    assert len(frame) == eng.kv_frame_bytes(100)
+    eng.import_kv(3, [4, 5], 100, frame)
+    try:
+        eng.import_kv(3, [4, 5], 99, frame)
+        raise AssertionError("a frame of the wrong size must be refused")
+    except ValueError as exc:
+        assert "expected" in str(exc)
+
+
+def test_blocks_come_from_gpu_memory_minus_weights():
+    eng = SimEngine(EngineConfig(engine="sim"), sleep=False)
+    tokens = eng.num_blocks * eng.block_size
+    # H100 80 GB x 0.9 - 16 GB weights, 128 KiB per token: about 430k tokens
+    assert 400_000 < tokens < 460_000

@@ -1,0 +1,82 @@
+"""Tokenizer, incremental detokenizer and stop strings (torch-free)."""
+
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from common.tokenizer import IncrementalDetokenizer, StopStringMatcher
+
+
+def stream(matcher: StopStringMatcher, pieces: list[str]) -> str:
+    out = "".join(matcher.feed(p) for p in pieces)
+    return out + ("" if matcher.stopped else matcher.flush())
+
+
+def test_stop_string_split_across_deltas_is_cut_before_it():
+    m = StopStringMatcher(["END"])
+    assert stream(m, ["hello E", "N", "D and more"]) == "hello "
+    assert m.stopped
+
+
+def test_partial_stop_prefix_is_held_back_then_released():
+    m = StopStringMatcher(["STOP"])
+    assert m.feed("abc ST") == "abc "
+    assert m.feed("ill") == "STill"
+    assert not m.stopped
+
+
+def test_earliest_of_several_stop_strings_wins():
+    m = StopStringMatcher(["world", "lo"])
+    assert stream(m, ["hello world"]) == "hel"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="abXY", max_size=30), st.lists(st.integers(1, 5), max_size=10))
+def test_streamed_matching_equals_whole_text_matching(text, cuts):
+    stops = ["XY", "aab"]
+    pieces, i = [], 0
+    for c in cuts:
+        pieces.append(text[i : i + c])
+        i += c
+    pieces.append(text[i:])
+    hits = [text.find(s) for s in stops if s in text]
+    expected = text[: min(hits)] if hits else text
+    assert stream(StopStringMatcher(stops), pieces) == expected
+
+
+def test_tokenizer_matches_hugging_face_reference(tokenizer):
+    from transformers import AutoTokenizer
+
+    from common.model_config import default_model_path
+
+    path = default_model_path()
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    samples = [
+        "Hello world 12345",
+        "<|im_start|>user\nhi there<|im_end|>\n",
+        "Ünïcödé — 你好, emoji 🙂 and tabs\tand  double  spaces",
+        "def f(x):\n    return x**2  # comment",
+    ]
+    for text in samples:
+        assert tokenizer.encode(text) == ref(text).input_ids, text
+        ids = tokenizer.encode(text)
+        assert tokenizer.decode(ids, skip_special_tokens=False) == ref.decode(ids), text
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(max_size=40))
+def test_incremental_detokenizer_reassembles_any_text(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    # a text ending in bytes the vocabulary cannot complete stays held back, by design
+    assume(not tokenizer.decode(ids).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids=tokenizer.encode("Prefix:"))
+    assert "".join(detok.add(i) for i in ids) == tokenizer.decode(ids)
+
+
+def test_chat_template_renders_chatml(tokenizer):
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    )
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
