@@ -29,8 +29,13 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         prompt_ids = tok.encode(args.prompt)
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop or ()),
+        ignore_eos=args.ignore_eos,
     )
     for out in engine.generate([prompt_ids], params):
         sys.stdout.write(out.text)

@@ -53,7 +53,9 @@ class EngineConfig:
         if self.max_batch < 1:
             raise ConfigError(f"--max-batch must be at least 1, got {self.max_batch}")
         if self.max_batch_tokens < self.block_size:
-            raise ConfigError(f"--max-batch-tokens must be at least --block-size ({self.block_size})")
+            raise ConfigError(
+                f"--max-batch-tokens must be at least --block-size ({self.block_size})"
+            )
         if self.chunk_size < 0 or self.num_kv_blocks < 0 or self.max_model_len < 0:
             raise ConfigError("--chunk-size, --num-kv-blocks and --max-model-len must be >= 0")
         if self.kv_cache_gb <= 0:
@@ -89,15 +91,24 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] 
         if f.name in skip or any(a.dest == f.name for a in parser._actions):
             continue
         tp, choices = _base_type(hints[f.name])
-        help_text = f"{f.metadata.get('help', '')} (default: {f.default}; env PDSERVE_{f.name.upper()})"
+        help_text = (
+            f"{f.metadata.get('help', '')} (default: {f.default}; env PDSERVE_{f.name.upper()})"
+        )
         if tp is bool:
             parser.add_argument(
-                _flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
-                default=None, help=help_text,
+                _flag_name(f.name),
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=help_text,
             )
         else:
             parser.add_argument(
-                _flag_name(f.name), dest=f.name, type=tp, choices=choices, default=None,
+                _flag_name(f.name),
+                dest=f.name,
+                type=tp,
+                choices=choices,
+                default=None,
                 help=help_text,
             )
 

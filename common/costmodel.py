@@ -60,26 +60,53 @@ class ModelProfile:
 
 GPUS = {
     "h100": GpuProfile(
-        "H100-SXM5-80GB", 989e12, 3.35e12, 80e9,
+        "H100-SXM5-80GB",
+        989e12,
+        3.35e12,
+        80e9,
         "NVIDIA H100 Tensor Core GPU datasheet: 989 TFLOPS dense BF16, 3.35 TB/s HBM3",
     ),
     "h200": GpuProfile(
-        "H200-SXM-141GB", 989e12, 4.8e12, 141e9,
+        "H200-SXM-141GB",
+        989e12,
+        4.8e12,
+        141e9,
         "NVIDIA H200 Tensor Core GPU datasheet: 989 TFLOPS dense BF16, 4.8 TB/s HBM3e",
     ),
     "a100": GpuProfile(
-        "A100-SXM4-80GB", 312e12, 2.039e12, 80e9,
+        "A100-SXM4-80GB",
+        312e12,
+        2.039e12,
+        80e9,
         "NVIDIA A100 datasheet: 312 TFLOPS dense BF16, 2,039 GB/s HBM2e",
         link_bw=25e9,
     ),
 }
 MODELS = {
     "llama3.1-8b": ModelProfile(
-        "Llama-3.1-8B", 8.03e9, 32, 4096, 32, 8, 128, 128256, 2, 131072,
+        "Llama-3.1-8B",
+        8.03e9,
+        32,
+        4096,
+        32,
+        8,
+        128,
+        128256,
+        2,
+        131072,
         "Meta Llama 3.1 model card / config.json: 8.03B params, 32 layers, 8 KV heads x 128",
     ),
     "llama3.1-70b": ModelProfile(
-        "Llama-3.1-70B", 70.6e9, 80, 8192, 64, 8, 128, 128256, 2, 131072,
+        "Llama-3.1-70B",
+        70.6e9,
+        80,
+        8192,
+        64,
+        8,
+        128,
+        128256,
+        2,
+        131072,
         "Meta Llama 3.1 model card / config.json: 70.6B params, 80 layers, 8 KV heads x 128",
     ),
 }
@@ -130,4 +157,6 @@ class CostModel:
         return self.step_seconds((), contexts)
 
     def transfer_seconds(self, num_tokens: int) -> float:
-        return self.gpu.link_latency_s + num_tokens * self.model.kv_bytes_per_token / self.gpu.link_bw
+        return (
+            self.gpu.link_latency_s + num_tokens * self.model.kv_bytes_per_token / self.gpu.link_bw
+        )

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from common.errors import ModelLoadError
 from common.model_config import ModelSource, gguf_field, open_gguf, resolve_model
@@ -84,12 +85,14 @@ class Tokenizer:
     def _from_gguf(cls, path: Path) -> Tokenizer:
         reader = open_gguf(path)
         if gguf_field(reader, "tokenizer.ggml.model") != "gpt2":
-            raise ModelLoadError(f"{path}: only byte-level BPE ('gpt2') GGUF tokenizers are supported")
+            raise ModelLoadError(
+                f"{path}: only byte-level BPE ('gpt2') GGUF tokenizers are supported"
+            )
         tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens")
         merges: list[str] = gguf_field(reader, "tokenizer.ggml.merges") or []
         types: list[int] = gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
         vocab = {tok: i for i, tok in enumerate(tokens)}
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        pairs = [(a, b) for a, _, b in (m.partition(" ") for m in merges)]
         bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
         backend = HFTokenizer(bpe)
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -168,7 +171,9 @@ def render_chat_template(template: str, messages: list[dict[str, Any]], **kwargs
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
-    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(
+        x, ensure_ascii=False, indent=indent
+    )
     try:
         return env.from_string(template).render(messages=messages, **kwargs)
     except jinja2.TemplateError as exc:

@@ -97,7 +97,9 @@ class BlockManager:
     # -- prefix reuse --------------------------------------------------------------------
     def register_full_blocks(self, block_table: Sequence[int], token_ids: Sequence[int]) -> None:
         """Record the hashes of the full blocks of a sequence whose KV is computed."""
-        for block, digest in zip(block_table, prefix_hashes(token_ids, self.block_size), strict=False):
+        for block, digest in zip(
+            block_table, prefix_hashes(token_ids, self.block_size), strict=False
+        ):
             if self.hash_of[block] is None and digest not in self.block_of_hash:
                 self.hash_of[block] = digest
                 self.block_of_hash[digest] = block

@@ -48,7 +48,9 @@ class Engine(Protocol):
     eos_token_ids: tuple[int, ...]
 
     def step(
-        self, prefills: Sequence[PrefillWork], decodes: Sequence[DecodeWork],
+        self,
+        prefills: Sequence[PrefillWork],
+        decodes: Sequence[DecodeWork],
         on_layer: LayerHook | None = None,
     ) -> list[int]:
         """Tokens sampled: one per prefill with params (in order), then one per decode."""
@@ -64,8 +66,7 @@ class Engine(Protocol):
 
     def import_kv(
         self, layer: int, block_table: Sequence[int], num_tokens: int, frame: Any
-    ) -> None:
-        ...
+    ) -> None: ...
 
 
 def sample_positions(prefills: Sequence[PrefillWork], decodes: Sequence[DecodeWork]) -> list[int]:

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 import torch
 
 
-
 def slots_for(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
     """Cache slots of token positions [start, end) for a sequence with this block table."""
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
@@ -46,7 +45,9 @@ class KVCache:
         heads, dim = self.frame_shape_per_token
         return 2 * heads * dim * self.data.element_size()
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(
+        self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         """k, v: (T, kv_heads, head_dim) for the tokens whose slots are in slot_mapping (T,)."""
         self.data[layer, 0].index_copy_(0, slot_mapping, k)
         self.data[layer, 1].index_copy_(0, slot_mapping, v)
@@ -66,4 +67,6 @@ class KVCache:
 
     def import_layer(self, layer: int, slots: torch.Tensor, frame: torch.Tensor) -> None:
         """Scatter a frame made by `export_layer` into this cache's `slots`."""
-        self.data[layer].index_copy_(1, slots, frame.view(2, len(slots), *self.frame_shape_per_token))
+        self.data[layer].index_copy_(
+            1, slots, frame.view(2, len(slots), *self.frame_shape_per_token)
+        )

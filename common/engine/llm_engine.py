@@ -68,14 +68,16 @@ class LLMEngine:
         self.tokenizer = tokenizer or Tokenizer.load(cfg.model)
         self.engine = engine or make_engine(cfg, self.tokenizer.eos_token_ids)
         eng = self.engine
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=cfg.max_batch,
-            max_batch_tokens=cfg.max_batch_tokens,
-            chunk_size=cfg.chunk_size,
-            num_blocks=eng.num_blocks,
-            block_size=eng.block_size,
-            watermark_blocks=int(cfg.watermark * eng.num_blocks),
-        ))
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=cfg.max_batch,
+                max_batch_tokens=cfg.max_batch_tokens,
+                chunk_size=cfg.chunk_size,
+                num_blocks=eng.num_blocks,
+                block_size=eng.block_size,
+                watermark_blocks=int(cfg.watermark * eng.num_blocks),
+            )
+        )
         self.processors: dict[str, _OutputProcessor] = {}
         self.seqs: dict[str, Sequence] = {}
 
@@ -83,9 +85,8 @@ class LLMEngine:
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id} is already running")
         if len(prompt_ids) >= self.engine.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens; the context limit is {self.engine.max_model_len}"
-            )
+            limit = self.engine.max_model_len
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context limit is {limit}")
         if not params.greedy and params.seed is None:
             params = params.with_seed(secrets.randbits(63))
         seq = Sequence.new(request_id, prompt_ids, params)
@@ -124,10 +125,15 @@ class LLMEngine:
         for seq, n in sched.prefills:
             start = seq.num_computed_tokens
             last = start + n == seq.num_tokens
-            prefills.append(PrefillWork(
-                seq.seq_id, seq.token_ids[start : start + n], start, seq.block_table,
-                seq.params if last else None,
-            ))
+            prefills.append(
+                PrefillWork(
+                    seq.seq_id,
+                    seq.token_ids[start : start + n],
+                    start,
+                    seq.block_table,
+                    seq.params if last else None,
+                )
+            )
         decodes = [
             DecodeWork(s.seq_id, s.token_ids[-1], s.num_tokens - 1, s.block_table, s.params)
             for s in sched.decodes

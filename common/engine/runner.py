@@ -46,11 +46,22 @@ class ModelRunner:
         self.num_blocks = num_kv_blocks(cfg, self.model_config, self.dtype.itemsize)
         mc = self.model_config
         self.kv_cache = KVCache(
-            mc.num_layers, self.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim,
-            self.dtype, self.device,
+            mc.num_layers,
+            self.num_blocks,
+            cfg.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            self.dtype,
+            self.device,
         )
-        log.info("torch engine: %s %s on %s, %d KV blocks of %d tokens", self.model_id,
-                 cfg.dtype, cfg.device, self.num_blocks, cfg.block_size)
+        log.info(
+            "torch engine: %s %s on %s, %d KV blocks of %d tokens",
+            self.model_id,
+            cfg.dtype,
+            cfg.device,
+            self.num_blocks,
+            cfg.block_size,
+        )
 
     # -- slots ---------------------------------------------------------------------------
     def slots(self, block_table: Sequence[int], start: int, end: int) -> torch.Tensor:
@@ -75,13 +86,15 @@ class ModelRunner:
             lengths = torch.tensor([len(c) for c in ctx], device=self.device)
             decode_slots = torch.nn.utils.rnn.pad_sequence(ctx, batch_first=True)
             width = decode_slots.shape[1]
-            decode_mask = (torch.arange(width, device=self.device) < lengths.unsqueeze(1))
+            decode_mask = torch.arange(width, device=self.device) < lengths.unsqueeze(1)
             decode_mask = decode_mask[:, None, None, :]  # (B, 1, 1, L)
         return AttentionMetadata(torch.cat(slot_parts), spans, q_start, decode_slots, decode_mask)
 
     # -- Engine interface ----------------------------------------------------------------
     def step(
-        self, prefills: Sequence[PrefillWork], decodes: Sequence[DecodeWork],
+        self,
+        prefills: Sequence[PrefillWork],
+        decodes: Sequence[DecodeWork],
         on_layer: LayerHook | None = None,
     ) -> list[int]:
         if not prefills and not decodes:
@@ -93,8 +106,11 @@ class ModelRunner:
         return sample(logits, params, sample_positions(prefills, decodes))
 
     def forward(
-        self, prefills: Sequence[PrefillWork], decodes: Sequence[DecodeWork],
-        on_layer: LayerHook | None = None, all_rows: bool = False,
+        self,
+        prefills: Sequence[PrefillWork],
+        decodes: Sequence[DecodeWork],
+        on_layer: LayerHook | None = None,
+        all_rows: bool = False,
     ) -> torch.Tensor:
         """Float32 logits of the rows that sample (or of every token, with all_rows)."""
         ids: list[int] = []
@@ -119,7 +135,10 @@ class ModelRunner:
         return num_tokens * self.kv_cache.bytes_per_token_per_layer()
 
     def export_kv(
-        self, layer: int, block_table: Sequence[int], num_tokens: int,
+        self,
+        layer: int,
+        block_table: Sequence[int],
+        num_tokens: int,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return self.kv_cache.export_layer(layer, self.slots(block_table, 0, num_tokens), out)
@@ -129,4 +148,6 @@ class ModelRunner:
     ) -> None:
         if not isinstance(frame, torch.Tensor):
             frame = torch.frombuffer(frame, dtype=self.dtype)  # type: ignore[call-overload]
-        self.kv_cache.import_layer(layer, self.slots(block_table, 0, num_tokens), frame.to(self.device))
+        self.kv_cache.import_layer(
+            layer, self.slots(block_table, 0, num_tokens), frame.to(self.device)
+        )

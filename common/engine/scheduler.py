@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from common.engine.block_manager import BlockManager
-from common.engine.sequence import Sequence, SeqStatus
+from common.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)

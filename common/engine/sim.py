@@ -34,15 +34,24 @@ class SimEngine:
         m = self.cost.model
         self.model_id = f"sim-{cfg.sim_profile}"
         self.model_config = ModelConfig(
-            vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=0,
-            num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-            head_dim=m.head_dim, rms_norm_eps=1e-5, rope_theta=500000.0,
-            max_position_embeddings=m.max_context, tie_word_embeddings=False,
+            vocab_size=m.vocab_size,
+            hidden_size=m.hidden_size,
+            intermediate_size=0,
+            num_layers=m.num_layers,
+            num_heads=m.num_heads,
+            num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            max_position_embeddings=m.max_context,
+            tie_word_embeddings=False,
         )
         self.eos_token_ids: tuple[int, ...] = ()
         self.block_size = cfg.block_size
         self.max_model_len = cfg.max_model_len or m.max_context
-        self.num_blocks = cfg.num_kv_blocks or max(1, self.cost.kv_capacity_tokens() // cfg.block_size)
+        self.num_blocks = cfg.num_kv_blocks or max(
+            1, self.cost.kv_capacity_tokens() // cfg.block_size
+        )
         per_layer = m.kv_bytes_per_token // m.num_layers
         self.frame_bytes_per_token = max(1, round(per_layer * cfg.sim_kv_scale))
         self.sleep = sleep
@@ -51,7 +60,9 @@ class SimEngine:
         self.modelled_seconds = 0.0  # total modelled (unscaled) time, for reports
 
     def step(
-        self, prefills: Sequence[PrefillWork], decodes: Sequence[DecodeWork],
+        self,
+        prefills: Sequence[PrefillWork],
+        decodes: Sequence[DecodeWork],
         on_layer: LayerHook | None = None,
     ) -> list[int]:
         modelled = self.cost.step_seconds(
@@ -83,14 +94,16 @@ class SimEngine:
         size = self.kv_frame_bytes(num_tokens)
         if self._export.size < size:
             self._export = (np.arange(size * 2, dtype=np.uint64) % 251).astype(np.uint8)
-        return memoryview(self._export[layer % 2 : layer % 2 + size])
+        return memoryview(self._export[layer % 2 : layer % 2 + size].data)
 
     def import_kv(
         self, layer: int, block_table: Sequence[int], num_tokens: int, frame: object
     ) -> None:
         data = np.frombuffer(frame, dtype=np.uint8)  # type: ignore[call-overload]
         if data.size != self.kv_frame_bytes(num_tokens):
-            raise ValueError(f"KV frame of {data.size} bytes, expected {self.kv_frame_bytes(num_tokens)}")
+            raise ValueError(
+                f"KV frame of {data.size} bytes, expected {self.kv_frame_bytes(num_tokens)}"
+            )
         if self._scratch.size < data.size:
             self._scratch = np.empty(data.size * 2, dtype=np.uint8)
         self._scratch[: data.size] = data

@@ -21,12 +21,24 @@ def tiny_llama_folder(tmp_path, tie: bool, shard: bool):
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-        rms_norm_eps=1e-5, tie_word_embeddings=tie,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 32},
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 50000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
     )
     model = LlamaForCausalLM(cfg).eval()
     folder = tmp_path / ("tied" if tie else "untied")
@@ -42,7 +54,9 @@ def test_tiny_random_llama_logits_match(tmp_path, tie, shard):
     assert "llama3" in json.dumps(saved)  # the scaling variant really is exercised
     runner = ModelRunner(EngineConfig(model=str(folder), num_kv_blocks=64, block_size=4))
     ids = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(1)).tolist()
-    ours = runner.forward([PrefillWork("x", ids, 0, list(range(64))[::-1][:38], None)], [], all_rows=True)
+    ours = runner.forward(
+        [PrefillWork("x", ids, 0, list(range(64))[::-1][:38], None)], [], all_rows=True
+    )
     with torch.no_grad():
         theirs = ref(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)

@@ -21,12 +21,15 @@ def test_flags_env_and_defaults(monkeypatch):
     assert cfg.chunk_size == 0  # default
 
 
-@pytest.mark.parametrize("env,value,match", [
-    ("PDSERVE_BLOCK_SIZE", "12", "power of two"),
-    ("PDSERVE_BLOCK_SIZE", "abc", "not a valid int"),
-    ("PDSERVE_DTYPE", "int8", "choose one of"),
-    ("PDSERVE_MAX_BATCH", "0", "at least 1"),
-])
+@pytest.mark.parametrize(
+    "env,value,match",
+    [
+        ("PDSERVE_BLOCK_SIZE", "12", "power of two"),
+        ("PDSERVE_BLOCK_SIZE", "abc", "not a valid int"),
+        ("PDSERVE_DTYPE", "int8", "choose one of"),
+        ("PDSERVE_MAX_BATCH", "0", "at least 1"),
+    ],
+)
 def test_bad_values_name_the_setting(monkeypatch, env, value, match):
     monkeypatch.setenv(env, value)
     with pytest.raises(ConfigError, match=match):

@@ -31,7 +31,9 @@ def test_matches_the_roofline_formula(cost):
     q_dim = m.num_heads * m.head_dim
     flops = 2 * m.params * n + 4 * m.num_layers * q_dim * n * (n + 1) / 2
     bytes_ = m.weight_bytes + m.kv_bytes_per_token * n
-    expected = max(flops / (g.peak_flops * g.mfu), bytes_ / (g.mem_bw * g.bw_eff)) + g.step_overhead_s
+    expected = (
+        max(flops / (g.peak_flops * g.mfu), bytes_ / (g.mem_bw * g.bw_eff)) + g.step_overhead_s
+    )
     assert cost.prefill_seconds(n) == pytest.approx(expected)
     # a long prefill is compute-bound, a small decode batch bandwidth-bound
     assert flops / (g.peak_flops * g.mfu) > bytes_ / (g.mem_bw * g.bw_eff)
@@ -47,5 +49,7 @@ def test_plausible_magnitudes_and_kv_size(cost):
     # 8B on H100: tens of ms to prefill 4k tokens, ~6-8 ms per small decode step
     assert 0.05 < cost.prefill_seconds(4000) < 0.5
     assert 0.005 < cost.decode_step_seconds([1000]) < 0.015
-    assert CostModel.named("h200-llama3.1-8b").decode_step_seconds([1000]) < cost.decode_step_seconds([1000])
+    assert CostModel.named("h200-llama3.1-8b").decode_step_seconds(
+        [1000]
+    ) < cost.decode_step_seconds([1000])
     assert cost.transfer_seconds(4000) == pytest.approx(20e-6 + 4000 * 131072 / 50e9)

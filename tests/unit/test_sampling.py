@@ -13,9 +13,16 @@ def test_counter_uniform_is_a_pure_function_in_range():
     assert counter_uniform(42, 5) != counter_uniform(43, 5)
 
 
-@pytest.mark.parametrize("bad", [
-    {"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -2},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_tokens": 0},
+        {"temperature": -1.0},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"top_k": -2},
+    ],
+)
 def test_invalid_params_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
@@ -43,11 +50,15 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
 
 def test_top_p_and_top_k_restrict_the_support():
     logits = torch.tensor([[5.0, 4.0, 1.0, 0.0, -1.0]])
-    picks_p = {sample(logits, [SamplingParams(temperature=1.0, top_p=0.5, seed=s)], [0])[0]
-               for s in range(50)}
+    picks_p = {
+        sample(logits, [SamplingParams(temperature=1.0, top_p=0.5, seed=s)], [0])[0]
+        for s in range(50)
+    }
     assert picks_p == {0}
-    picks_k = {sample(logits, [SamplingParams(temperature=1.0, top_k=2, seed=s)], [0])[0]
-               for s in range(200)}
+    picks_k = {
+        sample(logits, [SamplingParams(temperature=1.0, top_k=2, seed=s)], [0])[0]
+        for s in range(200)
+    }
     assert picks_k == {0, 1}
 
 

@@ -1,0 +1,148 @@
+"""Model and tokenizer loading: both formats, and clear errors for bad inputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from common.config import EngineConfig
+from common.errors import ModelLoadError
+from common.model_config import load_model_config, resolve_model
+from common.tokenizer import Tokenizer
+
+
+def test_default_model_is_the_embedded_smollm2():
+    source = resolve_model(None)
+    cfg = load_model_config(source)
+    assert source.kind == "gguf" and source.model_id == "SmolLM2-135M-Instruct"
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+        30,
+        576,
+        9,
+        3,
+        64,
+    )
+    assert cfg.vocab_size == 49152 and cfg.tie_word_embeddings
+    assert cfg.kv_bytes_per_token(4) == 46080 and cfg.kv_bytes_per_token(2) == 23040
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda p: p / "nothing-here", "does not exist"),
+        (lambda p: (p / "w.bin").write_bytes(b"x") and p / "w.bin", "not a .gguf file"),
+        (
+            lambda p: (p / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 64) and p / "bad.gguf",
+            "not a readable GGUF",
+        ),
+        (lambda p: p, "without config.json"),
+    ],
+)
+def test_bad_model_paths_are_clear_errors(tmp_path, make, match):
+    with pytest.raises(ModelLoadError, match=match):
+        load_model_config(resolve_model(str(make(tmp_path))))
+
+
+def hf_folder(tmp_path, config: dict):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 100,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+}
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    folder = hf_folder(tmp_path, {**LLAMA, "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture.*GPT2LMHeadModel"):
+        load_model_config(resolve_model(str(folder)))
+
+
+def test_missing_and_corrupt_weights(tmp_path):
+    from common.engine.runner import ModelRunner
+
+    folder = hf_folder(tmp_path, LLAMA)
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors"):
+        ModelRunner(EngineConfig(model=str(folder), num_kv_blocks=4))
+    (folder / "model.safetensors").write_bytes(b"\x08\0\0\0\0\0\0\0{corrupt")
+    with pytest.raises(ModelLoadError, match="not a valid safetensors"):
+        ModelRunner(EngineConfig(model=str(folder), num_kv_blocks=4))
+
+
+def test_hf_folder_tokenizer_and_chat_template(tmp_path, tokenizer):
+    folder = hf_folder(tmp_path, {**LLAMA, "eos_token_id": 2, "bos_token_id": 1})
+    with pytest.raises(ModelLoadError, match=r"no tokenizer\.json"):
+        Tokenizer.load(str(folder))
+    tokenizer.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": tokenizer.chat_template,
+                "eos_token": "<|im_end|>",
+                "bos_token": "<|im_start|>",
+            }
+        )
+    )
+    hf_tok = Tokenizer.load(str(folder))
+    text = "Hello, world! 123"
+    assert hf_tok.encode(text) == tokenizer.encode(text)
+    assert hf_tok.eos_token_ids == (2,)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert hf_tok.apply_chat_template(msgs) == tokenizer.apply_chat_template(msgs)
+    assert hf_tok.fingerprint() == tokenizer.fingerprint()
+
+
+def test_truncated_gguf_is_a_clear_error(tmp_path):
+    src = resolve_model(None).path
+    bad = tmp_path / "trunc.gguf"
+    with open(src, "rb") as f:
+        bad.write_bytes(f.read(1_000_000))
+    with pytest.raises(ModelLoadError):
+        load_model_config(resolve_model(str(bad)))
+
+
+def test_generate_cli_prints_only_the_text(smol_runner, tokenizer):
+    from common.engine.llm_engine import LLMEngine
+    from common.sampling import SamplingParams
+
+    exe = shutil.which("pdserve") or f"{sys.executable} -m common.cli"
+    cmd = [
+        *exe.split(),
+        "generate",
+        "--prompt",
+        "What is the capital of France?",
+        "--chat",
+        "--max-tokens",
+        "12",
+        "--num-threads",
+        "2",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
+    engine = LLMEngine(EngineConfig(num_kv_blocks=smol_runner.num_blocks), smol_runner, tokenizer)
+    ids = tokenizer.encode(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of France?"}]
+        ),
+        add_special_tokens=False,
+    )
+    expected = engine.generate([ids], SamplingParams(max_tokens=12, temperature=0.0))[0].text
+    assert out == expected + "\n"
+    bad = subprocess.run(
+        [*exe.split(), "generate", "--prompt", "x", "--model", "/no/such"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "does not exist" in bad.stderr and bad.stdout == ""
