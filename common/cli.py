@@ -10,7 +10,7 @@ import logging
 import sys
 from collections.abc import Callable
 
-from common.config import EngineConfig, add_flags, from_args
+from common.config import EngineConfig, GatewayConfig, NodeConfig, add_flags, from_args
 from common.errors import PdserveError
 
 Command = Callable[[argparse.Namespace], int]
@@ -58,11 +58,32 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_generate)
 
 
+def _add_serving(sub: argparse._SubParsersAction) -> None:
+    from common import launch
+
+    g = sub.add_parser("gateway", help="the HTTP gateway (one process)")
+    add_flags(g, GatewayConfig)
+    g.set_defaults(func=launch.run_gateway)
+    for role in ("prefill", "decode"):
+        p = sub.add_parser(role, help=f"one {role} node; it registers with --gateway")
+        add_flags(p, NodeConfig)
+        add_flags(p, EngineConfig)
+        p.set_defaults(func=lambda args, role=role: launch.run_node(args, role))
+    up = sub.add_parser("up", help="local cluster: gateway + nodes as child processes")
+    up.add_argument("--prefill", type=int, default=1, help="prefill nodes")
+    up.add_argument("--decode", type=int, default=1, help="decode nodes")
+    up.add_argument("--startup-timeout", type=float, default=300.0)
+    add_flags(up, GatewayConfig, skip=("model",))
+    add_flags(up, EngineConfig)
+    up.set_defaults(func=launch.run_up)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_serving(sub)
     return parser
 
 

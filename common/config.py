@@ -142,3 +142,53 @@ def from_args(cls: type[T], args: argparse.Namespace | None = None, **overrides:
                 raise ConfigError(f"PDSERVE_{f.name.upper()}={env!r}: choose one of {choices}")
             values[f.name] = value
     return cls(**values)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """The gateway process: HTTP front end, node registry and placement."""
+
+    model: str | None = flag(None, "tokenizer source; must match the nodes' model")
+    host: str = flag("127.0.0.1", "HTTP listen address (0.0.0.0 in containers)")
+    port: int = flag(8000, "HTTP port")
+    control_port: int = flag(8001, "ZeroMQ port nodes register and heartbeat on")
+    tokens_port: int = flag(8002, "ZeroMQ port decode nodes push tokens to")
+    advertise_host: str = flag("127.0.0.1", "host name nodes use to reach the gateway")
+    scheduler: str = flag("on_demand", "placement policy")
+    placement_timeout: float = flag(30.0, "seconds to find a prefill node before 503")
+    offer_timeout: float = flag(2.0, "seconds a prefill node has to answer an offer")
+    heartbeat_timeout: float = flag(2.0, "seconds of silence before a node is dropped")
+    max_replacements: int = flag(3, "re-placements of one request (preemption, node death)")
+    api_key: str = flag("", "require 'Authorization: Bearer KEY' when set")
+    max_body_bytes: int = flag(8 * 2**20, "largest accepted request body")
+    served_model_name: str = flag("", "model name clients use; default: the nodes' model id")
+
+    def __post_init__(self) -> None:
+        for name in ("placement_timeout", "offer_timeout", "heartbeat_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+        if len({self.port, self.control_port, self.tokens_port}) != 3:
+            raise ConfigError("--port, --control-port and --tokens-port must differ")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """What a prefill or decode node needs beyond its engine."""
+
+    gateway: str = flag("tcp://127.0.0.1:8001", "the gateway's control address")
+    node_id: str = flag("", "unique node id; default ROLE-HOSTNAME-PID")
+    advertise_host: str = flag("127.0.0.1", "host name peers use to reach this node")
+    data_port: int = flag(0, "decode node: KV receive port; 0 = any free port")
+    heartbeat_interval: float = flag(0.5, "seconds between heartbeats")
+    heartbeat_timeout: float = flag(2.0, "seconds without a gateway reply before re-registering")
+    kv_transfer_timeout: float = flag(10.0, "decode: free a reservation whose KV stalls this long")
+    queueing: bool = flag(False, "prefill: accept every offer and queue locally (baselines)")
+    drain_timeout: float = flag(30.0, "seconds a draining node finishes work before handing back")
+
+    def __post_init__(self) -> None:
+        if not self.gateway.startswith(("tcp://", "ipc://")):
+            raise ConfigError(
+                f"--gateway must be a ZeroMQ address like tcp://HOST:PORT, got {self.gateway!r}"
+            )
+        if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ConfigError("--heartbeat-timeout must exceed --heartbeat-interval (> 0)")

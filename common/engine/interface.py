@@ -64,6 +64,10 @@ class Engine(Protocol):
         """One layer's frame (buffer protocol) for the first num_tokens tokens."""
         ...
 
+    def export_frame(self, layer: int, block_table: Sequence[int], num_tokens: int) -> memoryview:
+        """The same frame as raw bytes, ready for a zero-copy send."""
+        ...
+
     def import_kv(
         self, layer: int, block_table: Sequence[int], num_tokens: int, frame: Any
     ) -> None: ...

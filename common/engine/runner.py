@@ -143,6 +143,11 @@ class ModelRunner:
     ) -> torch.Tensor:
         return self.kv_cache.export_layer(layer, self.slots(block_table, 0, num_tokens), out)
 
+    def export_frame(self, layer: int, block_table: Sequence[int], num_tokens: int) -> memoryview:
+        """The frame as raw bytes for the wire (a fresh contiguous buffer)."""
+        frame = self.export_kv(layer, block_table, num_tokens)
+        return memoryview(frame.view(-1).view(torch.uint8).numpy().data)
+
     def import_kv(
         self, layer: int, block_table: Sequence[int], num_tokens: int, frame: object
     ) -> None:

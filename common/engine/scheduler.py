@@ -62,6 +62,13 @@ class Scheduler:
             )
         self.waiting.append(seq)
 
+    def admit_prefilled(self, seq: Sequence) -> None:
+        """A sequence whose KV arrived from elsewhere (a decode node's intake): it already
+        holds its blocks and decodes from the next step on."""
+        assert seq.block_table and seq.num_computed_tokens == seq.num_tokens - 1
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
         if seq in self.running:

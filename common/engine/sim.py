@@ -96,6 +96,9 @@ class SimEngine:
             self._export = (np.arange(size * 2, dtype=np.uint64) % 251).astype(np.uint8)
         return memoryview(self._export[layer % 2 : layer % 2 + size].data)
 
+    def export_frame(self, layer: int, block_table: Sequence[int], num_tokens: int) -> memoryview:
+        return self.export_kv(layer, block_table, num_tokens)
+
     def import_kv(
         self, layer: int, block_table: Sequence[int], num_tokens: int, frame: object
     ) -> None:

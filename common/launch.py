@@ -1,0 +1,178 @@
+"""Starting processes: one node or gateway (`pdserve prefill|decode|gateway`) and the local
+cluster (`pdserve up`), which runs each role as a child process and stops them all."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from common.config import EngineConfig, GatewayConfig, NodeConfig, from_args
+
+log = logging.getLogger(__name__)
+
+
+def _use_uvloop() -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    from gateway.app import serve
+
+    serve(from_args(GatewayConfig, args))
+    return 0
+
+
+def run_node(args: argparse.Namespace, role: str) -> int:
+    from common.engine.llm_engine import make_engine
+    from common.tokenizer import Tokenizer
+
+    ecfg = from_args(EngineConfig, args)
+    ncfg = from_args(NodeConfig, args)
+    tokenizer = Tokenizer.load(ecfg.model if ecfg.engine == "torch" else None)
+    engine = make_engine(ecfg, tokenizer.eos_token_ids)
+    if role == "prefill":
+        from prefill_node.server import PrefillNode as Node
+    else:
+        from decode_node.server import DecodeNode as Node  # type: ignore[assignment]
+
+    async def main() -> None:
+        await Node(ncfg, ecfg, engine, tokenizer).serve()
+
+    _use_uvloop()
+    asyncio.run(main())
+    return 0
+
+
+def to_flags(cfg: Any, skip: tuple[str, ...] = ()) -> list[str]:
+    """Flags that reproduce the non-default fields of a config dataclass."""
+    flags: list[str] = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name in skip or value == f.default:
+            continue
+        name = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(name if value else f"--no-{f.name.replace('_', '-')}")
+        else:
+            flags += [name, str(value)]
+    return flags
+
+
+def _child_death_signal() -> None:
+    """Children die with the parent, even on SIGKILL: no orphans."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{p.args!r} exited with code {p.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the cluster did not become healthy within {timeout:.0f} s")
+
+
+def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
+    gcfg = from_args(GatewayConfig, args)
+    ecfg = from_args(EngineConfig, args)
+    nodes = args.prefill + args.decode
+    if ecfg.engine == "torch" and not ecfg.num_threads:
+        ecfg = dataclasses.replace(ecfg, num_threads=max(1, (os.cpu_count() or 2) // nodes))
+    base = [sys.executable, "-m", "common.cli", "--log-level", args.log_level]
+    gateway = [
+        *base,
+        "gateway",
+        *to_flags(gcfg, skip=("scheduler",)),
+        "--scheduler",
+        gcfg.scheduler,
+    ]
+    if ecfg.model:
+        gateway += ["--model", ecfg.model]
+    address = f"tcp://{gcfg.advertise_host}:{gcfg.control_port}"
+    cmds = [gateway]
+    for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+        for i in range(count):
+            cmds.append(
+                [*base, role, "--gateway", address, "--node-id", f"{role}-{i}", *to_flags(ecfg)]
+            )
+    return cmds
+
+
+def run_up(args: argparse.Namespace) -> int:
+    gcfg = from_args(GatewayConfig, args)
+    url = f"http://{gcfg.host}:{gcfg.port}"
+    procs: list[subprocess.Popen] = []
+    stop = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        for cmd in cluster_commands(args):
+            procs.append(subprocess.Popen(cmd, preexec_fn=_child_death_signal))
+        wait_healthy(url, procs, args.startup_timeout)
+        body = json.dumps(
+            {"messages": [{"role": "user", "content": "Hello!"}], "stream": True, "max_tokens": 32}
+        )
+        print(f"pdserve is up at {url} ({args.prefill} prefill, {args.decode} decode)", flush=True)
+        print(
+            f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+            flush=True,
+        )
+        while not stop:
+            for p in procs:
+                if p.poll() is not None:
+                    print(f"a child exited with code {p.returncode}; stopping", file=sys.stderr)
+                    stop = True
+            time.sleep(0.2)
+        return 0
+    except RuntimeError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stop_all(procs)
+
+
+def stop_all(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+    """SIGTERM every child (nodes drain), then SIGKILL what is left after `grace`."""
+    for p in reversed(procs):  # nodes first, the gateway last
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

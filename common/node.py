@@ -1,0 +1,225 @@
+"""What prefill and decode nodes share: registration, heartbeats, leases, drain, engine thread.
+
+A node connects a DEALER (identity = node id) to the gateway's control ROUTER, registers,
+and sends a heartbeat with its load every `heartbeat_interval`. The reply names request ids
+the gateway no longer knows (the node frees them: leases) or says the gateway does not know
+the node (it restarted): the node registers again. Engine work runs in one dedicated thread
+so the event loop keeps answering offers and heartbeats during a forward pass. SIGTERM
+drains: stop taking work, finish what is held (or hand it back after `drain_timeout`), exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from common.config import EngineConfig, NodeConfig
+from common.engine.interface import Engine
+from common.protocol import (
+    GATEWAY_DECODER,
+    Deregister,
+    Heartbeat,
+    HeartbeatReply,
+    Load,
+    Msg,
+    NodeInfo,
+    Register,
+    RegisterAck,
+    RegisterRefuse,
+    Role,
+)
+from common.tokenizer import Tokenizer
+from common.transport import CONTROL_MAX_MSG, decode_or_none, make_socket, send
+
+log = logging.getLogger(__name__)
+
+
+class RegistrationRefused(Exception):
+    pass
+
+
+def host_identity() -> str:
+    """Equal for processes that can share memory: same host and IPC namespace."""
+    try:
+        ipc_ns = os.readlink("/proc/self/ns/ipc")
+    except OSError:
+        ipc_ns = ""
+    return f"{socket.gethostname()}/{ipc_ns}"
+
+
+class NodeBase(ABC):
+    role: Role
+
+    def __init__(
+        self, cfg: NodeConfig, ecfg: EngineConfig, engine: Engine, tokenizer: Tokenizer
+    ) -> None:
+        self.cfg = cfg
+        self.ecfg = ecfg
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.node_id = cfg.node_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
+        self.ctx = zmq.asyncio.Context()
+        self.control = make_socket(
+            self.ctx, "node.control", cfg.gateway, identity=self.node_id, max_msg=CONTROL_MAX_MSG
+        )
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-engine")
+        self.registered = asyncio.Event()
+        self.stopped = asyncio.Event()
+        self.draining = False
+        self.last_reply = time.monotonic()
+        self.tokens_address = ""
+        self.tasks: list[asyncio.Task] = []
+
+    # -- to implement ----------------------------------------------------------------------
+    @abstractmethod
+    def data_address(self) -> str: ...
+
+    @abstractmethod
+    def load(self) -> Load: ...
+
+    @abstractmethod
+    async def on_gateway_message(self, msg: Any) -> None: ...
+
+    @abstractmethod
+    def free_stale(self, request_ids: tuple[str, ...]) -> None: ...
+
+    @abstractmethod
+    def idle(self) -> bool:
+        """Nothing held: a draining node may exit."""
+
+    async def on_drain_timeout(self) -> None:
+        """Hand back whatever is still held when the drain timeout passes."""
+        return None
+
+    async def on_registered(self) -> None:
+        """Called after each successful registration."""
+        return None
+
+    # -- shared ----------------------------------------------------------------------------
+    def info(self) -> NodeInfo:
+        eng = self.engine
+        return NodeInfo(
+            node_id=self.node_id,
+            role=self.role,
+            data_address=self.data_address(),
+            host_id=host_identity(),
+            model_id=getattr(eng, "model_id", "unknown"),
+            dtype=self.ecfg.dtype if self.ecfg.engine == "torch" else "sim",
+            tokenizer_fingerprint=self.tokenizer.fingerprint(),
+            kv_layout=eng.model_config.layout_fingerprint(),
+            block_size=eng.block_size,
+            num_blocks=eng.num_blocks,
+            max_batch=self.ecfg.max_batch,
+            max_batch_tokens=self.ecfg.max_batch_tokens,
+            max_model_len=eng.max_model_len,
+            queueing=self.cfg.queueing,
+        )
+
+    async def send_gateway(self, msg: Msg) -> None:
+        await send(self.control, msg)
+
+    async def run_engine(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.begin_drain)
+        self.tasks = [
+            asyncio.create_task(self._control_loop()),
+            asyncio.create_task(self._heartbeat_loop()),
+        ]
+        await self.send_gateway(Register(info=self.info()))
+        try:
+            await self.stopped.wait()
+            for task in self.tasks:
+                if task.done() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+        finally:
+            await self.shutdown()
+
+    async def shutdown(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            await asyncio.wait_for(self.send_gateway(Deregister(node_id=self.node_id)), 0.5)
+        for task in self.tasks:
+            task.cancel()
+        for task in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.close_sockets()
+        self.control.close()
+        self.ctx.term()
+
+    def close_sockets(self) -> None:
+        """Close role-specific sockets (before the context terminates)."""
+        return None
+
+    def begin_drain(self) -> None:
+        if self.draining:
+            self.stopped.set()  # a second signal: stop now
+            return
+        log.info("%s draining", self.node_id)
+        self.draining = True
+        self.tasks.append(asyncio.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.cfg.drain_timeout
+        while not self.idle() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if not self.idle():
+            await self.on_drain_timeout()
+        self.stopped.set()
+
+    async def _control_loop(self) -> None:
+        while True:
+            payload = await self.control.recv()
+            msg = decode_or_none(GATEWAY_DECODER, payload)
+            self.last_reply = time.monotonic()
+            match msg:
+                case RegisterAck(tokens_address=address):
+                    self.tokens_address = address
+                    self.registered.set()
+                    log.info("%s registered", self.node_id)
+                    await self.on_registered()
+                case RegisterRefuse(reason=reason):
+                    log.error("gateway refused %s: %s", self.node_id, reason)
+                    self.stopped.set()
+                    raise RegistrationRefused(reason)
+                case HeartbeatReply(stale=stale, unknown_node=unknown):
+                    if stale:
+                        self.free_stale(stale)
+                    if unknown and not self.draining:
+                        self.registered.clear()
+                        await self.send_gateway(Register(info=self.info()))
+                case None:
+                    log.warning("dropping malformed message from the gateway")
+                case _:
+                    try:
+                        await self.on_gateway_message(msg)
+                    except Exception:
+                        log.exception("handling %s failed", type(msg).__name__)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_interval)
+            load = self.load()
+            await self.send_gateway(Heartbeat(node_id=self.node_id, load=load))
+            silent = time.monotonic() - self.last_reply
+            if silent > self.cfg.heartbeat_timeout and not self.draining:
+                # the gateway is gone or restarted: keep knocking until it answers
+                self.registered.clear()
+                await self.send_gateway(Register(info=self.info()))
+                self.last_reply = time.monotonic()

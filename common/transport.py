@@ -1,0 +1,88 @@
+"""The one socket factory: which side binds, which connects, and the size limits (DESIGN §4).
+
+    socket            type    side      peer
+    gateway.control   ROUTER  bind      node.control (DEALER, connects, identity = node id)
+    gateway.tokens    PULL    bind      decode.tokens (PUSH, connects)
+    decode.data       ROUTER  bind      prefill.data (DEALER, connects, one per decode peer)
+
+Every socket that accepts network input has a maximum message size, and linger 0 so that
+closing never blocks shutdown. A socket is used from its event loop's thread only.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from common.protocol import Msg, encode
+
+CONTROL_MAX_MSG = 64 * 2**20  # prompts up to a few hundred thousand tokens
+TOKENS_MAX_MSG = 16 * 2**20
+
+SOCKETS: dict[str, tuple[int, bool]] = {
+    "gateway.control": (zmq.ROUTER, True),
+    "gateway.tokens": (zmq.PULL, True),
+    "node.control": (zmq.DEALER, False),
+    "decode.data": (zmq.ROUTER, True),
+    "prefill.data": (zmq.DEALER, False),
+    "decode.tokens": (zmq.PUSH, False),
+}
+
+
+def make_socket(
+    ctx: zmq.asyncio.Context,
+    name: str,
+    address: str,
+    *,
+    identity: str | None = None,
+    max_msg: int | None = None,
+) -> zmq.asyncio.Socket:
+    kind, binds = SOCKETS[name]
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+    if max_msg is not None:
+        sock.setsockopt(zmq.MAXMSGSIZE, max_msg)
+    if kind == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: raise, don't drop silently
+    if kind in (zmq.PUSH, zmq.DEALER):
+        sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow peer's backlog
+    if binds:
+        sock.bind(address)
+    else:
+        sock.connect(address)
+    return sock
+
+
+def bound_address(sock: zmq.asyncio.Socket, advertise_host: str) -> str:
+    """The address peers should use for a socket bound to a wildcard or port 0."""
+    endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    port = endpoint.rsplit(":", 1)[1]
+    return f"tcp://{advertise_host}:{port}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+async def send(sock: zmq.asyncio.Socket, msg: Msg, *frames: Any, to: bytes | None = None) -> None:
+    """Send one message (plus raw frames, zero-copy) optionally to a ROUTER peer."""
+    parts: list[Any] = [encode(msg), *frames]
+    if to is not None:
+        parts.insert(0, to)
+    await sock.send_multipart(parts, copy=False)
+
+
+def decode_or_none(decoder: msgspec.msgpack.Decoder, data: bytes) -> Any:
+    """Typed decoding; None (to be logged by the caller) for anything malformed."""
+    try:
+        return decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None

@@ -1,0 +1,276 @@
+"""The gateway's HTTP side: OpenAI-compatible routes, SSE streaming, health and metrics.
+
+`create_app(config)` builds the aiohttp application; the ZeroMQ side (`Gateway`) starts and
+stops in its cleanup context. Every error leaves as OpenAI's JSON error object, including
+aiohttp's own (404, 405, 413). A streaming handler that finds its client gone aborts the
+request on every node that holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Literal
+
+import orjson
+from aiohttp import web
+
+from common.config import GatewayConfig
+from common.tokenizer import Tokenizer
+from gateway.core import Gateway
+from gateway.openai_api import (
+    ApiError,
+    chunk,
+    error_body,
+    final_response,
+    parse_request,
+    usage,
+    usage_chunk,
+)
+from gateway.requests import Delta, Done, Failed, GatewayRequest
+
+log = logging.getLogger(__name__)
+GATEWAY = web.AppKey("gateway", Gateway)
+CONFIG = web.AppKey("config", GatewayConfig)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def json_response(
+    body: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(body), status=status, content_type="application/json", headers=headers
+    )
+
+
+def error_response(err: ApiError, headers: dict[str, str] | None = None) -> web.Response:
+    return json_response(err.body(), err.status, headers)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return error_response(err)
+    except web.HTTPException as exc:  # aiohttp's 404/405/413 as OpenAI JSON
+        if exc.status < 400:
+            raise
+        message = {
+            404: f"no route {request.method} {request.path}",
+            405: f"method {request.method} is not allowed on {request.path}",
+            413: "request body too large",
+        }.get(exc.status, exc.reason)
+        return json_response(error_body(exc.status, message), exc.status)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    key = request.app[CONFIG].api_key
+    if key and request.path.startswith("/v1/"):
+        given = request.headers.get("Authorization", "")
+        if not secrets.compare_digest(given, f"Bearer {key}"):
+            raise ApiError(
+                401,
+                "missing or invalid API key (Authorization: Bearer ...)",
+                code="invalid_api_key",
+            )
+    return await handler(request)
+
+
+async def read_json(request: web.Request) -> Any:
+    raw = await request.read()  # raises 413 past client_max_size
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def _generate(
+    request: web.Request, kind: Literal["chat", "completion"]
+) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    body = await read_json(request)
+    reason = gw.cluster.health()
+    if reason is not None:
+        raise ApiError(503, f"the cluster cannot serve yet: {reason}", code="service_unavailable")
+    parsed = parse_request(kind, body, gw.tokenizer, gw.model_id, gw.cluster.max_model_len)
+    rid = request.headers.get("x-request-id") or secrets.token_hex(12)
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    req = GatewayRequest(
+        request_id=rid,
+        kind=kind,
+        model=parsed.model,
+        prompt_ids=parsed.prompt_ids,
+        params=parsed.params,
+        stream=parsed.stream,
+        include_usage=parsed.include_usage,
+        tokenizer=gw.tokenizer,
+    )
+    placing = asyncio.create_task(gw.run(req))
+    try:
+        if parsed.stream:
+            return await _stream(request, gw, req, prefix + rid)
+        return await _collect(req, prefix + rid)
+    finally:
+        if not req.finished or gw.requests.get(req.wire_id) is req:
+            gw.abort(req)
+        if not placing.done():
+            placing.cancel()
+        log.info("request %s timeline %s", rid, orjson.dumps(req.timeline).decode())
+
+
+async def _collect(req: GatewayRequest, rid: str) -> web.Response:
+    parts: list[str] = []
+    while True:
+        event = await req.events.get()
+        match event:
+            case Delta(text=text):
+                parts.append(text)
+            case Done(finish_reason=reason):
+                use = usage(len(req.prompt_ids), len(req.output_ids))
+                return json_response(
+                    final_response(
+                        req.kind, rid, req.model, req.created, "".join(parts), reason, use
+                    ),
+                    headers={"x-request-id": req.request_id},
+                )
+            case Failed(status=status, message=message, code=code):
+                headers = {"Retry-After": "1"} if status == 503 else None
+                return error_response(ApiError(status, message, code=code), headers)
+
+
+async def _stream(
+    request: web.Request, gw: Gateway, req: GatewayRequest, rid: str
+) -> web.StreamResponse:
+    first = await req.events.get()
+    if isinstance(first, Failed):  # nothing sent yet: a proper HTTP error
+        headers = {"Retry-After": "1"} if first.status == 503 else None
+        return error_response(ApiError(first.status, first.message, code=first.code), headers)
+    resp = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "x-request-id": req.request_id,
+        }
+    )
+    await resp.prepare(request)
+
+    async def sse(obj: Any) -> None:
+        await resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+
+    if req.kind == "chat":
+        await sse(chunk("chat", rid, req.model, req.created, "", role=True))
+    async for event in _events(first, req):
+        match event:
+            case Delta(text=text):
+                await sse(chunk(req.kind, rid, req.model, req.created, text))
+            case Done(finish_reason=reason):
+                await sse(
+                    chunk(
+                        req.kind,
+                        rid,
+                        req.model,
+                        req.created,
+                        None if req.kind == "chat" else "",
+                        finish_reason=reason,
+                    )
+                )
+                if req.include_usage:
+                    use = usage(len(req.prompt_ids), len(req.output_ids))
+                    await sse(usage_chunk(req.kind, rid, req.model, req.created, use))
+            case Failed(status=status, message=message, code=code):
+                await sse(error_body(status, message, code=code))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def _events(first: Any, req: GatewayRequest) -> AsyncIterator[Any]:
+    event = first
+    while True:
+        yield event
+        if isinstance(event, (Done, Failed)):
+            return
+        event = await req.events.get()
+
+
+async def models(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    data = []
+    if gw.model_id:
+        data.append(
+            {
+                "id": gw.model_id,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "pdserve",
+                "max_model_len": gw.cluster.max_model_len,
+            }
+        )
+    return json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    reason = gw.cluster.health()
+    nodes = {n.node_id: n.info.role for n in gw.cluster.nodes.values()}
+    if reason is None:
+        return json_response({"status": "ok", "nodes": nodes})
+    return json_response({"status": "unavailable", "reason": reason, "nodes": nodes}, 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[GATEWAY].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
+    cfg = app[CONFIG]
+    gw = Gateway(cfg, Tokenizer.load(cfg.model))
+    app[GATEWAY] = gw
+    await gw.start()
+    yield
+    await gw.stop()
+
+
+def create_app(cfg: GatewayConfig) -> web.Application:
+    app = web.Application(
+        client_max_size=cfg.max_body_bytes, middlewares=[errors_middleware, auth_middleware]
+    )
+    app[CONFIG] = cfg
+    app.cleanup_ctx.append(_gateway_ctx)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def serve(cfg: GatewayConfig) -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    web.run_app(
+        create_app(cfg),
+        host=cfg.host,
+        port=cfg.port,
+        handler_cancellation=True,
+        print=lambda *_: log.info("gateway on http://%s:%d", cfg.host, cfg.port),
+        access_log=None,
+    )

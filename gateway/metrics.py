@@ -1,0 +1,126 @@
+"""Prometheus metrics of the gateway, named after vLLM's where one exists (DESIGN §4).
+
+Counters and histograms are updated as requests flow; per-node gauges (running, waiting,
+in prefill, KV blocks by state) are read from the cluster view at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway.cluster import ClusterView
+
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
+class ClusterCollector(Collector):
+    def __init__(self, cluster: ClusterView, waiting: object) -> None:
+        self.cluster = cluster
+        self.waiting = waiting  # anything with __len__: requests waiting for placement
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["node", "role"]
+        running = GaugeMetricFamily(
+            "pdserve:num_requests_running", "Requests in the engine", labels=labels
+        )
+        waiting = GaugeMetricFamily(
+            "pdserve:num_requests_waiting", "Requests queued or in transfer", labels=labels
+        )
+        prefill = GaugeMetricFamily(
+            "pdserve:requests_in_prefill", "Requests the gateway has in prefill", labels=["node"]
+        )
+        usage = GaugeMetricFamily(
+            "pdserve:kv_cache_usage_perc", "Fraction of KV blocks in use", labels=labels
+        )
+        blocks = GaugeMetricFamily(
+            "pdserve:kv_blocks", "KV blocks by state", labels=[*labels, "state"]
+        )
+        for node in self.cluster.nodes.values():
+            key = [node.node_id, node.info.role]
+            load = node.load
+            running.add_metric(key, load.running)
+            waiting.add_metric(key, load.waiting)
+            if node.info.role == "prefill":
+                prefill.add_metric([node.node_id], len(node.in_prefill))
+            total = max(1, node.info.num_blocks)
+            usage.add_metric(key, load.blocks_in_use / total)
+            for state, value in (
+                ("in_use", load.blocks_in_use),
+                ("cached", load.blocks_cached),
+                ("free", load.blocks_free),
+            ):
+                blocks.add_metric([*key, state], value)
+        gw_waiting = GaugeMetricFamily(
+            "pdserve:gateway_requests_waiting", "Requests waiting at the gateway for a prefill node"
+        )
+        gw_waiting.add_metric([], len(self.waiting))  # type: ignore[arg-type]
+        yield from (running, waiting, prefill, usage, blocks, gw_waiting)
+
+
+class GatewayMetrics:
+    def __init__(self, cluster: ClusterView, waiting: object) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "pdserve:requests", "Finished requests by outcome", ["outcome"], registry=r
+        )
+        self.accepts = Counter("pdserve:placement_accepts", "Offers accepted", ["node"], registry=r)
+        self.rejects = Counter("pdserve:placement_rejects", "Offers rejected", ["node"], registry=r)
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter(
+            "pdserve:generation_tokens", "Generated tokens", registry=r
+        )
+        self.replacements = Counter(
+            "pdserve:request_replacements", "Re-placements", ["reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "pdserve:time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "pdserve:inter_token_latency_seconds",
+            "Gap between tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve:e2e_request_latency_seconds",
+            "Request latency",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.placement_wait = Histogram(
+            "pdserve:placement_wait_seconds",
+            "Time until a prefill node accepted",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        r.register(ClusterCollector(cluster, waiting))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,134 @@
+"""On-demand forwarding: offer a request to prefill nodes until one accepts (P/D-Serve).
+
+There is no queue at the gateway or at the nodes. A request tries the prefill candidates in
+the policy's order; each node answers Accept or Reject at once. After a full pass of
+rejects it backs off until capacity may have freed (a first token came back, a node
+registered) or a short delay passes, and tries again, until `placement_timeout`.
+Requests waiting for capacity take turns in arrival order: only the oldest waiting request
+makes offers, so none starves behind newer ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+from common.protocol import PrefillOffer
+from common.sampling import SamplingParams
+from gateway.cluster import ClusterView, NodeState
+from gateway.requests import GatewayRequest
+from gateway.schedulers import PlacementPolicy, blocks_for
+
+log = logging.getLogger(__name__)
+BACKOFF_S = 0.02
+
+SendOffer = Callable[[NodeState, PrefillOffer], Awaitable[None]]
+
+
+class PlacementTimeout(Exception):
+    """No prefill node accepted within the placement timeout."""
+
+
+class Placer:
+    def __init__(
+        self,
+        cluster: ClusterView,
+        policy: PlacementPolicy,
+        send_offer: SendOffer,
+        placement_timeout: float,
+        offer_timeout: float,
+        on_answer: Callable[[NodeState, bool], None] | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.policy = policy
+        self.send_offer = send_offer
+        self.placement_timeout = placement_timeout
+        self.offer_timeout = offer_timeout
+        self.on_answer = on_answer
+        self.waiting: deque[GatewayRequest] = deque()
+        self.answers: dict[str, asyncio.Future[bool]] = {}
+        self.capacity = asyncio.Event()
+
+    def capacity_changed(self) -> None:
+        self.capacity.set()
+
+    def answer(self, wire_id: str, accepted: bool) -> bool:
+        """An Accept or Reject arrived; False if nobody waits for it (a late accept)."""
+        fut = self.answers.pop(wire_id, None)
+        if fut is None or fut.done():
+            return False
+        fut.set_result(accepted)
+        return True
+
+    async def place(
+        self,
+        req: GatewayRequest,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        exclude_decode: frozenset[str] = frozenset(),
+    ) -> None:
+        """Returns once a prefill node accepted; raises PlacementTimeout."""
+        deadline = time.monotonic() + self.placement_timeout
+        self.waiting.append(req)
+        try:
+            while True:
+                if self.waiting[0] is req:
+                    self.capacity.clear()
+                    if await self._one_pass(req, prompt_ids, params, exclude_decode):
+                        return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise PlacementTimeout
+                try:
+                    await asyncio.wait_for(self.capacity.wait(), min(BACKOFF_S, remaining))
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self.waiting.remove(req)
+            self.capacity.set()  # let the next oldest try at once
+
+    async def _one_pass(
+        self,
+        req: GatewayRequest,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        exclude_decode: frozenset[str],
+    ) -> bool:
+        decode = self.policy.pick_decode(
+            self.cluster.alive("decode"), len(prompt_ids), set(exclude_decode)
+        )
+        if decode is None:
+            return False
+        for node in self.policy.prefill_order(self.cluster.alive("prefill"), len(prompt_ids)):
+            if req.finished:
+                return True  # cancelled while waiting
+            wire_id = req.wire_id
+            offer = PrefillOffer(
+                request_id=wire_id,
+                prompt_ids=prompt_ids,
+                params=params,
+                decode=decode.target(),
+                num_generated=len(req.output_ids),
+            )
+            fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            self.answers[wire_id] = fut
+            try:
+                await self.send_offer(node, offer)
+                accepted = await asyncio.wait_for(fut, self.offer_timeout)
+            except (asyncio.TimeoutError, OSError) as exc:
+                log.warning("offer of %s to %s got no answer (%r)", wire_id, node.node_id, exc)
+                accepted = False
+            finally:
+                self.answers.pop(wire_id, None)
+            if self.on_answer is not None:
+                self.on_answer(node, accepted)
+            if accepted:
+                node.in_prefill.add(wire_id)
+                decode.decoding.add(wire_id)
+                decode.reserved_blocks += blocks_for(decode, len(prompt_ids) + 1)
+                req.prefill_node, req.decode_node = node.node_id, decode.node_id
+                return True
+        return False

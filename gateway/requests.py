@@ -1,0 +1,112 @@
+"""One client request as the gateway tracks it: placement attempts, tokens, text, timeline.
+
+Tokens arrive from the prefill node (the first) and the decode node (the rest); both go
+through `add_token`, which detokenizes incrementally and applies stop strings. The HTTP
+handler reads `events`: a `Delta` per token step that produced text, then one `Done` or
+`Failed`. A request re-placed after preemption or a node's death keeps its stream: only its
+wire id (`request_id.attempt`) changes, so late messages for an old attempt are ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import msgspec
+
+from common.sampling import SamplingParams
+from common.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+
+
+@dataclass
+class Delta:
+    text: str
+    num_tokens: int
+
+
+@dataclass
+class Done:
+    finish_reason: str
+
+
+@dataclass
+class Failed:
+    status: int
+    message: str
+    code: str = "server_error"
+
+
+Event = Delta | Done | Failed
+
+
+@dataclass
+class GatewayRequest:
+    request_id: str
+    kind: Literal["chat", "completion"]
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    tokenizer: Tokenizer
+    created: int = field(default_factory=lambda: int(time.time()))
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    attempt: int = 0
+    prefill_node: str | None = None
+    decode_node: str | None = None
+    finished: bool = False
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    timeline: dict[str, float] = field(default_factory=dict)
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+
+    def __post_init__(self) -> None:
+        self.detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
+        self.stops = StopStringMatcher(list(self.params.stop))
+
+    @property
+    def wire_id(self) -> str:
+        return f"{self.request_id}.{self.attempt}"
+
+    def mark(self, event: str) -> None:
+        self.timeline[event] = round((time.monotonic() - self.arrival) * 1000, 3)
+
+    def next_attempt(self) -> tuple[list[int], SamplingParams]:
+        """Prompt and params for re-placing: prompt + generated tokens, remaining budget."""
+        self.attempt += 1
+        self.prefill_node = self.decode_node = None
+        remaining = self.params.max_tokens - len(self.output_ids)
+        params = msgspec.structs.replace(self.params, max_tokens=max(1, remaining))
+        return self.prompt_ids + self.output_ids, params
+
+    def add_token(self, token_id: int, finish_reason: str | None) -> bool:
+        """Record one token; queue its text; returns True when the request is now finished
+        (by the node's finish reason or by a stop string matched here)."""
+        if self.finished:
+            return True
+        now = time.monotonic()
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.mark("first_token")
+        self.last_token_at = now
+        self.output_ids.append(token_id)
+        text = self.stops.feed(self.detok.add(token_id))
+        if self.stops.stopped:
+            finish_reason = "stop"
+        elif finish_reason is not None:
+            text += self.stops.flush()
+        if text:  # a token whose text is held back (partial UTF-8, stop prefix) sends nothing
+            self.events.put_nowait(Delta(text, 1))
+        if finish_reason is not None:
+            self.finish(Done("stop" if finish_reason == "stop" else "length"))
+            return True
+        return False
+
+    def finish(self, event: Done | Failed) -> None:
+        if not self.finished:
+            self.finished = True
+            self.mark("finish")
+            self.events.put_nowait(event)
