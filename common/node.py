@@ -1,6 +1,6 @@
 """What prefill and decode nodes share: registration, heartbeats, leases, drain, engine thread.
 
-A node connects a DEALER (identity = node id) to the gateway's control ROUTER, registers,
+A node connects a DEALER (identity = node id + a random suffix) to the gateway's control ROUTER, registers,
 and sends a heartbeat with its load every `heartbeat_interval`. The reply names request ids
 the gateway no longer knows (the node frees them: leases) or says the gateway does not know
 the node (it restarted): the node registers again. Engine work runs in one dedicated thread
@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import socket
 import time
@@ -26,6 +27,7 @@ import zmq.asyncio
 
 from common.config import EngineConfig, NodeConfig
 from common.engine.interface import Engine
+from common.errors import PdserveError
 from common.protocol import (
     GATEWAY_DECODER,
     Deregister,
@@ -45,7 +47,7 @@ from common.transport import CONTROL_MAX_MSG, decode_or_none, make_socket, send
 log = logging.getLogger(__name__)
 
 
-class RegistrationRefused(Exception):
+class RegistrationRefused(PdserveError):
     pass
 
 
@@ -71,12 +73,17 @@ class NodeBase(ABC):
         self.node_id = cfg.node_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
         self.ctx = zmq.asyncio.Context()
         self.control = make_socket(
-            self.ctx, "node.control", cfg.gateway, identity=self.node_id, max_msg=CONTROL_MAX_MSG
+            self.ctx,
+            "node.control",
+            cfg.gateway,
+            identity=f"{self.node_id}/{secrets.token_hex(4)}",  # unique even for a duplicate id
+            max_msg=CONTROL_MAX_MSG,
         )
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-engine")
         self.registered = asyncio.Event()
         self.stopped = asyncio.Event()
         self.draining = False
+        self.refused = False  # the gateway refused us: the node id is not ours to deregister
         self.last_reply = time.monotonic()
         self.tokens_address = ""
         self.tasks: list[asyncio.Task] = []
@@ -151,8 +158,9 @@ class NodeBase(ABC):
             await self.shutdown()
 
     async def shutdown(self) -> None:
-        with contextlib.suppress(zmq.ZMQError):
-            await asyncio.wait_for(self.send_gateway(Deregister(node_id=self.node_id)), 0.5)
+        if not self.refused:
+            with contextlib.suppress(zmq.ZMQError):
+                await asyncio.wait_for(self.send_gateway(Deregister(node_id=self.node_id)), 0.5)
         for task in self.tasks:
             task.cancel()
         for task in self.tasks:
@@ -196,6 +204,7 @@ class NodeBase(ABC):
                     await self.on_registered()
                 case RegisterRefuse(reason=reason):
                     log.error("gateway refused %s: %s", self.node_id, reason)
+                    self.refused = True
                     self.stopped.set()
                     raise RegistrationRefused(reason)
                 case HeartbeatReply(stale=stale, unknown_node=unknown):

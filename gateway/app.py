@@ -64,7 +64,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             405: f"method {request.method} is not allowed on {request.path}",
             413: "request body too large",
         }.get(exc.status, exc.reason)
-        return json_response(error_body(exc.status, message), exc.status)
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None  # 405
+        return json_response(error_body(exc.status, message), exc.status, allow)
 
 
 @web.middleware

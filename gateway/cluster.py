@@ -17,6 +17,7 @@ EMPTY_LOAD = Load(running=0, waiting=0, blocks_free=0, blocks_cached=0, blocks_i
 @dataclass
 class NodeState:
     info: NodeInfo
+    identity: bytes  # its control socket's ZeroMQ identity (node id + a per-process suffix)
     last_seen: float
     load: Load = EMPTY_LOAD
     in_prefill: set[str] = field(default_factory=set)  # request ids offered and accepted here
@@ -47,11 +48,13 @@ class ClusterView:
         self.nodes: dict[str, NodeState] = {}
         self.reference: NodeInfo | None = None  # the first node fixes model/dtype/layout
 
-    def register(self, info: NodeInfo, now: float, gateway_tokenizer: str) -> str | None:
+    def register(
+        self, info: NodeInfo, identity: bytes, now: float, gateway_tokenizer: str
+    ) -> str | None:
         """Adds the node; returns a refusal reason instead when it cannot join."""
         existing = self.nodes.get(info.node_id)
         if existing is not None:
-            if existing.info == info:  # the same node registering again (it lost our replies)
+            if existing.info == info and existing.identity == identity:  # the same node registering again (it lost our replies)
                 existing.last_seen = now
                 return None
             return (
@@ -73,15 +76,18 @@ class ClusterView:
                     )
         else:
             self.reference = info
-        self.nodes[info.node_id] = NodeState(info=info, last_seen=now)
+        self.nodes[info.node_id] = NodeState(info=info, identity=identity, last_seen=now)
         return None
 
-    def heartbeat(self, node_id: str, load: Load, now: float) -> bool:
+    def heartbeat(self, node_id: str, identity: bytes, load: Load, now: float) -> bool:
         node = self.nodes.get(node_id)
-        if node is None:
+        if node is None or node.identity != identity:
             return False
         node.last_seen, node.load, node.reserved_blocks = now, load, 0
         return True
+
+    def by_identity(self, identity: bytes) -> NodeState | None:
+        return next((n for n in self.nodes.values() if n.identity == identity), None)
 
     def remove(self, node_id: str) -> NodeState | None:
         node = self.nodes.pop(node_id, None)

@@ -41,6 +41,7 @@ from common.protocol import (
     Reject,
     TokenBatch,
 )
+from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
 from common.transport import CONTROL_MAX_MSG, TOKENS_MAX_MSG, decode_or_none, make_socket, send
 from gateway.cluster import ClusterView, NodeState
@@ -118,17 +119,13 @@ class Gateway:
         await self._place(req, req.prompt_ids, req.params)
 
     async def _place(
-        self,
-        req: GatewayRequest,
-        prompt_ids: list[int],
-        params: object,
-        exclude_decode: frozenset[str] = frozenset(),
+        self, req: GatewayRequest, prompt_ids: list[int], params: SamplingParams
     ) -> None:
         self.requests[req.wire_id] = req
         req.mark(f"placing.{req.attempt}")
         start = time.monotonic()
         try:
-            await self.placer.place(req, prompt_ids, params, exclude_decode)  # type: ignore[arg-type]
+            await self.placer.place(req, prompt_ids, params)
         except PlacementTimeout:
             self.requests.pop(req.wire_id, None)
             req.finish(
@@ -182,23 +179,27 @@ class Gateway:
             # a stop string (no finish reason from the node) leaves KV on the nodes: abort it
             self._complete(req, abort_nodes=finish_reason is None)
 
-    async def replace(
-        self, req: GatewayRequest, reason: str, exclude_decode: frozenset[str] = frozenset()
-    ) -> None:
-        """Re-place a request whose prefill or decode side was lost."""
+    async def replace(self, req: GatewayRequest, reason: str, kind: str = "lost") -> None:
+        """Re-place a request as a prefill of prompt + generated tokens on the same stream.
+
+        kind "lost": a node died or failed; these count against `max_replacements`.
+        kind "preempted" / "no_room": a decode node gave it back; the request makes progress
+        as others finish, so these do not count."""
         if req.finished:
             return
         self._release(req, notify=True)
-        if req.attempt >= self.cfg.max_replacements:
-            req.finish(Failed(503, f"request lost its node {req.attempt + 1} times ({reason})"))
-            self.metrics.requests.labels("failed").inc()
-            return
-        self.metrics.replacements.labels(reason).inc()
+        if kind == "lost":
+            req.losses += 1
+            if req.losses > self.cfg.max_replacements:
+                req.finish(Failed(503, f"request lost its node {req.losses} times ({reason})"))
+                self.metrics.requests.labels("failed").inc()
+                return
+        self.metrics.replacements.labels(kind).inc()
         log.info(
             "re-placing %s after %s (%d tokens so far)", req.request_id, reason, len(req.output_ids)
         )
         prompt, params = req.next_attempt()
-        await self._place(req, prompt, params, exclude_decode)
+        await self._place(req, prompt, params)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -207,12 +208,15 @@ class Gateway:
     # -- node messages ---------------------------------------------------------------------
     async def _send_node(self, node: NodeState, msg: Msg) -> None:
         try:
-            await send(self.control, msg, to=node.node_id.encode())
+            await send(self.control, msg, to=node.identity)
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY): liveness will drop it
             log.warning("cannot reach %s: %s", node.node_id, exc)
 
     async def _send_offer(self, node: NodeState, offer: PrefillOffer) -> None:
-        await send(self.control, offer, to=node.node_id.encode())
+        try:
+            await send(self.control, offer, to=node.identity)
+        except zmq.ZMQError as exc:  # peer gone: an OSError, so the placer tries the next node
+            raise ConnectionError(f"cannot reach {node.node_id}: {exc}") from exc
 
     def _count_answer(self, node: NodeState, accepted: bool) -> None:
         if accepted:
@@ -238,7 +242,7 @@ class Gateway:
         now = time.monotonic()
         match msg:
             case Heartbeat(node_id=node_id, load=load):
-                known = self.cluster.heartbeat(node_id, load, now)
+                known = self.cluster.heartbeat(node_id, identity, load, now)
                 stale = tuple(r for r in load.held if r not in self.requests) if known else ()
                 await send(
                     self.control, HeartbeatReply(stale=stale, unknown_node=not known), to=identity
@@ -249,7 +253,7 @@ class Gateway:
                     await send(self.control, Abort(request_id=rid), to=identity)  # too late
             case FirstToken(request_id=rid, token_id=token, finish_reason=reason):
                 req = self.requests.get(rid)
-                node = self.cluster.nodes.get(identity.decode())
+                node = self.cluster.by_identity(identity)
                 if node is not None:
                     node.in_prefill.discard(rid)
                 self.placer.capacity_changed()
@@ -267,9 +271,7 @@ class Gateway:
                 if req is not None:
                     await self.replace(req, f"prefill failed: {why}")
             case Register(info=info):
-                reason = self.cluster.register(info, now, self.tokenizer_fingerprint)
-                if info.node_id.encode() != identity:
-                    reason = reason or "the socket identity must equal the node id"
+                reason = self.cluster.register(info, identity, now, self.tokenizer_fingerprint)
                 if reason is None:
                     log.info("registered %s node %s (%s)", info.role, info.node_id, info.model_id)
                     await send(
@@ -286,7 +288,9 @@ class Gateway:
                         to=identity,
                     )
             case Deregister(node_id=node_id):
-                await self._drop_node(node_id, "node left")
+                node = self.cluster.nodes.get(node_id)
+                if node is not None and node.identity == identity:
+                    await self._drop_node(node_id, "node left")
             case _:
                 log.warning("unexpected control message %s", type(msg).__name__)
 
@@ -303,7 +307,7 @@ class Gateway:
         )
         if target is None:
             await send(self.control, Redirect(request_id=rid, decode=None), to=identity)
-            await self.replace(req, "no decode node had room", frozenset({refused}))
+            await self.replace(req, f"{refused} refused and no decode node had room", "no_room")
             return
         target.decoding.add(rid)
         req.decode_node = target.node_id
@@ -324,7 +328,7 @@ class Gateway:
                 case Preempted(request_id=rid, reason=why):
                     req = self.requests.get(rid)
                     if req is not None:
-                        self._spawn(self.replace(req, f"preempted: {why}"))
+                        self._spawn(self.replace(req, why, "preempted"))
                 case _:
                     log.warning("dropping malformed token message")
 

@@ -55,6 +55,7 @@ class GatewayRequest:
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     attempt: int = 0
+    losses: int = 0  # re-placements because a node died or failed
     prefill_node: str | None = None
     decode_node: str | None = None
     finished: bool = False

@@ -1,0 +1,158 @@
+"""Real clusters for end-to-end tests: gateway and nodes as separate processes on free ports.
+
+`make_cluster(prefill=1, decode=1, engine="torch", **flags)` starts one, waits for /health,
+and returns a `Cluster`; it is stopped (SIGTERM, then SIGKILL) when the test ends.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from common.launch import stop_all, wait_healthy
+from common.transport import free_port
+
+
+@dataclass
+class Cluster:
+    url: str
+    control: str
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    node_flags: list[str] = field(default_factory=list)
+
+    def post(
+        self, path: str, body: Any, headers: dict[str, str] | None = None, timeout: float = 300
+    ) -> tuple[int, Any]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.url + path,
+            data=data,
+            method="POST",
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read() or b"null")
+
+    def get(self, path: str) -> tuple[int, str]:
+        """(status, body); (0, reason) while nothing listens (e.g. a gateway restarting)."""
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=30) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+        except (urllib.error.URLError, ConnectionError) as err:
+            return 0, str(err)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels`."""
+        _, text = self.get("/metrics")
+        total = 0.0
+        for line in text.splitlines():
+            if not line.startswith(name):
+                continue
+            head, _, value = line.rpartition(" ")
+            if head != name and not head.startswith(name + "{"):
+                continue
+            if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total += float(value)
+        return total
+
+    def add_node(self, role: str, node_id: str, *flags: str) -> subprocess.Popen:
+        cmd = [
+            sys.executable,
+            "-m",
+            "common.cli",
+            role,
+            "--gateway",
+            self.control,
+            "--node-id",
+            node_id,
+            *self.node_flags,
+            *flags,
+        ]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        stop_all(self.procs, grace=10)
+
+
+def start_cluster(
+    prefill: int = 1,
+    decode: int = 1,
+    engine: str = "torch",
+    gateway_flags: tuple[str, ...] = (),
+    node_flags: tuple[str, ...] = (),
+    threads: int = 1,
+) -> Cluster:
+    port, control, tokens = free_port(), free_port(), free_port()
+    cluster = Cluster(url=f"http://127.0.0.1:{port}", control=f"tcp://127.0.0.1:{control}")
+    base = [sys.executable, "-m", "common.cli", "--log-level", "INFO"]
+    gateway = [
+        *base,
+        "gateway",
+        "--port",
+        str(port),
+        "--control-port",
+        str(control),
+        "--tokens-port",
+        str(tokens),
+        *gateway_flags,
+    ]
+    cluster.procs.append(subprocess.Popen(gateway))
+    cluster.node_flags = ["--engine", engine, "--heartbeat-interval", "0.2", *node_flags]
+    if engine == "torch":
+        cluster.node_flags += ["--num-threads", str(threads)]
+    for role, count in (("prefill", prefill), ("decode", decode)):
+        for i in range(count):
+            cmd = [
+                *base,
+                role,
+                "--gateway",
+                cluster.control,
+                "--node-id",
+                f"{role}-{i}",
+                *cluster.node_flags,
+            ]
+            cluster.procs.append(subprocess.Popen(cmd))
+    try:
+        wait_healthy(cluster.url, cluster.procs, timeout=180)
+    except Exception:
+        cluster.stop()
+        raise
+    return cluster
+
+
+@pytest.fixture
+def make_cluster():
+    clusters: list[Cluster] = []
+
+    def make(**kwargs: Any) -> Cluster:
+        cluster = start_cluster(**kwargs)
+        clusters.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in clusters:
+        cluster.stop()
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

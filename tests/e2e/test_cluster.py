@@ -1,0 +1,176 @@
+"""Cluster behaviour with real processes: capacity and placement, disconnects, preemption,
+registration refusals, node loss, gateway restart and drain."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from common.sampling import SamplingParams
+from tests.conftest import make_engine
+from tests.e2e.conftest import wait_for
+
+SIM = ("--sim-time-scale", "0.05")
+
+
+def in_use(cluster, role: str) -> float:
+    return cluster.metric("pdserve:kv_blocks", role=role, state="in_use")
+
+
+def test_full_prefill_nodes_make_requests_wait_and_all_complete(make_cluster):
+    cluster = make_cluster(node_flags=("--max-batch", "1"))
+    body = {"prompt": "Tell me about the sea.", "max_tokens": 8, "temperature": 0.0}
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda _: cluster.post("/v1/completions", body), range(6)))
+    assert [status for status, _ in results] == [200] * 6
+    assert len({r["choices"][0]["text"] for _, r in results}) == 1  # same greedy text
+    assert cluster.metric("pdserve:placement_rejects_total", node="prefill-0") > 0
+    assert cluster.metric("pdserve:placement_accepts_total", node="prefill-0") == 6
+
+
+def test_short_placement_timeout_answers_503_with_retry_after(make_cluster):
+    cluster = make_cluster(engine="sim", gateway_flags=("--placement-timeout", "0.3"),
+                           node_flags=("--max-batch", "1", "--sim-time-scale", "20"))
+    body = {"prompt": list(range(100, 4100)), "max_tokens": 2}
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: cluster.post("/v1/completions", body), range(4)))
+    statuses = sorted(status for status, _ in results)
+    assert statuses[0] == 200 and statuses[-1] == 503
+    failed = next(r for status, r in results if status == 503)
+    assert failed["error"]["code"] == "service_unavailable"
+    assert "retry" in failed["error"]["message"]
+
+
+def test_client_disconnect_frees_kv_on_both_nodes_within_a_second(make_cluster):
+    cluster = make_cluster()
+    assert wait_for(lambda: in_use(cluster, "decode") == 0 and in_use(cluster, "prefill") == 0)
+    body = json.dumps({"prompt": "Count to one thousand:", "max_tokens": 2000,
+                       "ignore_eos": True, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", int(cluster.url.rsplit(":", 1)[1])))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    received = b""
+    while received.count(b"data: ") < 5:
+        received += sock.recv(65536)
+    assert wait_for(lambda: in_use(cluster, "decode") > 0, timeout=5)
+    sock.close()
+    closed = time.monotonic()
+    assert wait_for(lambda: in_use(cluster, "decode") == 0 and in_use(cluster, "prefill") == 0,
+                    timeout=3)
+    # heartbeats every 0.2 s carry the node's block counts: allow one report of slack
+    assert time.monotonic() - closed < 1.0 + 0.3
+
+
+def test_small_decode_cache_preempts_and_every_request_completes(make_cluster, smol_runner,
+                                                                  tokenizer):
+    cluster = make_cluster(node_flags=("--num-kv-blocks", "20"))
+    prompts = [tokenizer.encode(f"Story number {i}: once upon a time") for i in range(4)]
+    params = SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True)
+    expected = make_engine(smol_runner, tokenizer).generate(prompts, params)
+
+    def complete(p):
+        return cluster.post("/v1/completions", {"prompt": p, "max_tokens": 90,
+                                                "temperature": 0.0, "ignore_eos": True})
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(complete, prompts))
+    for (status, resp), exp in zip(results, expected, strict=True):
+        assert status == 200, resp
+        assert resp["usage"]["completion_tokens"] == 90
+        assert resp["choices"][0]["text"] == exp.text
+    assert cluster.metric("pdserve:request_replacements_total") > 0
+    assert wait_for(lambda: in_use(cluster, "decode") == 0)
+
+
+def test_node_with_other_dtype_is_refused(make_cluster):
+    cluster = make_cluster()
+    proc = cluster.add_node("decode", "decode-bf16", "--dtype", "bfloat16")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "dtype" in out and "float32" in out and "bfloat16" in out
+    status, health = cluster.get("/health")
+    assert status == 200 and "decode-bf16" not in health
+
+
+def test_duplicate_node_id_is_refused(make_cluster):
+    cluster = make_cluster(engine="sim", node_flags=SIM)
+    proc = cluster.add_node("decode", "decode-0", "--data-port", "0")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "already registered" in out
+
+
+def test_silent_node_is_dropped_and_rejoins(make_cluster):
+    cluster = make_cluster(engine="sim", node_flags=SIM)
+    decode = cluster.procs[2]
+    decode.send_signal(signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        assert wait_for(lambda: cluster.get("/health")[0] == 503, timeout=4)
+        assert time.monotonic() - stopped < 2.0 + 1.0
+        assert "decode" in cluster.get("/health")[1]
+    finally:
+        decode.send_signal(signal.SIGCONT)
+    assert wait_for(lambda: cluster.get("/health")[0] == 200, timeout=5)
+    status, _ = cluster.post("/v1/completions", {"prompt": "hi", "max_tokens": 3})
+    assert status == 200
+
+
+def test_nodes_register_again_after_a_gateway_restart(make_cluster):
+    cluster = make_cluster(engine="sim", node_flags=SIM)
+    gateway = cluster.procs[0]
+    args = gateway.args
+    gateway.send_signal(signal.SIGTERM)
+    gateway.wait(10)
+    cluster.procs[0] = subprocess.Popen(args)
+    assert wait_for(lambda: cluster.get("/health")[0] == 200, timeout=15)
+    status, resp = cluster.post("/v1/completions", {"prompt": "hi", "max_tokens": 3})
+    assert status == 200 and resp["usage"]["completion_tokens"] == 3
+
+
+def test_sigterm_drains_a_decode_node_without_losing_its_stream(make_cluster):
+    cluster = make_cluster(engine="sim", node_flags=("--sim-time-scale", "1"))
+    body = {"prompt": "hello", "max_tokens": 60, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(cluster.post, "/v1/completions", body)
+        assert wait_for(lambda: cluster.metric("pdserve:num_requests_running",
+                                               role="decode") > 0, timeout=5)
+        decode = cluster.procs[2]
+        decode.send_signal(signal.SIGTERM)
+        status, resp = future.result(timeout=60)
+    assert status == 200 and resp["usage"]["completion_tokens"] == 60
+    assert decode.wait(30) == 0
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_pdserve_up_stops_every_child(role, tmp_path):
+    from common.transport import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "common.cli", "up", "--engine", "sim", "--port", str(port),
+           "--control-port", str(free_port()), "--tokens-port", str(free_port()),
+           f"--{role}", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        while line and "is up" not in line:
+            line = proc.stdout.readline()
+        assert "is up" in line
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                  text=True).stdout.split()
+        assert len(children) == 4  # gateway + 2 + 1
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        alive = [c for c in children if subprocess.run(["kill", "-0", c]).returncode == 0]
+        assert alive == []
+        with socket.socket() as s:  # the HTTP port is free again
+            s.bind(("127.0.0.1", port))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
