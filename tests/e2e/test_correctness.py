@@ -34,7 +34,10 @@ def reference(smol_runner, tokenizer):
     seeded = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=1234)
     outs = engine.generate(ps, greedy)
     sampled = engine.generate([ps[0]], seeded)[0]
-    return ps, outs, sampled
+    stop = outs[0].text.split()[2]  # a word from the middle of the first answer
+    stopped = engine.generate([ps[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                      stop=(stop,)))[0]
+    return ps, outs, sampled, (stop, stopped)
 
 
 def complete(cluster, prompt_ids: list[int], **extra) -> dict:
@@ -46,7 +49,7 @@ def complete(cluster, prompt_ids: list[int], **extra) -> dict:
 
 @pytest.mark.parametrize("topology", [(1, 1), (2, 2)], ids=["1P1D", "2P2D"])
 def test_cluster_matches_single_process(make_cluster, reference, topology):
-    ps, expected, sampled = reference
+    ps, expected, sampled, (stop, stopped) = reference
     cluster = make_cluster(prefill=topology[0], decode=topology[1])
     with ThreadPoolExecutor(len(ps)) as pool:  # all in flight together
         results = list(pool.map(lambda p: complete(cluster, p), ps))
@@ -58,6 +61,9 @@ def test_cluster_matches_single_process(make_cluster, reference, topology):
         assert choice["finish_reason"] == exp.finish_reason
     seeded = complete(cluster, ps[0], temperature=0.8, top_p=0.9, seed=1234)
     assert seeded["choices"][0]["text"] == sampled.text
+    cut = complete(cluster, ps[0], stop=[stop])  # matched by the gateway, decode side aborted
+    assert cut["choices"][0]["text"] == stopped.text and stop not in stopped.text
+    assert cut["choices"][0]["finish_reason"] == "stop"
     if topology == (2, 2):  # both pairs really served traffic
         assert cluster.metric("pdserve:placement_accepts_total", node="prefill-0") > 0
         assert cluster.metric("pdserve:placement_accepts_total", node="prefill-1") > 0
