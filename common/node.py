@@ -144,7 +144,7 @@ class NodeBase(ABC):
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.begin_drain)
-        self.tasks = [
+        self.tasks += [  # += : the role's own loops, added before this, are cancelled too
             asyncio.create_task(self._control_loop()),
             asyncio.create_task(self._heartbeat_loop()),
         ]

@@ -107,7 +107,9 @@ async def _generate(
     if reason is not None:
         raise ApiError(503, f"the cluster cannot serve yet: {reason}", code="service_unavailable")
     parsed = parse_request(kind, body, gw.tokenizer, gw.model_id, gw.cluster.max_model_len)
-    rid = request.headers.get("x-request-id") or secrets.token_hex(12)
+    # the wire id is always ours: clients may send one x-request-id on concurrent requests
+    rid = secrets.token_hex(12)
+    echo_id = request.headers.get("x-request-id") or rid
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     req = GatewayRequest(
         request_id=rid,
@@ -122,17 +124,22 @@ async def _generate(
     placing = asyncio.create_task(gw.run(req))
     try:
         if parsed.stream:
-            return await _stream(request, gw, req, prefix + rid)
-        return await _collect(req, prefix + rid)
+            return await _stream(request, gw, req, prefix + rid, echo_id)
+        return await _collect(req, prefix + rid, echo_id)
     finally:
         if not req.finished or gw.requests.get(req.wire_id) is req:
             gw.abort(req)
         if not placing.done():
             placing.cancel()
-        log.info("request %s timeline %s", rid, orjson.dumps(req.timeline).decode())
+        log.info(
+            "request %s (x-request-id %s) timeline %s",
+            rid,
+            echo_id,
+            orjson.dumps(req.timeline).decode(),
+        )
 
 
-async def _collect(req: GatewayRequest, rid: str) -> web.Response:
+async def _collect(req: GatewayRequest, rid: str, echo_id: str) -> web.Response:
     parts: list[str] = []
     while True:
         event = await req.events.get()
@@ -145,7 +152,7 @@ async def _collect(req: GatewayRequest, rid: str) -> web.Response:
                     final_response(
                         req.kind, rid, req.model, req.created, "".join(parts), reason, use
                     ),
-                    headers={"x-request-id": req.request_id},
+                    headers={"x-request-id": echo_id},
                 )
             case Failed(status=status, message=message, code=code):
                 headers = {"Retry-After": "1"} if status == 503 else None
@@ -153,7 +160,7 @@ async def _collect(req: GatewayRequest, rid: str) -> web.Response:
 
 
 async def _stream(
-    request: web.Request, gw: Gateway, req: GatewayRequest, rid: str
+    request: web.Request, gw: Gateway, req: GatewayRequest, rid: str, echo_id: str
 ) -> web.StreamResponse:
     first = await req.events.get()
     if isinstance(first, Failed):  # nothing sent yet: a proper HTTP error
@@ -163,7 +170,7 @@ async def _stream(
         headers={
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
-            "x-request-id": req.request_id,
+            "x-request-id": echo_id,
         }
     )
     await resp.prepare(request)

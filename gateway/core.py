@@ -269,7 +269,8 @@ class Gateway:
             case PrefillFailed(request_id=rid, reason=why):
                 req = self.requests.get(rid)
                 if req is not None:
-                    await self.replace(req, f"prefill failed: {why}")
+                    # spawned, not awaited: the re-placement waits for an Accept this loop reads
+                    self._spawn(self.replace(req, f"prefill failed: {why}"))
             case Register(info=info):
                 reason = self.cluster.register(info, identity, now, self.tokenizer_fingerprint)
                 if reason is None:
@@ -307,7 +308,10 @@ class Gateway:
         )
         if target is None:
             await send(self.control, Redirect(request_id=rid, decode=None), to=identity)
-            await self.replace(req, f"{refused} refused and no decode node had room", "no_room")
+            # spawned, not awaited: the re-placement waits for an Accept this loop reads
+            self._spawn(
+                self.replace(req, f"{refused} refused and no decode node had room", "no_room")
+            )
             return
         target.decoding.add(rid)
         req.decode_node = target.node_id
