@@ -169,7 +169,8 @@ def test_pdserve_up_stops_every_child(role, tmp_path):
         assert proc.wait(30) == 0
         alive = [c for c in children if subprocess.run(["kill", "-0", c]).returncode == 0]
         assert alive == []
-        with socket.socket() as s:  # the HTTP port is free again
+        with socket.socket() as s:  # nothing listens any more (TIME_WAIT is fine, as for servers)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))
     finally:
         if proc.poll() is None:
