@@ -184,6 +184,12 @@ class NodeConfig:
     kv_transfer_timeout: float = flag(10.0, "decode: free a reservation whose KV stalls this long")
     queueing: bool = flag(False, "prefill: accept every offer and queue locally (baselines)")
     drain_timeout: float = flag(30.0, "seconds a draining node finishes work before handing back")
+    kv_backend: Literal["auto", "zmq", "shm", "ucx"] = flag(
+        "auto", "KV transfer: auto (shm on one host, else zmq), or force zmq, shm, ucx"
+    )
+    layerwise_min_tokens: int = flag(
+        256, "prefill: send KV layer by layer from this prompt length on (below: at the end)"
+    )
 
     def __post_init__(self) -> None:
         if not self.gateway.startswith(("tcp://", "ipc://")):

@@ -1,11 +1,12 @@
 """What prefill and decode nodes share: registration, heartbeats, leases, drain, engine thread.
 
-A node connects a DEALER (identity = node id + a random suffix) to the gateway's control ROUTER, registers,
-and sends a heartbeat with its load every `heartbeat_interval`. The reply names request ids
-the gateway no longer knows (the node frees them: leases) or says the gateway does not know
-the node (it restarted): the node registers again. Engine work runs in one dedicated thread
-so the event loop keeps answering offers and heartbeats during a forward pass. SIGTERM
-drains: stop taking work, finish what is held (or hand it back after `drain_timeout`), exit.
+A node connects a DEALER (identity = node id + a random suffix) to the gateway's control
+ROUTER, registers, and sends a heartbeat with its load every `heartbeat_interval`. The reply
+names request ids the gateway no longer knows (the node frees them: leases) or says the
+gateway does not know the node (it restarted): the node registers again. Engine work runs in
+one dedicated thread so the event loop keeps answering offers and heartbeats during a
+forward pass. SIGTERM drains: stop taking work, finish what is held (or hand it back after
+`drain_timeout`), exit.
 """
 
 from __future__ import annotations
@@ -52,12 +53,15 @@ class RegistrationRefused(PdserveError):
 
 
 def host_identity() -> str:
-    """Equal for processes that can share memory: same host and IPC namespace."""
+    """Equal exactly for processes that can share /dev/shm: the same kernel (boot id) and the
+    same IPC namespace. Containers sharing an IPC namespace match; hostnames do not matter."""
     try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
         ipc_ns = os.readlink("/proc/self/ns/ipc")
     except OSError:
-        ipc_ns = ""
-    return f"{socket.gethostname()}/{ipc_ns}"
+        return f"{socket.gethostname()}/{os.getpid()}"  # unknown: never share memory
+    return f"{boot}/{ipc_ns}"
 
 
 class NodeBase(ABC):
@@ -87,6 +91,7 @@ class NodeBase(ABC):
         self.last_reply = time.monotonic()
         self.tokens_address = ""
         self.tasks: list[asyncio.Task] = []
+        self.background: set[asyncio.Future] = set()
 
     # -- to implement ----------------------------------------------------------------------
     @abstractmethod
@@ -135,6 +140,12 @@ class NodeBase(ABC):
 
     async def send_gateway(self, msg: Msg) -> None:
         await send(self.control, msg)
+
+    def spawn(self, coro: Any) -> None:
+        """Fire and forget, keeping a reference so the task is not collected mid-flight."""
+        task = asyncio.ensure_future(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
     async def run_engine(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)

@@ -43,6 +43,7 @@ class NodeInfo(msgspec.Struct, kw_only=True, frozen=True):
     max_batch: int
     max_batch_tokens: int
     max_model_len: int
+    ucx_address: str = ""  # decode: HOST:PORT of its UCX listener, "" without UCX
     queueing: bool = False  # accepts every offer and queues locally (baseline schedulers)
 
 
@@ -99,7 +100,20 @@ class Deregister(Msg):
     node_id: str
 
 
+class KvTransferred(Msg):
+    """A prefill node's record of one finished KV handoff, for the request's timeline."""
+
+    request_id: str
+    backend: str
+    bytes: int
+    layerwise: bool
+    start_ms: float  # since the node accepted the request
+    end_ms: float  # KvAck received
+
+
 NodeToGateway = (
+    KvTransferred
+    |
     Register | Heartbeat | Accept | Reject | FirstToken | NeedDecode | PrefillFailed | Deregister
 )
 
@@ -124,6 +138,7 @@ class DecodeTarget(msgspec.Struct, kw_only=True, frozen=True):
     node_id: str
     data_address: str
     host_id: str
+    ucx_address: str = ""
 
 
 class PrefillOffer(Msg):
@@ -163,11 +178,13 @@ class KvHeader(Msg):
     num_layers: int
     frame_bytes: int  # bytes of each layer's frame
     prefill_node: str
+    backend: str = "zmq"  # where the frames travel: zmq | shm | ucx (common/kv_transfer)
+    shm_name: str = ""  # shm: the segment holding layer i at offset i * frame_bytes
 
 
 class KvLayer(Msg):
     request_id: str
-    layer: int  # followed by one raw frame of KvHeader.frame_bytes bytes
+    layer: int  # zmq: followed by one raw frame of KvHeader.frame_bytes bytes
 
 
 class KvDone(Msg):

@@ -15,44 +15,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+import zmq.asyncio
 
 from common.config import EngineConfig, NodeConfig
 from common.engine.interface import DecodeWork, Engine
 from common.engine.scheduler import Scheduler, SchedulerConfig
 from common.engine.sequence import SeqStatus, Sequence, check_stop
+from common.kv_transfer.intake import Intake, KvIntake
 from common.node import NodeBase
-from common.protocol import (
-    TO_DECODE_DECODER,
-    Abort,
-    Drain,
-    KvAck,
-    KvDone,
-    KvHeader,
-    KvLayer,
-    KvRefuse,
-    Load,
-    Msg,
-    Preempted,
-    TokenBatch,
-    encode,
-)
+from common.protocol import Abort, Drain, KvHeader, Load, Msg, Preempted, TokenBatch, encode
 from common.tokenizer import Tokenizer
-from common.transport import TOKENS_MAX_MSG, bound_address, decode_or_none, make_socket
+from common.transport import TOKENS_MAX_MSG, bound_address, make_socket
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Intake:
-    header: KvHeader
-    peer: bytes
-    block_table: list[int]
-    started: float
-    layers: set[int] = field(default_factory=set)
 
 
 class DecodeNode(NodeBase):
@@ -81,8 +59,16 @@ class DecodeNode(NodeBase):
             max_msg=max(max_frame, TOKENS_MAX_MSG),
         )
         self._data_address = bound_address(self.data, cfg.advertise_host)
+        self.ucx: Any = None
+        self.intake = KvIntake(
+            self.data,
+            engine,
+            self._reserve,
+            self.blocks.free,
+            self._admit,
+            timeout=cfg.kv_transfer_timeout,
+        )
         self.tokens_sock: zmq.asyncio.Socket | None = None
-        self.intake: dict[str, Intake] = {}
         self.seqs: dict[str, Sequence] = {}
         self.in_step: set[str] = set()
         self.aborted_in_step: set[str] = set()
@@ -91,29 +77,51 @@ class DecodeNode(NodeBase):
     def data_address(self) -> str:
         return self._data_address
 
+    def info(self) -> Any:
+        info = super().info()
+        if self.ucx is None:
+            return info
+        import msgspec
+
+        return msgspec.structs.replace(info, ucx_address=self.ucx.address)
+
     def load(self) -> Load:
+        # blocks held back by the watermark are not offered: a header needing them is refused
+        reserve = self.scheduler.cfg.watermark_blocks
+        cached = self.blocks.num_cached_blocks
+        free = max(0, self.blocks.num_free_blocks - cached - reserve)
         return Load(
             running=len(self.scheduler.running),
-            waiting=len(self.intake),
-            blocks_free=self.blocks.num_free_blocks - self.blocks.num_cached_blocks,
-            blocks_cached=self.blocks.num_cached_blocks,
+            waiting=len(self.intake.active),
+            blocks_free=free,
+            blocks_cached=cached,
             blocks_in_use=self.blocks.num_in_use_blocks,
-            held=(*self.seqs, *self.intake),
+            held=(*self.seqs, *self.intake.active),
             draining=self.draining,
         )
 
     def idle(self) -> bool:
-        return not (self.seqs or self.intake)
+        return not (self.seqs or self.intake.active)
 
     async def serve(self) -> None:
+        if self.cfg.kv_backend == "ucx":
+            from common.kv_transfer.ucx import UcxListener
+
+            self.ucx = self.intake.ucx = UcxListener(self.cfg.advertise_host)
         self.tasks += [
-            asyncio.create_task(self._data_loop()),
+            asyncio.create_task(self.intake.run()),
             asyncio.create_task(self._engine_loop()),
             asyncio.create_task(self._transfer_timeouts()),
         ]
         await super().serve()
 
+    async def shutdown(self) -> None:
+        if self.ucx is not None:
+            await self.ucx.close()
+        await super().shutdown()
+
     def close_sockets(self) -> None:
+        self.intake.close()
         self.data.close()
         if self.tokens_sock is not None:
             self.tokens_sock.close()
@@ -138,9 +146,7 @@ class DecodeNode(NodeBase):
                 log.warning("unexpected gateway message %s", type(msg).__name__)
 
     def _abort(self, rid: str) -> None:
-        intake = self.intake.pop(rid, None)
-        if intake is not None:
-            self.blocks.free(intake.block_table)
+        if self.intake.drop(rid):
             return
         seq = self.seqs.get(rid)
         if seq is None:
@@ -162,60 +168,23 @@ class DecodeNode(NodeBase):
             self._abort(rid)
 
     # -- intake ----------------------------------------------------------------------------
-    async def _data_loop(self) -> None:
-        while True:
-            parts = await self.data.recv_multipart(copy=False)
-            peer, payload = parts[0].bytes, parts[1].bytes
-            msg = decode_or_none(TO_DECODE_DECODER, payload) if len(parts) >= 2 else None
-            try:
-                match msg:
-                    case KvHeader():
-                        await self._on_header(peer, msg)
-                    case KvLayer(request_id=rid, layer=layer) if len(parts) == 3:
-                        self._on_layer(rid, layer, parts[2].buffer)
-                    case KvDone(request_id=rid, first_token_id=token):
-                        await self._on_done(peer, rid, token)
-                    case Abort(request_id=rid):
-                        self._abort(rid)
-                    case _:
-                        log.warning("dropping malformed data message")
-            except Exception:
-                log.exception("KV intake failed")
-
-    async def _refuse(self, peer: bytes, rid: str, reason: str) -> None:
-        await self.data.send_multipart([peer, encode(KvRefuse(request_id=rid, reason=reason))])
-
-    async def _on_header(self, peer: bytes, h: KvHeader) -> None:
+    def _reserve(self, h: KvHeader) -> list[int] | str:
+        """Blocks for the prompt and the first token, keeping the watermark free."""
         if self.draining:
-            return await self._refuse(peer, h.request_id, "draining")
-        if h.request_id in self.intake or h.request_id in self.seqs:
-            return await self._refuse(peer, h.request_id, "duplicate request id")
+            return "draining"
+        if h.request_id in self.intake.incoming or h.request_id in self.seqs:
+            return "duplicate request id"
         if h.frame_bytes != self.engine.kv_frame_bytes(len(h.prompt_ids)):
-            return await self._refuse(peer, h.request_id, "KV layout mismatch")
+            return "KV layout mismatch"
         need = self.blocks.blocks_needed(len(h.prompt_ids) + 1)
         if not self.blocks.can_allocate(need, reserve=self.scheduler.cfg.watermark_blocks):
-            free = self.blocks.num_free_blocks
-            return await self._refuse(peer, h.request_id, f"needs {need} KV blocks, {free} free")
-        self.intake[h.request_id] = Intake(h, peer, self.blocks.allocate(need), time.monotonic())
+            return f"needs {need} KV blocks, {self.blocks.num_free_blocks} free"
+        return self.blocks.allocate(need)
 
-    def _on_layer(self, rid: str, layer: int, frame: memoryview) -> None:
-        intake = self.intake.get(rid)
-        if intake is None:
-            return  # refused, aborted or timed out: drop
-        n = len(intake.header.prompt_ids)
-        self.engine.import_kv(layer, intake.block_table, n, frame)
-        intake.layers.add(layer)
-
-    async def _on_done(self, peer: bytes, rid: str, first_token: int) -> None:
-        intake = self.intake.pop(rid, None)
-        if intake is None:
-            return
+    async def _admit(self, intake: Intake, first_token: int) -> None:
         h = intake.header
-        if len(intake.layers) != h.num_layers:
-            self.blocks.free(intake.block_table)
-            return await self._refuse(peer, rid, f"got {len(intake.layers)}/{h.num_layers} layers")
         seq = Sequence(
-            seq_id=rid,
+            seq_id=h.request_id,
             token_ids=[*h.prompt_ids, first_token],
             num_prompt_tokens=h.num_prompt_tokens,
             params=h.params,
@@ -223,24 +192,14 @@ class DecodeNode(NodeBase):
             num_computed_tokens=len(h.prompt_ids),
             status=SeqStatus.RUNNING,
         )
-        self.seqs[rid] = seq
+        self.seqs[h.request_id] = seq
         self.scheduler.admit_prefilled(seq)
-        await self.data.send_multipart([peer, encode(KvAck(request_id=rid))])
         self.work.set()
 
     async def _transfer_timeouts(self) -> None:
         while True:
             await asyncio.sleep(0.5)
-            now = time.monotonic()
-            for rid, intake in list(self.intake.items()):
-                if now - intake.started > self.cfg.kv_transfer_timeout:
-                    log.warning(
-                        "KV of %s stalled for %.1f s: freeing its reservation",
-                        rid,
-                        now - intake.started,
-                    )
-                    self._abort(rid)
-                    await self._refuse(intake.peer, rid, "KV transfer timed out")
+            await self.intake.expire(time.monotonic())
 
     # -- decoding --------------------------------------------------------------------------
     async def _engine_loop(self) -> None:

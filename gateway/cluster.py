@@ -39,6 +39,7 @@ class NodeState:
             node_id=self.info.node_id,
             data_address=self.info.data_address,
             host_id=self.info.host_id,
+            ucx_address=self.info.ucx_address,
         )
 
 
@@ -54,7 +55,8 @@ class ClusterView:
         """Adds the node; returns a refusal reason instead when it cannot join."""
         existing = self.nodes.get(info.node_id)
         if existing is not None:
-            if existing.info == info and existing.identity == identity:  # the same node registering again (it lost our replies)
+            # the same node registering again (it lost our replies)
+            if existing.info == info and existing.identity == identity:
                 existing.last_seen = now
                 return None
             return (

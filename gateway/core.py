@@ -29,6 +29,7 @@ from common.protocol import (
     FirstToken,
     Heartbeat,
     HeartbeatReply,
+    KvTransferred,
     Msg,
     NeedDecode,
     Preempted,
@@ -264,6 +265,23 @@ class Gateway:
                 if reason is not None:
                     req.prefill_node = None  # the node already freed its KV
                 self._on_token(req, token, reason)
+            case KvTransferred(request_id=rid):
+                node = self.cluster.by_identity(identity)
+                self.metrics.kv_bytes.labels(node.node_id if node else "?", msg.backend).inc(
+                    msg.bytes
+                )
+                self.metrics.kv_seconds.labels(msg.backend).observe(
+                    (msg.end_ms - msg.start_ms) / 1000
+                )
+                req = self.requests.get(rid)
+                if req is not None:
+                    req.timeline[f"kv_transfer.{req.attempt}"] = {  # type: ignore[assignment]
+                        "backend": msg.backend,
+                        "bytes": msg.bytes,
+                        "layerwise": msg.layerwise,
+                        "start_ms": round(msg.start_ms, 3),
+                        "end_ms": round(msg.end_ms, 3),
+                    }
             case NeedDecode(request_id=rid, refused_by=refused):
                 await self._redirect(identity, rid, refused)
             case PrefillFailed(request_id=rid, reason=why):

@@ -120,6 +120,16 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.kv_bytes = Counter(
+            "pdserve:kv_transfer_bytes", "KV bytes handed off", ["node", "backend"], registry=r
+        )
+        self.kv_seconds = Histogram(
+            "pdserve:kv_transfer_seconds",
+            "KV handoff: header sent to KvAck",
+            ["backend"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         r.register(ClusterCollector(cluster, waiting))
 
     def render(self) -> bytes:

@@ -15,51 +15,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
-
-import zmq
-import zmq.asyncio
 
 from common.config import EngineConfig, NodeConfig
 from common.engine.block_manager import BlockManager
 from common.engine.interface import Engine, PrefillWork
-from common.node import NodeBase
+from common.kv_transfer.sender import KvSender, Transfer
+from common.node import NodeBase, host_identity
 from common.protocol import (
-    TO_PREFILL_DECODER,
     Abort,
     Accept,
     DecodeTarget,
     Drain,
     FirstToken,
-    KvAck,
-    KvDone,
-    KvHeader,
-    KvLayer,
-    KvRefuse,
+    KvTransferred,
     Load,
     NeedDecode,
     PrefillFailed,
     PrefillOffer,
     Redirect,
     Reject,
-    encode,
 )
 from common.tokenizer import Tokenizer
-from common.transport import decode_or_none, make_socket
 from prefill_node.batcher import PrefillBatcher, PrefillJob
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Peer:
-    """One DEALER to a decode node, with an ordered send queue."""
-
-    node_id: str
-    sock: zmq.asyncio.Socket
-    outbox: asyncio.Queue[list[Any]] = field(default_factory=asyncio.Queue)
-    tasks: list[asyncio.Task] = field(default_factory=list)
 
 
 class PrefillNode(NodeBase):
@@ -77,10 +57,18 @@ class PrefillNode(NodeBase):
             engine.num_blocks,
             cfg.queueing,
         )
-        self.peers: dict[str, Peer] = {}
-        self.handed_off: dict[str, PrefillJob] = {}  # KV sent or being sent, waiting for KvAck
+        self.sender = KvSender(
+            self.ctx,
+            self.node_id,
+            host_identity(),
+            engine,
+            cfg.kv_backend,
+            on_ack=self._on_ack,
+            on_refuse=self._on_refuse,
+        )
+        self.transfers: dict[str, Transfer] = {}  # of the batch being computed
+        self.handed_off: dict[str, PrefillJob] = {}  # KV sent or being sent, until KvAck
         self.work = asyncio.Event()
-        self.num_layers = engine.model_config.num_layers
 
     def data_address(self) -> str:
         return ""
@@ -88,11 +76,12 @@ class PrefillNode(NodeBase):
     def load(self) -> Load:
         held = [j.request_id for j in (*self.batcher.pending, *self.batcher.running)]
         held += list(self.handed_off)
+        cached = self.blocks.num_cached_blocks
         return Load(
             running=len(self.batcher.running),
             waiting=len(self.batcher.pending),
-            blocks_free=self.blocks.num_free_blocks - self.blocks.num_cached_blocks,
-            blocks_cached=self.blocks.num_cached_blocks,
+            blocks_free=self.blocks.num_free_blocks - cached,
+            blocks_cached=cached,
             blocks_in_use=self.blocks.num_in_use_blocks,
             held=tuple(held),
             draining=self.draining,
@@ -105,11 +94,9 @@ class PrefillNode(NodeBase):
         self.tasks.append(asyncio.create_task(self._engine_loop()))
         await super().serve()
 
-    def close_sockets(self) -> None:
-        for peer in self.peers.values():
-            for task in peer.tasks:
-                task.cancel()
-            peer.sock.close()
+    async def shutdown(self) -> None:
+        await self.sender.close()
+        await super().shutdown()
 
     # -- gateway messages ------------------------------------------------------------------
     async def on_gateway_message(self, msg: Any) -> None:
@@ -134,9 +121,10 @@ class PrefillNode(NodeBase):
             num_prompt_tokens=len(offer.prompt_ids),
             accepted_at=time.monotonic(),
         )
-        reason = (
-            "draining" if self.draining else self.batcher.offer(job, self.blocks.num_free_blocks)
-        )
+        if self.draining:
+            reason: str | None = "draining"
+        else:
+            reason = self.batcher.offer(job, self.blocks.num_free_blocks)
         if reason is None:
             await self.send_gateway(Accept(request_id=job.request_id))
             self.work.set()
@@ -144,17 +132,16 @@ class PrefillNode(NodeBase):
             await self.send_gateway(Reject(request_id=job.request_id, reason=reason))
 
     def _abort(self, rid: str) -> None:
-        job = self.batcher.remove(rid)
-        if job is not None:
+        if self.batcher.remove(rid) is not None:
             return
         for job in self.batcher.running:
             if job.request_id == rid:
                 job.aborted = True  # freed when the forward pass returns
                 return
-        job = self.handed_off.pop(rid, None)
-        if job is not None:
-            self._free(job)
-            self._to_peer(job.decode, [encode(Abort(request_id=rid))])
+        held = self.handed_off.pop(rid, None)
+        if held is not None:
+            self._free(held)
+            self.sender.abort(rid)
 
     def free_stale(self, request_ids: tuple[str, ...]) -> None:
         for rid in request_ids:
@@ -181,47 +168,52 @@ class PrefillNode(NodeBase):
     async def _run_batch(self, batch: list[PrefillJob]) -> None:
         for job in batch:
             job.block_table = self.blocks.allocate(self.batcher.blocks_for(job))
-            if job.params.max_tokens > 1:
-                self._send_header(job)
-        loop = asyncio.get_running_loop()
+            if job.params.max_tokens > 1:  # it will be handed off: decode reserves meanwhile
+                self.transfers[job.request_id] = self.sender.begin(
+                    job.request_id,
+                    job.decode,
+                    job.prompt_ids,
+                    job.num_prompt_tokens,
+                    job.params,
+                    job.block_table,
+                )
         started = time.monotonic()
         try:
-            tokens = await self.run_engine(self._prefill, batch, loop)
+            tokens, at_end = await self.run_engine(self._prefill, batch, asyncio.get_running_loop())
         except Exception as exc:
             log.exception("prefill failed")
             for job in batch:
                 self._free(job)
+                self.sender.abort(job.request_id)
                 await self.send_gateway(PrefillFailed(request_id=job.request_id, reason=repr(exc)))
             self.batcher.batch_done()
+            self.transfers.clear()
             return
         prefill_ms = (time.monotonic() - started) * 1000
         self.batcher.batch_done()
         for job, token in zip(batch, tokens, strict=True):
+            transfer = self.transfers.pop(job.request_id, None)
+            if transfer is not None and job.request_id in at_end:
+                self.sender.push_all(transfer, at_end[job.request_id])
             reason = self._finish_reason(job, token)
-            if job.aborted:
+            if job.aborted or reason is not None:
                 self._free(job)
-                self._to_peer(job.decode, [encode(Abort(request_id=job.request_id))])
+                self.sender.abort(job.request_id)
+            if job.aborted:
                 continue
-            queue_ms = (started - job.accepted_at) * 1000
             await self.send_gateway(
                 FirstToken(
                     request_id=job.request_id,
                     token_id=token,
                     finish_reason=reason,
                     prefill_ms=prefill_ms,
-                    queue_ms=queue_ms,
+                    queue_ms=(started - job.accepted_at) * 1000,
                 )
             )
-            if reason is not None:
-                self._free(job)
-                if job.params.max_tokens > 1:
-                    self._to_peer(job.decode, [encode(Abort(request_id=job.request_id))])
-                continue
-            job.first_token = token
-            self.handed_off[job.request_id] = job
-            self._to_peer(
-                job.decode, [encode(KvDone(request_id=job.request_id, first_token_id=token))]
-            )
+            if reason is None and transfer is not None:
+                job.first_token = token
+                self.handed_off[job.request_id] = job
+                self.sender.done(transfer, token)
 
     def _finish_reason(self, job: PrefillJob, token: int) -> str | None:
         p = job.params
@@ -233,87 +225,59 @@ class PrefillNode(NodeBase):
             return "length"
         return None
 
-    def _prefill(self, batch: list[PrefillJob], loop: asyncio.AbstractEventLoop) -> list[int]:
-        """Engine thread: one forward pass; each layer's frames are queued as they appear."""
+    def _prefill(
+        self, batch: list[PrefillJob], loop: asyncio.AbstractEventLoop
+    ) -> tuple[list[int], dict[str, list[Any]]]:
+        """Engine thread: one forward pass. Long prompts stream each layer as it lands (the
+        send overlaps the next layers' compute); short ones, where per-layer framing costs
+        more than it hides, are exported whole after the pass (`layerwise_min_tokens`)."""
         works = [PrefillWork(j.request_id, j.prompt_ids, 0, j.block_table, j.params) for j in batch]
-        senders = [j for j in batch if j.params.max_tokens > 1]
+        moving = [self.transfers[j.request_id] for j in batch if j.request_id in self.transfers]
+        layerwise = [t for t in moving if t.num_tokens >= self.cfg.layerwise_min_tokens]
 
         def on_layer(layer: int) -> None:
-            for job in senders:
-                frame = self.engine.export_frame(layer, job.block_table, job.num_tokens)
-                header = encode(KvLayer(request_id=job.request_id, layer=layer))
-                loop.call_soon_threadsafe(self._to_peer, job.decode, [header, frame])
+            for t in layerwise:
+                loop.call_soon_threadsafe(self.sender.push, t, layer, self.sender.stage(t, layer))
 
-        return self.engine.step(works, [], on_layer if senders else None)
+        tokens = self.engine.step(works, [], on_layer if layerwise else None)
+        at_end = {t.request_id: self.sender.stage_all(t) for t in moving if t not in layerwise}
+        return tokens, at_end
 
-    # -- KV transfer -----------------------------------------------------------------------
-    def _send_header(self, job: PrefillJob) -> None:
-        header = KvHeader(
-            request_id=job.request_id,
-            prompt_ids=job.prompt_ids,
-            num_prompt_tokens=job.num_prompt_tokens,
-            params=job.params,
-            num_layers=self.num_layers,
-            frame_bytes=self.engine.kv_frame_bytes(job.num_tokens),
-            prefill_node=self.node_id,
-        )
-        self._to_peer(job.decode, [encode(header)])
-
-    def _to_peer(self, target: DecodeTarget, parts: list[Any]) -> None:
-        peer = self.peers.get(target.node_id)
-        if peer is None:
-            sock = make_socket(self.ctx, "prefill.data", target.data_address, identity=self.node_id)
-            peer = Peer(target.node_id, sock)
-            peer.tasks = [
-                asyncio.create_task(self._peer_sender(peer)),
-                asyncio.create_task(self._peer_receiver(peer)),
-            ]
-            self.peers[target.node_id] = peer
-        peer.outbox.put_nowait(parts)
-
-    async def _peer_sender(self, peer: Peer) -> None:
-        while True:
-            parts = await peer.outbox.get()
-            await peer.sock.send_multipart(parts, copy=len(parts) == 1)
-
-    async def _peer_receiver(self, peer: Peer) -> None:
-        while True:
-            msg = decode_or_none(TO_PREFILL_DECODER, await peer.sock.recv())
-            match msg:
-                case KvAck(request_id=rid):
-                    job = self.handed_off.pop(rid, None)
-                    if job is not None:
-                        self._free(job)
-                case KvRefuse(request_id=rid, reason=why):
-                    log.info("%s refused KV of %s: %s", peer.node_id, rid, why)
-                    await self.send_gateway(
-                        NeedDecode(request_id=rid, refused_by=peer.node_id, reason=why)
-                    )
-                case _:
-                    log.warning("dropping malformed message from %s", peer.node_id)
-
-    async def _on_redirect(self, rid: str, target: DecodeTarget | None) -> None:
-        job = self.handed_off.get(rid) or next(
-            (j for j in self.batcher.running if j.request_id == rid), None
-        )
+    # -- KV transfer callbacks -------------------------------------------------------------
+    def _on_ack(self, t: Transfer) -> None:
+        job = self.handed_off.pop(t.request_id, None)
         if job is None:
             return
-        if target is None:
+        self._free(job)
+        base = job.accepted_at
+        record = KvTransferred(
+            request_id=t.request_id,
+            backend=t.backend,
+            bytes=t.total_bytes,
+            layerwise=t.num_tokens >= self.cfg.layerwise_min_tokens,
+            start_ms=(t.started - base) * 1000,
+            end_ms=(t.finished - base) * 1000,
+        )
+        self.spawn(self.send_gateway(record))
+
+    async def _on_refuse(self, rid: str, peer: str, why: str) -> None:
+        log.info("%s refused KV of %s: %s", peer, rid, why)
+        await self.send_gateway(NeedDecode(request_id=rid, refused_by=peer, reason=why))
+
+    async def _on_redirect(self, rid: str, target: DecodeTarget | None) -> None:
+        while any(j.request_id == rid for j in self.batcher.running):
+            await asyncio.sleep(0.001)  # the pass still sends to the old peer; resend after it
+        job = self.handed_off.get(rid)
+        if job is None or job.first_token is None:
+            return
+        self.sender.release(rid)
+        if target is None:  # nobody can take it: the gateway re-places the request
             self.handed_off.pop(rid, None)
             self._free(job)
             return
-        while any(j is job for j in self.batcher.running):
-            await asyncio.sleep(0.001)  # the pass still sends to the old peer; resend after it
-        if rid not in self.handed_off or job.first_token is None:
-            return
         job.decode = target
-        self._send_header(job)
-        frames = await self.run_engine(
-            lambda: [
-                self.engine.export_frame(i, job.block_table, job.num_tokens)
-                for i in range(self.num_layers)
-            ]
+        t = self.sender.begin(
+            rid, target, job.prompt_ids, job.num_prompt_tokens, job.params, job.block_table
         )
-        for layer, frame in enumerate(frames):
-            self._to_peer(target, [encode(KvLayer(request_id=rid, layer=layer)), frame])
-        self._to_peer(target, [encode(KvDone(request_id=rid, first_token_id=job.first_token))])
+        self.sender.push_all(t, await self.run_engine(self.sender.stage_all, t))
+        self.sender.done(t, job.first_token)

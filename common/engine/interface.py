@@ -68,6 +68,12 @@ class Engine(Protocol):
         """The same frame as raw bytes, ready for a zero-copy send."""
         ...
 
+    def export_into(
+        self, layer: int, block_table: Sequence[int], num_tokens: int, buf: memoryview
+    ) -> None:
+        """Write the frame straight into `buf` (shared memory, a reused staging buffer)."""
+        ...
+
     def import_kv(
         self, layer: int, block_table: Sequence[int], num_tokens: int, frame: Any
     ) -> None: ...

@@ -15,11 +15,6 @@ from collections.abc import Sequence
 import torch
 
 
-def slots_for(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
-    """Cache slots of token positions [start, end) for a sequence with this block table."""
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-
-
 class KVCache:
     def __init__(
         self,
@@ -70,3 +65,43 @@ class KVCache:
         self.data[layer].index_copy_(
             1, slots, frame.view(2, len(slots), *self.frame_shape_per_token)
         )
+
+    # -- the frame API, by block table (what transfers use) -------------------------------
+    def slots(self, block_table: Sequence[int], start: int, end: int) -> torch.Tensor:
+        """Cache slots of token positions [start, end) of a sequence with this block table."""
+        device = self.data.device
+        pos = torch.arange(start, end, device=device)
+        table = torch.tensor(block_table, dtype=torch.long, device=device)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def frame_bytes(self, num_tokens: int) -> int:
+        return num_tokens * self.bytes_per_token_per_layer()
+
+    def export_kv(
+        self,
+        layer: int,
+        block_table: Sequence[int],
+        num_tokens: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.export_layer(layer, self.slots(block_table, 0, num_tokens), out)
+
+    def export_frame(self, layer: int, block_table: Sequence[int], num_tokens: int) -> memoryview:
+        """The frame as raw bytes for the wire (a new contiguous buffer)."""
+        frame = self.export_kv(layer, block_table, num_tokens)
+        return memoryview(frame.view(-1).view(torch.uint8).numpy().data)
+
+    def export_into(
+        self, layer: int, block_table: Sequence[int], num_tokens: int, buf: memoryview
+    ) -> None:
+        """Write the frame straight into `buf` (e.g. shared memory): no intermediate copy."""
+        heads, dim = self.frame_shape_per_token
+        out = torch.frombuffer(buf, dtype=self.data.dtype).view(2, num_tokens, heads, dim)
+        self.export_kv(layer, block_table, num_tokens, out=out)
+
+    def import_kv(
+        self, layer: int, block_table: Sequence[int], num_tokens: int, frame: object
+    ) -> None:
+        if not isinstance(frame, torch.Tensor):
+            frame = torch.frombuffer(frame, dtype=self.data.dtype)  # type: ignore[call-overload]
+        self.import_layer(layer, self.slots(block_table, 0, num_tokens), frame.to(self.data.device))

@@ -65,9 +65,7 @@ class ModelRunner:
 
     # -- slots ---------------------------------------------------------------------------
     def slots(self, block_table: Sequence[int], start: int, end: int) -> torch.Tensor:
-        pos = torch.arange(start, end, device=self.device)
-        table = torch.tensor(block_table, dtype=torch.long, device=self.device)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+        return self.kv_cache.slots(block_table, start, end)
 
     def _metadata(
         self, prefills: Sequence[PrefillWork], decodes: Sequence[DecodeWork]
@@ -131,8 +129,9 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta, self.kv_cache, on_layer)
         return self.model.logits(hidden if all_rows else hidden[rows]).cpu()
 
+    # -- KV frames: the cache implements them ------------------------------------------
     def kv_frame_bytes(self, num_tokens: int) -> int:
-        return num_tokens * self.kv_cache.bytes_per_token_per_layer()
+        return self.kv_cache.frame_bytes(num_tokens)
 
     def export_kv(
         self,
@@ -141,18 +140,17 @@ class ModelRunner:
         num_tokens: int,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.kv_cache.export_layer(layer, self.slots(block_table, 0, num_tokens), out)
+        return self.kv_cache.export_kv(layer, block_table, num_tokens, out)
 
     def export_frame(self, layer: int, block_table: Sequence[int], num_tokens: int) -> memoryview:
-        """The frame as raw bytes for the wire (a fresh contiguous buffer)."""
-        frame = self.export_kv(layer, block_table, num_tokens)
-        return memoryview(frame.view(-1).view(torch.uint8).numpy().data)
+        return self.kv_cache.export_frame(layer, block_table, num_tokens)
+
+    def export_into(
+        self, layer: int, block_table: Sequence[int], num_tokens: int, buf: memoryview
+    ) -> None:
+        self.kv_cache.export_into(layer, block_table, num_tokens, buf)
 
     def import_kv(
         self, layer: int, block_table: Sequence[int], num_tokens: int, frame: object
     ) -> None:
-        if not isinstance(frame, torch.Tensor):
-            frame = torch.frombuffer(frame, dtype=self.dtype)  # type: ignore[call-overload]
-        self.kv_cache.import_layer(
-            layer, self.slots(block_table, 0, num_tokens), frame.to(self.device)
-        )
+        self.kv_cache.import_kv(layer, block_table, num_tokens, frame)

@@ -99,6 +99,14 @@ class SimEngine:
     def export_frame(self, layer: int, block_table: Sequence[int], num_tokens: int) -> memoryview:
         return self.export_kv(layer, block_table, num_tokens)
 
+    def export_into(
+        self, layer: int, block_table: Sequence[int], num_tokens: int, buf: memoryview
+    ) -> None:
+        size = self.kv_frame_bytes(num_tokens)
+        np.frombuffer(buf, dtype=np.uint8, count=size)[:] = np.frombuffer(
+            self.export_kv(layer, block_table, num_tokens), dtype=np.uint8
+        )
+
     def import_kv(
         self, layer: int, block_table: Sequence[int], num_tokens: int, frame: object
     ) -> None:

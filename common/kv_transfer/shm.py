@@ -1,0 +1,107 @@
+"""Shared-memory segments for same-host KV transfer: files in /dev/shm, mapped by both sides.
+
+The prefill node keeps a pool of segments and reuses them (fresh pages cost 3-7x a warm
+copy), so a steady stream of requests maps no new memory. A segment is lent to one request
+from its header until its KvAck (or abort) and then returned. The decode node keeps each
+segment it has seen mapped, keyed by name, for the same reason. Segment files are removed
+when the prefill node closes its pool; a crashed node leaves them to the OS's tmpfs cleanup.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from dataclasses import dataclass
+
+SHM_DIR = "/dev/shm"
+
+
+@dataclass
+class Segment:
+    name: str
+    size: int
+    mem: mmap.mmap
+
+    def view(self, offset: int, length: int) -> memoryview:
+        return memoryview(self.mem)[offset : offset + length]
+
+
+def _map(path: str, size: int, create: bool) -> mmap.mmap:
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+class SegmentPool:
+    """Prefill side: lend segments of at least `size` bytes, reuse returned ones."""
+
+    def __init__(self, prefix: str, max_free: int = 8) -> None:
+        self.prefix = f"pdserve-{prefix}-{secrets.token_hex(3)}"
+        self.free: list[Segment] = []
+        self.all: list[Segment] = []
+        self.max_free = max_free
+
+    def take(self, size: int) -> Segment:
+        fits = [s for s in self.free if s.size >= size]
+        if fits:
+            seg = min(fits, key=lambda s: s.size)
+            self.free.remove(seg)
+            return seg
+        name = f"{self.prefix}-{len(self.all)}"
+        size = max(size, 1 << 20)
+        seg = Segment(name, size, _map(os.path.join(SHM_DIR, name), size, create=True))
+        self.all.append(seg)
+        return seg
+
+    def give_back(self, seg: Segment) -> None:
+        self.free.append(seg)
+        if len(self.free) > self.max_free:  # keep the pool bounded: drop the smallest
+            victim = min(self.free, key=lambda s: s.size)
+            self.free.remove(victim)
+            self._destroy(victim)
+
+    def _destroy(self, seg: Segment) -> None:
+        self.all.remove(seg)
+        seg.mem.close()
+        try:
+            os.unlink(os.path.join(SHM_DIR, seg.name))
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        for seg in list(self.all):
+            self._destroy(seg)
+        self.free.clear()
+
+
+class SegmentMaps:
+    """Decode side: segments by name, mapped once and kept while their size fits."""
+
+    def __init__(self) -> None:
+        self.maps: dict[str, Segment] = {}
+
+    def get(self, name: str, size: int) -> Segment:
+        if "/" in name or not name.startswith("pdserve-"):
+            raise ValueError(f"refusing shared-memory name {name!r}")
+        seg = self.maps.get(name)
+        if seg is None or seg.size < size:
+            path = os.path.join(SHM_DIR, name)
+            real = os.path.getsize(path)
+            if real < size:
+                raise ValueError(f"segment {name} has {real} bytes, need {size}")
+            if seg is not None:
+                seg.mem.close()
+            seg = Segment(name, real, _map(path, real, create=False))
+            self.maps[name] = seg
+        return seg
+
+    def close(self) -> None:
+        for seg in self.maps.values():
+            seg.mem.close()
+        self.maps.clear()

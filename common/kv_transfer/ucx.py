@@ -1,0 +1,72 @@
+"""UCX payload channel (ucxx). Control stays on ZeroMQ; only frames travel here.
+
+A prefill node connects one endpoint per decode peer and first sends its node id (64 bytes,
+space padded), so the decode node knows whose frames arrive on it. Frames then follow in
+exactly the order of their KvLayer descriptors on the ZeroMQ channel, so the decode node,
+handling a descriptor, receives the next frame of that peer's endpoint into a reused buffer.
+On a GPU box UCX picks RDMA or NVLink (`UCX_TLS`); here it runs over TCP loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+ID_BYTES = 64
+
+
+def available() -> bool:
+    try:
+        import ucxx  # noqa: F401
+    except Exception:  # ImportError, or a broken CUDA/UCX install
+        return False
+    return True
+
+
+async def connect(address: str, node_id: str) -> Any:
+    import ucxx
+
+    host, _, port = address.rpartition(":")
+    ep = await ucxx.create_endpoint(host, int(port))
+    await ep.send(np.frombuffer(node_id.encode()[:ID_BYTES].ljust(ID_BYTES), dtype=np.uint8))
+    return ep
+
+
+class UcxListener:
+    """Decode side: accepts prefill endpoints and receives their frames on request."""
+
+    def __init__(self, host: str, port: int = 0) -> None:
+        import ucxx
+
+        self.endpoints: dict[str, Any] = {}
+        self.arrived: dict[str, asyncio.Event] = {}
+        self.buffer = np.empty(0, dtype=np.uint8)
+        self.listener = ucxx.create_listener(self._on_connect, port=port)
+        self.address = f"{host}:{self.listener.port}"
+
+    async def _on_connect(self, ep: Any) -> None:
+        ident = np.empty(ID_BYTES, dtype=np.uint8)
+        await ep.recv(ident)
+        peer = ident.tobytes().decode().strip()
+        self.endpoints[peer] = ep
+        self.arrived.setdefault(peer, asyncio.Event()).set()
+
+    async def recv(self, peer: str, size: int) -> memoryview:
+        """The next frame from `peer`, in a buffer reused across frames (valid until the next
+        call)."""
+        await self.arrived.setdefault(peer, asyncio.Event()).wait()
+        if self.buffer.size < size:
+            self.buffer = np.empty(size, dtype=np.uint8)
+        view = self.buffer[:size]
+        await self.endpoints[peer].recv(view)
+        return memoryview(view.data)
+
+    async def close(self) -> None:
+        for ep in self.endpoints.values():
+            try:
+                await ep.close()
+            except Exception:
+                pass
+        self.listener.close()

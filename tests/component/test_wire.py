@@ -1,0 +1,704 @@
+"""The wire: protocol codecs, and a gateway with prefill and decode nodes over real ZeroMQ
+sockets, all in one process and one event loop (sim engine, plus the real SmolLM2 model
+for byte-exact KV transfer)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import hashlib
+import typing
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from common.config import EngineConfig, GatewayConfig, NodeConfig
+from common.engine.sim import SimEngine
+from common.node import NodeBase, RegistrationRefused
+from common.protocol import (
+    GATEWAY_DECODER,
+    NODE_DECODER,
+    TO_DECODE_DECODER,
+    TO_PREFILL_DECODER,
+    TOKENS_DECODER,
+    Abort,
+    Accept,
+    DecodeTarget,
+    DecodeToGateway,
+    DecodeToPrefill,
+    Deregister,
+    Drain,
+    FirstToken,
+    GatewayToNode,
+    Heartbeat,
+    HeartbeatReply,
+    KvAck,
+    KvDone,
+    KvHeader,
+    KvLayer,
+    KvRefuse,
+    KvTransferred,
+    Load,
+    Msg,
+    NeedDecode,
+    NodeInfo,
+    NodeToGateway,
+    Preempted,
+    PrefillFailed,
+    PrefillOffer,
+    PrefillToDecode,
+    Redirect,
+    Register,
+    RegisterAck,
+    RegisterRefuse,
+    Reject,
+    TokenBatch,
+    encode,
+)
+from common.sampling import SamplingParams
+from common.transport import decode_or_none, free_port, make_socket, send
+from decode_node.server import DecodeNode
+from gateway.core import Gateway
+from gateway.requests import Done, Failed, GatewayRequest
+from prefill_node.server import PrefillNode
+
+PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+SIM = EngineConfig(engine="sim", sim_time_scale=0.01, num_kv_blocks=256, max_batch=8)
+TIMEOUT = 10.0
+
+
+# -- helpers -------------------------------------------------------------------------------
+async def until(pred: Callable[[], bool], timeout: float = TIMEOUT, what: str = "") -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not pred():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what or pred}")
+        await asyncio.sleep(0.005)
+
+
+async def outcome(req: GatewayRequest, timeout: float = TIMEOUT) -> Done | Failed:
+    """The request's final event (Done or Failed); fails the test instead of hanging."""
+
+    async def last() -> Done | Failed:
+        while True:
+            event = await req.events.get()
+            if isinstance(event, Done | Failed):
+                return event
+
+    return await asyncio.wait_for(last(), timeout)
+
+
+class Cluster:
+    """A gateway on free ports and the nodes started on it; leaving the `async with` stops
+    the nodes (each deregisters and closes its sockets), then the gateway."""
+
+    def __init__(self, tokenizer: Any, **gateway: Any) -> None:
+        self.tokenizer = tokenizer
+        ports: set[int] = set()
+        while len(ports) < 3:  # the HTTP port is unused here, but must differ
+            ports.add(free_port())
+        http, control, tokens = sorted(ports)
+        cfg = GatewayConfig(port=http, control_port=control, tokens_port=tokens, **gateway)
+        self.gw = Gateway(cfg, tokenizer)
+        self.address = f"tcp://127.0.0.1:{control}"
+        self.tasks: dict[str, tuple[NodeBase, asyncio.Task]] = {}
+        self.count = 0
+
+    async def __aenter__(self) -> Cluster:
+        await self.gw.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for node, task in list(self.tasks.values()):
+            await self.stop(node, task)
+        await self.gw.stop()
+
+    def node(
+        self,
+        cls: type[NodeBase],
+        node_id: str,
+        ecfg: EngineConfig = SIM,
+        engine: Any = None,
+        **cfg: Any,
+    ) -> Any:
+        ncfg = NodeConfig(gateway=self.address, node_id=node_id, heartbeat_interval=0.1, **cfg)
+        return cls(ncfg, ecfg, engine if engine is not None else SimEngine(ecfg), self.tokenizer)
+
+    def start(self, node: NodeBase) -> asyncio.Task:
+        task = asyncio.create_task(node.serve())
+        self.count += 1
+        self.tasks[f"{node.node_id}#{self.count}"] = (node, task)
+        return task
+
+    async def add(self, node: NodeBase) -> Any:
+        """Start the node and wait until the gateway acknowledged it."""
+        task = self.start(node)
+        await asyncio.wait_for(node.registered.wait(), TIMEOUT)
+        assert not task.done()
+        return node
+
+    async def stop(self, node: NodeBase, task: asyncio.Task) -> None:
+        node.stopped.set()
+        try:
+            await asyncio.wait_for(task, TIMEOUT)
+        except RegistrationRefused:
+            pass
+        self.tasks = {k: v for k, v in self.tasks.items() if v[1] is not task}
+        # a stopped node leaves no loop of its own running (on closed sockets)
+        await until(lambda: not tasks_of(node), 1.0, f"{node.node_id}'s tasks to end")
+
+    def request(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams = PARAMS
+    ) -> GatewayRequest:
+        return GatewayRequest(
+            request_id=rid,
+            kind="completion",
+            model="m",
+            prompt_ids=prompt_ids,
+            params=params,
+            stream=True,
+            include_usage=False,
+            tokenizer=self.tokenizer,
+        )
+
+
+def tasks_of(obj: object) -> list[str]:
+    """Names of the pending tasks running a method of `obj`."""
+    names = []
+    for task in asyncio.all_tasks():
+        frame = getattr(task.get_coro(), "cr_frame", None)
+        if not task.done() and frame is not None and frame.f_locals.get("self") is obj:
+            names.append(task.get_coro().__qualname__)
+    return names
+
+
+def prompt(n: int, start: int = 1000) -> list[int]:
+    return list(range(start, start + n))
+
+
+# -- 1. protocol ---------------------------------------------------------------------------
+INFO = NodeInfo(
+    node_id="p-1",
+    role="prefill",
+    data_address="tcp://10.0.0.1:5000",
+    host_id="h/ipc:[1]",
+    model_id="m",
+    dtype="float32",
+    tokenizer_fingerprint="abc",
+    kv_layout="30x3x64",
+    block_size=16,
+    num_blocks=100,
+    max_batch=4,
+    max_batch_tokens=8192,
+    max_model_len=2048,
+    queueing=True,
+)
+LOAD = Load(
+    running=1,
+    waiting=2,
+    blocks_free=3,
+    blocks_cached=4,
+    blocks_in_use=5,
+    held=("a.0", "b.1"),
+    draining=True,
+)
+TARGET = DecodeTarget(node_id="d-1", data_address="tcp://10.0.0.2:6000", host_id="h2")
+FULL_PARAMS = SamplingParams(
+    max_tokens=7,
+    temperature=0.5,
+    top_p=0.9,
+    top_k=20,
+    seed=3,
+    stop=("x", "yz"),
+    stop_token_ids=(2, 9),
+    ignore_eos=True,
+)
+SAMPLES: list[Msg] = [
+    Register(info=INFO),
+    Heartbeat(node_id="p-1", load=LOAD),
+    Accept(request_id="r.0"),
+    Reject(request_id="r.0", reason="batch full"),
+    FirstToken(request_id="r.0", token_id=5, finish_reason="length", prefill_ms=1.5, queue_ms=2),
+    NeedDecode(request_id="r.0", refused_by="d-1", reason="full"),
+    PrefillFailed(request_id="r.0", reason="boom"),
+    Deregister(node_id="p-1"),
+    RegisterAck(node_id="p-1", tokens_address="tcp://127.0.0.1:8002"),
+    RegisterRefuse(node_id="p-1", reason="dtype"),
+    HeartbeatReply(stale=("r.0",), unknown_node=True),
+    PrefillOffer(
+        request_id="r.1", prompt_ids=[1, 2, 3], params=FULL_PARAMS, decode=TARGET, num_generated=2
+    ),
+    Redirect(request_id="r.0", decode=TARGET),
+    Redirect(request_id="r.0", decode=None),
+    Abort(request_id="r.0"),
+    Drain(),
+    KvHeader(
+        request_id="r.0",
+        prompt_ids=[4, 5, 6],
+        num_prompt_tokens=2,
+        params=FULL_PARAMS,
+        num_layers=30,
+        frame_bytes=1024,
+        prefill_node="p-1",
+    ),
+    KvLayer(request_id="r.0", layer=29),
+    KvDone(request_id="r.0", first_token_id=77),
+    KvAck(request_id="r.0"),
+    KvRefuse(request_id="r.0", reason="needs 3 KV blocks, 1 free"),
+    TokenBatch(
+        node_id="d-1", request_ids=["a.0", "b.0"], token_ids=[1, 2], finish_reasons=[None, "stop"]
+    ),
+    Preempted(node_id="d-1", request_id="a.0", reason="out of KV blocks"),
+    KvTransferred(
+        request_id="r.0", backend="shm", bytes=4096, layerwise=True, start_ms=1.0, end_ms=2.5
+    ),
+]
+CHANNELS = [
+    (NODE_DECODER, NodeToGateway),
+    (GATEWAY_DECODER, GatewayToNode),
+    (TO_DECODE_DECODER, PrefillToDecode),
+    (TO_PREFILL_DECODER, DecodeToPrefill),
+    (TOKENS_DECODER, DecodeToGateway),
+]
+
+
+def test_every_message_round_trips_through_its_channel_only():
+    assert {type(m) for m in SAMPLES} == set(Msg.__subclasses__()), "a message lacks a sample"
+    for msg in SAMPLES:
+        data = encode(msg)
+        channels = 0
+        for decoder, union in CHANNELS:
+            decoded = decode_or_none(decoder, data)
+            if type(msg) in typing.get_args(union):
+                channels += 1
+                assert decoded == msg and type(decoded) is type(msg), (msg, decoder)
+            else:
+                assert decoded is None, (msg, union)
+        assert channels >= 1, f"{type(msg).__name__} is on no channel"
+
+
+@pytest.mark.parametrize("decoder", [d for d, _ in CHANNELS])
+def test_garbage_and_malformed_messages_are_rejected(decoder):
+    offer = msgspec.to_builtins(SAMPLES[11])
+    bad_params = {**offer, "params": {**offer["params"], "max_tokens": 0}}
+    garbage = [
+        b"",
+        b"\xc1",
+        b"not msgpack at all",
+        b"\x93\x01\x02",  # truncated array
+        msgspec.msgpack.encode([1, 2, 3]),
+        msgspec.msgpack.encode({"type": "NoSuchMessage", "request_id": "r.0"}),
+        msgspec.msgpack.encode({"type": "Accept"}),  # missing field
+        msgspec.msgpack.encode({"type": "Abort", "request_id": 7}),  # wrong type
+        msgspec.msgpack.encode({"type": "KvAck", "request_id": ["r"]}),
+        msgspec.msgpack.encode({"type": "TokenBatch", "node_id": "d", "request_ids": "x"}),
+        msgspec.msgpack.encode(bad_params),  # SamplingParams validation fails
+        encode(SAMPLES[0])[:-3],  # truncated valid message
+    ]
+    for data in garbage:
+        assert decode_or_none(decoder, data) is None, data
+
+
+# -- 2. registration -----------------------------------------------------------------------
+class RawNode:
+    """A control DEALER driven by hand: a node process as the gateway sees it."""
+
+    def __init__(self, address: str, identity: str) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = make_socket(self.ctx, "node.control", address, identity=identity)
+
+    async def ask(self, msg: Msg) -> Any:
+        await send(self.sock, msg)
+        return GATEWAY_DECODER.decode(await asyncio.wait_for(self.sock.recv(), TIMEOUT))
+
+    def close(self) -> None:  # a crash: no Deregister
+        self.sock.close()
+        self.ctx.term()
+
+
+async def test_nodes_register_and_mismatched_ones_are_refused(tokenizer):
+    async with Cluster(tokenizer) as c:
+        assert c.gw.cluster.health() is not None
+        prefill = await c.add(c.node(PrefillNode, "prefill-0"))
+        decode = await c.add(c.node(DecodeNode, "decode-0"))
+        assert set(c.gw.cluster.nodes) == {"prefill-0", "decode-0"}
+        assert c.gw.cluster.health() is None
+        assert c.gw.cluster.nodes["decode-0"].info == decode.info()
+        assert c.gw.cluster.nodes["decode-0"].info.data_address.startswith("tcp://127.0.0.1:")
+        assert decode.tokens_address == c.gw.tokens_address and decode.tokens_sock is not None
+        # heartbeats carry the load to the gateway
+        await until(lambda: c.gw.cluster.nodes["prefill-0"].load.blocks_free == 256, 2)
+
+        for name, value in (("dtype", "bfloat16"), ("model_id", "another-model")):
+            odd = c.node(PrefillNode, f"odd-{name}")
+            info = odd.info
+            odd.info = lambda info=info, name=name, value=value: msgspec.structs.replace(
+                info(), **{name: value}
+            )
+            with pytest.raises(RegistrationRefused, match=name):
+                await asyncio.wait_for(c.start(odd), TIMEOUT)
+            assert odd.stopped.is_set() and not odd.registered.is_set()
+            assert f"odd-{name}" not in c.gw.cluster.nodes
+
+        # another socket cannot speak for a registered node
+        other = RawNode(c.address, "someone-else")
+        try:
+            reply = await other.ask(Heartbeat(node_id="prefill-0", load=LOAD))
+            assert reply == HeartbeatReply(stale=(), unknown_node=True)
+            await send(other.sock, Deregister(node_id="prefill-0"))
+            await asyncio.sleep(0.1)
+        finally:
+            other.close()
+        assert set(c.gw.cluster.nodes) == {"prefill-0", "decode-0"}
+        assert c.gw.cluster.nodes["prefill-0"].load.held == ()  # not LOAD's
+        assert c.gw.cluster.health() is None
+        assert prefill.registered.is_set()
+
+
+async def test_same_node_id_is_refused_and_keeps_the_first(tokenizer):
+    async with Cluster(tokenizer) as c:
+        first = await c.add(c.node(PrefillNode, "twin"))
+        first_info = first.info()
+        for ecfg in (dataclasses.replace(SIM, max_batch=2), SIM):  # other config, or the same
+            twin = c.node(PrefillNode, "twin", ecfg=ecfg)
+            with pytest.raises(RegistrationRefused, match="already registered"):
+                await asyncio.wait_for(c.start(twin), TIMEOUT)
+            await asyncio.sleep(0.1)  # let anything the refused node sent on its way arrive
+            assert c.gw.cluster.nodes["twin"].info == first_info
+        assert first.registered.is_set()
+        # the first node is still the one the gateway talks to: it takes a request
+        await c.add(c.node(DecodeNode, "decode-0"))
+        req = c.request("r", prompt(20))
+        await asyncio.wait_for(c.gw.run(req), TIMEOUT)
+        assert await outcome(req) == Done("length")
+        assert c.gw.cluster.nodes["twin"].accepts == 1
+
+
+async def test_a_node_that_lost_the_ack_registers_again(tokenizer):
+    """The same process (socket) re-sending the same Register is welcome; after it
+    vanishes, a new process under its id is refused until the gateway drops the old one."""
+    async with Cluster(tokenizer, heartbeat_timeout=0.5) as c:
+        decode = await c.add(c.node(DecodeNode, "decode-0"))
+        info = msgspec.structs.replace(decode.info(), node_id="decode-1", data_address="")
+        old = RawNode(c.address, "decode-1/old")
+        assert isinstance(await old.ask(Register(info=info)), RegisterAck)
+        assert isinstance(await old.ask(Register(info=info)), RegisterAck)
+        old.close()
+        new = RawNode(c.address, "decode-1/new")
+        try:
+            reply = await new.ask(Register(info=info))
+            assert isinstance(reply, RegisterRefuse) and "already registered" in reply.reason
+            await until(lambda: "decode-1" not in c.gw.cluster.nodes, 2, "old one dropped")
+            assert "decode-0" in c.gw.cluster.nodes  # it heartbeats
+            assert isinstance(await new.ask(Register(info=info)), RegisterAck)
+        finally:
+            new.close()
+
+
+# -- 3. offers, accepts, rejects -----------------------------------------------------------
+async def test_full_prefill_node_rejects_and_every_request_completes(tokenizer):
+    # a slower prefill (x2 the modelled time, ~18 ms) so offers arrive while a batch runs
+    slow = EngineConfig(engine="sim", sim_time_scale=2.0, num_kv_blocks=256, max_batch=1)
+    async with Cluster(tokenizer) as c:
+        prefill = await c.add(c.node(PrefillNode, "prefill-0", ecfg=slow))
+        decode = await c.add(c.node(DecodeNode, "decode-0"))
+        batcher = prefill.batcher
+        peak = {"held": 0, "batch": 0}
+        offer, next_batch = batcher.offer, batcher.next_batch
+
+        def counting_offer(job, free):
+            reason = offer(job, free)
+            held = len(batcher.pending) + len(batcher.running)
+            peak["held"] = max(peak["held"], held)
+            return reason
+
+        def counting_next_batch(free):
+            batch = next_batch(free)
+            peak["batch"] = max(peak["batch"], len(batch))
+            return batch
+
+        batcher.offer, batcher.next_batch = counting_offer, counting_next_batch
+
+        reqs = [c.request(f"r{i}", prompt(20 + i, 1000 + 100 * i)) for i in range(5)]
+        await asyncio.wait_for(asyncio.gather(*(c.gw.run(r) for r in reqs)), TIMEOUT)
+        events = [await outcome(r) for r in reqs]
+        assert all(e == Done("length") for e in events), events
+        assert all(len(r.output_ids) == PARAMS.max_tokens and r.attempt == 0 for r in reqs)
+        state = c.gw.cluster.nodes["prefill-0"]
+        assert peak == {"held": 1, "batch": 1}
+        assert state.accepts == len(reqs)
+        assert state.rejects > 0
+        await until(lambda: not prefill.handed_off and not decode.seqs, what="idle nodes")
+        assert prefill.blocks.num_in_use_blocks == 0 and decode.blocks.num_in_use_blocks == 0
+        assert not c.gw.requests
+
+
+async def test_unreachable_prefill_node_is_skipped(tokenizer):
+    """A prefill node that vanished (no Deregister, heartbeat timeout not yet passed) must
+    not break placement: the offer fails and the next node gets it."""
+    async with Cluster(tokenizer, heartbeat_timeout=30.0) as c:
+        real = await c.add(c.node(PrefillNode, "prefill-b"))
+        await c.add(c.node(DecodeNode, "decode-0"))
+        ghost = RawNode(c.address, "prefill-a/1")
+        info = msgspec.structs.replace(real.info(), node_id="prefill-a")
+        assert isinstance(await ghost.ask(Register(info=info)), RegisterAck)
+        ghost.close()
+        await asyncio.sleep(0.2)
+        assert "prefill-a" in c.gw.cluster.nodes  # offered first: fewest in prefill, then id
+
+        req = c.request("r", prompt(30))
+        await asyncio.wait_for(c.gw.run(req), TIMEOUT)
+        assert await outcome(req) == Done("length")
+        assert c.gw.cluster.nodes["prefill-a"].rejects == 1  # counted as unanswered
+        assert c.gw.cluster.nodes["prefill-b"].accepts == 1
+
+
+# -- 4. KV frames --------------------------------------------------------------------------
+async def test_kv_reaches_the_decode_node_and_both_sides_free_it(tokenizer):
+    async with Cluster(tokenizer) as c:
+        prefill = await c.add(c.node(PrefillNode, "prefill-0"))
+        decode = await c.add(c.node(DecodeNode, "decode-0"))
+        frames: dict[str, list[tuple[int, int]]] = {}
+        import_kv = decode.engine.import_kv
+
+        def recording_import(layer, block_table, num_tokens, frame):
+            rid = next(iter(decode.intake.incoming))
+            frames.setdefault(rid, []).append((layer, len(frame)))
+            import_kv(layer, block_table, num_tokens, frame)
+
+        decode.engine.import_kv = recording_import
+        n = 37  # not a multiple of the block size
+        req = c.request("r", prompt(n))
+        await asyncio.wait_for(c.gw.run(req), TIMEOUT)
+        assert await outcome(req) == Done("length")
+        layers = decode.engine.model_config.num_layers
+        size = decode.engine.kv_frame_bytes(n)
+        assert frames == {"r.0": [(i, size) for i in range(layers)]}
+        assert len(req.output_ids) == PARAMS.max_tokens
+        await until(
+            lambda: prefill.blocks.num_in_use_blocks == 0 and decode.blocks.num_in_use_blocks == 0,
+            1.0,
+            "KV freed on both nodes",
+        )
+        assert not prefill.handed_off and not decode.seqs and not decode.intake.incoming
+
+
+@pytest.fixture(scope="module")
+def torch_runners():
+    """Two engines on the real SmolLM2 model: the same weights, separate KV caches."""
+    from common.engine.kv_cache import KVCache
+    from common.engine.runner import ModelRunner
+
+    ecfg = EngineConfig(num_kv_blocks=256, num_threads=1)
+    first = ModelRunner(ecfg)
+    second = copy.copy(first)
+    mc = first.model_config
+    second.kv_cache = KVCache(
+        mc.num_layers, first.num_blocks, first.block_size, mc.num_kv_heads, mc.head_dim, first.dtype
+    )
+    return ecfg, first, second
+
+
+def _digest(tensor: Any) -> str:
+    return hashlib.sha256(tensor.contiguous().view(-1).numpy().tobytes()).hexdigest()
+
+
+async def test_torch_kv_arrives_byte_exact(tokenizer, torch_runners):
+    ecfg, prefill_runner, decode_runner = torch_runners
+    async with Cluster(tokenizer) as c:
+        prefill = await c.add(c.node(PrefillNode, "prefill-0", ecfg=ecfg, engine=prefill_runner))
+        decode = await c.add(c.node(DecodeNode, "decode-0", ecfg=ecfg, engine=decode_runner))
+        held = decode.blocks.allocate(3)  # so the decode side's block table differs
+        snapshots: dict[str, tuple[list[str], list[str]]] = {}
+        admit = decode._admit
+
+        async def snapshotting_admit(intake, token):
+            rid = intake.header.request_id
+            job = prefill.handed_off[rid]
+            n = len(intake.header.prompt_ids)
+            assert intake.block_table != job.block_table
+            layers = range(decode_runner.model_config.num_layers)
+            snapshots[rid] = (
+                [_digest(prefill_runner.export_kv(i, job.block_table, n)) for i in layers],
+                [_digest(decode_runner.export_kv(i, intake.block_table, n)) for i in layers],
+            )
+            await admit(intake, token)
+
+        decode._admit = snapshotting_admit
+        decode.intake.admit = snapshotting_admit
+        ids = tokenizer.encode("The quick brown fox jumps over the lazy dog, then it rests.")
+        assert len(ids) % prefill_runner.block_size != 0
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        req = c.request("t", ids, params)
+        await asyncio.wait_for(c.gw.run(req), 30)
+        assert await outcome(req, 30) == Done("length")
+        sent, received = snapshots["t.0"]
+        assert len(sent) == prefill_runner.model_config.num_layers
+        assert len(set(sent)) == len(sent)  # real, distinct layers (not an empty cache)
+        assert received == sent
+        await until(lambda: decode.blocks.num_in_use_blocks == 3, 2, "decode frees the request")
+        await until(lambda: prefill.blocks.num_in_use_blocks == 0, 2, "prefill frees the KV")
+        decode.blocks.free(held)
+
+
+# -- 5. abort ------------------------------------------------------------------------------
+async def test_abort_while_decoding_frees_the_decode_node(tokenizer):
+    async with Cluster(tokenizer) as c:
+        prefill = await c.add(c.node(PrefillNode, "prefill-0"))
+        # room for ~65k tokens: it never runs out of blocks (preemption would free them too)
+        big = dataclasses.replace(SIM, num_kv_blocks=4096)
+        decode = await c.add(c.node(DecodeNode, "decode-0", ecfg=big))
+        long = SamplingParams(max_tokens=50_000, temperature=0.0, ignore_eos=True)
+        req = c.request("r", prompt(40), long)
+        await asyncio.wait_for(c.gw.run(req), TIMEOUT)
+        await until(lambda: len(req.output_ids) >= 5, what="decoding")
+        assert decode.blocks.num_in_use_blocks > 0 and "r.0" in decode.seqs
+        c.gw.abort(req)
+        event = await outcome(req, 1.0)
+        assert isinstance(event, Failed) and event.status == 499
+        await until(lambda: decode.blocks.num_in_use_blocks == 0, 1.0, "decode frees the KV")
+        assert not decode.seqs and prefill.blocks.num_in_use_blocks == 0 and req.attempt == 0
+        produced = len(req.output_ids)
+        await asyncio.sleep(0.05)
+        assert len(req.output_ids) == produced  # nothing is decoded for it any more
+        assert not c.gw.requests
+
+
+# -- 6. decode refusal, redirect, re-placement ---------------------------------------------
+# The gateway picks a decode node from the load it last reported; when blocks were taken
+# since (here: by another tenant, and the node keeps reporting its earlier load until it
+# refuses), the node answers the KV header with KvRefuse and the prefill node asks for
+# another decode node (NeedDecode -> Redirect).
+SMALL = EngineConfig(engine="sim", sim_time_scale=0.01, num_kv_blocks=64)
+MEDIUM = EngineConfig(engine="sim", sim_time_scale=0.01, num_kv_blocks=48)
+LONG_PROMPT = 600  # 38 blocks with its first token
+OCCUPIED = 40  # of SMALL's 64: 24 free, so it refuses
+
+
+class StaleView:
+    """`occupy` blocks of the node are taken while it reports its earlier load; the node
+    reports honestly again from its first refusal on, and `free_on_refusal` gives the
+    blocks back then."""
+
+    def __init__(self, node: DecodeNode, occupy: int, free_on_refusal: bool) -> None:
+        self.node, self.refusals = node, []
+        earlier, honest = node.load(), node.load
+        self.held = node.blocks.allocate(occupy)
+        node.load = lambda: earlier  # type: ignore[method-assign]
+        refuse = node.intake.refuse
+
+        async def refusing(peer: bytes, rid: str, reason: str) -> None:
+            self.refusals.append((rid, reason))
+            node.load = honest  # type: ignore[method-assign]
+            if free_on_refusal:
+                self.release()
+            await refuse(peer, rid, reason)
+
+        node.intake.refuse = refusing  # type: ignore[method-assign]
+
+    def release(self) -> None:
+        if self.held:
+            self.node.blocks.free(self.held)
+            self.held = []
+
+
+def record_redirects(prefill: PrefillNode) -> list[DecodeTarget | None]:
+    redirects: list[DecodeTarget | None] = []
+    on_redirect = prefill._on_redirect
+
+    async def recording(rid: str, target: DecodeTarget | None) -> None:
+        redirects.append(target)
+        await on_redirect(rid, target)
+
+    prefill._on_redirect = recording  # type: ignore[method-assign]
+    return redirects
+
+
+def all_free(*nodes: Any) -> Callable[[], bool]:
+    return lambda: all(n.blocks.num_in_use_blocks == 0 for n in nodes)
+
+
+async def test_refused_kv_is_redirected_to_another_decode_node(tokenizer):
+    async with Cluster(tokenizer) as c:
+        prefill = await c.add(c.node(PrefillNode, "prefill-0"))
+        small = await c.add(c.node(DecodeNode, "decode-small", ecfg=SMALL))
+        medium = await c.add(c.node(DecodeNode, "decode-medium", ecfg=MEDIUM))
+        stale = StaleView(small, OCCUPIED, free_on_refusal=False)
+        await until(lambda: c.gw.cluster.nodes["decode-medium"].load.blocks_free == 48)
+        await until(lambda: c.gw.cluster.nodes["decode-small"].load.blocks_free == 64)
+        redirects = record_redirects(prefill)
+        req = c.request("r", prompt(LONG_PROMPT))
+        await asyncio.wait_for(c.gw.run(req), TIMEOUT)
+        assert await outcome(req) == Done("length")
+        assert stale.refusals == [("r.0", "needs 38 KV blocks, 24 free")]
+        assert [t and t.node_id for t in redirects] == ["decode-medium"]
+        assert req.attempt == 0 and len(req.output_ids) == PARAMS.max_tokens
+        stale.release()
+        await until(all_free(prefill, small, medium), 1.0, "all KV freed")
+        assert not small.intake.incoming and not small.seqs and not prefill.handed_off
+
+
+async def test_refused_kv_with_no_other_decode_node_is_placed_again(tokenizer):
+    async with Cluster(tokenizer, offer_timeout=0.5, placement_timeout=3.0) as c:
+        prefill = await c.add(c.node(PrefillNode, "prefill-0"))
+        small = await c.add(c.node(DecodeNode, "decode-small", ecfg=SMALL))
+        stale = StaleView(small, OCCUPIED, free_on_refusal=True)
+        await until(lambda: c.gw.cluster.nodes["decode-small"].load.blocks_free == 64)
+        redirects = record_redirects(prefill)
+        req = c.request("r", prompt(LONG_PROMPT))
+        await asyncio.wait_for(c.gw.run(req), TIMEOUT)
+        assert await outcome(req, 5.0) == Done("length")
+        assert len(stale.refusals) == 1 and redirects == [None]
+        assert req.attempt == 1  # re-placed as a prefill of prompt + first token
+        assert len(req.output_ids) == PARAMS.max_tokens
+        await until(all_free(prefill, small), 1.0, "all KV freed")
+        assert not prefill.handed_off and not c.gw.requests
+
+
+async def test_refused_kv_with_no_room_anywhere_fails_cleanly(tokenizer):
+    async with Cluster(tokenizer, offer_timeout=0.5, placement_timeout=0.5) as c:
+        prefill = await c.add(c.node(PrefillNode, "prefill-0"))
+        small = await c.add(c.node(DecodeNode, "decode-small", ecfg=SMALL))
+        stale = StaleView(small, OCCUPIED, free_on_refusal=False)
+        await until(lambda: c.gw.cluster.nodes["decode-small"].load.blocks_free == 64)
+        req = c.request("r", prompt(LONG_PROMPT))
+        await asyncio.wait_for(c.gw.run(req), TIMEOUT)
+        event = await outcome(req, 5.0)
+        assert isinstance(event, Failed) and event.status == 503, event
+        assert len(stale.refusals) == 1 and req.attempt == 1
+        await until(
+            lambda: prefill.blocks.num_in_use_blocks == 0 and not prefill.handed_off,
+            1.0,
+            "prefill frees the refused KV",
+        )
+        assert small.blocks.num_in_use_blocks == OCCUPIED and not small.intake.incoming
+        assert not small.seqs and not c.gw.requests
+        stale.release()
+
+
+async def test_failed_prefill_is_placed_again(tokenizer):
+    async with Cluster(tokenizer, offer_timeout=0.5, placement_timeout=3.0) as c:
+        prefill = await c.add(c.node(PrefillNode, "prefill-0"))
+        decode = await c.add(c.node(DecodeNode, "decode-0"))
+        step, calls = prefill.engine.step, []
+
+        def failing_once(*args: Any, **kwargs: Any) -> list[int]:
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("injected engine failure")
+            return step(*args, **kwargs)
+
+        prefill.engine.step = failing_once
+        req = c.request("r", prompt(50))
+        await asyncio.wait_for(c.gw.run(req), TIMEOUT)
+        assert await outcome(req, 5.0) == Done("length")
+        assert req.attempt == 1 and len(calls) == 2
+        assert len(req.output_ids) == PARAMS.max_tokens
+        # the reservation the failed attempt made on the decode node is aborted
+        await until(all_free(prefill, decode), 1.0, "all KV freed")
+        assert not decode.intake.incoming and not decode.seqs
