@@ -47,10 +47,15 @@ def complete(cluster, prompt_ids: list[int], **extra) -> dict:
     return resp
 
 
-@pytest.mark.parametrize("topology", [(1, 1), (2, 2)], ids=["1P1D", "2P2D"])
-def test_cluster_matches_single_process(make_cluster, reference, topology):
+@pytest.mark.parametrize(
+    "topology,backend",
+    [((1, 1), "zmq"), ((1, 1), "shm"), ((1, 1), "ucx"), ((2, 2), "auto")],
+    ids=["1P1D-zmq", "1P1D-shm", "1P1D-ucx", "2P2D-auto"],
+)
+def test_cluster_matches_single_process(make_cluster, reference, topology, backend):
     ps, expected, sampled, (stop, stopped) = reference
-    cluster = make_cluster(prefill=topology[0], decode=topology[1])
+    cluster = make_cluster(prefill=topology[0], decode=topology[1],
+                           node_flags=("--kv-backend", backend))
     with ThreadPoolExecutor(len(ps)) as pool:  # all in flight together
         results = list(pool.map(lambda p: complete(cluster, p), ps))
     for prompt, exp, got in zip(ps, expected, results, strict=True):
@@ -64,6 +69,8 @@ def test_cluster_matches_single_process(make_cluster, reference, topology):
     cut = complete(cluster, ps[0], stop=[stop])  # matched by the gateway, decode side aborted
     assert cut["choices"][0]["text"] == stopped.text and stop not in stopped.text
     assert cut["choices"][0]["finish_reason"] == "stop"
+    assert cluster.metric("pdserve:kv_transfer_bytes_total",
+                          backend="shm" if backend == "auto" else backend) > 0
     if topology == (2, 2):  # both pairs really served traffic
         assert cluster.metric("pdserve:placement_accepts_total", node="prefill-0") > 0
         assert cluster.metric("pdserve:placement_accepts_total", node="prefill-1") > 0

@@ -1,0 +1,240 @@
+"""KV transfer throughput: the KV of one 4,000-token Llama-3.1-8B request (fp16, 32 layers x
+8 KV heads x 128: 524 MB), from a prefill process's paged cache into a decode process's paged
+cache, through pdserve's own sender and intake (common/kv_transfer), per backend.
+
+Each transfer figure is bytes / time from the prefill side starting to send (header, then
+every layer exported from its paged cache and sent) until the decode side has scattered the
+last layer into its paged cache and acknowledged it. In the same run, on the same payload:
+a raw TCP loopback socket (sendall / recv_into a reused buffer) and a memcpy. Decimal GB/s.
+Prints one JSON object as its last line.
+
+    .venv/bin/python benchmarks/kv_transfer.py [--tokens 4000] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+import torch
+import zmq
+import zmq.asyncio
+
+from benchmarks.cache_engine import LLAMA_LAYOUT, CacheOnlyEngine
+from common.costmodel import MODELS
+from common.kv_transfer.intake import Intake, KvIntake
+from common.kv_transfer.sender import KvSender, Transfer
+from common.memtune import tune_malloc
+from common.node import host_identity
+from common.protocol import DecodeTarget
+from common.sampling import SamplingParams
+from common.transport import bound_address, free_port, make_socket
+
+BLOCK = 16
+LLAMA = MODELS["llama3.1-8b"]
+
+
+def CacheEngine(num_tokens: int) -> CacheOnlyEngine:
+    return CacheOnlyEngine(LLAMA_LAYOUT, num_tokens, BLOCK, torch.float16)
+
+
+def kv_digest(engine: CacheOnlyEngine, block_table: list[int], n: int) -> str:
+    """SHA-256 of the request's KV in logical order: equal iff the bytes arrived exactly."""
+    digest = hashlib.sha256()
+    for layer in range(LLAMA.num_layers):
+        digest.update(engine.export_frame(layer, block_table, n))
+    return digest.hexdigest()
+
+
+def table(num_tokens: int, reverse: bool) -> list[int]:
+    blocks = list(range(-(-num_tokens // BLOCK)))
+    return blocks[::-1] if reverse else blocks  # the two sides use different block ids
+
+
+# -- decode process ---------------------------------------------------------------------------
+def decode_main(num_tokens: int, ucx: bool, ready: Any, digest_q: Any) -> None:
+    tune_malloc()
+    asyncio.run(_decode(num_tokens, ucx, ready, digest_q))
+
+
+async def _decode(num_tokens: int, ucx: bool, ready: Any, digest_q: Any) -> None:
+    engine = CacheEngine(num_tokens)
+    ctx = zmq.asyncio.Context()
+    sock = make_socket(ctx, "decode.data", "tcp://127.0.0.1:0", max_msg=1 << 31)
+    dest = table(num_tokens, reverse=True)
+
+    checked = False
+
+    async def admit(intake: Intake, first_token: int) -> None:
+        nonlocal checked
+        if not checked:  # the untimed warm-up transfer proves byte-exactness
+            checked = True
+            digest_q.put(kv_digest(engine, dest, num_tokens))
+
+    listener = None
+    if ucx:
+        from common.kv_transfer.ucx import UcxListener
+
+        listener = UcxListener("127.0.0.1")
+    intake = KvIntake(sock, engine, lambda h: list(dest), lambda b: None, admit, ucx=listener)  # type: ignore[arg-type]
+    ready.put((bound_address(sock, "127.0.0.1"), listener.address if listener else ""))
+    await intake.run()
+
+
+# -- prefill side -----------------------------------------------------------------------------
+async def transfer_once(
+    sender: KvSender,
+    target: DecodeTarget,
+    n: int,
+    src: list[int],
+    acked: asyncio.Queue[Transfer],
+    rid: str,
+) -> float:
+    params = SamplingParams(max_tokens=2)
+    loop = asyncio.get_running_loop()
+    start = time.monotonic()
+    t = sender.begin(rid, target, list(range(n)), n, params, src)
+
+    def export_layers() -> None:  # as the prefill node's engine thread does, layer by layer
+        for layer in range(t.num_layers):
+            loop.call_soon_threadsafe(sender.push, t, layer, sender.stage(t, layer))
+
+    await loop.run_in_executor(None, export_layers)
+    sender.done(t, 7)
+    await acked.get()
+    return time.monotonic() - start
+
+
+async def run_backend(
+    backend: str, n: int, repeats: int, engine: CacheOnlyEngine
+) -> tuple[float, str]:
+    ready: Any = mp.Queue()
+    digest_q: Any = mp.Queue()
+    proc = mp.Process(target=decode_main, args=(n, backend == "ucx", ready, digest_q), daemon=True)
+    proc.start()
+    address, ucx_address = ready.get(timeout=120)
+    ctx = zmq.asyncio.Context()
+    acked: asyncio.Queue[Transfer] = asyncio.Queue()
+
+    async def on_refuse(rid: str, peer: str, why: str) -> None:
+        raise RuntimeError(f"refused: {why}")
+
+    sender = KvSender(
+        ctx,
+        "bench-prefill",
+        host_identity(),
+        engine,  # type: ignore[arg-type]
+        backend,
+        on_ack=acked.put_nowait,
+        on_refuse=on_refuse,
+    )
+    target = DecodeTarget(
+        node_id="bench-decode",
+        data_address=address,
+        host_id=host_identity(),
+        ucx_address=ucx_address,
+    )
+    src = table(n, reverse=False)
+    times = [
+        await transfer_once(sender, target, n, src, acked, f"r{i}") for i in range(repeats + 1)
+    ]
+    received = digest_q.get(timeout=60)
+    await sender.close()
+    proc.terminate()
+    proc.join()
+    return statistics.median(times[1:]), received  # the first run warms pages and connections
+
+
+def tcp_server(port: int, size: int, total: int, rounds: int, ready: Any) -> None:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", port))
+    s.listen(1)
+    ready.put(1)
+    conn, _ = s.accept()
+    buf = memoryview(bytearray(size))  # reused, as our receive paths reuse theirs
+    for _ in range(rounds):
+        got = 0
+        while got < total:
+            got += conn.recv_into(buf, min(size, total - got))
+        conn.sendall(b"k")
+
+
+def raw_tcp_seconds(frames: list[memoryview], repeats: int) -> float:
+    total = sum(len(f) for f in frames)
+    port = free_port()
+    ready: Any = mp.Queue()
+    proc = mp.Process(
+        target=tcp_server,
+        daemon=True,
+        args=(port, max(len(f) for f in frames), total, repeats + 1, ready),
+    )
+    proc.start()
+    ready.get()
+    conn = socket.create_connection(("127.0.0.1", port))
+    times = []
+    for _ in range(repeats + 1):
+        start = time.monotonic()
+        for f in frames:
+            conn.sendall(f)
+        conn.recv(1)
+        times.append(time.monotonic() - start)
+    proc.join()
+    return statistics.median(times[1:])
+
+
+def memcpy_seconds(total: int, repeats: int) -> float:
+    src = np.random.randint(0, 255, total, dtype=np.uint8)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.monotonic()
+        np.copyto(dst, src)
+        times.append(time.monotonic() - start)
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tokens", type=int, default=4000)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--backends", default="zmq,shm,ucx")
+    args = ap.parse_args()
+    tune_malloc()
+    torch.set_num_threads(1)
+    mp.set_start_method("spawn")
+    n = args.tokens
+    engine = CacheEngine(n)
+    engine.cache.data.normal_()
+    src = table(n, reverse=False)
+    kv_bytes = engine.kv_frame_bytes(n) * LLAMA.num_layers
+    expected = kv_digest(engine, src, n)
+    result: dict[str, Any] = {"kv_bytes": kv_bytes, "tokens": n, "repeats": args.repeats}
+    for backend in args.backends.split(","):
+        seconds, received = asyncio.run(run_backend(backend, n, args.repeats, engine))
+        assert received == expected, f"{backend}: the KV did not arrive byte-exact"
+        result[f"{backend}_gb_s"] = round(kv_bytes / seconds / 1e9, 3)
+    frames = [engine.export_frame(layer, src, n) for layer in range(LLAMA.num_layers)]
+    result["raw_tcp_gb_s"] = round(kv_bytes / raw_tcp_seconds(frames, args.repeats) / 1e9, 3)
+    result["memcpy_gb_s"] = round(kv_bytes / memcpy_seconds(kv_bytes, args.repeats) / 1e9, 3)
+    if "zmq_gb_s" in result:
+        result["zmq_vs_raw_tcp"] = round(result["zmq_gb_s"] / result["raw_tcp_gb_s"], 3)
+    if "shm_gb_s" in result:
+        result["shm_vs_memcpy"] = round(result["shm_gb_s"] / result["memcpy_gb_s"], 3)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

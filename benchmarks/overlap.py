@@ -1,0 +1,184 @@
+"""Layer-wise KV sending, measured: how much of the transfer stays exposed after prefill.
+
+The real SmolLM2 model (float32) prefills a prompt in this process while pdserve's sender
+ships its KV over ZeroMQ to a decode-side intake (a paged cache of the same layout) in
+another process. Exposed transfer = time from the end of the forward pass to the KvAck
+that says the last layer sits in the decode cache. With layer-wise sending most of the
+transfer hides behind the later layers' compute; without it all of it comes after.
+
+It also sweeps short prompts to find where layer-wise sending starts to pay (the
+`--layerwise-min-tokens` default): `crossover_tokens` is the shortest prompt for which
+layer-wise gives an earlier decode-ready time (prefill start to KvAck) than sending at the
+end. Prints one JSON object as its last line.
+
+    .venv/bin/python benchmarks/overlap.py [--threads 2] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import zmq.asyncio
+
+from benchmarks.cache_engine import CacheOnlyEngine
+from common.config import EngineConfig
+from common.engine.interface import PrefillWork
+from common.engine.runner import ModelRunner
+from common.kv_transfer.intake import Intake, KvIntake
+from common.kv_transfer.sender import KvSender, Transfer
+from common.memtune import tune_malloc
+from common.model_config import load_model_config, resolve_model
+from common.node import host_identity
+from common.protocol import DecodeTarget
+from common.sampling import SamplingParams
+from common.transport import bound_address, make_socket
+
+BLOCK = 16
+MAX_TOKENS = 4096
+
+
+def decode_main(ready: Any) -> None:
+    tune_malloc()
+    torch.set_num_threads(1)
+    asyncio.run(_decode(ready))
+
+
+async def _decode(ready: Any) -> None:
+    layout = load_model_config(resolve_model(None))
+    engine = CacheOnlyEngine(layout, MAX_TOKENS, BLOCK, torch.float32)
+    sock = make_socket(zmq.asyncio.Context(), "decode.data", "tcp://127.0.0.1:0", max_msg=1 << 30)
+    blocks = list(range(engine.cache.num_blocks))[::-1]  # other block ids than the sender's
+
+    async def admit(intake: Intake, first_token: int) -> None:
+        return None
+
+    intake = KvIntake(
+        sock,
+        engine,  # type: ignore[arg-type]
+        lambda h: blocks[: -(-len(h.prompt_ids) // BLOCK) + 1],  # type: ignore[arg-type]
+        lambda b: None,
+        admit,
+    )
+    ready.put(bound_address(sock, "127.0.0.1"))
+    await intake.run()
+
+
+async def one_prefill(
+    runner: ModelRunner,
+    sender: KvSender,
+    target: DecodeTarget,
+    acked: asyncio.Queue[Transfer],
+    n: int,
+    layerwise: bool,
+    rid: str,
+) -> tuple[float, float]:
+    """(exposed seconds after the forward pass, prefill start to decode-ready seconds)."""
+    ids = [(i * 7919) % 40000 + 100 for i in range(n)]
+    table = list(range(-(-n // BLOCK)))
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    loop = asyncio.get_running_loop()
+    start = time.monotonic()
+    t = sender.begin(rid, target, ids, n, params, table)
+
+    def prefill() -> float:
+        hook = None
+        if layerwise:
+
+            def hook(layer: int) -> None:
+                loop.call_soon_threadsafe(sender.push, t, layer, sender.stage(t, layer))
+
+        runner.step([PrefillWork(rid, ids, 0, table, params)], [], hook)
+        end = time.monotonic()
+        if not layerwise:
+            payloads = sender.stage_all(t)
+            loop.call_soon_threadsafe(sender.push_all, t, payloads)
+        return end
+
+    prefill_end = await loop.run_in_executor(None, prefill)
+    sender.done(t, 7)
+    await acked.get()
+    ready = time.monotonic()
+    return ready - prefill_end, ready - start
+
+
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    runner = ModelRunner(
+        EngineConfig(num_kv_blocks=MAX_TOKENS // BLOCK + 1, num_threads=args.threads)
+    )
+    ready: Any = mp.Queue()
+    proc = mp.Process(target=decode_main, args=(ready,), daemon=True)
+    proc.start()
+    address = ready.get(timeout=120)
+    acked: asyncio.Queue[Transfer] = asyncio.Queue()
+
+    async def on_refuse(rid: str, peer: str, why: str) -> None:
+        raise RuntimeError(why)
+
+    sender = KvSender(
+        zmq.asyncio.Context(),
+        "overlap",
+        host_identity(),
+        runner,
+        "zmq",
+        on_ack=acked.put_nowait,
+        on_refuse=on_refuse,
+    )
+    target = DecodeTarget(node_id="decode", data_address=address, host_id="elsewhere")
+    counter = iter(range(10**6))
+
+    async def med(n: int, layerwise: bool) -> tuple[float, float]:
+        await one_prefill(runner, sender, target, acked, n, layerwise, f"w{next(counter)}")
+        runs = [
+            await one_prefill(runner, sender, target, acked, n, layerwise, f"r{next(counter)}")
+            for _ in range(args.repeats)
+        ]
+        return (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
+
+    result: dict[str, Any] = {"threads": args.threads, "backend": "zmq", "repeats": args.repeats}
+    for n in (256, 1024, 4000):
+        exposed, _ = await med(n, True)
+        serial, _ = await med(n, False)
+        result[f"exposed_transfer_ms_{n}"] = round(exposed * 1000, 2)
+        result[f"serial_transfer_ms_{n}"] = round(serial * 1000, 2)
+    result["exposed_vs_serial_4000"] = round(
+        result["exposed_transfer_ms_4000"] / result["serial_transfer_ms_4000"], 3
+    )
+    crossover = None
+    for n in (16, 64, 256, 1024, 2048, 4000):
+        _, ready_lw = await med(n, True)
+        _, ready_end = await med(n, False)
+        result[f"ready_ms_{n}"] = {
+            "layerwise": round(ready_lw * 1000, 2),
+            "at_end": round(ready_end * 1000, 2),
+        }
+        if crossover is None and ready_lw < ready_end:
+            crossover = n
+    result["crossover_tokens"] = crossover
+    await sender.close()
+    proc.terminate()
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    tune_malloc()
+    mp.set_start_method("spawn")
+    print(json.dumps(asyncio.run(measure(args))))
+
+
+if __name__ == "__main__":
+    main()
