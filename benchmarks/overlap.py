@@ -6,10 +6,15 @@ another process. Exposed transfer = time from the end of the forward pass to the
 that says the last layer sits in the decode cache. With layer-wise sending most of the
 transfer hides behind the later layers' compute; without it all of it comes after.
 
-It also sweeps short prompts to find where layer-wise sending starts to pay (the
-`--layerwise-min-tokens` default): `crossover_tokens` is the shortest prompt for which
-layer-wise gives an earlier decode-ready time (prefill start to KvAck) than sending at the
-end. Prints one JSON object as its last line.
+It also measures what layer-wise sending costs, to set `--layerwise-min-tokens`: for tiny
+prompts the transfer is negligible, so the difference in decode-ready time (prefill start to
+KvAck) between layer-wise and at-the-end sending is the per-layer framing overhead
+(`layerwise_overhead_ms`). Layer-wise pays once the serial transfer it hides exceeds that
+overhead: `suggested_threshold_tokens` = overhead / (serial transfer ms per token).
+`crossover_tokens` is the shortest prompt of the sweep where layer-wise was actually faster
+end to end (on a 2-core CPU box compute and sending share the cores, so there may be none;
+on a GPU box the forward pass does not compete with the sender). Prints one JSON object as
+its last line.
 
     .venv/bin/python benchmarks/overlap.py [--threads 2] [--repeats 3]
 """
@@ -165,6 +170,11 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         if crossover is None and ready_lw < ready_end:
             crossover = n
     result["crossover_tokens"] = crossover
+    small = [result[f"ready_ms_{n}"] for n in (16, 64)]
+    overhead = statistics.median(r["layerwise"] - r["at_end"] for r in small)
+    per_token = result["serial_transfer_ms_4000"] / 4000
+    result["layerwise_overhead_ms"] = round(overhead, 2)
+    result["suggested_threshold_tokens"] = int(max(0.0, overhead) / per_token)
     await sender.close()
     proc.terminate()
     return result

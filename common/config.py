@@ -188,7 +188,7 @@ class NodeConfig:
         "auto", "KV transfer: auto (shm on one host, else zmq), or force zmq, shm, ucx"
     )
     layerwise_min_tokens: int = flag(
-        256, "prefill: send KV layer by layer from this prompt length on (below: at the end)"
+        768, "prefill: send KV layer by layer from this prompt length on (below: at the end)"
     )
 
     def __post_init__(self) -> None:

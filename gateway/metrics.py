@@ -97,7 +97,7 @@ class GatewayMetrics:
             "pdserve:generation_tokens", "Generated tokens", registry=r
         )
         self.replacements = Counter(
-            "pdserve:request_replacements", "Re-placements", ["reason"], registry=r
+            "pdserve:request_replacements", "Re-placements", ["kind"], registry=r
         )
         self.ttft = Histogram(
             "pdserve:time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS, registry=r

@@ -54,7 +54,7 @@ class SegmentPool:
             self.free.remove(seg)
             return seg
         name = f"{self.prefix}-{len(self.all)}"
-        size = max(size, 1 << 20)
+        size = max(1 << 20, 1 << (size - 1).bit_length())  # powers of two: reuse across sizes
         seg = Segment(name, size, _map(os.path.join(SHM_DIR, name), size, create=True))
         self.all.append(seg)
         return seg

@@ -36,8 +36,11 @@ def test_full_prefill_nodes_make_requests_wait_and_all_complete(make_cluster):
 
 
 def test_short_placement_timeout_answers_503_with_retry_after(make_cluster):
-    cluster = make_cluster(engine="sim", gateway_flags=("--placement-timeout", "0.3"),
-                           node_flags=("--max-batch", "1", "--sim-time-scale", "20"))
+    cluster = make_cluster(
+        engine="sim",
+        gateway_flags=("--placement-timeout", "0.3"),
+        node_flags=("--max-batch", "1", "--sim-time-scale", "20"),
+    )
     body = {"prompt": list(range(100, 4100)), "max_tokens": 2}
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda _: cluster.post("/v1/completions", body), range(4)))
@@ -51,33 +54,40 @@ def test_short_placement_timeout_answers_503_with_retry_after(make_cluster):
 def test_client_disconnect_frees_kv_on_both_nodes_within_a_second(make_cluster):
     cluster = make_cluster()
     assert wait_for(lambda: in_use(cluster, "decode") == 0 and in_use(cluster, "prefill") == 0)
-    body = json.dumps({"prompt": "Count to one thousand:", "max_tokens": 2000,
-                       "ignore_eos": True, "stream": True}).encode()
+    body = json.dumps(
+        {"prompt": "Count to one thousand:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    ).encode()
     sock = socket.create_connection(("127.0.0.1", int(cluster.url.rsplit(":", 1)[1])))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                 b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
     received = b""
     while received.count(b"data: ") < 5:
         received += sock.recv(65536)
     assert wait_for(lambda: in_use(cluster, "decode") > 0, timeout=5)
     sock.close()
     closed = time.monotonic()
-    assert wait_for(lambda: in_use(cluster, "decode") == 0 and in_use(cluster, "prefill") == 0,
-                    timeout=3)
+    assert wait_for(
+        lambda: in_use(cluster, "decode") == 0 and in_use(cluster, "prefill") == 0, timeout=3
+    )
     # heartbeats every 0.2 s carry the node's block counts: allow one report of slack
     assert time.monotonic() - closed < 1.0 + 0.3
 
 
-def test_small_decode_cache_preempts_and_every_request_completes(make_cluster, smol_runner,
-                                                                  tokenizer):
+def test_small_decode_cache_preempts_and_every_request_completes(
+    make_cluster, smol_runner, tokenizer
+):
     cluster = make_cluster(node_flags=("--num-kv-blocks", "20"))
     prompts = [tokenizer.encode(f"Story number {i}: once upon a time") for i in range(4)]
     params = SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True)
     expected = make_engine(smol_runner, tokenizer).generate(prompts, params)
 
     def complete(p):
-        return cluster.post("/v1/completions", {"prompt": p, "max_tokens": 90,
-                                                "temperature": 0.0, "ignore_eos": True})
+        return cluster.post(
+            "/v1/completions",
+            {"prompt": p, "max_tokens": 90, "temperature": 0.0, "ignore_eos": True},
+        )
 
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(complete, prompts))
@@ -139,8 +149,9 @@ def test_sigterm_drains_a_decode_node_without_losing_its_stream(make_cluster):
     body = {"prompt": "hello", "max_tokens": 60, "ignore_eos": True}
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(cluster.post, "/v1/completions", body)
-        assert wait_for(lambda: cluster.metric("pdserve:num_requests_running",
-                                               role="decode") > 0, timeout=5)
+        assert wait_for(
+            lambda: cluster.metric("pdserve:num_requests_running", role="decode") > 0, timeout=5
+        )
         decode = cluster.procs[2]
         decode.send_signal(signal.SIGTERM)
         status, resp = future.result(timeout=60)
@@ -153,17 +164,31 @@ def test_pdserve_up_stops_every_child(role, tmp_path):
     from common.transport import free_port
 
     port = free_port()
-    cmd = [sys.executable, "-m", "common.cli", "up", "--engine", "sim", "--port", str(port),
-           "--control-port", str(free_port()), "--tokens-port", str(free_port()),
-           f"--{role}", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "common.cli",
+        "up",
+        "--engine",
+        "sim",
+        "--port",
+        str(port),
+        "--control-port",
+        str(free_port()),
+        "--tokens-port",
+        str(free_port()),
+        f"--{role}",
+        "2",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = proc.stdout.readline()
         while line and "is up" not in line:
             line = proc.stdout.readline()
         assert "is up" in line
-        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                                  text=True).stdout.split()
+        children = subprocess.run(
+            ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
+        ).stdout.split()
         assert len(children) == 4  # gateway + 2 + 1
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
@@ -175,3 +200,22 @@ def test_pdserve_up_stops_every_child(role, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_decode_node_dying_mid_transfer_frees_prefill_kv_and_retries_elsewhere(make_cluster):
+    # slow modelled time: a 4,000-token prefill takes ~1.5 s while its layers stream out
+    cluster = make_cluster(
+        engine="sim", decode=2, node_flags=("--sim-time-scale", "15", "--kv-backend", "zmq")
+    )
+    body = {"prompt": list(range(100, 4100)), "max_tokens": 5, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(cluster.post, "/v1/completions", body)
+        assert wait_for(
+            lambda: cluster.metric("pdserve:num_requests_running", role="prefill") > 0, timeout=5
+        )
+        # equal free blocks: the gateway picks the highest id, decode-1 (procs: gw, p0, d0, d1)
+        cluster.procs[3].kill()
+        status, resp = future.result(timeout=60)
+    assert status == 200 and resp["usage"]["completion_tokens"] == 5
+    assert cluster.metric("pdserve:request_replacements_total", kind="lost") >= 1
+    assert wait_for(lambda: in_use(cluster, "prefill") == 0, timeout=5)

@@ -15,11 +15,14 @@ MAX_TOKENS = 24
 
 
 def prompts(tokenizer) -> list[list[int]]:
-    long_text = " ".join(f"Item {i}: the {w} fox" for i, w in
-                         enumerate(["quick", "brown", "lazy", "red"] * 60))
+    long_text = " ".join(
+        f"Item {i}: the {w} fox" for i, w in enumerate(["quick", "brown", "lazy", "red"] * 60)
+    )
     chats = [chat_ids(tokenizer, p) for p in CHAT_PROMPTS]
-    raw = [tokenizer.encode("The history of the Roman empire"),
-           tokenizer.encode("Summarise: " + long_text + "\nSummary:")]
+    raw = [
+        tokenizer.encode("The history of the Roman empire"),
+        tokenizer.encode("Summarise: " + long_text + "\nSummary:"),
+    ]
     out = [*chats, *raw]
     assert any(len(p) > 16 and len(p) % 16 for p in out)  # crosses a block boundary
     assert max(len(p) for p in out) >= 1000
@@ -35,8 +38,9 @@ def reference(smol_runner, tokenizer):
     outs = engine.generate(ps, greedy)
     sampled = engine.generate([ps[0]], seeded)[0]
     stop = outs[0].text.split()[2]  # a word from the middle of the first answer
-    stopped = engine.generate([ps[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                                      stop=(stop,)))[0]
+    stopped = engine.generate(
+        [ps[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=(stop,))
+    )[0]
     return ps, outs, sampled, (stop, stopped)
 
 
@@ -54,8 +58,9 @@ def complete(cluster, prompt_ids: list[int], **extra) -> dict:
 )
 def test_cluster_matches_single_process(make_cluster, reference, topology, backend):
     ps, expected, sampled, (stop, stopped) = reference
-    cluster = make_cluster(prefill=topology[0], decode=topology[1],
-                           node_flags=("--kv-backend", backend))
+    cluster = make_cluster(
+        prefill=topology[0], decode=topology[1], node_flags=("--kv-backend", backend)
+    )
     with ThreadPoolExecutor(len(ps)) as pool:  # all in flight together
         results = list(pool.map(lambda p: complete(cluster, p), ps))
     for prompt, exp, got in zip(ps, expected, results, strict=True):
@@ -69,8 +74,12 @@ def test_cluster_matches_single_process(make_cluster, reference, topology, backe
     cut = complete(cluster, ps[0], stop=[stop])  # matched by the gateway, decode side aborted
     assert cut["choices"][0]["text"] == stopped.text and stop not in stopped.text
     assert cut["choices"][0]["finish_reason"] == "stop"
-    assert cluster.metric("pdserve:kv_transfer_bytes_total",
-                          backend="shm" if backend == "auto" else backend) > 0
+    assert (
+        cluster.metric(
+            "pdserve:kv_transfer_bytes_total", backend="shm" if backend == "auto" else backend
+        )
+        > 0
+    )
     if topology == (2, 2):  # both pairs really served traffic
         assert cluster.metric("pdserve:placement_accepts_total", node="prefill-0") > 0
         assert cluster.metric("pdserve:placement_accepts_total", node="prefill-1") > 0

@@ -1,0 +1,115 @@
+"""Serving metrics from per-request records, with vLLM's definitions (DESIGN §7). Pure.
+
+    TTFT    request sent -> first chunk carrying content
+    TPOT    per request: (E2E - TTFT) / (output tokens - 1), output tokens from `usage`
+    ITL     every gap between consecutive content chunks, pooled over all requests
+    E2E     request sent -> last byte of the response
+    goodput requests meeting every given SLO (<=) / measured duration; errors are not good
+    duration first request sent (after warm-up) -> last response completed
+
+Percentiles interpolate linearly between order statistics (numpy's default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    sent: float  # monotonic seconds
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each content chunk
+    done: float = 0.0
+    error: str = ""
+    status: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and bool(self.chunk_times)
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0] - self.sent
+
+    @property
+    def e2e(self) -> float:
+        return self.done - self.sent
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        t = self.chunk_times
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index, "ok": self.ok, "status": self.status, "error": self.error,
+            "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+            "ttft_ms": round(self.ttft * 1000, 3) if self.ok else None,
+            "tpot_ms": round(self.tpot * 1000, 3) if self.ok and self.tpot is not None else None,
+            "e2e_ms": round(self.e2e * 1000, 3) if self.ok else None,
+            "itl_ms": [round(x * 1000, 3) for x in self.itls] if self.ok else [],
+        }
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """'ttft=500,tpot=50,e2e=10000' (milliseconds) -> {'ttft': 0.5, ...} in seconds."""
+    slo: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        if name not in ("ttft", "tpot", "e2e") or not value:
+            raise ValueError(f"bad SLO {part!r}: use ttft=MS,tpot=MS,e2e=MS")
+        slo[name] = float(value) / 1000
+    return slo
+
+
+def meets(record: RequestRecord, slo: dict[str, float]) -> bool:
+    if not record.ok:
+        return False
+    values = {"ttft": record.ttft, "tpot": record.tpot or 0.0, "e2e": record.e2e}
+    return all(values[name] <= limit for name, limit in slo.items())
+
+
+def _stats(prefix: str, values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {f"{prefix}_{k}": None for k in ("mean", "p50", "p90", "p99", "max")}
+    arr = np.asarray(values) * 1000
+    return {
+        f"{prefix}_mean": round(float(arr.mean()), 3),
+        f"{prefix}_p50": round(float(np.percentile(arr, 50)), 3),
+        f"{prefix}_p90": round(float(np.percentile(arr, 90)), 3),
+        f"{prefix}_p99": round(float(np.percentile(arr, 99)), 3),
+        f"{prefix}_max": round(float(arr.max()), 3),
+    }
+
+
+def summarize(records: list[RequestRecord], slo: dict[str, float] | None = None) -> dict[str, Any]:
+    """Summary with DESIGN §7's keys, over the (post-warm-up) records given."""
+    ok = [r for r in records if r.ok]
+    start = min((r.sent for r in records), default=0.0)
+    end = max((r.done for r in records), default=0.0)
+    duration = max(end - start, 1e-9)
+    summary: dict[str, Any] = {}
+    summary.update(_stats("ttft_ms", [r.ttft for r in ok]))
+    summary.update(_stats("tpot_ms", [t for r in ok if (t := r.tpot) is not None]))
+    summary.update(_stats("itl_ms", [x for r in ok for x in r.itls]))
+    summary.update(_stats("e2e_ms", [r.e2e for r in ok]))
+    summary["request_throughput"] = round(len(ok) / duration, 4)
+    summary["output_throughput"] = round(sum(r.output_tokens for r in ok) / duration, 3)
+    good = [r for r in records if meets(r, slo or {})]
+    summary["goodput"] = round(len(good) / duration, 4)
+    summary["completed"] = len(ok)
+    summary["failed"] = len(records) - len(ok)
+    summary["duration_s"] = round(duration, 3)
+    return summary

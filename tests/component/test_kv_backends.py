@@ -1,0 +1,178 @@
+"""Every KV transfer backend moves a request's KV byte-exactly between two paged caches
+(real sockets, shared memory or UCX), for sizes around block boundaries, and aborts free
+the decode side's reservation."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import pytest
+import torch
+import zmq.asyncio
+
+from benchmarks.cache_engine import CacheOnlyEngine
+from common.kv_transfer import choose_backend
+from common.kv_transfer.intake import Intake, KvIntake
+from common.kv_transfer.sender import KvSender, Transfer
+from common.kv_transfer.ucx import available as ucx_available
+from common.model_config import load_model_config, resolve_model
+from common.node import host_identity
+from common.protocol import DecodeTarget
+from common.sampling import SamplingParams
+from common.transport import bound_address, make_socket
+
+BLOCK = 16
+LAYOUT = load_model_config(resolve_model(None))  # SmolLM2: 30 layers x 3 KV heads x 64
+
+
+def digest(engine: CacheOnlyEngine, table: list[int], n: int) -> str:
+    h = hashlib.sha256()
+    for layer in range(LAYOUT.num_layers):
+        h.update(engine.export_frame(layer, table, n))
+    return h.hexdigest()
+
+
+class Pair:
+    """A sender and an intake over real sockets in this process."""
+
+    def __init__(self, backend: str, capacity: int) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.src = CacheOnlyEngine(LAYOUT, capacity, BLOCK, torch.float32)
+        self.dst = CacheOnlyEngine(LAYOUT, capacity, BLOCK, torch.float32)
+        self.src.cache.data.normal_(generator=torch.Generator().manual_seed(0))
+        self.free = list(range(self.dst.cache.num_blocks))[::-1]
+        self.admitted: asyncio.Queue[Intake] = asyncio.Queue()
+        self.acked: asyncio.Queue[Transfer] = asyncio.Queue()
+        self.refusals: list[str] = []
+        sock = make_socket(self.ctx, "decode.data", "tcp://127.0.0.1:0", max_msg=1 << 30)
+        self.ucx = None
+        if backend == "ucx":
+            from common.kv_transfer.ucx import UcxListener
+
+            self.ucx = UcxListener("127.0.0.1")
+        self.intake = KvIntake(sock, self.dst, self.reserve, self.release, self.admit, ucx=self.ucx)
+        self.task = asyncio.create_task(self.intake.run())
+        self.target = DecodeTarget(
+            node_id="d",
+            data_address=bound_address(sock, "127.0.0.1"),
+            host_id=host_identity(),
+            ucx_address=self.ucx.address if self.ucx else "",
+        )
+        self.sender = KvSender(
+            self.ctx,
+            "p",
+            host_identity(),
+            self.src,
+            backend,
+            on_ack=self.acked.put_nowait,
+            on_refuse=self.on_refuse,
+        )
+
+    def reserve(self, header):
+        need = -(-(len(header.prompt_ids) + 1) // BLOCK)
+        if need > len(self.free):
+            return "no room"
+        taken, self.free = self.free[:need], self.free[need:]
+        return taken
+
+    def release(self, blocks: list[int]) -> None:
+        self.free.extend(blocks)
+
+    async def admit(self, intake: Intake, first_token: int) -> None:
+        self.admitted.put_nowait(intake)
+
+    async def on_refuse(self, rid: str, peer: str, why: str) -> None:
+        self.refusals.append(why)
+
+    async def send(self, rid: str, n: int, table: list[int], layerwise: bool) -> Intake:
+        t = self.sender.begin(rid, self.target, list(range(n)), n, SamplingParams(), table)
+        if layerwise:
+            for layer in range(LAYOUT.num_layers):
+                self.sender.push(t, layer, self.sender.stage(t, layer))
+        else:
+            self.sender.push_all(t, self.sender.stage_all(t))
+        self.sender.done(t, 1)
+        acked = await asyncio.wait_for(self.acked.get(), 10)
+        assert acked.request_id == rid and acked.backend == t.backend
+        return await asyncio.wait_for(self.admitted.get(), 10)
+
+    async def close(self) -> None:
+        await self.sender.close()
+        self.task.cancel()
+        if self.ucx is not None:
+            await self.ucx.close()
+        self.intake.close()
+        self.ctx.destroy(linger=0)
+
+
+BACKENDS = [
+    "zmq",
+    "shm",
+    pytest.param(
+        "ucx",
+        marks=pytest.mark.skipif(
+            not ucx_available(), reason="ucxx is not installed (pip install '.[ucx]')"
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_backends_move_kv_byte_exact_around_block_boundaries(backend):
+    pair = Pair(backend, capacity=600)
+    try:
+        for i, n in enumerate([1, 15, 16, 17, 33, 257] * 2):
+            table = list(range(i, i + 40, 1))[: -(-n // BLOCK)]  # a different spot each time
+            intake = await pair.send(f"r{i}", n, table, layerwise=i % 2 == 0)
+            assert intake.header.backend == backend
+            assert digest(pair.dst, intake.block_table, n) == digest(pair.src, table, n), n
+            assert intake.bytes_in == LAYOUT.num_layers * pair.src.kv_frame_bytes(n)
+            pair.release(intake.block_table)
+        assert not pair.intake.incoming and not pair.sender.transfers
+        if backend == "shm":  # segments are reused, not created per request
+            assert [seg.size for seg in pair.sender.pool.all] == [1 << 20, 2 << 20, 16 << 20]
+    finally:
+        await pair.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_refused_and_aborted_transfers_leave_nothing_behind(backend):
+    pair = Pair(backend, capacity=600)
+    pair.free = pair.free[:8]  # the decode side has room for 8 blocks only
+    total = len(pair.free)
+    try:
+        t = pair.sender.begin(
+            "big", pair.target, list(range(500)), 500, SamplingParams(), list(range(32))
+        )
+        pair.sender.push_all(t, pair.sender.stage_all(t))  # refused at the header
+        for _ in range(100):
+            if pair.refusals:
+                break
+            await asyncio.sleep(0.01)
+        assert pair.refusals == ["no room"]
+        pair.sender.release("big")
+        t = pair.sender.begin("gone", pair.target, list(range(40)), 40, SamplingParams(), [0, 1, 2])
+        for layer in range(10):
+            pair.sender.push(t, layer, pair.sender.stage(t, layer))
+        await asyncio.sleep(0.2)
+        assert len(pair.free) < total  # reserved while in flight
+        pair.sender.abort("gone")
+        for _ in range(100):
+            if len(pair.free) == total and not pair.intake.active:
+                break
+            await asyncio.sleep(0.01)
+        assert len(pair.free) == total and not pair.intake.active
+        ok = await pair.send("after", 20, [5, 6], layerwise=True)  # the channel still works
+        assert digest(pair.dst, ok.block_table, 20) == digest(pair.src, [5, 6], 20)
+    finally:
+        await pair.close()
+
+
+def test_backend_choice_follows_where_the_peers_are():
+    assert choose_backend("auto", "h1", "h1", "") == "shm"
+    assert choose_backend("auto", "h1", "h2", "x:1") == "zmq"
+    assert choose_backend("shm", "h1", "h2", "") == "zmq"  # cannot share memory across hosts
+    assert choose_backend("ucx", "h1", "h1", "") == "zmq"  # the peer has no UCX listener
+    assert choose_backend("ucx", "h1", "h2", "x:1") == "ucx"
+    assert choose_backend("zmq", "h1", "h1", "") == "zmq"
