@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serving(sub)
+    from loadgen.bench import add_parser as add_bench
+
+    add_bench(sub)
     return parser
 
 

@@ -12,6 +12,7 @@ Percentiles interpolate linearly between order statistics (numpy's default).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,12 +51,16 @@ class RequestRecord:
     @property
     def itls(self) -> list[float]:
         t = self.chunk_times
-        return [b - a for a, b in zip(t, t[1:], strict=False)]
+        return [b - a for a, b in itertools.pairwise(t)]
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "index": self.index, "ok": self.ok, "status": self.status, "error": self.error,
-            "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+            "index": self.index,
+            "ok": self.ok,
+            "status": self.status,
+            "error": self.error,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
             "ttft_ms": round(self.ttft * 1000, 3) if self.ok else None,
             "tpot_ms": round(self.tpot * 1000, 3) if self.ok and self.tpot is not None else None,
             "e2e_ms": round(self.e2e * 1000, 3) if self.ok else None,

@@ -1,0 +1,94 @@
+"""`pdserve bench`: build a seeded workload, run it against a URL, write and print results."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from loadgen import workloads
+from loadgen.metrics import parse_slo, summarize
+from loadgen.runner import BenchConfig, run, write_results
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench", help="run one seeded workload against a pdserve (or any OpenAI-compatible) URL"
+    )
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's)")
+    p.add_argument(
+        "--workload",
+        default="synthetic",
+        choices=["synthetic", "shared-prefix", "sharegpt", "mooncake"],
+    )
+    p.add_argument("--dataset", default=None, help="sharegpt JSON or mooncake JSONL file")
+    p.add_argument("--num-requests", type=int, default=50)
+    p.add_argument("--rate", type=float, default=0.0, help="requests/s (0: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape k (1 = Poisson)")
+    p.add_argument("--concurrency", type=int, default=0, help="closed loop with N in flight")
+    p.add_argument("--input-len", default="fixed:128", help="e.g. lognormal:512:0.5")
+    p.add_argument("--output-len", default="fixed:64")
+    p.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix workload")
+    p.add_argument("--groups", type=int, default=4, help="shared-prefix workload")
+    p.add_argument("--time-scale", type=float, default=1.0, help="mooncake: stretch arrivals")
+    p.add_argument("--length-scale", type=float, default=1.0, help="mooncake: scale lengths")
+    p.add_argument("--warmup", type=int, default=0)
+    p.add_argument("--slo", default="", help="ttft=MS,tpot=MS,e2e=MS for goodput")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="folder for requests.jsonl / summary.*")
+    p.add_argument("--no-ignore-eos", action="store_true", help="let EOS end requests early")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=main)
+
+
+def build_workload(args: argparse.Namespace) -> list[workloads.RequestSpec]:
+    n = args.num_requests + args.warmup
+    if args.workload == "synthetic":
+        return workloads.synthetic(
+            args.seed,
+            n,
+            args.rate,
+            args.burstiness,
+            workloads.LengthDist.parse(args.input_len),
+            workloads.LengthDist.parse(args.output_len),
+        )
+    if args.workload == "shared-prefix":
+        suffix = int(workloads.LengthDist.parse(args.input_len).mean)
+        out = int(workloads.LengthDist.parse(args.output_len).mean)
+        return workloads.shared_prefix(
+            args.seed, n, args.rate, args.burstiness, args.groups, args.prefix_len, suffix, out
+        )
+    if not args.dataset:
+        raise ValueError(f"--workload {args.workload} needs --dataset FILE")
+    if args.workload == "sharegpt":
+        return workloads.sharegpt(Path(args.dataset), args.seed, n, args.rate, args.burstiness)
+    return workloads.mooncake(Path(args.dataset), args.seed, n, args.time_scale, args.length_scale)
+
+
+def main(args: argparse.Namespace) -> int:
+    specs = build_workload(args)
+    cfg = BenchConfig(
+        url=args.url.rstrip("/"),
+        model=args.model,
+        concurrency=args.concurrency,
+        warmup=args.warmup,
+        ignore_eos=not args.no_ignore_eos,
+        progress=not args.no_progress,
+    )
+    records = asyncio.run(run(specs, cfg))
+    summary = summarize(records, parse_slo(args.slo))
+    meta = {
+        "command": " ".join(["pdserve", *sys.argv[1:]]),
+        "workload": args.workload,
+        "seed": args.seed,
+        "rate": args.rate,
+        "burstiness": args.burstiness,
+        "concurrency": args.concurrency,
+    }
+    if args.out:
+        write_results(Path(args.out), records, summary, meta)
+    print(json.dumps(summary))
+    return 0 if summary["completed"] else 1

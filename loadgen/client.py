@@ -1,0 +1,82 @@
+"""The streaming client: one OpenAI completions request, a timestamp per SSE chunk.
+
+Uses /v1/completions with token-id prompts (exact lengths) or text, `stream: true` and
+`stream_options.include_usage`, so output tokens come from `usage` (DESIGN §7). A chunk
+"carries content" when its choice has non-empty text.
+"""
+
+from __future__ import annotations
+
+import time
+
+import aiohttp
+import orjson
+
+from loadgen.metrics import RequestRecord
+from loadgen.workloads import RequestSpec
+
+
+async def send(
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str | None,
+    spec: RequestSpec,
+    index: int,
+    ignore_eos: bool,
+    timeout: float,
+) -> RequestRecord:
+    body: dict = {
+        "prompt": spec.prompt,
+        "max_tokens": spec.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.0,
+        "ignore_eos": ignore_eos,
+    }
+    if model:
+        body["model"] = model
+    record = RequestRecord(index=index, sent=time.monotonic(), prompt_tokens=spec.prompt_len)
+    try:
+        async with session.post(
+            f"{url}/v1/completions",
+            data=orjson.dumps(body),
+            headers={"Content-Type": "application/json"},
+            timeout=aiohttp.ClientTimeout(total=timeout),
+        ) as resp:
+            record.status = resp.status
+            if resp.status != 200:
+                record.error = (await resp.text())[:500]
+                record.done = time.monotonic()
+                return record
+            buffer = b""
+            async for data in resp.content.iter_any():
+                now = time.monotonic()
+                buffer += data
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    _on_event(record, event, now)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+    record.done = time.monotonic()
+    if not record.error and not record.chunk_times:
+        record.error = "no content"
+    return record
+
+
+def _on_event(record: RequestRecord, event: bytes, now: float) -> None:
+    if not event.startswith(b"data: "):
+        return
+    payload = event[6:]
+    if payload == b"[DONE]":
+        return
+    obj = orjson.loads(payload)
+    if "error" in obj:
+        record.error = str(obj["error"].get("message", obj["error"]))[:500]
+        return
+    usage = obj.get("usage")
+    if usage:
+        record.output_tokens = int(usage["completion_tokens"])
+        record.prompt_tokens = int(usage["prompt_tokens"])
+    for choice in obj.get("choices", []):
+        if choice.get("text"):
+            record.chunk_times.append(now)

@@ -1,0 +1,121 @@
+"""Run a workload against a URL and write its results.
+
+Open loop (arrival offsets from the workload) or closed loop (`concurrency` requests in
+flight, each starting when one ends). The first `warmup` requests run before the measured
+ones and are excluded. Output folder: requests.jsonl (one line per request), summary.json,
+summary.md; a live progress bar shows completed and failed counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from loadgen.client import send
+from loadgen.metrics import RequestRecord
+from loadgen.workloads import RequestSpec
+
+
+@dataclass
+class BenchConfig:
+    url: str
+    model: str | None = None
+    concurrency: int = 0  # 0: open loop by arrival times
+    warmup: int = 0
+    ignore_eos: bool = True
+    timeout: float = 600.0
+    progress: bool = True
+
+
+async def run(specs: list[RequestSpec], cfg: BenchConfig) -> list[RequestRecord]:
+    """Records of the measured (post-warm-up) requests, in workload order."""
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for i, spec in enumerate(specs[: cfg.warmup]):
+            await send(session, cfg.url, cfg.model, spec, -1 - i, cfg.ignore_eos, cfg.timeout)
+        measured = specs[cfg.warmup :]
+        progress = _Progress(len(measured), cfg.progress)
+        if cfg.concurrency:
+            records = await _closed_loop(session, measured, cfg, progress)
+        else:
+            records = await _open_loop(session, measured, cfg, progress)
+        progress.close()
+    return sorted(records, key=lambda r: r.index)
+
+
+async def _open_loop(
+    session: aiohttp.ClientSession, specs: list[RequestSpec], cfg: BenchConfig, progress: _Progress
+) -> list[RequestRecord]:
+    start = time.monotonic()
+    base = specs[0].arrival if specs else 0.0
+
+    async def one(i: int, spec: RequestSpec) -> RequestRecord:
+        delay = start + spec.arrival - base - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        record = await send(session, cfg.url, cfg.model, spec, i, cfg.ignore_eos, cfg.timeout)
+        progress.update(record)
+        return record
+
+    return list(await asyncio.gather(*(one(i, s) for i, s in enumerate(specs))))
+
+
+async def _closed_loop(
+    session: aiohttp.ClientSession, specs: list[RequestSpec], cfg: BenchConfig, progress: _Progress
+) -> list[RequestRecord]:
+    queue = list(enumerate(specs))[::-1]
+    records: list[RequestRecord] = []
+
+    async def worker() -> None:
+        while queue:
+            i, spec = queue.pop()
+            record = await send(session, cfg.url, cfg.model, spec, i, cfg.ignore_eos, cfg.timeout)
+            progress.update(record)
+            records.append(record)
+
+    await asyncio.gather(*(worker() for _ in range(cfg.concurrency)))
+    return records
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.done = self.failed = 0
+        self.bar: Any = None
+        if enabled:
+            from rich.progress import Progress
+
+            self.bar = Progress(transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("requests", total=total)
+
+    def update(self, record: RequestRecord) -> None:
+        self.done += 1
+        self.failed += not record.ok
+        if self.bar is not None:
+            self.bar.update(
+                self.task,
+                advance=1,
+                description=f"completed {self.done - self.failed} failed {self.failed}",
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def write_results(
+    out: Path, records: list[RequestRecord], summary: dict[str, Any], meta: dict[str, Any]
+) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "requests.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r.to_json()) + "\n")
+    (out / "summary.json").write_text(json.dumps({**meta, **summary}, indent=2) + "\n")
+    rows = [f"| {k} | {v} |" for k, v in summary.items()]
+    (out / "summary.md").write_text("| metric | value |\n|---|---|\n" + "\n".join(rows) + "\n")

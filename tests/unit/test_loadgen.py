@@ -1,0 +1,134 @@
+"""Load generator: seeded workloads, metric math, and metrics against a server whose delays
+are known exactly (the metric-truth test)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import orjson
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from loadgen import workloads
+from loadgen.metrics import RequestRecord, parse_slo, summarize
+from loadgen.runner import BenchConfig, run
+
+TTFT, STEP, TOKENS = 0.20, 0.05, 8  # seconds, seconds, output tokens per request
+
+
+def test_workloads_are_seeded_and_exact():
+    dist = workloads.LengthDist.parse("lognormal:300:0.4")
+    a = workloads.synthetic(7, 200, 5.0, 1.0, dist, workloads.LengthDist.parse("fixed:32"))
+    b = workloads.synthetic(7, 200, 5.0, 1.0, dist, workloads.LengthDist.parse("fixed:32"))
+    assert [s.prompt for s in a] == [s.prompt for s in b]
+    assert all(len(s.prompt) == s.prompt_len and s.max_tokens == 32 for s in a)
+    c = workloads.synthetic(8, 200, 5.0, 1.0, dist, workloads.LengthDist.parse("fixed:32"))
+    assert [s.prompt for s in a] != [s.prompt for s in c]
+
+
+def test_gamma_arrivals_keep_the_rate_and_burstiness_clumps():
+    rng = np.random.default_rng(0)
+    poisson = np.diff(workloads.arrivals(rng, 20000, rate=10.0, burstiness=1.0))
+    bursty = np.diff(workloads.arrivals(rng, 20000, rate=10.0, burstiness=0.5))
+    assert abs(poisson.mean() - 0.1) < 0.005 and abs(bursty.mean() - 0.1) < 0.005
+    # coefficient of variation: 1 for Poisson, sqrt(1/k) for gamma shape k
+    assert abs(poisson.std() / poisson.mean() - 1.0) < 0.05
+    assert abs(bursty.std() / bursty.mean() - 2**0.5) < 0.08
+    assert not workloads.arrivals(rng, 5, rate=0, burstiness=1).any()
+
+
+def test_length_distributions():
+    rng = np.random.default_rng(1)
+    uni = workloads.LengthDist.parse("uniform:100:20").sample(rng, 5000)
+    assert uni.min() >= 80 and uni.max() <= 120 and abs(uni.mean() - 100) < 1
+    norm = workloads.LengthDist.parse("normal:500:50").sample(rng, 5000)
+    assert abs(norm.mean() - 500) < 3 and abs(norm.std() - 50) < 3
+    with pytest.raises(ValueError):
+        workloads.LengthDist.parse("zipf:3")
+
+
+def test_shared_prefix_and_mooncake_replay_share_exactly_where_told(tmp_path):
+    specs = workloads.shared_prefix(
+        3, 40, 0, 1.0, groups=2, prefix_len=64, suffix_len=8, output_len=4
+    )
+    prefixes = {tuple(s.prompt[:64]) for s in specs}
+    assert len(prefixes) == 2 and len({tuple(s.prompt) for s in specs}) == 40
+    trace = tmp_path / "t.jsonl"
+    rows = [
+        {"timestamp": 1000, "input_length": 1200, "output_length": 10, "hash_ids": [1, 2, 3]},
+        {"timestamp": 3000, "input_length": 1100, "output_length": 5, "hash_ids": [1, 2, 9]},
+    ]
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    a, b = workloads.mooncake(trace, 0, 10, time_scale=0.5, length_scale=0.25)
+    assert (a.prompt_len, b.prompt_len, a.max_tokens) == (300, 275, 2)
+    assert a.prompt[:256] == b.prompt[:256] and a.prompt[256:275] != b.prompt[256:275]
+    assert (a.arrival, b.arrival) == (0.0, 1.0)
+
+
+def test_summary_math_and_goodput():
+    recs = []
+    for i, (ttft, gap) in enumerate([(0.1, 0.02), (0.3, 0.04)]):
+        r = RequestRecord(index=i, sent=10.0, output_tokens=3)
+        r.chunk_times = [10.0 + ttft + k * gap for k in range(3)]
+        r.done = r.chunk_times[-1]
+        recs.append(r)
+    recs.append(RequestRecord(index=2, sent=10.0, error="boom", done=10.5))
+    s = summarize(recs, parse_slo("ttft=200,tpot=30"))
+    assert s["ttft_ms_p50"] == pytest.approx(200.0) and s["ttft_ms_max"] == pytest.approx(300.0)
+    assert s["tpot_ms_mean"] == pytest.approx(30.0)
+    assert s["itl_ms_p50"] == pytest.approx(30.0)  # pooled gaps: 20, 20, 40, 40
+    assert s["completed"] == 2 and s["failed"] == 1
+    assert s["duration_s"] == pytest.approx(0.5)
+    assert s["goodput"] == pytest.approx(1 / 0.5)  # only the first meets both SLOs
+    with pytest.raises(ValueError):
+        parse_slo("latency=3")
+
+
+async def fake_completions(request: web.Request) -> web.StreamResponse:
+    """A server with exactly known timing: first token after TTFT, then one per STEP."""
+    body = await request.json()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await asyncio.sleep(TTFT)
+    n = body["max_tokens"]
+    for i in range(n):
+        if i:
+            await asyncio.sleep(STEP)
+        chunk = {"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
+        await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+    usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n, "total_tokens": 0}
+    await resp.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+async def test_metrics_match_a_server_with_known_delays():
+    app = web.Application()
+    app.router.add_post("/v1/completions", fake_completions)
+    server = TestServer(app)
+    await server.start_server()
+    try:
+        specs = workloads.synthetic(
+            0,
+            12,
+            20.0,
+            1.0,
+            workloads.LengthDist.parse("fixed:16"),
+            workloads.LengthDist.parse(f"fixed:{TOKENS}"),
+        )
+        records = await run(
+            specs, BenchConfig(url=str(server.make_url("")).rstrip("/"), warmup=2, progress=False)
+        )
+    finally:
+        await server.close()
+    s = summarize(records)
+    assert s["completed"] == 10 and s["failed"] == 0
+    assert all(r.output_tokens == TOKENS for r in records)
+    truth = {"ttft": TTFT, "tpot": STEP, "itl": STEP, "e2e": TTFT + (TOKENS - 1) * STEP}
+    for name, seconds in truth.items():
+        for stat in ("mean", "p50"):
+            got = s[f"{name}_ms_{stat}"] / 1000
+            assert abs(got - seconds) <= 0.05 * seconds, (name, stat, got, seconds)
