@@ -154,7 +154,10 @@ class GatewayConfig:
     control_port: int = flag(8001, "ZeroMQ port nodes register and heartbeat on")
     tokens_port: int = flag(8002, "ZeroMQ port decode nodes push tokens to")
     advertise_host: str = flag("127.0.0.1", "host name nodes use to reach the gateway")
-    scheduler: str = flag("on_demand", "placement policy")
+    scheduler: Literal["on_demand", "round_robin", "jsq", "kv_aware"] = flag(
+        "on_demand", "placement policy (gateway/schedulers.py)"
+    )
+    cost_profile: str = flag("h100-llama3.1-8b", "kv_aware: GPU x model profile of its estimates")
     placement_timeout: float = flag(30.0, "seconds to find a prefill node before 503")
     offer_timeout: float = flag(2.0, "seconds a prefill node has to answer an offer")
     heartbeat_timeout: float = flag(2.0, "seconds of silence before a node is dropped")

@@ -118,11 +118,12 @@ def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
         gateway += ["--model", ecfg.model]
     address = f"tcp://{gcfg.advertise_host}:{gcfg.control_port}"
     cmds = [gateway]
+    queueing = ["--queueing"] if gcfg.scheduler != "on_demand" else []  # baselines queue
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
-            cmds.append(
-                [*base, role, "--gateway", address, "--node-id", f"{role}-{i}", *to_flags(ecfg)]
-            )
+            extra = queueing if role == "prefill" else []
+            node = [*base, role, "--gateway", address, "--node-id", f"{role}-{i}"]
+            cmds.append([*node, *to_flags(ecfg), *extra])
     return cmds
 
 

@@ -113,8 +113,14 @@ class KvTransferred(Msg):
 
 NodeToGateway = (
     KvTransferred
-    |
-    Register | Heartbeat | Accept | Reject | FirstToken | NeedDecode | PrefillFailed | Deregister
+    | Register
+    | Heartbeat
+    | Accept
+    | Reject
+    | FirstToken
+    | NeedDecode
+    | PrefillFailed
+    | Deregister
 )
 
 

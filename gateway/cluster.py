@@ -20,11 +20,13 @@ class NodeState:
     identity: bytes  # its control socket's ZeroMQ identity (node id + a per-process suffix)
     last_seen: float
     load: Load = EMPTY_LOAD
-    in_prefill: set[str] = field(default_factory=set)  # request ids offered and accepted here
+    # requests offered and accepted here, not yet prefilled: wire id -> prompt tokens
+    in_prefill: dict[str, int] = field(default_factory=dict)
     decoding: set[str] = field(default_factory=set)  # request ids whose KV is headed here
     reserved_blocks: int = 0  # our estimate of blocks promised since the last load report
     accepts: int = 0
     rejects: int = 0
+    assigned: int = 0  # decode: requests whose KV was sent here
 
     @property
     def node_id(self) -> str:

@@ -60,7 +60,7 @@ class Gateway:
         self.tokenizer = tokenizer
         self.tokenizer_fingerprint = tokenizer.fingerprint()
         self.cluster = ClusterView(cfg.heartbeat_timeout)
-        self.policy = make_policy(cfg.scheduler)
+        self.policy = make_policy(cfg.scheduler, cfg.cost_profile)
         self.requests: dict[str, GatewayRequest] = {}  # by wire id
         self.ctx = zmq.asyncio.Context()
         self.control = make_socket(
@@ -156,7 +156,7 @@ class Gateway:
             node = self.cluster.nodes.get(node_id)  # type: ignore[arg-type]
             if node is None:
                 continue
-            node.in_prefill.discard(wire_id)
+            node.in_prefill.pop(wire_id, None)
             node.decoding.discard(wire_id)
             if notify:
                 self._spawn(self._send_node(node, Abort(request_id=wire_id)))
@@ -256,7 +256,7 @@ class Gateway:
                 req = self.requests.get(rid)
                 node = self.cluster.by_identity(identity)
                 if node is not None:
-                    node.in_prefill.discard(rid)
+                    node.in_prefill.pop(rid, None)
                 self.placer.capacity_changed()
                 if req is None:
                     return
@@ -365,7 +365,7 @@ class Gateway:
         if node is None:
             return
         log.warning("dropped node %s: %s", node_id, why)
-        for rid in node.in_prefill | node.decoding:
+        for rid in set(node.in_prefill) | node.decoding:
             req = self.requests.get(rid)
             if req is not None:
                 self._spawn(self.replace(req, f"{node.info.role} node {node_id}: {why}"))

@@ -126,8 +126,9 @@ class Placer:
             if self.on_answer is not None:
                 self.on_answer(node, accepted)
             if accepted:
-                node.in_prefill.add(wire_id)
+                node.in_prefill[wire_id] = len(prompt_ids)
                 decode.decoding.add(wire_id)
+                decode.assigned += 1
                 decode.reserved_blocks += blocks_for(decode, len(prompt_ids) + 1)
                 req.prefill_node, req.decode_node = node.node_id, decode.node_id
                 return True

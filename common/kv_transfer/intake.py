@@ -49,11 +49,14 @@ class Intake:
 
 class KvIntake:
     def __init__(
-        self, sock: zmq.asyncio.Socket, engine: Engine,
+        self,
+        sock: zmq.asyncio.Socket,
+        engine: Engine,
         reserve: Callable[[KvHeader], list[int] | str],
         release: Callable[[list[int]], None],
         admit: Callable[[Intake, int], Awaitable[None]],
-        ucx: Any = None, timeout: float = 10.0,
+        ucx: Any = None,
+        timeout: float = 10.0,
     ) -> None:
         self.sock = sock
         self.engine = engine
@@ -152,8 +155,11 @@ class KvIntake:
             if intake.dropped and now - intake.started > 3 * self.timeout:
                 del self.incoming[rid]  # its prefill node is gone too
             elif not intake.dropped and now - intake.started > self.timeout:
-                log.warning("KV of %s stalled for %.1f s: freeing its reservation", rid,
-                            now - intake.started)
+                log.warning(
+                    "KV of %s stalled for %.1f s: freeing its reservation",
+                    rid,
+                    now - intake.started,
+                )
                 self.drop(rid)
                 await self.refuse(intake.peer, rid, "KV transfer timed out")
 

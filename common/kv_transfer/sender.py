@@ -70,8 +70,13 @@ class Peer:
 
 class KvSender:
     def __init__(
-        self, ctx: zmq.asyncio.Context, node_id: str, host_id: str, engine: Engine,
-        backend: str, on_ack: Callable[[Transfer], None],
+        self,
+        ctx: zmq.asyncio.Context,
+        node_id: str,
+        host_id: str,
+        engine: Engine,
+        backend: str,
+        on_ack: Callable[[Transfer], None],
         on_refuse: Callable[[str, str, str], Any],
     ) -> None:
         self.ctx = ctx
@@ -87,19 +92,38 @@ class KvSender:
         self.pool = SegmentPool(node_id)
 
     # -- transfer lifecycle ----------------------------------------------------------------
-    def begin(self, request_id: str, target: DecodeTarget, prompt_ids: list[int],
-              num_prompt_tokens: int, params: SamplingParams, block_table: list[int]) -> Transfer:
+    def begin(
+        self,
+        request_id: str,
+        target: DecodeTarget,
+        prompt_ids: list[int],
+        num_prompt_tokens: int,
+        params: SamplingParams,
+        block_table: list[int],
+    ) -> Transfer:
         backend = choose_backend(self.forced, self.host_id, target.host_id, target.ucx_address)
         n = len(prompt_ids)
-        t = Transfer(request_id, target, backend, block_table, n, self.engine.kv_frame_bytes(n),
-                     self.num_layers)
+        t = Transfer(
+            request_id,
+            target,
+            backend,
+            block_table,
+            n,
+            self.engine.kv_frame_bytes(n),
+            self.num_layers,
+        )
         if backend == "shm":
             t.segment = self.pool.take(t.total_bytes)
         self.transfers[request_id] = t
         header = KvHeader(
-            request_id=request_id, prompt_ids=prompt_ids, num_prompt_tokens=num_prompt_tokens,
-            params=params, num_layers=self.num_layers, frame_bytes=t.frame_bytes,
-            prefill_node=self.node_id, backend=backend,
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            num_prompt_tokens=num_prompt_tokens,
+            params=params,
+            num_layers=self.num_layers,
+            frame_bytes=t.frame_bytes,
+            prefill_node=self.node_id,
+            backend=backend,
             shm_name=t.segment.name if t.segment else "",
         )
         self._post(target, [encode(header)])
@@ -152,11 +176,18 @@ class KvSender:
     def _post(self, target: DecodeTarget, parts: list[Any], ucx_payload: Any = None) -> None:
         peer = self.peers.get(target.node_id)
         if peer is None:
-            sock = make_socket(self.ctx, "prefill.data", target.data_address,
-                               identity=self.node_id, max_msg=ACK_MAX_MSG)
+            sock = make_socket(
+                self.ctx,
+                "prefill.data",
+                target.data_address,
+                identity=self.node_id,
+                max_msg=ACK_MAX_MSG,
+            )
             peer = Peer(target.node_id, sock)
-            peer.tasks = [asyncio.create_task(self._sender(peer, target)),
-                          asyncio.create_task(self._receiver(peer))]
+            peer.tasks = [
+                asyncio.create_task(self._sender(peer, target)),
+                asyncio.create_task(self._receiver(peer)),
+            ]
             self.peers[target.node_id] = peer
         peer.outbox.put_nowait((parts, ucx_payload))
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
 
 
 def test_bench_smoke_through_a_real_cluster(make_cluster, tmp_path):
@@ -50,3 +53,25 @@ def test_bench_smoke_through_a_real_cluster(make_cluster, tmp_path):
     saved = json.loads((out / "summary.json").read_text())
     assert saved["completed"] == 30 and "bench" in saved["command"]
     assert "| ttft_ms_p50 |" in (out / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("scheduler", ["round_robin", "jsq", "kv_aware"])
+def test_baseline_schedulers_queue_on_prefill_nodes_and_complete(make_cluster, scheduler):
+    cluster = make_cluster(
+        engine="sim",
+        prefill=2,
+        decode=2,
+        gateway_flags=("--scheduler", scheduler),
+        node_flags=("--sim-time-scale", "1", "--queueing", "--max-batch", "2"),
+    )
+    body = {"prompt": list(range(100, 1100)), "max_tokens": 4, "ignore_eos": True}
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(lambda _: cluster.post("/v1/completions", body), range(12)))
+    assert [status for status, _ in results] == [200] * 12
+    accepts = [
+        cluster.metric("pdserve:placement_accepts_total", node=f"prefill-{i}") for i in range(2)
+    ]
+    assert sum(accepts) == 12  # the chosen node always accepts: it queues
+    assert cluster.metric("pdserve:placement_rejects_total") == 0
+    if scheduler == "round_robin":
+        assert accepts == [6, 6]

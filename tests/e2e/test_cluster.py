@@ -210,11 +210,19 @@ def test_decode_node_dying_mid_transfer_frees_prefill_kv_and_retries_elsewhere(m
     body = {"prompt": list(range(100, 4100)), "max_tokens": 5, "ignore_eos": True}
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(cluster.post, "/v1/completions", body)
-        assert wait_for(
-            lambda: cluster.metric("pdserve:num_requests_running", role="prefill") > 0, timeout=5
-        )
-        # equal free blocks: the gateway picks the highest id, decode-1 (procs: gw, p0, d0, d1)
-        cluster.procs[3].kill()
+
+        # the chosen decode node reserves blocks at the KV header, while the prefill runs
+        def receiving() -> list[str]:
+            return [
+                f"decode-{i}"
+                for i in range(2)
+                if cluster.metric("pdserve:kv_blocks", node=f"decode-{i}", state="in_use") > 0
+            ]
+
+        assert wait_for(lambda: len(receiving()) == 1, timeout=5)
+        victim = receiving()[0]
+        cluster.procs[2 + int(victim[-1])].kill()  # procs: gateway, prefill-0, decode-0, -1
+        assert cluster.metric("pdserve:num_requests_running", role="prefill") > 0  # mid-prefill
         status, resp = future.result(timeout=60)
     assert status == 200 and resp["usage"]["completion_tokens"] == 5
     assert cluster.metric("pdserve:request_replacements_total", kind="lost") >= 1

@@ -108,8 +108,8 @@ def test_on_demand_orders_by_requests_in_prefill_and_picks_roomiest_decode():
             Load(running=0, waiting=0, blocks_free=free, blocks_cached=0, blocks_in_use=0),
             0.0,
         )
-    view.nodes["p0"].in_prefill |= {"a", "b"}
-    view.nodes["p2"].in_prefill |= {"c"}
+    view.nodes["p0"].in_prefill.update(a=10, b=10)
+    view.nodes["p2"].in_prefill.update(c=10)
     policy = make_policy("on_demand")
     assert isinstance(policy, OnDemand)
     assert [n.node_id for n in policy.prefill_order(view.alive("prefill"), 10)] == [
@@ -123,3 +123,77 @@ def test_on_demand_orders_by_requests_in_prefill_and_picks_roomiest_decode():
     with pytest.raises(ValueError, match="unknown scheduler"):
         make_policy("magic")
     assert msgspec.structs.replace(make_info("x"), dtype="f").dtype == "f"
+
+
+def cluster_with(
+    prefill_loads: dict[str, tuple[int, int]],
+    decode_free: dict[str, int],
+    in_use: dict[str, int] | None = None,
+) -> ClusterView:
+    view = ClusterView(2.0)
+    for name, (waiting, running) in prefill_loads.items():
+        view.register(make_info(name), name.encode(), 0.0, "t")
+        view.heartbeat(
+            name,
+            name.encode(),
+            Load(
+                running=running, waiting=waiting, blocks_free=100, blocks_cached=0, blocks_in_use=0
+            ),
+            0.0,
+        )
+    for name, free in decode_free.items():
+        view.register(make_info(name, role="decode"), name.encode(), 0.0, "t")
+        used = (in_use or {}).get(name, 0)
+        view.heartbeat(
+            name,
+            name.encode(),
+            Load(running=0, waiting=0, blocks_free=free, blocks_cached=0, blocks_in_use=used),
+            0.0,
+        )
+    return view
+
+
+def test_round_robin_takes_turns_on_both_pools():
+    view = cluster_with({"p0": (0, 0), "p1": (5, 0), "p2": (0, 0)}, {"d0": 50, "d1": 50})
+    policy = make_policy("round_robin")
+    assert policy.queueing
+    firsts = [policy.prefill_order(view.alive("prefill"), 10)[0].node_id for _ in range(4)]
+    assert firsts == ["p0", "p1", "p2", "p0"]  # load is ignored, by design
+    decodes = [policy.pick_decode(view.alive("decode"), 10, set()).node_id for _ in range(3)]
+    assert decodes == ["d0", "d1", "d0"]
+
+
+def test_jsq_joins_the_shortest_prefill_queue_and_least_used_decode():
+    view = cluster_with(
+        {"p0": (3, 1), "p1": (0, 1), "p2": (1, 1)},
+        {"d0": 50, "d1": 50},
+        in_use={"d0": 30, "d1": 10},
+    )
+    policy = make_policy("jsq")
+    assert [n.node_id for n in policy.prefill_order(view.alive("prefill"), 10)] == [
+        "p1",
+        "p2",
+        "p0",
+    ]
+    view.nodes["p1"].in_prefill.update(a=1, b=1, c=1, d=1, e=1)  # sent since its report
+    assert policy.prefill_order(view.alive("prefill"), 10)[0].node_id == "p2"
+    assert policy.pick_decode(view.alive("decode"), 10, set()).node_id == "d1"
+
+
+def test_kv_aware_minimises_estimated_ttft_with_the_cost_formula(caplog):
+    from common.costmodel import CostModel
+
+    view = cluster_with({"p0": (0, 0), "p1": (0, 0)}, {"d0": 50})
+    view.nodes["p0"].in_prefill.update(a=4000)  # one long prompt queued there
+    view.nodes["p1"].in_prefill.update(b=100, c=100, d=100)  # three short ones
+    policy = make_policy("kv_aware", "h100-llama3.1-8b")
+    cost = CostModel.named("h100-llama3.1-8b")
+    est = policy.estimate(view.nodes["p1"], 1000)
+    assert est["queue_s"] == pytest.approx(3 * cost.prefill_seconds(100))
+    assert est["ttft_s"] == pytest.approx(
+        3 * cost.prefill_seconds(100) + cost.prefill_seconds(1000) + cost.transfer_seconds(1000)
+    )
+    with caplog.at_level("DEBUG", logger="gateway.schedulers"):
+        order = policy.prefill_order(view.alive("prefill"), 1000)
+    assert [n.node_id for n in order] == ["p1", "p0"]  # 3 x 100 queued beats 1 x 4000
+    assert "ttft_s" in caplog.text and "queue_s" in caplog.text
