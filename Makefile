@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test lint bench results clean
 
 setup: $(STAMP)
 
@@ -25,15 +25,21 @@ run: setup
 
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/mypy common gateway prefill_node decode_node loadgen benchmarks
+	$(BIN)/mypy common gateway prefill_node decode_node colocated_node loadgen benchmarks
 	$(BIN)/python -m pytest -q -x --durations=15 tests
 
 lint: setup
 	$(BIN)/ruff check .
-	$(BIN)/mypy common gateway prefill_node decode_node loadgen benchmarks
+	$(BIN)/mypy common gateway prefill_node decode_node colocated_node loadgen benchmarks
 
 bench: setup
 	$(BIN)/python benchmarks/engine.py
+
+# The committed comparison report (docs/results): three studies, ~20 minutes on 2 cores.
+results: setup
+	for study in sim-4p4d smollm2 mooncake-replay; do \
+		$(BIN)/pdserve compare --config docs/results/$$study.yaml --out docs/results/$$study || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -64,7 +64,7 @@ def _add_serving(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("gateway", help="the HTTP gateway (one process)")
     add_flags(g, GatewayConfig)
     g.set_defaults(func=launch.run_gateway)
-    for role in ("prefill", "decode"):
+    for role in ("prefill", "decode", "colocated"):
         p = sub.add_parser(role, help=f"one {role} node; it registers with --gateway")
         add_flags(p, NodeConfig)
         add_flags(p, EngineConfig)
@@ -72,6 +72,13 @@ def _add_serving(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser("up", help="local cluster: gateway + nodes as child processes")
     up.add_argument("--prefill", type=int, default=1, help="prefill nodes")
     up.add_argument("--decode", type=int, default=1, help="decode nodes")
+    up.add_argument(
+        "--colocated",
+        type=int,
+        default=0,
+        help="colocated nodes (prefill + decode in one engine; use with "
+        "--prefill 0 --decode 0 for the baseline)",
+    )
     up.add_argument("--startup-timeout", type=float, default=300.0)
     add_flags(up, GatewayConfig, skip=("model",))
     add_flags(up, EngineConfig)
@@ -85,8 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_serving(sub)
     from loadgen.bench import add_parser as add_bench
+    from loadgen.compare import add_parser as add_compare
 
     add_bench(sub)
+    add_compare(sub)
     return parser
 
 

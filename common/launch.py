@@ -48,8 +48,10 @@ def run_node(args: argparse.Namespace, role: str) -> int:
     engine = make_engine(ecfg, tokenizer.eos_token_ids)
     if role == "prefill":
         from prefill_node.server import PrefillNode as Node
-    else:
+    elif role == "decode":
         from decode_node.server import DecodeNode as Node  # type: ignore[assignment]
+    else:
+        from colocated_node.server import ColocatedNode as Node  # type: ignore[assignment]
 
     async def main() -> None:
         await Node(ncfg, ecfg, engine, tokenizer).serve()
@@ -103,7 +105,7 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float) -> Non
 def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
     gcfg = from_args(GatewayConfig, args)
     ecfg = from_args(EngineConfig, args)
-    nodes = args.prefill + args.decode
+    nodes = args.prefill + args.decode + args.colocated
     if ecfg.engine == "torch" and not ecfg.num_threads:
         ecfg = dataclasses.replace(ecfg, num_threads=max(1, (os.cpu_count() or 2) // nodes))
     base = [sys.executable, "-m", "common.cli", "--log-level", args.log_level]
@@ -119,7 +121,8 @@ def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
     address = f"tcp://{gcfg.advertise_host}:{gcfg.control_port}"
     cmds = [gateway]
     queueing = ["--queueing"] if gcfg.scheduler != "on_demand" else []  # baselines queue
-    for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+    roles = (("prefill", args.prefill), ("decode", args.decode), ("colocated", args.colocated))
+    for role, count in roles:
         for i in range(count):
             extra = queueing if role == "prefill" else []
             node = [*base, role, "--gateway", address, "--node-id", f"{role}-{i}"]
@@ -146,7 +149,8 @@ def run_up(args: argparse.Namespace) -> int:
         body = json.dumps(
             {"messages": [{"role": "user", "content": "Hello!"}], "stream": True, "max_tokens": 32}
         )
-        print(f"pdserve is up at {url} ({args.prefill} prefill, {args.decode} decode)", flush=True)
+        shape = f"{args.prefill} prefill, {args.decode} decode, {args.colocated} colocated"
+        print(f"pdserve is up at {url} ({shape})", flush=True)
         print(
             f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
             flush=True,

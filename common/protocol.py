@@ -21,7 +21,7 @@ import msgspec
 
 from common.sampling import SamplingParams
 
-Role = Literal["prefill", "decode"]
+Role = Literal["prefill", "decode", "colocated"]
 
 
 class Msg(msgspec.Struct, tag=True, kw_only=True):

@@ -114,6 +114,8 @@ class ClusterView:
 
     def health(self) -> str | None:
         """None when serving is possible, else why not."""
+        if self.alive("colocated"):
+            return None  # one engine doing both phases serves alone
         missing = [r for r in ("prefill", "decode") if not self.alive(r)]
         if missing:
             return "no live " + " or ".join(missing) + " node registered"

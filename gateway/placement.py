@@ -97,12 +97,19 @@ class Placer:
         params: SamplingParams,
         exclude_decode: frozenset[str],
     ) -> bool:
-        decode = self.policy.pick_decode(
-            self.cluster.alive("decode"), len(prompt_ids), set(exclude_decode)
-        )
-        if decode is None:
-            return False
-        for node in self.policy.prefill_order(self.cluster.alive("prefill"), len(prompt_ids)):
+        colocated = self.cluster.alive("colocated")
+        if colocated:  # the colocated baseline: one engine runs both phases of a request
+            order = self.policy.prefill_order(colocated, len(prompt_ids))
+            pairs = [(node, node) for node in order]
+        else:
+            decode = self.policy.pick_decode(
+                self.cluster.alive("decode"), len(prompt_ids), set(exclude_decode)
+            )
+            if decode is None:
+                return False
+            order = self.policy.prefill_order(self.cluster.alive("prefill"), len(prompt_ids))
+            pairs = [(node, decode) for node in order]
+        for node, decode in pairs:
             if req.finished:
                 return True  # cancelled while waiting
             wire_id = req.wire_id

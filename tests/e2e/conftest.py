@@ -92,6 +92,7 @@ class Cluster:
 def start_cluster(
     prefill: int = 1,
     decode: int = 1,
+    colocated: int = 0,
     engine: str = "torch",
     gateway_flags: tuple[str, ...] = (),
     node_flags: tuple[str, ...] = (),
@@ -115,7 +116,7 @@ def start_cluster(
     cluster.node_flags = ["--engine", engine, "--heartbeat-interval", "0.2", *node_flags]
     if engine == "torch":
         cluster.node_flags += ["--num-threads", str(threads)]
-    for role, count in (("prefill", prefill), ("decode", decode)):
+    for role, count in (("prefill", prefill), ("decode", decode), ("colocated", colocated)):
         for i in range(count):
             cmd = [
                 *base,

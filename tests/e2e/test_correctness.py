@@ -10,6 +10,7 @@ import pytest
 
 from common.sampling import SamplingParams
 from tests.conftest import CHAT_PROMPTS, chat_ids, make_engine
+from tests.e2e.conftest import wait_for
 
 MAX_TOKENS = 24
 
@@ -83,3 +84,20 @@ def test_cluster_matches_single_process(make_cluster, reference, topology, backe
     if topology == (2, 2):  # both pairs really served traffic
         assert cluster.metric("pdserve:placement_accepts_total", node="prefill-0") > 0
         assert cluster.metric("pdserve:placement_accepts_total", node="prefill-1") > 0
+
+
+@pytest.mark.parametrize("chunk", [0, 64], ids=["colocated", "colocated-chunked"])
+def test_colocated_node_through_the_gateway_matches_single_process(make_cluster, reference, chunk):
+    ps, expected, sampled, _ = reference
+    flags = ("--chunk-size", str(chunk)) if chunk else ()
+    cluster = make_cluster(prefill=0, decode=0, colocated=1, node_flags=flags)
+    with ThreadPoolExecutor(len(ps)) as pool:
+        results = list(pool.map(lambda p: complete(cluster, p), ps))
+    for prompt, exp, got in zip(ps, expected, results, strict=True):
+        assert got["choices"][0]["text"] == exp.text, f"prompt of {len(prompt)} tokens diverged"
+        assert got["usage"]["completion_tokens"] == len(exp.token_ids)
+    seeded = complete(cluster, ps[0], temperature=0.8, top_p=0.9, seed=1234)
+    assert seeded["choices"][0]["text"] == sampled.text
+    assert wait_for(
+        lambda: cluster.metric("pdserve:kv_blocks", role="colocated", state="in_use") == 0
+    )

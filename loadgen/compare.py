@@ -1,0 +1,252 @@
+"""`pdserve compare --config FILE --out DIR`: the same seeded workload against several cluster
+configurations and rates, then one report.
+
+The config file (YAML or JSON) holds a `workload` (the `pdserve bench` options, as keys) and
+a list of `configurations`, each with a `name`, the `up` arguments that start it (shape,
+scheduler, engine and its flags) and the `rates` to run. For every configuration and rate
+the cluster is started fresh with `pdserve up` on free ports, the workload runs, the cluster
+stops. The output folder gets one sub-folder per run (requests.jsonl, summary.json), then
+summary.json, report.md (the table, the exact command lines) and plots: TTFT and ITL CDFs
+per configuration at each configuration's highest rate, and goodput and p99s against rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from loadgen.bench import build_workload
+from loadgen.metrics import RequestRecord, parse_slo, summarize
+from loadgen.runner import BenchConfig, run, write_results
+
+WORKLOAD_DEFAULTS: dict[str, Any] = {
+    "workload": "synthetic",
+    "dataset": None,
+    "num_requests": 40,
+    "burstiness": 1.0,
+    "concurrency": 0,
+    "input_len": "fixed:128",
+    "output_len": "fixed:64",
+    "prefix_len": 1024,
+    "groups": 4,
+    "time_scale": 1.0,
+    "length_scale": 1.0,
+    "warmup": 0,
+    "slo": "",
+    "seed": 0,
+}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="run one workload against several configurations")
+    p.add_argument("--config", required=True, help="YAML or JSON file")
+    p.add_argument("--out", required=True, help="report folder")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.set_defaults(func=main)
+
+
+def load_config(path: Path) -> dict[str, Any]:
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text)
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict) or not data.get("configurations"):
+        raise ValueError(f"{path}: needs a 'configurations' list (and optionally 'workload')")
+    for cfg in data["configurations"]:
+        if not cfg.get("name") or not cfg.get("rates"):
+            raise ValueError(f"{path}: every configuration needs a name and rates")
+    return data
+
+
+def start_cluster(up_args: list[str], timeout: float) -> tuple[subprocess.Popen, str, list[str]]:
+    from common.transport import free_port
+
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "common.cli",
+        "up",
+        *up_args,
+        "--port",
+        str(port),
+        "--control-port",
+        str(free_port()),
+        "--tokens-port",
+        str(free_port()),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "is up" in line:
+            return proc, f"http://127.0.0.1:{port}", cmd
+        if time.monotonic() > deadline:
+            break
+    proc.kill()
+    raise RuntimeError(f"cluster {' '.join(up_args)} did not come up")
+
+
+def stop_cluster(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def main(args: argparse.Namespace) -> int:
+    data = load_config(Path(args.config))
+    workload = {**WORKLOAD_DEFAULTS, **data.get("workload", {})}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    slo = parse_slo(workload["slo"])
+    results: list[dict[str, Any]] = []
+    records: dict[tuple[str, float], list[RequestRecord]] = {}
+    commands: list[str] = []
+    for cfg in data["configurations"]:
+        for rate in cfg["rates"]:
+            wl = argparse.Namespace(**{**workload, "rate": float(rate)})
+            specs = build_workload(wl)
+            proc, url, cmd = start_cluster([str(a) for a in cfg["up"]], args.startup_timeout)
+            commands.append(" ".join(["pdserve", *cmd[3:]]))
+            try:
+                bench = BenchConfig(
+                    url=url,
+                    concurrency=workload["concurrency"],
+                    warmup=workload["warmup"],
+                    progress=False,
+                )
+                recs = asyncio.run(run(specs, bench))
+            finally:
+                stop_cluster(proc)
+            summary = summarize(recs, slo)
+            meta = {"configuration": cfg["name"], "rate": rate}
+            write_results(out / cfg["name"] / f"rate-{rate}", recs, summary, meta)
+            results.append({**meta, **summary})
+            records[(cfg["name"], float(rate))] = recs
+            print(
+                json.dumps(
+                    {
+                        **meta,
+                        **{
+                            k: summary[k]
+                            for k in (
+                                "ttft_ms_p50",
+                                "ttft_ms_p99",
+                                "itl_ms_p50",
+                                "itl_ms_p99",
+                                "goodput",
+                                "completed",
+                                "failed",
+                            )
+                        },
+                    }
+                ),
+                flush=True,
+            )
+    (out / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_report(out, data, workload, results, commands)
+    plot(out, records, results)
+    return 0
+
+
+def write_report(
+    out: Path,
+    data: dict[str, Any],
+    workload: dict[str, Any],
+    results: list[dict[str, Any]],
+    commands: list[str],
+) -> None:
+    cols = [
+        "configuration",
+        "rate",
+        "ttft_ms_p50",
+        "ttft_ms_p99",
+        "tpot_ms_p50",
+        "itl_ms_p50",
+        "itl_ms_p99",
+        "e2e_ms_p50",
+        "request_throughput",
+        "output_throughput",
+        "goodput",
+        "completed",
+        "failed",
+    ]
+    lines = [
+        "# pdserve comparison",
+        "",
+        f"Workload: `{json.dumps(workload)}`",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
+    lines += ["| " + " | ".join(str(r.get(c)) for c in cols) + " |" for r in results]
+    lines += ["", "Commands (one cluster per row, started fresh):", "", "```"]
+    lines += [
+        *commands,
+        "```",
+        "",
+        "![TTFT and ITL CDFs](cdf.png)",
+        "",
+        "![Goodput and p99s against rate](vs_rate.png)",
+        "",
+    ]
+    (out / "report.md").write_text("\n".join(lines))
+
+
+def plot(
+    out: Path, records: dict[tuple[str, float], list[RequestRecord]], results: list[dict[str, Any]]
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = list(dict.fromkeys(name for name, _ in records))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name in names:
+        top = max(rate for n, rate in records if n == name)
+        recs = [r for r in records[(name, top)] if r.ok]
+        for ax, values in (
+            (axes[0], [r.ttft * 1000 for r in recs]),
+            (axes[1], [x * 1000 for r in recs for x in r.itls]),
+        ):
+            if values:
+                xs = np.sort(values)
+                ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=f"{name} @ {top}/s")
+    for ax, title in zip(axes, ("TTFT (ms)", "ITL (ms)"), strict=True):
+        ax.set_xscale("log")
+        ax.set_xlabel(title)
+        ax.set_ylabel("fraction of requests" if title.startswith("TTFT") else "fraction of gaps")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "cdf.png", dpi=110)
+    plt.close(fig)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for name in names:
+        rows = sorted((r for r in results if r["configuration"] == name), key=lambda r: r["rate"])
+        rates = [r["rate"] for r in rows]
+        for ax, key in zip(axes, ("goodput", "ttft_ms_p99", "itl_ms_p99"), strict=True):
+            ax.plot(rates, [r[key] for r in rows], marker="o", label=name)
+    for ax, key in zip(axes, ("goodput (req/s)", "TTFT p99 (ms)", "ITL p99 (ms)"), strict=True):
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "vs_rate.png", dpi=110)
+    plt.close(fig)
