@@ -14,8 +14,6 @@ import asyncio
 import logging
 from typing import Any
 
-import zmq.asyncio
-
 from common.config import EngineConfig, NodeConfig
 from common.engine.interface import Engine
 from common.engine.llm_engine import LLMEngine
@@ -26,21 +24,19 @@ from common.protocol import (
     Drain,
     FirstToken,
     Load,
-    Msg,
     Preempted,
     PrefillOffer,
     Reject,
     TokenBatch,
-    encode,
 )
 from common.tokenizer import Tokenizer
-from common.transport import make_socket
 
 log = logging.getLogger(__name__)
 
 
 class ColocatedNode(NodeBase):
     role = "colocated"
+    pushes_tokens = True
 
     def __init__(
         self, cfg: NodeConfig, ecfg: EngineConfig, engine: Engine, tokenizer: Tokenizer
@@ -51,7 +47,6 @@ class ColocatedNode(NodeBase):
         self.started: set[str] = set()  # requests whose first token went out
         self.pending_aborts: set[str] = set()
         self.stepping = False
-        self.tokens_sock: zmq.asyncio.Socket | None = None
         self.work = asyncio.Event()
 
     def data_address(self) -> str:
@@ -76,19 +71,6 @@ class ColocatedNode(NodeBase):
     async def serve(self) -> None:
         self.tasks.append(asyncio.create_task(self._engine_loop()))
         await super().serve()
-
-    def close_sockets(self) -> None:
-        if self.tokens_sock is not None:
-            self.tokens_sock.close()
-
-    async def on_registered(self) -> None:
-        if self.tokens_sock is None:
-            self.tokens_sock = make_socket(self.ctx, "decode.tokens", self.tokens_address)
-
-    async def _push(self, msg: Msg) -> None:
-        await self.registered.wait()
-        assert self.tokens_sock is not None
-        await self.tokens_sock.send(encode(msg))
 
     async def on_gateway_message(self, msg: Any) -> None:
         match msg:
@@ -127,7 +109,8 @@ class ColocatedNode(NodeBase):
 
     async def on_drain_timeout(self) -> None:
         for rid in list(self.llm.seqs):
-            await self._push(Preempted(node_id=self.node_id, request_id=rid, reason="draining"))
+            msg = Preempted(node_id=self.node_id, request_id=rid, reason="draining")
+            await self.push_tokens(msg)
             self._abort(rid)
 
     async def _engine_loop(self) -> None:
@@ -163,7 +146,7 @@ class ColocatedNode(NodeBase):
                     if out.finished:
                         self.started.discard(rid)
                 if ids:
-                    await self._push(
+                    await self.push_tokens(
                         TokenBatch(
                             node_id=self.node_id,
                             request_ids=ids,

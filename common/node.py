@@ -41,6 +41,7 @@ from common.protocol import (
     RegisterAck,
     RegisterRefuse,
     Role,
+    encode,
 )
 from common.tokenizer import Tokenizer
 from common.transport import CONTROL_MAX_MSG, decode_or_none, make_socket, send
@@ -66,6 +67,7 @@ def host_identity() -> str:
 
 class NodeBase(ABC):
     role: Role
+    pushes_tokens = False  # decode and colocated nodes stream tokens to the gateway
 
     def __init__(
         self, cfg: NodeConfig, ecfg: EngineConfig, engine: Engine, tokenizer: Tokenizer
@@ -91,6 +93,7 @@ class NodeBase(ABC):
         self.last_reply = time.monotonic()
         self.tokens_address = ""
         self.tasks: list[asyncio.Task] = []
+        self.tokens_sock: zmq.asyncio.Socket | None = None
         self.background: set[asyncio.Future] = set()
 
     # -- to implement ----------------------------------------------------------------------
@@ -114,10 +117,6 @@ class NodeBase(ABC):
         """Hand back whatever is still held when the drain timeout passes."""
         return None
 
-    async def on_registered(self) -> None:
-        """Called after each successful registration."""
-        return None
-
     # -- shared ----------------------------------------------------------------------------
     def info(self) -> NodeInfo:
         eng = self.engine
@@ -137,6 +136,12 @@ class NodeBase(ABC):
             max_model_len=eng.max_model_len,
             queueing=self.cfg.queueing,
         )
+
+    async def push_tokens(self, msg: Msg) -> None:
+        """Token batches and preemptions go to the gateway's PULL socket (decode, colocated)."""
+        await self.registered.wait()
+        assert self.tokens_sock is not None
+        await self.tokens_sock.send(encode(msg))
 
     async def send_gateway(self, msg: Msg) -> None:
         await send(self.control, msg)
@@ -179,6 +184,8 @@ class NodeBase(ABC):
                 await task
         self.executor.shutdown(wait=True, cancel_futures=True)
         self.close_sockets()
+        if self.tokens_sock is not None:
+            self.tokens_sock.close()
         self.control.close()
         self.ctx.term()
 
@@ -212,7 +219,8 @@ class NodeBase(ABC):
                     self.tokens_address = address
                     self.registered.set()
                     log.info("%s registered", self.node_id)
-                    await self.on_registered()
+                    if self.pushes_tokens and self.tokens_sock is None:
+                        self.tokens_sock = make_socket(self.ctx, "decode.tokens", address)
                 case RegisterRefuse(reason=reason):
                     log.error("gateway refused %s: %s", self.node_id, reason)
                     self.refused = True

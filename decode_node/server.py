@@ -17,16 +17,13 @@ import logging
 import time
 from typing import Any
 
-import zmq
-import zmq.asyncio
-
 from common.config import EngineConfig, NodeConfig
 from common.engine.interface import DecodeWork, Engine
 from common.engine.scheduler import Scheduler, SchedulerConfig
 from common.engine.sequence import SeqStatus, Sequence, check_stop
 from common.kv_transfer.intake import Intake, KvIntake
 from common.node import NodeBase
-from common.protocol import Abort, Drain, KvHeader, Load, Msg, Preempted, TokenBatch, encode
+from common.protocol import Abort, Drain, KvHeader, Load, Preempted, TokenBatch
 from common.tokenizer import Tokenizer
 from common.transport import TOKENS_MAX_MSG, bound_address, make_socket
 
@@ -35,6 +32,7 @@ log = logging.getLogger(__name__)
 
 class DecodeNode(NodeBase):
     role = "decode"
+    pushes_tokens = True
 
     def __init__(
         self, cfg: NodeConfig, ecfg: EngineConfig, engine: Engine, tokenizer: Tokenizer
@@ -68,7 +66,6 @@ class DecodeNode(NodeBase):
             self._admit,
             timeout=cfg.kv_transfer_timeout,
         )
-        self.tokens_sock: zmq.asyncio.Socket | None = None
         self.seqs: dict[str, Sequence] = {}
         self.in_step: set[str] = set()
         self.aborted_in_step: set[str] = set()
@@ -123,17 +120,6 @@ class DecodeNode(NodeBase):
     def close_sockets(self) -> None:
         self.intake.close()
         self.data.close()
-        if self.tokens_sock is not None:
-            self.tokens_sock.close()
-
-    async def on_registered(self) -> None:
-        if self.tokens_sock is None:
-            self.tokens_sock = make_socket(self.ctx, "decode.tokens", self.tokens_address)
-
-    async def _push(self, msg: Msg) -> None:
-        await self.registered.wait()
-        assert self.tokens_sock is not None
-        await self.tokens_sock.send(encode(msg))
 
     # -- gateway messages ------------------------------------------------------------------
     async def on_gateway_message(self, msg: Any) -> None:
@@ -164,7 +150,9 @@ class DecodeNode(NodeBase):
 
     async def on_drain_timeout(self) -> None:
         for rid in list(self.seqs):
-            await self._push(Preempted(node_id=self.node_id, request_id=rid, reason="draining"))
+            await self.push_tokens(
+                Preempted(node_id=self.node_id, request_id=rid, reason="draining")
+            )
             self._abort(rid)
 
     # -- intake ----------------------------------------------------------------------------
@@ -214,7 +202,7 @@ class DecodeNode(NodeBase):
         for seq in sched.preempted:
             self.scheduler.waiting.remove(seq)  # recompute happens elsewhere: hand it back
             self.seqs.pop(seq.seq_id, None)
-            await self._push(
+            await self.push_tokens(
                 Preempted(node_id=self.node_id, request_id=seq.seq_id, reason="out of KV blocks")
             )
         if not sched.decodes:
@@ -244,7 +232,7 @@ class DecodeNode(NodeBase):
             self._abort(rid)
         self.aborted_in_step = set()
         if ids:
-            await self._push(
+            await self.push_tokens(
                 TokenBatch(
                     node_id=self.node_id, request_ids=ids, token_ids=toks, finish_reasons=reasons
                 )

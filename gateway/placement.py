@@ -109,6 +109,24 @@ class Placer:
                 return False
             order = self.policy.prefill_order(self.cluster.alive("prefill"), len(prompt_ids))
             pairs = [(node, decode) for node in order]
+        if log.isEnabledFor(logging.DEBUG):  # every decision with the numbers it used
+            log.debug(
+                "%s %s (%d tokens): offers %s",
+                self.policy.name,
+                req.wire_id,
+                len(prompt_ids),
+                [
+                    {
+                        "prefill": p.node_id,
+                        "in_prefill": len(p.in_prefill),
+                        "queued": p.load.waiting + p.load.running,
+                        "accepts": p.accepts,
+                        "decode": d.node_id,
+                        "decode_free_blocks": d.free_blocks,
+                    }
+                    for p, d in pairs
+                ],
+            )
         for node, decode in pairs:
             if req.finished:
                 return True  # cancelled while waiting
