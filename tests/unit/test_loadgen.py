@@ -132,3 +132,30 @@ async def test_metrics_match_a_server_with_known_delays():
         for stat in ("mean", "p50"):
             got = s[f"{name}_ms_{stat}"] / 1000
             assert abs(got - seconds) <= 0.05 * seconds, (name, stat, got, seconds)
+
+
+def test_sharegpt_file_gives_prompts_and_reply_sized_outputs(tmp_path):
+    data = [
+        {
+            "conversations": [
+                {"from": "human", "value": "Tell me a joke about cats."},
+                {"from": "gpt", "value": "x" * 400},
+            ]
+        },
+        {"conversations": [{"from": "human", "value": "only one turn"}]},
+        {
+            "conversations": [
+                {"from": "human", "value": "Summarise Hamlet."},
+                {"from": "gpt", "value": "y" * 40},
+            ]
+        },
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    specs = workloads.sharegpt(path, seed=1, n=20, rate=2.0, burstiness=1.0, max_output=64)
+    assert {s.prompt for s in specs} == {"Tell me a joke about cats.", "Summarise Hamlet."}
+    assert {s.max_tokens for s in specs} == {64, 10}  # reply length / 4, capped
+    assert specs == workloads.sharegpt(path, seed=1, n=20, rate=2.0, burstiness=1.0, max_output=64)
+    path.write_text("[]")
+    with pytest.raises(ValueError, match="no conversations"):
+        workloads.sharegpt(path, seed=1, n=5, rate=1.0, burstiness=1.0)
