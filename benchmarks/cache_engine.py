@@ -9,20 +9,7 @@ from common.costmodel import MODELS
 from common.engine.kv_cache import KVCache
 from common.model_config import ModelConfig
 
-_L = MODELS["llama3.1-8b"]
-LLAMA_LAYOUT = ModelConfig(
-    vocab_size=_L.vocab_size,
-    hidden_size=_L.hidden_size,
-    intermediate_size=0,
-    num_layers=_L.num_layers,
-    num_heads=_L.num_heads,
-    num_kv_heads=_L.num_kv_heads,
-    head_dim=_L.head_dim,
-    rms_norm_eps=1e-5,
-    rope_theta=5e5,
-    max_position_embeddings=131072,
-    tie_word_embeddings=False,
-)
+LLAMA_LAYOUT = MODELS["llama3.1-8b"].layout()
 
 
 class CacheOnlyEngine:

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from common.model_config import ModelConfig
+
 
 @dataclass(frozen=True)
 class GpuProfile:
@@ -56,6 +58,22 @@ class ModelProfile:
     @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.bytes_per_param
+
+    def layout(self) -> ModelConfig:
+        """The shape a node registers (KV layout, context) for this simulated model."""
+        return ModelConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=0,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            max_position_embeddings=self.max_context,
+            tie_word_embeddings=False,
+        )
 
 
 GPUS = {

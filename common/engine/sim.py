@@ -20,7 +20,6 @@ import numpy as np
 from common.config import EngineConfig
 from common.costmodel import CostModel
 from common.engine.interface import DecodeWork, LayerHook, PrefillWork
-from common.model_config import ModelConfig
 from common.sampling import counter_int
 
 FIRST_ORDINARY_TOKEN = 1000  # avoid special and control tokens of the embedded tokenizer
@@ -33,19 +32,7 @@ class SimEngine:
         self.cost = CostModel.named(cfg.sim_profile)
         m = self.cost.model
         self.model_id = f"sim-{cfg.sim_profile}"
-        self.model_config = ModelConfig(
-            vocab_size=m.vocab_size,
-            hidden_size=m.hidden_size,
-            intermediate_size=0,
-            num_layers=m.num_layers,
-            num_heads=m.num_heads,
-            num_kv_heads=m.num_kv_heads,
-            head_dim=m.head_dim,
-            rms_norm_eps=1e-5,
-            rope_theta=500000.0,
-            max_position_embeddings=m.max_context,
-            tie_word_embeddings=False,
-        )
+        self.model_config = m.layout()
         self.eos_token_ids: tuple[int, ...] = ()
         self.block_size = cfg.block_size
         self.max_model_len = cfg.max_model_len or m.max_context
