@@ -40,8 +40,10 @@ def run_gateway(args: argparse.Namespace) -> int:
 
 def run_node(args: argparse.Namespace, role: str) -> int:
     from common.engine.llm_engine import make_engine
+    from common.memtune import tune_malloc
     from common.tokenizer import Tokenizer
 
+    tune_malloc()  # multi-megabyte KV frames reuse warm pages (see common/memtune.py)
     ecfg = from_args(EngineConfig, args)
     ncfg = from_args(NodeConfig, args)
     tokenizer = Tokenizer.load(ecfg.model if ecfg.engine == "torch" else None)
