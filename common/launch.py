@@ -88,7 +88,12 @@ def _child_death_signal() -> None:
         pass
 
 
-def wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float) -> None:
+def wait_healthy(
+    url: str, procs: list[subprocess.Popen], timeout: float, nodes: int = 0
+) -> None:
+    """Wait for /health to answer 200 with at least `nodes` nodes registered: health turns
+    green with one prefill and one decode node, and a caller that started more wants them all
+    before it sends load (a scheduler comparison on half a cluster measures nothing)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for p in procs:
@@ -96,7 +101,7 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float) -> Non
                 raise RuntimeError(f"{p.args!r} exited with code {p.returncode}")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:
-                if resp.status == 200:
+                if resp.status == 200 and len(json.loads(resp.read())["nodes"]) >= nodes:
                     return
         except (urllib.error.URLError, OSError):
             pass
@@ -147,7 +152,7 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         for cmd in cluster_commands(args):
             procs.append(subprocess.Popen(cmd, preexec_fn=_child_death_signal))
-        wait_healthy(url, procs, args.startup_timeout)
+        wait_healthy(url, procs, args.startup_timeout, nodes=len(procs) - 1)
         body = json.dumps(
             {"messages": [{"role": "user", "content": "Hello!"}], "stream": True, "max_tokens": 32}
         )

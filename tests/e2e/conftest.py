@@ -129,7 +129,7 @@ def start_cluster(
             ]
             cluster.procs.append(subprocess.Popen(cmd))
     try:
-        wait_healthy(cluster.url, cluster.procs, timeout=180)
+        wait_healthy(cluster.url, cluster.procs, timeout=180, nodes=prefill + decode + colocated)
     except Exception:
         cluster.stop()
         raise
