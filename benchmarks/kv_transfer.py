@@ -6,6 +6,9 @@ Each transfer figure is bytes / time from the prefill side starting to send (hea
 every layer exported from its paged cache and sent) until the decode side has scattered the
 last layer into its paged cache and acknowledged it. In the same run, on the same payload:
 a raw TCP loopback socket (sendall / recv_into a reused buffer) and a memcpy. Decimal GB/s.
+The decode side's blocks are other ids than the prefill side's, consecutive as a node's
+allocations are while its free blocks are (`*_gb_s`); `zmq_fragmented_gb_s` repeats the
+ZeroMQ run with every destination block apart (reversed), the receiver's worst case.
 Prints one JSON object as its last line.
 
     .venv/bin/python benchmarks/kv_transfer.py [--tokens 4000] [--repeats 5]
@@ -58,22 +61,27 @@ def kv_digest(engine: CacheOnlyEngine, block_table: list[int], n: int) -> str:
     return digest.hexdigest()
 
 
-def table(num_tokens: int, reverse: bool) -> list[int]:
+def table(num_tokens: int, layout: str) -> list[int]:
+    """Block ids of the request on one side. "source": 0..n-1. "fresh": 1..n, other ids but
+    consecutive, as a node's allocations are while its free blocks are (a fresh decode
+    node's are). "fragmented": every block apart, reversed: the receiver's worst case."""
     blocks = list(range(-(-num_tokens // BLOCK)))
-    return blocks[::-1] if reverse else blocks  # the two sides use different block ids
+    if layout == "fragmented":
+        return blocks[::-1]
+    return [b + 1 for b in blocks] if layout == "fresh" else blocks
 
 
 # -- decode process ---------------------------------------------------------------------------
-def decode_main(num_tokens: int, ucx: bool, ready: Any, digest_q: Any) -> None:
+def decode_main(num_tokens: int, ucx: bool, layout: str, ready: Any, digest_q: Any) -> None:
     tune_malloc()
-    asyncio.run(_decode(num_tokens, ucx, ready, digest_q))
+    asyncio.run(_decode(num_tokens, ucx, layout, ready, digest_q))
 
 
-async def _decode(num_tokens: int, ucx: bool, ready: Any, digest_q: Any) -> None:
+async def _decode(num_tokens: int, ucx: bool, layout: str, ready: Any, digest_q: Any) -> None:
     engine = CacheEngine(num_tokens)
     ctx = zmq.asyncio.Context()
     sock = make_socket(ctx, "decode.data", "tcp://127.0.0.1:0", max_msg=1 << 31)
-    dest = table(num_tokens, reverse=True)
+    dest = table(num_tokens, layout)
 
     checked = False
 
@@ -118,11 +126,12 @@ async def transfer_once(
 
 
 async def run_backend(
-    backend: str, n: int, repeats: int, engine: CacheOnlyEngine
+    backend: str, n: int, repeats: int, engine: CacheOnlyEngine, layout: str
 ) -> tuple[float, str]:
     ready: Any = mp.Queue()
     digest_q: Any = mp.Queue()
-    proc = mp.Process(target=decode_main, args=(n, backend == "ucx", ready, digest_q), daemon=True)
+    args = (n, backend == "ucx", layout, ready, digest_q)
+    proc = mp.Process(target=decode_main, args=args, daemon=True)
     proc.start()
     address, ucx_address = ready.get(timeout=120)
     ctx = zmq.asyncio.Context()
@@ -146,7 +155,7 @@ async def run_backend(
         host_id=host_identity(),
         ucx_address=ucx_address,
     )
-    src = table(n, reverse=False)
+    src = table(n, "source")
     times = [
         await transfer_once(sender, target, n, src, acked, f"r{i}") for i in range(repeats + 1)
     ]
@@ -218,19 +227,24 @@ def main() -> None:
     n = args.tokens
     engine = CacheEngine(n)
     engine.cache.data.normal_()
-    src = table(n, reverse=False)
+    src = table(n, "source")
     kv_bytes = engine.kv_frame_bytes(n) * LLAMA.num_layers
     expected = kv_digest(engine, src, n)
     result: dict[str, Any] = {"kv_bytes": kv_bytes, "tokens": n, "repeats": args.repeats}
-    for backend in args.backends.split(","):
-        seconds, received = asyncio.run(run_backend(backend, n, args.repeats, engine))
+    runs = [(b, "fresh", f"{b}_gb_s") for b in args.backends.split(",")]
+    if "zmq" in args.backends.split(","):
+        runs.append(("zmq", "fragmented", "zmq_fragmented_gb_s"))
+    for backend, layout, key in runs:
+        seconds, received = asyncio.run(run_backend(backend, n, args.repeats, engine, layout))
         assert received == expected, f"{backend}: the KV did not arrive byte-exact"
-        result[f"{backend}_gb_s"] = round(kv_bytes / seconds / 1e9, 3)
+        result[key] = round(kv_bytes / seconds / 1e9, 3)
     frames = [engine.export_frame(layer, src, n) for layer in range(LLAMA.num_layers)]
     result["raw_tcp_gb_s"] = round(kv_bytes / raw_tcp_seconds(frames, args.repeats) / 1e9, 3)
     result["memcpy_gb_s"] = round(kv_bytes / memcpy_seconds(kv_bytes, args.repeats) / 1e9, 3)
     if "zmq_gb_s" in result:
         result["zmq_vs_raw_tcp"] = round(result["zmq_gb_s"] / result["raw_tcp_gb_s"], 3)
+        frag = result["zmq_fragmented_gb_s"] / result["raw_tcp_gb_s"]
+        result["zmq_fragmented_vs_raw_tcp"] = round(frag, 3)
     if "shm_gb_s" in result:
         result["shm_vs_memcpy"] = round(result["shm_gb_s"] / result["memcpy_gb_s"], 3)
     print(json.dumps(result))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from common.config import EngineConfig, NodeConfig
@@ -91,8 +92,11 @@ class ColocatedNode(NodeBase):
         try:
             self.llm.add_request(rid, offer.prompt_ids, offer.params)
         except ValueError as exc:
+            self.metrics.offer(False)
             await self.send_gateway(Reject(request_id=rid, reason=str(exc)))
             return
+        self.metrics.offer(True)
+        self.metrics.prompt_tokens.inc(len(offer.prompt_ids))
         await self.send_gateway(Accept(request_id=rid))
         self.work.set()
 
@@ -123,10 +127,13 @@ class ColocatedNode(NodeBase):
                     self.started.discard(rid)
                 self.pending_aborts.clear()
                 self.stepping = True
+                started = time.monotonic()
                 try:
                     outputs = await self.run_engine(self.llm.step)
                 finally:
                     self.stepping = False
+                self.metrics.step_time.observe(time.monotonic() - started)
+                self.metrics.generation_tokens.inc(len(outputs))
                 ids, tokens, reasons = [], [], []
                 for out in outputs:
                     rid, token = out.request_id, out.new_token_ids[-1]

@@ -6,12 +6,13 @@ Sub-commands import their modules lazily, so `pdserve gateway` never loads torch
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
 from collections.abc import Callable
 
 from common.config import EngineConfig, GatewayConfig, NodeConfig, add_flags, from_args
 from common.errors import PdserveError
+from common.logs import setup_logging
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -87,7 +88,17 @@ def _add_serving(sub: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("PDSERVE_LOG_LEVEL", "WARNING"),
+        help="DEBUG, INFO, WARNING, ERROR (env PDSERVE_LOG_LEVEL)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=os.environ.get("PDSERVE_LOG_FORMAT", "text"),
+        help="text, or JSON lines for log collectors (env PDSERVE_LOG_FORMAT)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serving(sub)
@@ -102,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
+        setup_logging(args.log_level, args.log_format)
         return int(args.func(args))
     except (PdserveError, ValueError) as exc:
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)

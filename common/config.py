@@ -33,7 +33,7 @@ class EngineConfig:
     model: str | None = flag(None, "GGUF file or Hugging Face folder; unset = embedded SmolLM2")
     engine: Literal["torch", "sim"] = flag("torch", "real model (torch) or cost-model simulation")
     dtype: Literal["float32", "bfloat16", "float16"] = flag("float32", "weights and KV dtype")
-    device: str = flag("cpu", "torch device: cpu, cuda, cuda:1 ...")
+    device: str = flag("cpu", "torch device: cpu, cuda, cuda:1, cuda:auto (one per replica)")
     block_size: int = flag(16, "tokens per KV block")
     num_kv_blocks: int = flag(0, "KV blocks in the cache; 0 = derive from --kv-cache-gb")
     kv_cache_gb: float = flag(1.0, "KV cache size in GiB when --num-kv-blocks is 0")
@@ -42,6 +42,7 @@ class EngineConfig:
     chunk_size: int = flag(0, "chunked prefill: token budget per step; 0 = off")
     max_model_len: int = flag(0, "context limit; 0 = the model's own")
     num_threads: int = flag(0, "torch CPU threads; 0 = torch's default")
+    gpu_offset: int = flag(0, "--device cuda:auto: GPU index of this role's first replica")
     watermark: float = flag(0.01, "fraction of KV blocks kept free for running sequences to grow")
     sim_profile: str = flag("h100-llama3.1-8b", "sim engine: GPU x model profile (costmodel)")
     sim_kv_scale: float = flag(1 / 16, "sim engine: KV payload size relative to the real model")
@@ -153,7 +154,9 @@ class GatewayConfig:
     port: int = flag(8000, "HTTP port")
     control_port: int = flag(8001, "ZeroMQ port nodes register and heartbeat on")
     tokens_port: int = flag(8002, "ZeroMQ port decode nodes push tokens to")
-    advertise_host: str = flag("127.0.0.1", "host name nodes use to reach the gateway")
+    advertise_host: str = flag(
+        "", "host name nodes use for the tokens port; empty = the host they registered through"
+    )
     scheduler: Literal["on_demand", "round_robin", "jsq", "kv_aware"] = flag(
         "on_demand", "placement policy (gateway/schedulers.py)"
     )
@@ -180,7 +183,11 @@ class NodeConfig:
 
     gateway: str = flag("tcp://127.0.0.1:8001", "the gateway's control address")
     node_id: str = flag("", "unique node id; default ROLE-HOSTNAME-PID")
-    advertise_host: str = flag("127.0.0.1", "host name peers use to reach this node")
+    advertise_host: str = flag(
+        "", "host name peers use to reach this node; empty = the address facing the gateway"
+    )
+    metrics_port: int = flag(0, "HTTP port serving this node's /metrics and /health; 0 = off")
+    metrics_host: str = flag("127.0.0.1", "listen address of --metrics-port (containers: 0.0.0.0)")
     data_port: int = flag(0, "decode node: KV receive port; 0 = any free port")
     heartbeat_interval: float = flag(0.5, "seconds between heartbeats")
     heartbeat_timeout: float = flag(2.0, "seconds without a gateway reply before re-registering")

@@ -45,6 +45,10 @@ def run_node(args: argparse.Namespace, role: str) -> int:
 
     tune_malloc()  # multi-megabyte KV frames reuse warm pages (see common/memtune.py)
     ecfg = from_args(EngineConfig, args)
+    if ecfg.engine == "torch" and ecfg.device == "cuda:auto":
+        from common.devices import resolve_device
+
+        ecfg = dataclasses.replace(ecfg, device=resolve_device(ecfg.device, ecfg.gpu_offset))
     ncfg = from_args(NodeConfig, args)
     tokenizer = Tokenizer.load(ecfg.model if ecfg.engine == "torch" else None)
     engine = make_engine(ecfg, tokenizer.eos_token_ids)
@@ -125,7 +129,7 @@ def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
     ]
     if ecfg.model:
         gateway += ["--model", ecfg.model]
-    address = f"tcp://{gcfg.advertise_host}:{gcfg.control_port}"
+    address = f"tcp://{gcfg.advertise_host or '127.0.0.1'}:{gcfg.control_port}"
     cmds = [gateway]
     queueing = ["--queueing"] if gcfg.scheduler != "on_demand" else []  # baselines queue
     roles = (("prefill", args.prefill), ("decode", args.decode), ("colocated", args.colocated))

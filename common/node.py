@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -29,6 +30,7 @@ import zmq.asyncio
 from common.config import EngineConfig, NodeConfig
 from common.engine.interface import Engine
 from common.errors import PdserveError
+from common.node_metrics import NodeMetrics, start_http
 from common.protocol import (
     GATEWAY_DECODER,
     Deregister,
@@ -53,6 +55,37 @@ class RegistrationRefused(PdserveError):
     pass
 
 
+def default_node_id(role: str) -> str:
+    """The compose container name (`pdserve-prefill-2`) in Docker, else ROLE-HOSTNAME-PID."""
+    from common.container import container_name
+
+    return container_name() or f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def facing_address(gateway: str) -> str:
+    """This host's address on the route to the gateway: what peers can reach us at when no
+    --advertise-host is given (127.0.0.1 for a local gateway, the container's address on the
+    compose network). A UDP connect sends nothing; it only asks the kernel for the route."""
+    host = gateway.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
+    if host in ("localhost", "127.0.0.1", "*", ""):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
+
+
+def resolve_tokens_address(address: str, gateway: str) -> str:
+    """The gateway may leave its tokens host empty ("tcp://:8002"): then it is the host this
+    node registered through, which is by construction one the node can reach."""
+    if address.startswith("tcp://:"):
+        host = gateway.split("://", 1)[1].rsplit(":", 1)[0]
+        return f"tcp://{host}:{address.rsplit(':', 1)[1]}"
+    return address
+
+
 def host_identity() -> str:
     """Equal exactly for processes that can share /dev/shm: the same kernel (boot id) and the
     same IPC namespace. Containers sharing an IPC namespace match; hostnames do not matter."""
@@ -72,11 +105,13 @@ class NodeBase(ABC):
     def __init__(
         self, cfg: NodeConfig, ecfg: EngineConfig, engine: Engine, tokenizer: Tokenizer
     ) -> None:
+        if not cfg.advertise_host:
+            cfg = dataclasses.replace(cfg, advertise_host=facing_address(cfg.gateway))
         self.cfg = cfg
         self.ecfg = ecfg
         self.engine = engine
         self.tokenizer = tokenizer
-        self.node_id = cfg.node_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
+        self.node_id = cfg.node_id or default_node_id(self.role)
         self.ctx = zmq.asyncio.Context()
         self.control = make_socket(
             self.ctx,
@@ -95,6 +130,8 @@ class NodeBase(ABC):
         self.tasks: list[asyncio.Task] = []
         self.tokens_sock: zmq.asyncio.Socket | None = None
         self.background: set[asyncio.Future] = set()
+        self.metrics = NodeMetrics(self.node_id, self.role, self.load, engine.num_blocks)
+        self.http: Any = None
 
     # -- to implement ----------------------------------------------------------------------
     @abstractmethod
@@ -143,6 +180,14 @@ class NodeBase(ABC):
         assert self.tokens_sock is not None
         await self.tokens_sock.send(encode(msg))
 
+    def health(self) -> str | None:
+        """None while serving (registered, not draining), else why not: /health."""
+        if self.draining:
+            return "draining"
+        if not self.registered.is_set():
+            return f"not registered with the gateway at {self.cfg.gateway}"
+        return None
+
     async def send_gateway(self, msg: Msg) -> None:
         await send(self.control, msg)
 
@@ -164,6 +209,12 @@ class NodeBase(ABC):
             asyncio.create_task(self._control_loop()),
             asyncio.create_task(self._heartbeat_loop()),
         ]
+        for task in self.tasks:
+            task.add_done_callback(self._task_ended)
+        if self.cfg.metrics_port:
+            self.http = await start_http(
+                self.metrics, self.health, self.cfg.metrics_host, self.cfg.metrics_port
+            )
         await self.send_gateway(Register(info=self.info()))
         try:
             await self.stopped.wait()
@@ -172,6 +223,16 @@ class NodeBase(ABC):
                     raise task.exception()  # type: ignore[misc]
         finally:
             await self.shutdown()
+
+    def _task_ended(self, task: asyncio.Task) -> None:
+        """A loop that dies must take the node down: a node that heartbeats while its engine
+        loop is dead would be offered work forever. Exiting lets the gateway re-place its
+        requests and a supervisor (compose `restart`) start it again."""
+        if task.cancelled() or task.exception() is None:
+            return
+        if not isinstance(task.exception(), RegistrationRefused):  # that one is logged already
+            log.error("%s: a node loop failed; stopping", self.node_id, exc_info=task.exception())
+        self.stopped.set()
 
     async def shutdown(self) -> None:
         if not self.refused:
@@ -182,6 +243,8 @@ class NodeBase(ABC):
         for task in self.tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self.http is not None:
+            await self.http.cleanup()
         self.executor.shutdown(wait=True, cancel_futures=True)
         self.close_sockets()
         if self.tokens_sock is not None:
@@ -216,11 +279,13 @@ class NodeBase(ABC):
             self.last_reply = time.monotonic()
             match msg:
                 case RegisterAck(tokens_address=address):
-                    self.tokens_address = address
+                    self.tokens_address = resolve_tokens_address(address, self.cfg.gateway)
                     self.registered.set()
                     log.info("%s registered", self.node_id)
                     if self.pushes_tokens and self.tokens_sock is None:
-                        self.tokens_sock = make_socket(self.ctx, "decode.tokens", address)
+                        self.tokens_sock = make_socket(
+                            self.ctx, "decode.tokens", self.tokens_address
+                        )
                 case RegisterRefuse(reason=reason):
                     log.error("gateway refused %s: %s", self.node_id, reason)
                     self.refused = True

@@ -56,7 +56,7 @@ class DecodeNode(NodeBase):
             f"tcp://*:{cfg.data_port}",
             max_msg=max(max_frame, TOKENS_MAX_MSG),
         )
-        self._data_address = bound_address(self.data, cfg.advertise_host)
+        self._data_address = bound_address(self.data, self.cfg.advertise_host)
         self.ucx: Any = None
         self.intake = KvIntake(
             self.data,
@@ -181,6 +181,7 @@ class DecodeNode(NodeBase):
             status=SeqStatus.RUNNING,
         )
         self.seqs[h.request_id] = seq
+        self.metrics.kv_received(h.backend, intake.bytes_in)
         self.scheduler.admit_prefilled(seq)
         self.work.set()
 
@@ -202,6 +203,7 @@ class DecodeNode(NodeBase):
         for seq in sched.preempted:
             self.scheduler.waiting.remove(seq)  # recompute happens elsewhere: hand it back
             self.seqs.pop(seq.seq_id, None)
+            self.metrics.preemptions.inc()
             await self.push_tokens(
                 Preempted(node_id=self.node_id, request_id=seq.seq_id, reason="out of KV blocks")
             )
@@ -212,10 +214,13 @@ class DecodeNode(NodeBase):
             for s in sched.decodes
         ]
         self.in_step = {s.seq_id for s in sched.decodes}
+        started = time.monotonic()
         try:
             tokens = await self.run_engine(self.engine.step, [], work)
         finally:
             self.in_step = set()
+        self.metrics.step_time.observe(time.monotonic() - started)
+        self.metrics.generation_tokens.inc(len(tokens))
         grew = self.scheduler.on_step_done(sched, tokens)
         ids, toks, reasons = [], [], []
         for seq in grew:

@@ -33,6 +33,7 @@ from gateway.openai_api import (
 from gateway.requests import Delta, Done, Failed, GatewayRequest
 
 log = logging.getLogger(__name__)
+timeline_log = logging.getLogger("pdserve.timeline")
 GATEWAY = web.AppKey("gateway", Gateway)
 CONFIG = web.AppKey("config", GatewayConfig)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -131,12 +132,27 @@ async def _generate(
             gw.abort(req)
         if not placing.done():
             placing.cancel()
-        log.info(
-            "request %s (x-request-id %s) timeline %s",
-            rid,
-            echo_id,
-            orjson.dumps(req.timeline).decode(),
-        )
+        _log_timeline(req, echo_id)
+
+
+def _log_timeline(req: GatewayRequest, echo_id: str) -> None:
+    """One structured record per request, under the id the client sent (or ours): phases
+    in ms, the raw marks, and where it ran. JSON lines with --log-format json."""
+    fields = {
+        "event": "request",
+        "request_id": req.request_id,
+        "x_request_id": echo_id,
+        "kind": req.kind,
+        "outcome": req.outcome,
+        "prompt_tokens": len(req.prompt_ids),
+        "output_tokens": len(req.output_ids),
+        "attempts": req.attempt + 1,
+        "prefill_node": req.prefill_node,
+        "decode_node": req.decode_node,
+        "phases": req.phases(),
+        "timeline": req.timeline,
+    }
+    timeline_log.info("request %s", echo_id, extra={"fields": fields})
 
 
 async def _collect(req: GatewayRequest, rid: str, echo_id: str) -> web.Response:

@@ -75,6 +75,7 @@ class Gateway:
             f"tcp://{_bind_host(cfg.host)}:{cfg.tokens_port}",
             max_msg=TOKENS_MAX_MSG,
         )
+        # an empty host tells each node to use the host it registered through (common/node.py)
         self.tokens_address = f"tcp://{cfg.advertise_host}:{cfg.tokens_port}"
         self.placer = Placer(
             self.cluster,
@@ -166,6 +167,7 @@ class Gateway:
         self.metrics.requests.labels("ok").inc()
         self.metrics.generation_tokens.inc(len(req.output_ids))
         self.metrics.e2e.observe(time.monotonic() - req.arrival)
+        self.metrics.observe_phases(req.phases())
         self._release(req, notify=abort_nodes)
 
     def _on_token(self, req: GatewayRequest, token: int, finish_reason: str | None) -> None:
@@ -261,7 +263,8 @@ class Gateway:
                 if req is None:
                     return
                 req.mark(f"prefilled.{req.attempt}")
-                req.timeline[f"prefill_ms.{req.attempt}"] = msg.prefill_ms
+                req.timeline[f"prefill_ms.{req.attempt}"] = round(msg.prefill_ms, 3)
+                req.timeline[f"queue_ms.{req.attempt}"] = round(msg.queue_ms, 3)
                 if reason is not None:
                     req.prefill_node = None  # the node already freed its KV
                 self._on_token(req, token, reason)

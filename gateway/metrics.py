@@ -8,11 +8,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.cluster import ClusterView
+
+# `*_created` series double every counter and histogram for a timestamp nobody graphs
+disable_created_metrics()
 
 LATENCY_BUCKETS = (
     0.005,
@@ -130,7 +139,31 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.phases = {
+            name: Histogram(metric, doc, buckets=LATENCY_BUCKETS, registry=r)
+            for name, metric, doc in (
+                (
+                    "prefill_queue_ms",
+                    "pdserve:request_queue_time_seconds",
+                    "Accepted by a prefill node until its prefill started",
+                ),
+                ("prefill_ms", "pdserve:request_prefill_time_seconds", "Prefill forward pass"),
+                (
+                    "decode_wait_ms",
+                    "pdserve:request_decode_wait_seconds",
+                    "First token until the first token from the decode node",
+                ),
+                ("tpot_ms", "pdserve:time_per_output_token_seconds", "Mean gap per request"),
+            )
+        }
         r.register(ClusterCollector(cluster, waiting))
+
+    def observe_phases(self, phases: dict[str, float]) -> None:
+        """The per-request timeline summarised: one histogram per phase (gateway wait and KV
+        transfer have theirs above, observed as they happen)."""
+        for name, hist in self.phases.items():
+            if name in phases:
+                hist.observe(phases[name] / 1000)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -62,6 +62,7 @@ class GatewayRequest:
     first_token_at: float | None = None
     last_token_at: float | None = None
     timeline: dict[str, float] = field(default_factory=dict)
+    outcome: str = "unfinished"  # stop, length, or the error code
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
 
     def __post_init__(self) -> None:
@@ -94,6 +95,8 @@ class GatewayRequest:
             self.mark("first_token")
         self.last_token_at = now
         self.output_ids.append(token_id)
+        if len(self.output_ids) == 2:
+            self.mark("decode_start")  # the first token from the decode side
         text = self.stops.feed(self.detok.add(token_id))
         if self.stops.stopped:
             finish_reason = "stop"
@@ -106,8 +109,34 @@ class GatewayRequest:
             return True
         return False
 
+    def phases(self) -> dict[str, float]:
+        """Where the time went, in ms: the timeline's marks turned into durations of the
+        last placement attempt (gateway wait, prefill queue, prefill, KV transfer, decode
+        wait), plus TTFT, TPOT and end to end. Phases a request never reached are absent."""
+        t, a = self.timeline, self.attempt
+        out: dict[str, float] = {}
+        if f"placing.{a}" in t and f"accepted.{a}" in t:
+            out["gateway_wait_ms"] = round(t[f"accepted.{a}"] - t[f"placing.{a}"], 3)
+        for key, name in (("queue_ms", "prefill_queue_ms"), ("prefill_ms", "prefill_ms")):
+            if f"{key}.{a}" in t:
+                out[name] = round(t[f"{key}.{a}"], 3)
+        kv: Any = t.get(f"kv_transfer.{a}")
+        if isinstance(kv, dict):
+            out["kv_transfer_ms"] = round(kv["end_ms"] - kv["start_ms"], 3)
+        if "first_token" in t:
+            out["ttft_ms"] = t["first_token"]
+            if "decode_start" in t:
+                out["decode_wait_ms"] = round(t["decode_start"] - t["first_token"], 3)
+            if "finish" in t and len(self.output_ids) > 1:
+                tpot = (t["finish"] - t["first_token"]) / (len(self.output_ids) - 1)
+                out["tpot_ms"] = round(tpot, 3)
+        if "finish" in t:
+            out["e2e_ms"] = t["finish"]
+        return out
+
     def finish(self, event: Done | Failed) -> None:
         if not self.finished:
             self.finished = True
+            self.outcome = event.finish_reason if isinstance(event, Done) else event.code
             self.mark("finish")
             self.events.put_nowait(event)

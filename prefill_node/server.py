@@ -125,6 +125,7 @@ class PrefillNode(NodeBase):
             reason: str | None = "draining"
         else:
             reason = self.batcher.offer(job, self.blocks.num_free_blocks)
+        self.metrics.offer(reason is None)
         if reason is None:
             await self.send_gateway(Accept(request_id=job.request_id))
             self.work.set()
@@ -189,8 +190,13 @@ class PrefillNode(NodeBase):
             self.batcher.batch_done()
             self.transfers.clear()
             return
-        prefill_ms = (time.monotonic() - started) * 1000
+        prefill_s = time.monotonic() - started
+        prefill_ms = prefill_s * 1000
         self.batcher.batch_done()
+        for job in batch:
+            self.metrics.queue_time.observe(started - job.accepted_at)
+            self.metrics.prefill_time.observe(prefill_s)
+            self.metrics.prompt_tokens.inc(job.num_prompt_tokens)
         for job, token in zip(batch, tokens, strict=True):
             transfer = self.transfers.pop(job.request_id, None)
             if transfer is not None and job.request_id in at_end:
@@ -249,6 +255,7 @@ class PrefillNode(NodeBase):
         if job is None:
             return
         self._free(job)
+        self.metrics.kv_sent(t.backend, t.total_bytes, t.finished - t.started)
         base = job.accepted_at
         record = KvTransferred(
             request_id=t.request_id,

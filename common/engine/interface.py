@@ -68,6 +68,13 @@ class Engine(Protocol):
         """The same frame as raw bytes, ready for a zero-copy send."""
         ...
 
+    def export_parts(
+        self, layer: int, block_table: Sequence[int], num_tokens: int
+    ) -> list[memoryview]:
+        """The frame as parts whose concatenation is the frame, viewing the cache where it
+        can (a zero-copy multipart send); import_kv takes such a list as well."""
+        ...
+
     def export_into(
         self, layer: int, block_table: Sequence[int], num_tokens: int, buf: memoryview
     ) -> None:

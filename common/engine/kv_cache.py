@@ -11,6 +11,7 @@ on block ids, so the receiver scatters it into whatever blocks it reserved.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -122,24 +123,62 @@ class KVCache:
         out = torch.frombuffer(buf, dtype=self.data.dtype).view(2, num_tokens, heads, dim)
         self.export_kv(layer, block_table, num_tokens, out=out)
 
+    def token_runs(self, block_table: Sequence[int], num_tokens: int) -> list[tuple[int, int]]:
+        """(first slot, tokens) of each stretch of consecutive cache slots that holds tokens
+        [0, num_tokens): one run when the blocks are consecutive, one per block at worst."""
+        runs: list[tuple[int, int]] = []
+        bs = self.block_size
+        for i in range(-(-num_tokens // bs)):
+            start, count = block_table[i] * bs, min(bs, num_tokens - i * bs)
+            if runs and runs[-1][0] + runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], runs[-1][1] + count)
+            else:
+                runs.append((start, count))
+        return runs
+
+    def _regions(self, layer: int, block_table: Sequence[int], num_tokens: int) -> list[Any]:
+        """The frame's bytes as they lie in this cache: K runs, then V runs (uint8 views)."""
+        flat = self._bytes_view()[layer].reshape(2, -1)
+        tb = self.bytes_per_token_per_layer() // 2
+        runs = self.token_runs(block_table, num_tokens)
+        return [flat[kv, s * tb : (s + n) * tb] for kv in (0, 1) for s, n in runs]
+
+    def export_parts(
+        self, layer: int, block_table: Sequence[int], num_tokens: int, max_parts: int = 32
+    ) -> list[memoryview]:
+        """The frame as parts whose concatenation is the frame, for a zero-copy multipart
+        send straight from the cache: one view per run of consecutive slots (two parts, K
+        and V, when the blocks are consecutive, as a fresh allocation's are). Fragmented
+        tables (more than `max_parts` parts) and GPU caches get one gathered frame."""
+        if self.data.device.type != "cpu":
+            return [self.export_frame(layer, block_table, num_tokens)]
+        regions = self._regions(layer, block_table, num_tokens)
+        if len(regions) > max_parts:
+            return [self.export_frame(layer, block_table, num_tokens)]
+        return [memoryview(r) for r in regions]
+
     def import_kv(
         self, layer: int, block_table: Sequence[int], num_tokens: int, frame: object
     ) -> None:
-        """Scatter a frame into this cache's blocks, whole blocks at a time. On CPU through
-        numpy's fancy assignment: 3.6x faster than torch's index_copy_ for these rows."""
+        """Copy a frame (one buffer, or parts whose concatenation is the frame) into this
+        cache's blocks. On CPU: one memcpy per overlap of a source part with a run of
+        consecutive slots (two in all when both sides are contiguous). On GPU: whole blocks
+        through index_copy_."""
+        if isinstance(frame, (list, tuple)):
+            if self.data.device.type == "cpu":
+                return self._import_parts(layer, block_table, num_tokens, frame)
+            frame = b"".join(bytes(p) for p in frame)
+        if self.data.device.type == "cpu" and not isinstance(frame, torch.Tensor):
+            return self._import_parts(layer, block_table, num_tokens, [frame])
         if not isinstance(frame, torch.Tensor):
             frame = torch.frombuffer(frame, dtype=self.data.dtype)  # type: ignore[call-overload]
         heads, dim = self.frame_shape_per_token
         frame = frame.view(2, num_tokens, heads, dim).to(self.data.device)
         full, rem = divmod(num_tokens, self.block_size)
         if self.data.device.type == "cpu":
-            blocks = self._bytes_view()[layer]  # (2, num_blocks, block bytes)
-            src = frame.view(torch.uint8).numpy().reshape(2, num_tokens, -1)
-            if full:
-                blocks[:, list(block_table[:full])] = src[:, : full * self.block_size].reshape(
-                    2, full, blocks.shape[-1]
-                )
-        elif full:
+            raw = memoryview(frame.contiguous().view(-1).view(torch.uint8).numpy().data)
+            return self._import_parts(layer, block_table, num_tokens, [raw])
+        if full:
             row = self.block_size * heads * dim
             idx = torch.tensor(block_table[:full], dtype=torch.long, device=self.data.device)
             self.data[layer].view(2, self.num_blocks, row).index_copy_(
@@ -148,6 +187,45 @@ class KVCache:
         if rem:
             start = block_table[full] * self.block_size
             self.data[layer, :, start : start + rem].copy_(frame[:, full * self.block_size :])
+
+    def _import_parts(
+        self, layer: int, block_table: Sequence[int], num_tokens: int, parts: Sequence[Any]
+    ) -> None:
+        src = [np.frombuffer(p, dtype=np.uint8) for p in parts]
+        runs = self.token_runs(block_table, num_tokens)
+        half = num_tokens * (self.bytes_per_token_per_layer() // 2)
+        if len(runs) > 8 and sum(s.size for s in src) == 2 * half and len(src) <= 2:
+            # scattered blocks: one fancy assignment per half beats a copy per block
+            whole = src[0] if len(src) == 1 else None
+            halves = [whole[:half], whole[half:]] if whole is not None else src
+            if all(h.size == half for h in halves):
+                return self._scatter_halves(layer, block_table, num_tokens, halves)
+        dst = self._regions(layer, block_table, num_tokens)
+        want, got = sum(d.size for d in dst), sum(s.size for s in src)
+        if want != got:
+            raise ValueError(f"KV frame of {got} bytes, expected {want}")
+        i = j = di = sj = 0  # walk both lists: copy each overlap once
+        while i < len(dst):
+            n = min(dst[i].size - di, src[j].size - sj)
+            dst[i][di : di + n] = src[j][sj : sj + n]
+            di, sj = di + n, sj + n
+            if di == dst[i].size:
+                i, di = i + 1, 0
+            if j < len(src) and sj == src[j].size:
+                j, sj = j + 1, 0
+
+    def _scatter_halves(
+        self, layer: int, block_table: Sequence[int], num_tokens: int, halves: Sequence[Any]
+    ) -> None:
+        blocks = self._bytes_view()[layer]  # (2, num_blocks, block bytes)
+        row = blocks.shape[-1]
+        full, rem = divmod(num_tokens, self.block_size)
+        tb = row // self.block_size
+        for kv, h in enumerate(halves):
+            if full:
+                blocks[kv, list(block_table[:full])] = h[: full * row].reshape(full, row)
+            if rem:
+                blocks[kv, block_table[full], : rem * tb] = h[full * row :]
 
     def _bytes_view(self) -> np.ndarray:
         """The cache as (layers, 2, num_blocks, block bytes) uint8, sharing memory (CPU)."""

@@ -145,6 +145,11 @@ class ModelRunner:
     def export_frame(self, layer: int, block_table: Sequence[int], num_tokens: int) -> memoryview:
         return self.kv_cache.export_frame(layer, block_table, num_tokens)
 
+    def export_parts(
+        self, layer: int, block_table: Sequence[int], num_tokens: int
+    ) -> list[memoryview]:
+        return self.kv_cache.export_parts(layer, block_table, num_tokens)
+
     def export_into(
         self, layer: int, block_table: Sequence[int], num_tokens: int, buf: memoryview
     ) -> None:

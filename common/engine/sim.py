@@ -86,6 +86,11 @@ class SimEngine:
     def export_frame(self, layer: int, block_table: Sequence[int], num_tokens: int) -> memoryview:
         return self.export_kv(layer, block_table, num_tokens)
 
+    def export_parts(
+        self, layer: int, block_table: Sequence[int], num_tokens: int
+    ) -> list[memoryview]:
+        return [self.export_kv(layer, block_table, num_tokens)]
+
     def export_into(
         self, layer: int, block_table: Sequence[int], num_tokens: int, buf: memoryview
     ) -> None:
@@ -97,6 +102,8 @@ class SimEngine:
     def import_kv(
         self, layer: int, block_table: Sequence[int], num_tokens: int, frame: object
     ) -> None:
+        if isinstance(frame, (list, tuple)):
+            frame = b"".join(bytes(p) for p in frame)
         data = np.frombuffer(frame, dtype=np.uint8)  # type: ignore[call-overload]
         if data.size != self.kv_frame_bytes(num_tokens):
             raise ValueError(

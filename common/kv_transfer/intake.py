@@ -98,7 +98,8 @@ class KvIntake:
                         self.drop(msg.request_id)
                         return await self.refuse(peer, msg.request_id, f"shared memory: {exc}")
             case KvLayer(request_id=rid, layer=layer):
-                await self._on_layer(peer, rid, layer, parts[2].buffer if len(parts) > 2 else None)
+                frame = [p.buffer for p in parts[2:]] or None  # the frame, maybe in parts
+                await self._on_layer(peer, rid, layer, frame)
             case KvDone(request_id=rid, first_token_id=token):
                 done = self.incoming.pop(rid, None)
                 if done is None or done.dropped:
@@ -125,7 +126,11 @@ class KvIntake:
             frame = await self.ucx.recv(h.prefill_node, size)
         elif h.backend == "shm" and intake.segment is not None:
             frame = intake.segment.view(layer * size, size)
-        if intake.dropped or frame is None or len(frame) != size or not 0 <= layer < h.num_layers:
+        if isinstance(frame, list):
+            got = sum(p.nbytes for p in frame)
+        else:
+            got = -1 if frame is None else len(frame)
+        if intake.dropped or got != size or not 0 <= layer < h.num_layers:
             return
         self.engine.import_kv(layer, intake.block_table, len(h.prompt_ids), frame)
         intake.layers.add(layer)

@@ -135,13 +135,15 @@ class KvSender:
             view = t.segment.view(layer * t.frame_bytes, t.frame_bytes)
             self.engine.export_into(layer, t.block_table, t.num_tokens, view)
             return None
+        if t.backend == "zmq":  # views of the cache itself: nothing copied before the send
+            return self.engine.export_parts(layer, t.block_table, t.num_tokens)
         return self.engine.export_frame(layer, t.block_table, t.num_tokens)
 
     def push(self, t: Transfer, layer: int, payload: Any) -> None:
         """Event loop: queue the layer (descriptor + frame) behind everything sent before."""
         descriptor = encode(KvLayer(request_id=t.request_id, layer=layer))
         if t.backend == "zmq":
-            self._post(t.target, [descriptor, payload])
+            self._post(t.target, [descriptor, *payload])
         elif t.backend == "ucx":
             self._post(t.target, [descriptor], ucx_payload=payload)
         else:

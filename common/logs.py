@@ -1,0 +1,54 @@
+"""Logging for every pdserve process: text for people, JSON lines for log collectors.
+
+`--log-format json` (PDSERVE_LOG_FORMAT=json, the container default) writes one JSON object
+per record. A record may carry structured fields (`extra={"fields": {...}}`, as the
+gateway's per-request timeline does): JSON output merges them into the object, text output
+appends them as JSON after the message, so both stay greppable by request id.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import orjson
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            out.update(fields)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(out, default=str).decode()
+
+
+class TextFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(name)s %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            text += " " + orjson.dumps(fields, default=str).decode()
+        return text
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    if fmt not in ("text", "json"):
+        raise ValueError(f"log format must be text or json, got {fmt!r}")
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())

@@ -1,0 +1,168 @@
+"""Every node's own Prometheus metrics and health, served over HTTP on `--metrics-port`.
+
+The gateway already exports a cluster view built from heartbeats; these are what the node
+itself measures, with vLLM's names where one exists, so a Prometheus scraping each process
+(the compose `monitoring` profile) sees the engine side directly: running and waiting
+requests, KV usage, offers accepted and rejected, queue and prefill time, KV transfer bytes
+and time, decode step time. Labels: `node` and `role`, the same as the gateway's.
+
+`GET /health` answers 200 while the node is registered with a gateway and not draining (a
+container healthcheck: a node that cannot reach the gateway is not serving), else 503.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+from aiohttp import web
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from common.protocol import Load
+
+log = logging.getLogger(__name__)
+
+# `*_created` series double every counter and histogram for a timestamp nobody graphs
+disable_created_metrics()
+
+# seconds; wide enough for a CPU decode step (tens of ms) and a long GPU prefill (seconds)
+BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.15,
+    0.3,
+    0.6,
+    1.0,
+    2.0,
+    4.0,
+    8.0,
+    16.0,
+    32.0,
+)
+
+
+class _LoadCollector(Collector):
+    """Gauges read from the node's `load()` at scrape time (no bookkeeping to go stale)."""
+
+    def __init__(self, node: str, role: str, load: Callable[[], Load], num_blocks: int) -> None:
+        self.key = [node, role]
+        self.load = load
+        self.num_blocks = max(1, num_blocks)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["node", "role"]
+        load = self.load()
+        running = GaugeMetricFamily(
+            "pdserve:num_requests_running", "Requests in the engine", labels=labels
+        )
+        running.add_metric(self.key, load.running)
+        waiting = GaugeMetricFamily(
+            "pdserve:num_requests_waiting",
+            "Requests queued on the node or with KV in transfer",
+            labels=labels,
+        )
+        waiting.add_metric(self.key, load.waiting)
+        usage = GaugeMetricFamily(
+            "pdserve:kv_cache_usage_perc", "Fraction of KV blocks in use", labels=labels
+        )
+        usage.add_metric(self.key, load.blocks_in_use / self.num_blocks)
+        blocks = GaugeMetricFamily(
+            "pdserve:kv_blocks", "KV blocks by state", labels=[*labels, "state"]
+        )
+        for state, value in (
+            ("in_use", load.blocks_in_use),
+            ("cached", load.blocks_cached),
+            ("free", load.blocks_free),
+        ):
+            blocks.add_metric([*self.key, state], value)
+        draining = GaugeMetricFamily(
+            "pdserve:node_draining", "1 while the node drains", labels=labels
+        )
+        draining.add_metric(self.key, int(load.draining))
+        yield from (running, waiting, usage, blocks, draining)
+
+
+class NodeMetrics:
+    def __init__(self, node: str, role: str, load: Callable[[], Load], num_blocks: int) -> None:
+        self.registry = r = CollectorRegistry()
+        labels = {"node": node, "role": role}
+        names = list(labels)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            c = Counter(name, doc, [*names, *extra], registry=r)
+            return c if extra else c.labels(**labels)
+
+        def histogram(name: str, doc: str, extra: tuple[str, ...] = ()) -> Histogram:
+            h = Histogram(name, doc, [*names, *extra], buckets=BUCKETS, registry=r)
+            return h if extra else h.labels(**labels)
+
+        self.labels = labels
+        self._offers = counter("pdserve:offers", "Prefill offers by decision", ("decision",))
+        self.prompt_tokens = counter("pdserve:prompt_tokens", "Prompt tokens prefilled")
+        self.generation_tokens = counter("pdserve:generation_tokens", "Tokens generated")
+        self.preemptions = counter("pdserve:num_preemptions", "Sequences preempted")
+        self.queue_time = histogram(
+            "pdserve:request_queue_time_seconds", "Accepted until its prefill started"
+        )
+        self.prefill_time = histogram(
+            "pdserve:request_prefill_time_seconds", "Forward pass of the batch that held it"
+        )
+        self.step_time = histogram("pdserve:engine_step_seconds", "One engine step (decode: ITL)")
+        self._kv_bytes = counter(
+            "pdserve:kv_transfer_bytes", "KV bytes sent or received", ("backend", "direction")
+        )
+        self._kv_seconds = histogram(
+            "pdserve:kv_transfer_seconds", "First KV byte sent until the peer's ack", ("backend",)
+        )
+        r.register(_LoadCollector(node, role, load, num_blocks))
+
+    def offer(self, accepted: bool) -> None:
+        self._offers.labels(**self.labels, decision="accept" if accepted else "reject").inc()
+
+    def kv_sent(self, backend: str, nbytes: int, seconds: float | None) -> None:
+        self._kv_bytes.labels(**self.labels, backend=backend, direction="out").inc(nbytes)
+        if seconds is not None:
+            self._kv_seconds.labels(**self.labels, backend=backend).observe(seconds)
+
+    def kv_received(self, backend: str, nbytes: int) -> None:
+        self._kv_bytes.labels(**self.labels, backend=backend, direction="in").inc(nbytes)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+async def start_http(
+    metrics: NodeMetrics, healthy: Callable[[], str | None], host: str, port: int
+) -> web.AppRunner:
+    """Serve /metrics and /health; `healthy()` returns None when serving, else why not."""
+
+    async def get_metrics(request: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def get_health(request: web.Request) -> web.Response:
+        reason = healthy()
+        if reason is None:
+            return web.json_response({"status": "ok", **metrics.labels})
+        return web.json_response({"status": "unavailable", "reason": reason}, status=503)
+
+    app = web.Application()
+    app.router.add_get("/metrics", get_metrics)
+    app.router.add_get("/health", get_health)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    log.info("%s metrics on http://%s:%d/metrics", metrics.labels["node"], host, port)
+    return runner

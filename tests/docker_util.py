@@ -1,0 +1,39 @@
+"""Finding a Docker CLI with the compose plugin (and, for the stack test, an engine).
+
+With CI=true a missing piece fails the test: CI must run the compose tests for real
+(`.ci/run` installs and starts the engine). Elsewhere, a laptop without Docker, they skip
+and say what is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+
+def _missing(why: str) -> None:
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI=true but {why} (.ci/run prepares Docker; see .ci/docker.sh)")
+    pytest.skip(f"{why}: install Docker with the compose plugin to run this test")
+
+
+def compose_cli() -> list[str]:
+    """`docker compose`, for commands that need no engine (`config`)."""
+    if shutil.which("docker") is None:
+        _missing("no docker CLI on PATH")
+    done = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=60)
+    if done.returncode != 0:
+        _missing("the docker compose plugin is not installed")
+    return ["docker", "compose"]
+
+
+def compose_or_skip() -> list[str]:
+    """`docker compose` with a running engine."""
+    cmd = compose_cli()
+    done = subprocess.run(["docker", "info"], capture_output=True, timeout=60)
+    if done.returncode != 0:
+        _missing("no Docker engine is running")
+    return cmd

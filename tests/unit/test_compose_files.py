@@ -1,0 +1,115 @@
+"""compose.yaml, its CPU variant and its monitoring profile, as `docker compose config`
+resolves them (no engine needed): the services, GPU reservations, networks, IPC sharing,
+healthchecks, and that every PDSERVE_* variable they set is a setting pdserve reads (a
+misspelled variable would be ignored silently)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from common.config import EngineConfig, GatewayConfig, NodeConfig
+from tests.docker_util import compose_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+# read outside the config dataclasses: common/cli.py (logging), common/devices.py
+EXTRA_VARIABLES = {"PDSERVE_LOG_LEVEL", "PDSERVE_LOG_FORMAT", "PDSERVE_REPLICA"}
+
+
+def _config(*files: str, profile: str | None = None) -> dict:
+    cmd = [*compose_cli()]
+    if profile:
+        cmd += ["--profile", profile]
+    for f in files:
+        cmd += ["-f", f]
+    done = subprocess.run(
+        [*cmd, "config", "--format", "json"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def gpu() -> dict:
+    return _config("compose.yaml")
+
+
+@pytest.fixture(scope="module")
+def cpu() -> dict:
+    return _config("compose.yaml", "compose.cpu.yaml")
+
+
+def _gpu_devices(service: dict) -> list[dict]:
+    return service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+
+
+def test_services_and_gpu_reservations(gpu, cpu):
+    assert set(gpu["services"]) == {"gateway", "prefill", "decode"}  # monitoring is opt-in
+    for name in ("prefill", "decode"):
+        [device] = _gpu_devices(gpu["services"][name])
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+        assert gpu["services"][name]["environment"]["PDSERVE_DEVICE"] == "cuda:auto"
+        assert not _gpu_devices(cpu["services"][name])
+        assert cpu["services"][name]["environment"]["PDSERVE_DEVICE"] == "cpu"
+    args = cpu["services"]["gateway"]["build"]["args"]
+    assert args["TORCH_SPEC"] == "torch==2.13.0"  # never the multi-GB CUDA build on CPU
+
+
+def test_only_the_gateway_is_published_and_node_traffic_is_internal(gpu):
+    services = gpu["services"]
+    [port] = services["gateway"]["ports"]
+    assert port["target"] == 8000
+    for name in ("prefill", "decode"):
+        assert not services[name].get("ports")
+        assert set(services[name]["networks"]) == {"nodes"}
+    nodes_net = next(n for key, n in gpu["networks"].items() if key == "nodes")
+    assert nodes_net.get("internal") is True
+
+
+def test_same_host_kv_shares_one_ipc_namespace_with_room_for_kv(gpu, cpu):
+    for config in (gpu, cpu):
+        services = config["services"]
+        assert services["gateway"]["ipc"] == "shareable"
+        assert services["prefill"]["ipc"] == services["decode"]["ipc"] == "service:gateway"
+        assert int(services["gateway"]["shm_size"]) >= 512 * 2**20  # Docker's default: 64 MB
+
+
+def test_every_service_has_a_healthcheck_on_its_own_port(gpu):
+    services = gpu["services"]
+    assert "8000/health" in " ".join(services["gateway"]["healthcheck"]["test"])
+    for name in ("prefill", "decode"):
+        assert "9100/health" in " ".join(services[name]["healthcheck"]["test"])
+        assert services[name]["environment"]["PDSERVE_METRICS_PORT"] == "9100"
+
+
+def test_every_pdserve_variable_is_a_real_setting(gpu, cpu):
+    known = set(EXTRA_VARIABLES)
+    for cls in (EngineConfig, GatewayConfig, NodeConfig):
+        known |= {f"PDSERVE_{f.name.upper()}" for f in dataclasses.fields(cls)}
+    for config in (gpu, cpu):
+        for service in config["services"].values():
+            for name in service.get("environment", {}):
+                if name.startswith("PDSERVE_"):
+                    assert name in known, f"{name} is not read by pdserve"
+
+
+def test_monitoring_profile_mounts_files_that_exist():
+    config = _config("compose.yaml", profile="monitoring")
+    assert {"prometheus", "grafana"} <= set(config["services"])
+    for name in ("prometheus", "grafana"):
+        for volume in config["services"][name]["volumes"]:
+            assert Path(volume["source"]).exists(), volume["source"]
+
+
+def test_readme_documents_the_variables_compose_reads():
+    """Every ${VARIABLE} compose.yaml reads is explained in the README's GPU section."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Run on a GPU box", 1)[1].split("\n## ", 1)[0]
+    compose = (ROOT / "compose.yaml").read_text()
+    for name in sorted(set(re.findall(r"\$\{(PDSERVE_[A-Z_]+)", compose))):
+        assert name in section, f"{name} is not documented in README 'Run on a GPU box'"
