@@ -25,5 +25,6 @@ class CacheOnlyEngine:
         self.kv_frame_bytes = self.cache.frame_bytes
         self.export_frame = self.cache.export_frame
         self.export_parts = self.cache.export_parts
+        self.kv_targets = self.cache.kv_targets
         self.export_into = self.cache.export_into
         self.import_kv = self.cache.import_kv

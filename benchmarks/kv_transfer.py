@@ -7,8 +7,9 @@ every layer exported from its paged cache and sent) until the decode side has sc
 last layer into its paged cache and acknowledged it. In the same run, on the same payload:
 a raw TCP loopback socket (sendall / recv_into a reused buffer) and a memcpy. Decimal GB/s.
 The decode side's blocks are other ids than the prefill side's, consecutive as a node's
-allocations are while its free blocks are (`*_gb_s`); `zmq_fragmented_gb_s` repeats the
-ZeroMQ run with every destination block apart (reversed), the receiver's worst case.
+allocations are while its free blocks are (`*_gb_s`); `zmq_fragmented_gb_s` and
+`tcp_fragmented_gb_s` repeat those runs with every destination block apart (reversed), the
+receiver's worst case.
 Prints one JSON object as its last line.
 
     .venv/bin/python benchmarks/kv_transfer.py [--tokens 4000] [--repeats 5]
@@ -39,6 +40,7 @@ from benchmarks.cache_engine import LLAMA_LAYOUT, CacheOnlyEngine
 from common.costmodel import MODELS
 from common.kv_transfer.intake import Intake, KvIntake
 from common.kv_transfer.sender import KvSender, Transfer
+from common.kv_transfer.tcp import TcpListener
 from common.memtune import tune_malloc
 from common.node import host_identity
 from common.protocol import DecodeTarget
@@ -96,8 +98,19 @@ async def _decode(num_tokens: int, ucx: bool, layout: str, ready: Any, digest_q:
         from common.kv_transfer.ucx import UcxListener
 
         listener = UcxListener("127.0.0.1")
-    intake = KvIntake(sock, engine, lambda h: list(dest), lambda b: None, admit, ucx=listener)  # type: ignore[arg-type]
-    ready.put((bound_address(sock, "127.0.0.1"), listener.address if listener else ""))
+    tcp = TcpListener("127.0.0.1")
+    tcp.start()
+    intake = KvIntake(
+        sock,
+        engine,  # type: ignore[arg-type]
+        lambda h: list(dest),
+        lambda b: None,
+        admit,
+        ucx=listener,
+        tcp=tcp,
+    )
+    addresses = (bound_address(sock, "127.0.0.1"), listener.address if listener else "")
+    ready.put((*addresses, tcp.address))
     await intake.run()
 
 
@@ -133,7 +146,7 @@ async def run_backend(
     args = (n, backend == "ucx", layout, ready, digest_q)
     proc = mp.Process(target=decode_main, args=args, daemon=True)
     proc.start()
-    address, ucx_address = ready.get(timeout=120)
+    address, ucx_address, tcp_address = ready.get(timeout=120)
     ctx = zmq.asyncio.Context()
     acked: asyncio.Queue[Transfer] = asyncio.Queue()
 
@@ -154,6 +167,7 @@ async def run_backend(
         data_address=address,
         host_id=host_identity(),
         ucx_address=ucx_address,
+        tcp_address=tcp_address,
     )
     src = table(n, "source")
     times = [
@@ -219,7 +233,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", type=int, default=4000)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--backends", default="zmq,shm,ucx")
+    ap.add_argument("--backends", default="zmq,tcp,shm,ucx")
     args = ap.parse_args()
     tune_malloc()
     torch.set_num_threads(1)
@@ -231,9 +245,9 @@ def main() -> None:
     kv_bytes = engine.kv_frame_bytes(n) * LLAMA.num_layers
     expected = kv_digest(engine, src, n)
     result: dict[str, Any] = {"kv_bytes": kv_bytes, "tokens": n, "repeats": args.repeats}
-    runs = [(b, "fresh", f"{b}_gb_s") for b in args.backends.split(",")]
-    if "zmq" in args.backends.split(","):
-        runs.append(("zmq", "fragmented", "zmq_fragmented_gb_s"))
+    backends = args.backends.split(",")
+    runs = [(b, "fresh", f"{b}_gb_s") for b in backends]
+    runs += [(b, "fragmented", f"{b}_fragmented_gb_s") for b in ("zmq", "tcp") if b in backends]
     for backend, layout, key in runs:
         seconds, received = asyncio.run(run_backend(backend, n, args.repeats, engine, layout))
         assert received == expected, f"{backend}: the KV did not arrive byte-exact"
@@ -241,10 +255,11 @@ def main() -> None:
     frames = [engine.export_frame(layer, src, n) for layer in range(LLAMA.num_layers)]
     result["raw_tcp_gb_s"] = round(kv_bytes / raw_tcp_seconds(frames, args.repeats) / 1e9, 3)
     result["memcpy_gb_s"] = round(kv_bytes / memcpy_seconds(kv_bytes, args.repeats) / 1e9, 3)
-    if "zmq_gb_s" in result:
-        result["zmq_vs_raw_tcp"] = round(result["zmq_gb_s"] / result["raw_tcp_gb_s"], 3)
-        frag = result["zmq_fragmented_gb_s"] / result["raw_tcp_gb_s"]
-        result["zmq_fragmented_vs_raw_tcp"] = round(frag, 3)
+    for b in ("zmq", "tcp"):
+        for key in (f"{b}_gb_s", f"{b}_fragmented_gb_s"):
+            if key in result:
+                ratio = result[key] / result["raw_tcp_gb_s"]
+                result[key.replace("_gb_s", "_vs_raw_tcp")] = round(ratio, 3)
     if "shm_gb_s" in result:
         result["shm_vs_memcpy"] = round(result["shm_gb_s"] / result["memcpy_gb_s"], 3)
     print(json.dumps(result))

@@ -1,10 +1,11 @@
 """Layer-wise KV sending, measured: how much of the transfer stays exposed after prefill.
 
 The real SmolLM2 model (float32) prefills a prompt in this process while pdserve's sender
-ships its KV over ZeroMQ to a decode-side intake (a paged cache of the same layout) in
-another process. Exposed transfer = time from the end of the forward pass to the KvAck
-that says the last layer sits in the decode cache. With layer-wise sending most of the
-transfer hides behind the later layers' compute; without it all of it comes after.
+ships its KV (`--backend tcp`, the cross-host default, or zmq) to a decode-side intake (a
+paged cache of the same layout) in another process. Exposed transfer = time from the end
+of the forward pass to the KvAck that says the last layer sits in the decode cache. With
+layer-wise sending most of the transfer hides behind the later layers' compute; without it
+all of it comes after.
 
 It also measures what layer-wise sending costs, to set `--layerwise-min-tokens`: for tiny
 prompts the transfer is negligible, so the difference in decode-ready time (prefill start to
@@ -42,6 +43,7 @@ from common.engine.interface import PrefillWork
 from common.engine.runner import ModelRunner
 from common.kv_transfer.intake import Intake, KvIntake
 from common.kv_transfer.sender import KvSender, Transfer
+from common.kv_transfer.tcp import TcpListener
 from common.memtune import tune_malloc
 from common.model_config import load_model_config, resolve_model
 from common.node import host_identity
@@ -68,14 +70,17 @@ async def _decode(ready: Any) -> None:
     async def admit(intake: Intake, first_token: int) -> None:
         return None
 
+    tcp = TcpListener("127.0.0.1")
+    tcp.start()
     intake = KvIntake(
         sock,
         engine,  # type: ignore[arg-type]
         lambda h: blocks[: -(-len(h.prompt_ids) // BLOCK) + 1],  # type: ignore[arg-type]
         lambda b: None,
         admit,
+        tcp=tcp,
     )
-    ready.put(bound_address(sock, "127.0.0.1"))
+    ready.put((bound_address(sock, "127.0.0.1"), tcp.address))
     await intake.run()
 
 
@@ -124,7 +129,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     ready: Any = mp.Queue()
     proc = mp.Process(target=decode_main, args=(ready,), daemon=True)
     proc.start()
-    address = ready.get(timeout=120)
+    address, tcp_address = ready.get(timeout=120)
     acked: asyncio.Queue[Transfer] = asyncio.Queue()
 
     async def on_refuse(rid: str, peer: str, why: str) -> None:
@@ -135,11 +140,13 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "overlap",
         host_identity(),
         runner,
-        "zmq",
+        args.backend,
         on_ack=acked.put_nowait,
         on_refuse=on_refuse,
     )
-    target = DecodeTarget(node_id="decode", data_address=address, host_id="elsewhere")
+    target = DecodeTarget(
+        node_id="decode", data_address=address, host_id="elsewhere", tcp_address=tcp_address
+    )
     counter = iter(range(10**6))
 
     async def med(n: int, layerwise: bool) -> tuple[float, float]:
@@ -150,7 +157,11 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         ]
         return (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
 
-    result: dict[str, Any] = {"threads": args.threads, "backend": "zmq", "repeats": args.repeats}
+    result: dict[str, Any] = {
+        "threads": args.threads,
+        "backend": args.backend,
+        "repeats": args.repeats,
+    }
     for n in (256, 1024, 4000):
         exposed, _ = await med(n, True)
         serial, _ = await med(n, False)
@@ -184,6 +195,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--backend", choices=("tcp", "zmq"), default="tcp", help="cross-host path")
     args = ap.parse_args()
     tune_malloc()
     mp.set_start_method("spawn")

@@ -194,9 +194,10 @@ class NodeConfig:
     kv_transfer_timeout: float = flag(10.0, "decode: free a reservation whose KV stalls this long")
     queueing: bool = flag(False, "prefill: accept every offer and queue locally (baselines)")
     drain_timeout: float = flag(30.0, "seconds a draining node finishes work before handing back")
-    kv_backend: Literal["auto", "zmq", "shm", "ucx"] = flag(
-        "auto", "KV transfer: auto (shm on one host, else zmq), or force zmq, shm, ucx"
+    kv_backend: Literal["auto", "zmq", "shm", "ucx", "tcp"] = flag(
+        "auto", "KV transfer: auto (shm on one host, else tcp), or force zmq, shm, ucx, tcp"
     )
+    kv_tcp_port: int = flag(0, "decode: port of the in-place TCP KV listener; 0 = any free")
     layerwise_min_tokens: int = flag(
         768, "prefill: send KV layer by layer from this prompt length on (below: at the end)"
     )

@@ -44,6 +44,7 @@ class NodeInfo(msgspec.Struct, kw_only=True, frozen=True):
     max_batch_tokens: int
     max_model_len: int
     ucx_address: str = ""  # decode: HOST:PORT of its UCX listener, "" without UCX
+    tcp_address: str = ""  # decode: HOST:PORT of its in-place TCP KV listener
     queueing: bool = False  # accepts every offer and queues locally (baseline schedulers)
 
 
@@ -145,6 +146,7 @@ class DecodeTarget(msgspec.Struct, kw_only=True, frozen=True):
     data_address: str
     host_id: str
     ucx_address: str = ""
+    tcp_address: str = ""
 
 
 class PrefillOffer(Msg):

@@ -17,11 +17,14 @@ import logging
 import time
 from typing import Any
 
+import msgspec
+
 from common.config import EngineConfig, NodeConfig
 from common.engine.interface import DecodeWork, Engine
 from common.engine.scheduler import Scheduler, SchedulerConfig
 from common.engine.sequence import SeqStatus, Sequence, check_stop
 from common.kv_transfer.intake import Intake, KvIntake
+from common.kv_transfer.tcp import TcpListener
 from common.node import NodeBase
 from common.protocol import Abort, Drain, KvHeader, Load, Preempted, TokenBatch
 from common.tokenizer import Tokenizer
@@ -58,6 +61,7 @@ class DecodeNode(NodeBase):
         )
         self._data_address = bound_address(self.data, self.cfg.advertise_host)
         self.ucx: Any = None
+        self.tcp = TcpListener(self.cfg.advertise_host, cfg.kv_tcp_port)
         self.intake = KvIntake(
             self.data,
             engine,
@@ -65,6 +69,7 @@ class DecodeNode(NodeBase):
             self.blocks.free,
             self._admit,
             timeout=cfg.kv_transfer_timeout,
+            tcp=self.tcp,
         )
         self.seqs: dict[str, Sequence] = {}
         self.in_step: set[str] = set()
@@ -75,11 +80,9 @@ class DecodeNode(NodeBase):
         return self._data_address
 
     def info(self) -> Any:
-        info = super().info()
+        info = msgspec.structs.replace(super().info(), tcp_address=self.tcp.address)
         if self.ucx is None:
             return info
-        import msgspec
-
         return msgspec.structs.replace(info, ucx_address=self.ucx.address)
 
     def load(self) -> Load:
@@ -105,6 +108,7 @@ class DecodeNode(NodeBase):
             from common.kv_transfer.ucx import UcxListener
 
             self.ucx = self.intake.ucx = UcxListener(self.cfg.advertise_host)
+        self.tcp.start()
         self.tasks += [
             asyncio.create_task(self.intake.run()),
             asyncio.create_task(self._engine_loop()),
@@ -113,6 +117,7 @@ class DecodeNode(NodeBase):
         await super().serve()
 
     async def shutdown(self) -> None:
+        await self.tcp.close()
         if self.ucx is not None:
             await self.ucx.close()
         await super().shutdown()

@@ -42,6 +42,7 @@ class NodeState:
             data_address=self.info.data_address,
             host_id=self.info.host_id,
             ucx_address=self.info.ucx_address,
+            tcp_address=self.info.tcp_address,
         )
 
 

@@ -75,6 +75,13 @@ class Engine(Protocol):
         can (a zero-copy multipart send); import_kv takes such a list as well."""
         ...
 
+    def kv_targets(
+        self, layer: int, block_table: Sequence[int], num_tokens: int
+    ) -> list[memoryview] | None:
+        """Writable views of the cache where the frame's bytes go, in frame order, for a
+        socket to read into; None when the cache cannot be written in place (GPU, sim)."""
+        ...
+
     def export_into(
         self, layer: int, block_table: Sequence[int], num_tokens: int, buf: memoryview
     ) -> None:

@@ -157,6 +157,15 @@ class KVCache:
             return [self.export_frame(layer, block_table, num_tokens)]
         return [memoryview(r) for r in regions]
 
+    def kv_targets(
+        self, layer: int, block_table: Sequence[int], num_tokens: int
+    ) -> list[memoryview] | None:
+        """Writable views of where the frame's bytes go, in frame order (a socket reads
+        straight into them); None for a GPU cache."""
+        if self.data.device.type != "cpu":
+            return None
+        return [memoryview(r) for r in self._regions(layer, block_table, num_tokens)]
+
     def import_kv(
         self, layer: int, block_table: Sequence[int], num_tokens: int, frame: object
     ) -> None:

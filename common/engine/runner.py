@@ -150,6 +150,11 @@ class ModelRunner:
     ) -> list[memoryview]:
         return self.kv_cache.export_parts(layer, block_table, num_tokens)
 
+    def kv_targets(
+        self, layer: int, block_table: Sequence[int], num_tokens: int
+    ) -> list[memoryview] | None:
+        return self.kv_cache.kv_targets(layer, block_table, num_tokens)
+
     def export_into(
         self, layer: int, block_table: Sequence[int], num_tokens: int, buf: memoryview
     ) -> None:

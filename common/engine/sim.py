@@ -91,6 +91,11 @@ class SimEngine:
     ) -> list[memoryview]:
         return [self.export_kv(layer, block_table, num_tokens)]
 
+    def kv_targets(
+        self, layer: int, block_table: Sequence[int], num_tokens: int
+    ) -> list[memoryview] | None:
+        return None  # frames land in a scratch buffer (import_kv)
+
     def export_into(
         self, layer: int, block_table: Sequence[int], num_tokens: int, buf: memoryview
     ) -> None:

@@ -2,13 +2,15 @@
 
 A `KvHeader` asks `reserve` for blocks (a block table, or the reason to refuse, answered
 with `KvRefuse`). Each `KvLayer` frame is scattered into those blocks: from ZeroMQ's receive
-buffer (zmq), from the named shared-memory segment (shm) or from the UCX endpoint's reused
-buffer (ucx). `KvDone` hands the complete request to `admit` and answers `KvAck`. A
-reservation whose frames stall past `timeout` seconds is released and refused.
+buffer (zmq), from the named shared-memory segment (shm), from the UCX endpoint's reused
+buffer (ucx), or read straight into the blocks from the peer's TCP stream (tcp). `KvDone`
+hands the complete request to `admit` and answers `KvAck`. A reservation whose frames stall
+past `timeout` seconds is released and refused.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -44,7 +46,8 @@ class Intake:
     layers: set[int] = field(default_factory=set)
     segment: Segment | None = None
     bytes_in: int = 0
-    dropped: bool = False  # refused or aborted; kept only to drain its UCX frames
+    dropped: bool = False  # refused or aborted; kept only to drain its UCX/TCP frames
+    receiving: bool = False  # a TCP frame is landing in its blocks right now
 
 
 class KvIntake:
@@ -57,6 +60,7 @@ class KvIntake:
         admit: Callable[[Intake, int], Awaitable[None]],
         ucx: Any = None,
         timeout: float = 10.0,
+        tcp: Any = None,
     ) -> None:
         self.sock = sock
         self.engine = engine
@@ -64,6 +68,7 @@ class KvIntake:
         self.release = release
         self.admit = admit
         self.ucx = ucx
+        self.tcp = tcp  # TcpListener
         self.timeout = timeout
         self.incoming: dict[str, Intake] = {}
         self.maps = SegmentMaps()
@@ -85,7 +90,7 @@ class KvIntake:
             case KvHeader():
                 reserved = self.reserve(msg)
                 if isinstance(reserved, str):
-                    if msg.backend == "ucx":  # its frames still come: receive and discard
+                    if msg.backend in ("ucx", "tcp"):  # its frames still come: read, discard
                         self.incoming[msg.request_id] = Intake(msg, peer, [], dropped=True)
                     return await self.refuse(peer, msg.request_id, reserved)
                 intake = Intake(msg, peer, reserved)
@@ -122,6 +127,8 @@ class KvIntake:
             return
         h = intake.header
         size = h.frame_bytes
+        if h.backend == "tcp":
+            return await self._on_tcp_layer(intake, layer)
         if h.backend == "ucx":  # consume the peer's next frame even if we will drop it
             frame = await self.ucx.recv(h.prefill_node, size)
         elif h.backend == "shm" and intake.segment is not None:
@@ -136,18 +143,59 @@ class KvIntake:
         intake.layers.add(layer)
         intake.bytes_in += size
 
+    async def _on_tcp_layer(self, intake: Intake, layer: int) -> None:
+        """Read the peer's next frame from its stream: in place into the reserved blocks
+        where the cache allows it, else through a reused buffer (GPU cache, or a frame to
+        discard because the request was dropped). Blocks dropped meanwhile are released only
+        once the frame has landed, so no other sequence's KV is ever overwritten."""
+        h = intake.header
+        n = len(h.prompt_ids)
+        wanted = not intake.dropped and 0 <= layer < h.num_layers
+        views = self.engine.kv_targets(layer, intake.block_table, n) if wanted else None
+        intake.receiving = True
+        try:
+            if views is not None:
+                await asyncio.wait_for(self.tcp.recv_into(h.prefill_node, views), self.timeout)
+            else:
+                frame = await asyncio.wait_for(
+                    self.tcp.recv(h.prefill_node, h.frame_bytes), self.timeout
+                )
+                if wanted and not intake.dropped:
+                    self.engine.import_kv(layer, intake.block_table, n, frame)
+        except (OSError, TimeoutError, asyncio.TimeoutError) as exc:
+            log.warning("KV stream from %s failed: %r", h.prefill_node, exc)
+            self.tcp.reset(h.prefill_node)
+            intake.receiving = False
+            if self.drop(h.request_id):
+                await self.refuse(intake.peer, h.request_id, "KV stream failed")
+            self._forget_if_drained(intake)
+            return
+        intake.receiving = False
+        if intake.dropped:
+            self._forget_if_drained(intake)
+            return
+        intake.layers.add(layer)
+        intake.bytes_in += h.frame_bytes
+
+    def _forget_if_drained(self, intake: Intake) -> None:
+        if intake.block_table:  # dropped while its frame was landing: release now
+            self.release(intake.block_table)
+            intake.block_table = []
+
     async def refuse(self, peer: bytes, rid: str, reason: str) -> None:
         await self.sock.send_multipart([peer, encode(KvRefuse(request_id=rid, reason=reason))])
 
     def drop(self, rid: str) -> bool:
-        """Release a reservation (abort, lease, timeout). A UCX transfer stays listed, dropped,
-        so that its remaining frames are still taken off the endpoint in order."""
+        """Release a reservation (abort, lease, timeout). A UCX or TCP transfer stays listed,
+        dropped, so that its remaining frames are still taken off the stream in order."""
         intake = self.incoming.get(rid)
         if intake is None or intake.dropped:
             return False
-        self.release(intake.block_table)
-        intake.block_table, intake.dropped = [], True
-        if intake.header.backend != "ucx":
+        intake.dropped = True
+        if not intake.receiving:  # else released when its frame has landed
+            self.release(intake.block_table)
+            intake.block_table = []
+        if intake.header.backend not in ("ucx", "tcp"):
             del self.incoming[rid]
         return True
 

@@ -1,9 +1,10 @@
-"""Prefill side of KV transfer: one ordered channel per decode peer, three backends.
+"""Prefill side of KV transfer: one ordered channel per decode peer, four backends.
 
 `begin` sends the header (the decode node reserves blocks while we compute). `stage` runs in
 the engine thread as each layer lands in the cache: it exports the layer as one contiguous
-frame (zmq, ucx) or writes it straight into the request's shared-memory segment (shm).
-`push` (event loop) queues the layer's descriptor, and its frame for zmq/ucx, on the peer's
+frame (ucx), hands out views of the cache itself (zmq, tcp: sent without a copy) or writes
+it straight into the request's shared-memory segment (shm).
+`push` (event loop) queues the layer's descriptor, and its frame or views, on the peer's
 outbox; one sender task per peer keeps the order header, layers, done. The sender owns a
 transfer until the decode node acknowledges it; `on_ack`/`on_refuse` report back.
 """
@@ -23,6 +24,7 @@ import zmq.asyncio
 from common.engine.interface import Engine
 from common.kv_transfer import choose_backend
 from common.kv_transfer.shm import Segment, SegmentPool
+from common.kv_transfer.tcp import TcpStream
 from common.protocol import (
     TO_PREFILL_DECODER,
     Abort,
@@ -63,9 +65,10 @@ class Transfer:
 class Peer:
     node_id: str
     sock: zmq.asyncio.Socket
-    outbox: asyncio.Queue[tuple[list[Any], Any]] = field(default_factory=asyncio.Queue)
+    outbox: asyncio.Queue[tuple[list[Any], Any, Any]] = field(default_factory=asyncio.Queue)
     tasks: list[asyncio.Task] = field(default_factory=list)
     ucx_endpoint: Any = None
+    tcp: TcpStream | None = None
 
 
 class KvSender:
@@ -101,7 +104,7 @@ class KvSender:
         params: SamplingParams,
         block_table: list[int],
     ) -> Transfer:
-        backend = choose_backend(self.forced, self.host_id, target.host_id, target.ucx_address)
+        backend = choose_backend(self.forced, self.host_id, target)
         n = len(prompt_ids)
         t = Transfer(
             request_id,
@@ -135,7 +138,7 @@ class KvSender:
             view = t.segment.view(layer * t.frame_bytes, t.frame_bytes)
             self.engine.export_into(layer, t.block_table, t.num_tokens, view)
             return None
-        if t.backend == "zmq":  # views of the cache itself: nothing copied before the send
+        if t.backend in ("zmq", "tcp"):  # views of the cache itself: nothing copied to send
             return self.engine.export_parts(layer, t.block_table, t.num_tokens)
         return self.engine.export_frame(layer, t.block_table, t.num_tokens)
 
@@ -146,6 +149,8 @@ class KvSender:
             self._post(t.target, [descriptor, *payload])
         elif t.backend == "ucx":
             self._post(t.target, [descriptor], ucx_payload=payload)
+        elif t.backend == "tcp":
+            self._post(t.target, [descriptor], tcp_payload=payload)
         else:
             self._post(t.target, [descriptor])
 
@@ -175,7 +180,13 @@ class KvSender:
         return t
 
     # -- peers -----------------------------------------------------------------------------
-    def _post(self, target: DecodeTarget, parts: list[Any], ucx_payload: Any = None) -> None:
+    def _post(
+        self,
+        target: DecodeTarget,
+        parts: list[Any],
+        ucx_payload: Any = None,
+        tcp_payload: Any = None,
+    ) -> None:
         peer = self.peers.get(target.node_id)
         if peer is None:
             sock = make_socket(
@@ -191,12 +202,19 @@ class KvSender:
                 asyncio.create_task(self._receiver(peer)),
             ]
             self.peers[target.node_id] = peer
-        peer.outbox.put_nowait((parts, ucx_payload))
+        peer.outbox.put_nowait((parts, ucx_payload, tcp_payload))
 
     async def _sender(self, peer: Peer, target: DecodeTarget) -> None:
         while True:
-            parts, ucx_payload = await peer.outbox.get()
+            parts, ucx_payload, tcp_payload = await peer.outbox.get()
             await peer.sock.send_multipart(parts, copy=len(parts) == 1)
+            if tcp_payload is not None:
+                if peer.tcp is None:
+                    peer.tcp = TcpStream(target.tcp_address, self.node_id)
+                try:
+                    await peer.tcp.send(tcp_payload)
+                except OSError as exc:  # the decode node times the transfer out and refuses
+                    log.warning("KV stream to %s failed: %s", peer.node_id, exc)
             if ucx_payload is not None:
                 if peer.ucx_endpoint is None:
                     from common.kv_transfer.ucx import connect
@@ -224,6 +242,8 @@ class KvSender:
         for peer in self.peers.values():
             for task in peer.tasks:
                 task.cancel()
+            if peer.tcp is not None:
+                peer.tcp.close()
             if peer.ucx_endpoint is not None:
                 try:
                     await peer.ucx_endpoint.close()

@@ -15,10 +15,11 @@ from benchmarks.cache_engine import CacheOnlyEngine
 from common.kv_transfer import choose_backend
 from common.kv_transfer.intake import Intake, KvIntake
 from common.kv_transfer.sender import KvSender, Transfer
+from common.kv_transfer.tcp import TcpListener
 from common.kv_transfer.ucx import available as ucx_available
 from common.model_config import load_model_config, resolve_model
 from common.node import host_identity
-from common.protocol import DecodeTarget
+from common.protocol import DecodeTarget, KvLayer, encode
 from common.sampling import SamplingParams
 from common.transport import bound_address, make_socket
 
@@ -51,13 +52,18 @@ class Pair:
             from common.kv_transfer.ucx import UcxListener
 
             self.ucx = UcxListener("127.0.0.1")
-        self.intake = KvIntake(sock, self.dst, self.reserve, self.release, self.admit, ucx=self.ucx)
+        self.tcp = TcpListener("127.0.0.1")
+        self.tcp.start()
+        self.intake = KvIntake(
+            sock, self.dst, self.reserve, self.release, self.admit, ucx=self.ucx, tcp=self.tcp
+        )
         self.task = asyncio.create_task(self.intake.run())
         self.target = DecodeTarget(
             node_id="d",
             data_address=bound_address(sock, "127.0.0.1"),
             host_id=host_identity(),
             ucx_address=self.ucx.address if self.ucx else "",
+            tcp_address=self.tcp.address,
         )
         self.sender = KvSender(
             self.ctx,
@@ -100,6 +106,7 @@ class Pair:
     async def close(self) -> None:
         await self.sender.close()
         self.task.cancel()
+        await self.tcp.close()
         if self.ucx is not None:
             await self.ucx.close()
         self.intake.close()
@@ -109,6 +116,7 @@ class Pair:
 BACKENDS = [
     "zmq",
     "shm",
+    "tcp",
     pytest.param(
         "ucx",
         marks=pytest.mark.skipif(
@@ -170,9 +178,42 @@ async def test_refused_and_aborted_transfers_leave_nothing_behind(backend):
 
 
 def test_backend_choice_follows_where_the_peers_are():
-    assert choose_backend("auto", "h1", "h1", "") == "shm"
-    assert choose_backend("auto", "h1", "h2", "x:1") == "zmq"
-    assert choose_backend("shm", "h1", "h2", "") == "zmq"  # cannot share memory across hosts
-    assert choose_backend("ucx", "h1", "h1", "") == "zmq"  # the peer has no UCX listener
-    assert choose_backend("ucx", "h1", "h2", "x:1") == "ucx"
-    assert choose_backend("zmq", "h1", "h1", "") == "zmq"
+    def to(host: str, ucx: str = "", tcp: str = "") -> DecodeTarget:
+        return DecodeTarget(
+            node_id="d", data_address="tcp://x:1", host_id=host, ucx_address=ucx, tcp_address=tcp
+        )
+
+    assert choose_backend("auto", "h1", to("h1", tcp="x:2")) == "shm"
+    assert choose_backend("auto", "h1", to("h2", tcp="x:2")) == "tcp"
+    assert choose_backend("auto", "h1", to("h2", ucx="x:1")) == "zmq"  # no TCP listener
+    assert choose_backend("shm", "h1", to("h2")) == "zmq"  # cannot share memory across hosts
+    assert choose_backend("ucx", "h1", to("h1")) == "zmq"  # the peer has no UCX listener
+    assert choose_backend("ucx", "h1", to("h2", ucx="x:1")) == "ucx"
+    assert choose_backend("tcp", "h1", to("h1")) == "zmq"  # the peer has no TCP listener
+    assert choose_backend("tcp", "h1", to("h1", tcp="x:2")) == "tcp"
+    assert choose_backend("zmq", "h1", to("h1", tcp="x:2")) == "zmq"
+
+
+async def test_a_broken_tcp_stream_refuses_its_transfer_frees_blocks_and_reconnects():
+    pair = Pair("tcp", capacity=600)
+    total = len(pair.free)
+    try:
+        t = pair.sender.begin("cut", pair.target, list(range(40)), 40, SamplingParams(), [0, 1, 2])
+        assert t.backend == "tcp"
+        descriptor = encode(KvLayer(request_id="cut", layer=0))
+        pair.sender._post(pair.target, [descriptor], tcp_payload=[b"x" * 100])  # part of a frame
+        for _ in range(100):
+            if pair.sender.peers["d"].tcp is not None and pair.intake.incoming["cut"].receiving:
+                break
+            await asyncio.sleep(0.01)
+        pair.sender.peers["d"].tcp.close()  # the stream breaks mid-frame
+        for _ in range(200):
+            if pair.refusals and len(pair.free) == total:
+                break
+            await asyncio.sleep(0.01)
+        assert pair.refusals == ["KV stream failed"] and len(pair.free) == total
+        pair.sender.release("cut")
+        ok = await pair.send("after", 37, [7, 8, 9], layerwise=False)  # a fresh stream
+        assert digest(pair.dst, ok.block_table, 37) == digest(pair.src, [7, 8, 9], 37)
+    finally:
+        await pair.close()

@@ -50,7 +50,8 @@ def test_parts_round_trip_into_any_blocks(n):
                     else:  # arbitrary cut points, as a transport might deliver
                         raw = bytes(frames[layer])
                         cuts = sorted(random.Random(layer).sample(range(1, len(raw)), 3))
-                        payload = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)])]
+                        edges = zip([0, *cuts], [*cuts, len(raw)], strict=True)
+                        payload = [raw[a:b] for a, b in edges]
                     dst.import_kv(layer, dst_table, n, payload)
                 for layer in range(LAYERS):
                     got = bytes(dst.export_frame(layer, dst_table, n))

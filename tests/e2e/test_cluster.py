@@ -202,10 +202,13 @@ def test_pdserve_up_stops_every_child(role, tmp_path):
             proc.kill()
 
 
-def test_decode_node_dying_mid_transfer_frees_prefill_kv_and_retries_elsewhere(make_cluster):
+@pytest.mark.parametrize("backend", ["zmq", "tcp"])
+def test_decode_node_dying_mid_transfer_frees_prefill_kv_and_retries_elsewhere(
+    make_cluster, backend
+):
     # slow modelled time: a 4,000-token prefill takes ~1.5 s while its layers stream out
     cluster = make_cluster(
-        engine="sim", decode=2, node_flags=("--sim-time-scale", "15", "--kv-backend", "zmq")
+        engine="sim", decode=2, node_flags=("--sim-time-scale", "15", "--kv-backend", backend)
     )
     body = {"prompt": list(range(100, 4100)), "max_tokens": 5, "ignore_eos": True}
     with ThreadPoolExecutor(1) as pool:
@@ -226,4 +229,5 @@ def test_decode_node_dying_mid_transfer_frees_prefill_kv_and_retries_elsewhere(m
         status, resp = future.result(timeout=60)
     assert status == 200 and resp["usage"]["completion_tokens"] == 5
     assert cluster.metric("pdserve:request_replacements_total", kind="lost") >= 1
+    assert cluster.metric("pdserve:kv_transfer_bytes_total", backend=backend) > 0  # the retry
     assert wait_for(lambda: in_use(cluster, "prefill") == 0, timeout=5)

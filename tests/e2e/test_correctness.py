@@ -54,8 +54,8 @@ def complete(cluster, prompt_ids: list[int], **extra) -> dict:
 
 @pytest.mark.parametrize(
     "topology,backend",
-    [((1, 1), "zmq"), ((1, 1), "shm"), ((1, 1), "ucx"), ((2, 2), "auto")],
-    ids=["1P1D-zmq", "1P1D-shm", "1P1D-ucx", "2P2D-auto"],
+    [((1, 1), "zmq"), ((1, 1), "tcp"), ((1, 1), "shm"), ((1, 1), "ucx"), ((2, 2), "auto")],
+    ids=["1P1D-zmq", "1P1D-tcp", "1P1D-shm", "1P1D-ucx", "2P2D-auto"],
 )
 def test_cluster_matches_single_process(make_cluster, reference, topology, backend):
     ps, expected, sampled, (stop, stopped) = reference
