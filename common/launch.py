@@ -120,6 +120,7 @@ def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
     if ecfg.engine == "torch" and not ecfg.num_threads:
         ecfg = dataclasses.replace(ecfg, num_threads=max(1, (os.cpu_count() or 2) // nodes))
     base = [sys.executable, "-m", "common.cli", "--log-level", args.log_level]
+    base += ["--log-format", getattr(args, "log_format", "text")]
     gateway = [
         *base,
         "gateway",
