@@ -225,7 +225,10 @@ def test_decode_node_dying_mid_transfer_frees_prefill_kv_and_retries_elsewhere(
         assert wait_for(lambda: len(receiving()) == 1, timeout=5)
         victim = receiving()[0]
         cluster.procs[2 + int(victim[-1])].kill()  # procs: gateway, prefill-0, decode-0, -1
-        assert cluster.metric("pdserve:num_requests_running", role="prefill") > 0  # mid-prefill
+        # mid-prefill (the gateway sees the prefill's load at its next heartbeat, 0.2 s)
+        assert wait_for(
+            lambda: cluster.metric("pdserve:num_requests_running", role="prefill") > 0, 1.0
+        )
         status, resp = future.result(timeout=60)
     assert status == 200 and resp["usage"]["completion_tokens"] == 5
     assert cluster.metric("pdserve:request_replacements_total", kind="lost") >= 1
