@@ -21,6 +21,13 @@ docker_start() {
     fi
     ln -sf "$PDSERVE_CI_DIR/compose-venv/bin/docker-compose" "$DOCKER_CONFIG/cli-plugins/docker-compose"
     if ! docker info >/dev/null 2>&1; then
+        # a daemon that was killed (or is still stopping) leaves its pid file behind
+        local stale
+        stale=$(cat /var/run/docker.pid 2>/dev/null || true)
+        if [ -n "$stale" ]; then
+            for _ in $(seq 100); do kill -0 "$stale" 2>/dev/null || break; sleep 0.2; done
+            kill -0 "$stale" 2>/dev/null || rm -f /var/run/docker.pid
+        fi
         dockerd >"$PDSERVE_CI_DIR/dockerd.log" 2>&1 &
         echo $! >"$PDSERVE_CI_DIR/dockerd.pid"
         for _ in $(seq 120); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
@@ -38,7 +45,10 @@ docker_start() {
 
 docker_stop() {
     if [ -f "$PDSERVE_CI_DIR/dockerd.pid" ]; then
-        kill "$(cat "$PDSERVE_CI_DIR/dockerd.pid")" 2>/dev/null || true
+        local pid
+        pid=$(cat "$PDSERVE_CI_DIR/dockerd.pid")
+        kill "$pid" 2>/dev/null || true
+        for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
         rm -f "$PDSERVE_CI_DIR/dockerd.pid"
     fi
 }
