@@ -62,11 +62,16 @@ def default_node_id(role: str) -> str:
     return container_name() or f"{role}-{socket.gethostname()}-{os.getpid()}"
 
 
+def _host_of(address: str) -> str:
+    """`tcp://gateway:8001` -> `gateway`."""
+    return address.split("://", 1)[1].rsplit(":", 1)[0]
+
+
 def facing_address(gateway: str) -> str:
     """This host's address on the route to the gateway: what peers can reach us at when no
     --advertise-host is given (127.0.0.1 for a local gateway, the container's address on the
     compose network). A UDP connect sends nothing; it only asks the kernel for the route."""
-    host = gateway.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
+    host = _host_of(gateway).strip("[]")
     if host in ("localhost", "127.0.0.1", "*", ""):
         return "127.0.0.1"
     try:
@@ -81,8 +86,7 @@ def resolve_tokens_address(address: str, gateway: str) -> str:
     """The gateway may leave its tokens host empty ("tcp://:8002"): then it is the host this
     node registered through, which is by construction one the node can reach."""
     if address.startswith("tcp://:"):
-        host = gateway.split("://", 1)[1].rsplit(":", 1)[0]
-        return f"tcp://{host}:{address.rsplit(':', 1)[1]}"
+        return f"tcp://{_host_of(gateway)}:{address.rsplit(':', 1)[1]}"
     return address
 
 

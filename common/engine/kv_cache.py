@@ -136,11 +136,11 @@ class KVCache:
                 runs.append((start, count))
         return runs
 
-    def _regions(self, layer: int, block_table: Sequence[int], num_tokens: int) -> list[Any]:
-        """The frame's bytes as they lie in this cache: K runs, then V runs (uint8 views)."""
+    def _regions(self, layer: int, runs: list[tuple[int, int]]) -> list[Any]:
+        """The frame's bytes as they lie in this cache (`runs` from token_runs): K runs, then
+        V runs, as uint8 views."""
         flat = self._bytes_view()[layer].reshape(2, -1)
         tb = self.bytes_per_token_per_layer() // 2
-        runs = self.token_runs(block_table, num_tokens)
         return [flat[kv, s * tb : (s + n) * tb] for kv in (0, 1) for s, n in runs]
 
     def export_parts(
@@ -152,7 +152,7 @@ class KVCache:
         tables (more than `max_parts` parts) and GPU caches get one gathered frame."""
         if self.data.device.type != "cpu":
             return [self.export_frame(layer, block_table, num_tokens)]
-        regions = self._regions(layer, block_table, num_tokens)
+        regions = self._regions(layer, self.token_runs(block_table, num_tokens))
         if len(regions) > max_parts:
             return [self.export_frame(layer, block_table, num_tokens)]
         return [memoryview(r) for r in regions]
@@ -164,7 +164,8 @@ class KVCache:
         straight into them); None for a GPU cache."""
         if self.data.device.type != "cpu":
             return None
-        return [memoryview(r) for r in self._regions(layer, block_table, num_tokens)]
+        runs = self.token_runs(block_table, num_tokens)
+        return [memoryview(r) for r in self._regions(layer, runs)]
 
     def import_kv(
         self, layer: int, block_table: Sequence[int], num_tokens: int, frame: object
@@ -173,20 +174,18 @@ class KVCache:
         cache's blocks. On CPU: one memcpy per overlap of a source part with a run of
         consecutive slots (two in all when both sides are contiguous). On GPU: whole blocks
         through index_copy_."""
+        if self.data.device.type == "cpu":
+            if isinstance(frame, torch.Tensor):
+                frame = memoryview(frame.contiguous().view(-1).view(torch.uint8).numpy().data)
+            parts = frame if isinstance(frame, (list, tuple)) else [frame]
+            return self._import_parts(layer, block_table, num_tokens, parts)
         if isinstance(frame, (list, tuple)):
-            if self.data.device.type == "cpu":
-                return self._import_parts(layer, block_table, num_tokens, frame)
             frame = b"".join(bytes(p) for p in frame)
-        if self.data.device.type == "cpu" and not isinstance(frame, torch.Tensor):
-            return self._import_parts(layer, block_table, num_tokens, [frame])
         if not isinstance(frame, torch.Tensor):
             frame = torch.frombuffer(frame, dtype=self.data.dtype)  # type: ignore[call-overload]
         heads, dim = self.frame_shape_per_token
         frame = frame.view(2, num_tokens, heads, dim).to(self.data.device)
         full, rem = divmod(num_tokens, self.block_size)
-        if self.data.device.type == "cpu":
-            raw = memoryview(frame.contiguous().view(-1).view(torch.uint8).numpy().data)
-            return self._import_parts(layer, block_table, num_tokens, [raw])
         if full:
             row = self.block_size * heads * dim
             idx = torch.tensor(block_table[:full], dtype=torch.long, device=self.data.device)
@@ -209,7 +208,7 @@ class KVCache:
             halves = [whole[:half], whole[half:]] if whole is not None else src
             if all(h.size == half for h in halves):
                 return self._scatter_halves(layer, block_table, num_tokens, halves)
-        dst = self._regions(layer, block_table, num_tokens)
+        dst = self._regions(layer, runs)
         want, got = sum(d.size for d in dst), sum(s.size for s in src)
         if want != got:
             raise ValueError(f"KV frame of {got} bytes, expected {want}")

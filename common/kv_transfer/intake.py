@@ -165,22 +165,17 @@ class KvIntake:
         except (OSError, TimeoutError, asyncio.TimeoutError) as exc:
             log.warning("KV stream from %s failed: %r", h.prefill_node, exc)
             self.tcp.reset(h.prefill_node)
-            intake.receiving = False
             if self.drop(h.request_id):
                 await self.refuse(intake.peer, h.request_id, "KV stream failed")
-            self._forget_if_drained(intake)
-            return
-        intake.receiving = False
-        if intake.dropped:
-            self._forget_if_drained(intake)
-            return
-        intake.layers.add(layer)
-        intake.bytes_in += h.frame_bytes
-
-    def _forget_if_drained(self, intake: Intake) -> None:
-        if intake.block_table:  # dropped while its frame was landing: release now
-            self.release(intake.block_table)
-            intake.block_table = []
+        else:
+            if not intake.dropped:
+                intake.layers.add(layer)
+                intake.bytes_in += h.frame_bytes
+        finally:
+            intake.receiving = False
+            if intake.dropped and intake.block_table:  # dropped while its frame landed
+                self.release(intake.block_table)
+                intake.block_table = []
 
     async def refuse(self, peer: bytes, rid: str, reason: str) -> None:
         await self.sock.send_multipart([peer, encode(KvRefuse(request_id=rid, reason=reason))])
