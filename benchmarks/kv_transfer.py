@@ -99,7 +99,6 @@ async def _decode(num_tokens: int, ucx: bool, layout: str, ready: Any, digest_q:
 
         listener = UcxListener("127.0.0.1")
     tcp = TcpListener("127.0.0.1")
-    tcp.start()
     intake = KvIntake(
         sock,
         engine,  # type: ignore[arg-type]
@@ -107,8 +106,8 @@ async def _decode(num_tokens: int, ucx: bool, layout: str, ready: Any, digest_q:
         lambda b: None,
         admit,
         ucx=listener,
-        tcp=tcp,
     )
+    tcp.start(intake)
     addresses = (bound_address(sock, "127.0.0.1"), listener.address if listener else "")
     ready.put((*addresses, tcp.address))
     await intake.run()

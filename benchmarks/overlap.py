@@ -71,15 +71,14 @@ async def _decode(ready: Any) -> None:
         return None
 
     tcp = TcpListener("127.0.0.1")
-    tcp.start()
     intake = KvIntake(
         sock,
         engine,  # type: ignore[arg-type]
         lambda h: blocks[: -(-len(h.prompt_ids) // BLOCK) + 1],  # type: ignore[arg-type]
         lambda b: None,
         admit,
-        tcp=tcp,
     )
+    tcp.start(intake)
     ready.put((bound_address(sock, "127.0.0.1"), tcp.address))
     await intake.run()
 

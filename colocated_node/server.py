@@ -134,7 +134,7 @@ class ColocatedNode(NodeBase):
                     self.stepping = False
                 self.metrics.step_time.observe(time.monotonic() - started)
                 self.metrics.generation_tokens.inc(len(outputs))
-                ids, tokens, reasons = [], [], []
+                ids, tokens, indices, reasons = [], [], [], []
                 for out in outputs:
                     rid, token = out.request_id, out.new_token_ids[-1]
                     if rid in self.pending_aborts:
@@ -149,6 +149,7 @@ class ColocatedNode(NodeBase):
                     else:
                         ids.append(rid)
                         tokens.append(token)
+                        indices.append(len(out.token_ids) - 1)
                         reasons.append(out.finish_reason)
                     if out.finished:
                         self.started.discard(rid)
@@ -158,6 +159,7 @@ class ColocatedNode(NodeBase):
                             node_id=self.node_id,
                             request_ids=ids,
                             token_ids=tokens,
+                            indices=indices,
                             finish_reasons=reasons,
                         )
                     )

@@ -165,12 +165,16 @@ class GatewayConfig:
     offer_timeout: float = flag(2.0, "seconds a prefill node has to answer an offer")
     heartbeat_timeout: float = flag(2.0, "seconds of silence before a node is dropped")
     max_replacements: int = flag(3, "re-placements of one request (preemption, node death)")
+    stream_gap_timeout: float = flag(
+        10.0, "seconds a token may wait for an earlier one before the attempt is re-placed"
+    )
     api_key: str = flag("", "require 'Authorization: Bearer KEY' when set")
     max_body_bytes: int = flag(8 * 2**20, "largest accepted request body")
     served_model_name: str = flag("", "model name clients use; default: the nodes' model id")
 
     def __post_init__(self) -> None:
-        for name in ("placement_timeout", "offer_timeout", "heartbeat_timeout"):
+        timeouts = ("placement_timeout", "offer_timeout", "heartbeat_timeout", "stream_gap_timeout")
+        for name in timeouts:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
         if len({self.port, self.control_port, self.tokens_port}) != 3:
@@ -191,7 +195,9 @@ class NodeConfig:
     data_port: int = flag(0, "decode node: KV receive port; 0 = any free port")
     heartbeat_interval: float = flag(0.5, "seconds between heartbeats")
     heartbeat_timeout: float = flag(2.0, "seconds without a gateway reply before re-registering")
-    kv_transfer_timeout: float = flag(10.0, "decode: free a reservation whose KV stalls this long")
+    kv_transfer_timeout: float = flag(
+        10.0, "decode: free a transfer whose frames make no progress this long (once they flow)"
+    )
     queueing: bool = flag(False, "prefill: accept every offer and queue locally (baselines)")
     drain_timeout: float = flag(30.0, "seconds a draining node finishes work before handing back")
     kv_backend: Literal["auto", "zmq", "shm", "ucx", "tcp"] = flag(

@@ -18,6 +18,7 @@ import urllib.request
 from typing import Any
 
 from common.config import EngineConfig, GatewayConfig, NodeConfig, from_args
+from common.supervisor import Child, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +93,7 @@ def _child_death_signal() -> None:
         pass
 
 
-def wait_healthy(
-    url: str, procs: list[subprocess.Popen], timeout: float, nodes: int = 0
-) -> None:
+def wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float, nodes: int = 0) -> None:
     """Wait for /health to answer 200 with at least `nodes` nodes registered: health turns
     green with one prefill and one decode node, and a caller that started more wants them all
     before it sends load (a scheduler comparison on half a cluster measures nothing)."""
@@ -142,10 +141,16 @@ def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
     return cmds
 
 
+def _spawn(child: Child) -> subprocess.Popen:
+    return subprocess.Popen(child.command, preexec_fn=_child_death_signal)
+
+
 def run_up(args: argparse.Namespace) -> int:
+    """Start the cluster, wait until every node registered, then supervise it: a child that
+    dies is restarted and the others keep serving (common/supervisor.py). A child that fails
+    before the cluster is up is a configuration error and stops everything."""
     gcfg = from_args(GatewayConfig, args)
     url = f"http://{gcfg.host}:{gcfg.port}"
-    procs: list[subprocess.Popen] = []
     stop = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -154,9 +159,15 @@ def run_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    children = [
+        Child(cmd[cmd.index("--node-id") + 1] if "--node-id" in cmd else "gateway", cmd)
+        for cmd in cluster_commands(args)
+    ]
+    children[0].essential = True  # the gateway
+    supervisor = Supervisor(children, _spawn)
     try:
-        for cmd in cluster_commands(args):
-            procs.append(subprocess.Popen(cmd, preexec_fn=_child_death_signal))
+        supervisor.start(time.monotonic())
+        procs = list(supervisor.running())
         wait_healthy(url, procs, args.startup_timeout, nodes=len(procs) - 1)
         body = json.dumps(
             {"messages": [{"role": "user", "content": "Hello!"}], "stream": True, "max_tokens": 32}
@@ -167,18 +178,15 @@ def run_up(args: argparse.Namespace) -> int:
             f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
             flush=True,
         )
-        while not stop:
-            for p in procs:
-                if p.poll() is not None:
-                    print(f"a child exited with code {p.returncode}; stopping", file=sys.stderr)
-                    stop = True
-            time.sleep(0.2)
-        return 0
+        code = supervisor.run(lambda: stop)
+        if code:
+            print("pdserve up: the cluster cannot go on; stopping", file=sys.stderr)
+        return code
     except RuntimeError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 1
     finally:
-        stop_all(procs)
+        stop_all([c.proc for c in children if c.proc is not None])
 
 
 def stop_all(procs: list[subprocess.Popen], grace: float = 10.0) -> None:

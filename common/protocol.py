@@ -77,8 +77,11 @@ class Reject(Msg):
 
 
 class FirstToken(Msg):
+    """The attempt's first token (output index 0), sent the moment prefill samples it."""
+
     request_id: str
     token_id: int
+    index: int = 0  # position among the attempt's output tokens (see TokenBatch)
     finish_reason: str | None = None  # set when the request ends at this token
     prefill_ms: float = 0.0
     queue_ms: float = 0.0
@@ -217,12 +220,22 @@ DecodeToPrefill = KvAck | KvRefuse
 
 # -- decode -> gateway --------------------------------------------------------------------
 class TokenBatch(Msg):
-    """One engine step: the new token of every sequence that produced one."""
+    """One engine step: the new token of every sequence that produced one.
+
+    `indices[i]` is the position of `token_ids[i]` among its attempt's output tokens (0 is
+    the first token, sent by the prefill node as `FirstToken` on another socket). The gateway
+    places tokens by index, so the order in which the two sockets are read never matters.
+    The four lists have one entry per sequence; a batch whose lists differ is malformed."""
 
     node_id: str
     request_ids: list[str]
     token_ids: list[int]
+    indices: list[int]
     finish_reasons: list[str | None]
+
+    def well_formed(self) -> bool:
+        n = len(self.request_ids)
+        return len(self.token_ids) == n and len(self.indices) == n and len(self.finish_reasons) == n
 
 
 class Preempted(Msg):

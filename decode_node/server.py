@@ -61,7 +61,9 @@ class DecodeNode(NodeBase):
         )
         self._data_address = bound_address(self.data, self.cfg.advertise_host)
         self.ucx: Any = None
-        self.tcp = TcpListener(self.cfg.advertise_host, cfg.kv_tcp_port)
+        self.tcp = TcpListener(
+            self.cfg.advertise_host, cfg.kv_tcp_port, cfg.kv_transfer_timeout, max_frame
+        )
         self.intake = KvIntake(
             self.data,
             engine,
@@ -69,7 +71,6 @@ class DecodeNode(NodeBase):
             self.blocks.free,
             self._admit,
             timeout=cfg.kv_transfer_timeout,
-            tcp=self.tcp,
         )
         self.seqs: dict[str, Sequence] = {}
         self.in_step: set[str] = set()
@@ -108,7 +109,7 @@ class DecodeNode(NodeBase):
             from common.kv_transfer.ucx import UcxListener
 
             self.ucx = self.intake.ucx = UcxListener(self.cfg.advertise_host)
-        self.tcp.start()
+        self.tcp.start(self.intake)
         self.tasks += [
             asyncio.create_task(self.intake.run()),
             asyncio.create_task(self._engine_loop()),
@@ -227,13 +228,14 @@ class DecodeNode(NodeBase):
         self.metrics.step_time.observe(time.monotonic() - started)
         self.metrics.generation_tokens.inc(len(tokens))
         grew = self.scheduler.on_step_done(sched, tokens)
-        ids, toks, reasons = [], [], []
+        ids, toks, indices, reasons = [], [], [], []
         for seq in grew:
             if seq.seq_id in self.aborted_in_step:
                 continue
             reason = check_stop(seq, self.engine.eos_token_ids, self.engine.max_model_len)
             ids.append(seq.seq_id)
             toks.append(seq.token_ids[-1])
+            indices.append(seq.num_output_tokens - 1)  # 0 is the prefill node's first token
             reasons.append(reason)
             if reason is not None:
                 self.seqs.pop(seq.seq_id, None)
@@ -244,6 +246,10 @@ class DecodeNode(NodeBase):
         if ids:
             await self.push_tokens(
                 TokenBatch(
-                    node_id=self.node_id, request_ids=ids, token_ids=toks, finish_reasons=reasons
+                    node_id=self.node_id,
+                    request_ids=ids,
+                    token_ids=toks,
+                    indices=indices,
+                    finish_reasons=reasons,
                 )
             )

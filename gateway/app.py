@@ -107,7 +107,17 @@ async def _generate(
     reason = gw.cluster.health()
     if reason is not None:
         raise ApiError(503, f"the cluster cannot serve yet: {reason}", code="service_unavailable")
-    parsed = parse_request(kind, body, gw.tokenizer, gw.model_id, gw.cluster.max_model_len)
+    # tokenizing a multi-megabyte prompt takes seconds: off the event loop, which must keep
+    # answering nodes (an offer unanswered for --offer-timeout is lost)
+    parsed = await asyncio.get_running_loop().run_in_executor(
+        gw.parser,
+        parse_request,
+        kind,
+        body,
+        gw.tokenizer,
+        gw.model_id,
+        gw.cluster.max_model_len,
+    )
     # the wire id is always ours: clients may send one x-request-id on concurrent requests
     rid = secrets.token_hex(12)
     echo_id = request.headers.get("x-request-id") or rid
@@ -122,7 +132,7 @@ async def _generate(
         include_usage=parsed.include_usage,
         tokenizer=gw.tokenizer,
     )
-    placing = asyncio.create_task(gw.run(req))
+    placing = asyncio.create_task(_place(gw, req))
     try:
         if parsed.stream:
             return await _stream(request, gw, req, prefix + rid, echo_id)
@@ -133,6 +143,15 @@ async def _generate(
         if not placing.done():
             placing.cancel()
         _log_timeline(req, echo_id)
+
+
+async def _place(gw: Gateway, req: GatewayRequest) -> None:
+    """Every request ends: a bug in placement answers 500 rather than leaving it waiting."""
+    try:
+        await gw.run(req)
+    except Exception as exc:
+        log.exception("placing %s failed", req.request_id)
+        req.finish(Failed(500, f"internal error while placing the request: {exc!r}"))
 
 
 def _log_timeline(req: GatewayRequest, echo_id: str) -> None:
@@ -164,12 +183,11 @@ async def _collect(req: GatewayRequest, rid: str, echo_id: str) -> web.Response:
                 parts.append(text)
             case Done(finish_reason=reason):
                 use = usage(len(req.prompt_ids), len(req.output_ids))
-                return json_response(
-                    final_response(
-                        req.kind, rid, req.model, req.created, "".join(parts), reason, use
-                    ),
-                    headers={"x-request-id": echo_id},
+                body = final_response(
+                    req.kind, rid, req.model, req.created, "".join(parts), reason, use
                 )
+                body["timings"] = req.phases()  # pdserve's own view, as llama.cpp reports one
+                return json_response(body, headers={"x-request-id": echo_id})
             case Failed(status=status, message=message, code=code):
                 headers = {"Retry-After": "1"} if status == 503 else None
                 return error_response(ApiError(status, message, code=code), headers)
@@ -201,16 +219,18 @@ async def _stream(
             case Delta(text=text):
                 await sse(chunk(req.kind, rid, req.model, req.created, text))
             case Done(finish_reason=reason):
-                await sse(
-                    chunk(
-                        req.kind,
-                        rid,
-                        req.model,
-                        req.created,
-                        None if req.kind == "chat" else "",
-                        finish_reason=reason,
-                    )
+                last = chunk(
+                    req.kind,
+                    rid,
+                    req.model,
+                    req.created,
+                    None if req.kind == "chat" else "",
+                    finish_reason=reason,
                 )
+                # the server's own timings (ms: ttft, prefill, KV transfer, ...), as llama.cpp's
+                # server reports them, so a client can tell its own delays from the server's
+                last["timings"] = req.phases()
+                await sse(last)
                 if req.include_usage:
                     use = usage(len(req.prompt_ids), len(req.output_ids))
                     await sse(usage_chunk(req.kind, rid, req.model, req.created, use))

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import zmq
@@ -48,7 +49,7 @@ from common.transport import CONTROL_MAX_MSG, TOKENS_MAX_MSG, decode_or_none, ma
 from gateway.cluster import ClusterView, NodeState
 from gateway.metrics import GatewayMetrics
 from gateway.placement import PlacementTimeout, Placer
-from gateway.requests import Failed, GatewayRequest
+from gateway.requests import Failed, GatewayRequest, StreamGap
 from gateway.schedulers import make_policy
 
 log = logging.getLogger(__name__)
@@ -84,9 +85,11 @@ class Gateway:
             cfg.placement_timeout,
             cfg.offer_timeout,
             on_answer=self._count_answer,
+            renew=self._renew_wire_id,
         )
         self.metrics = GatewayMetrics(self.cluster, self.placer.waiting)
         self.tasks: list[asyncio.Task] = []
+        self.parser = ThreadPoolExecutor(2, thread_name_prefix="parse")  # tokenizing requests
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -103,6 +106,7 @@ class Gateway:
                 await task
         for req in list(self.requests.values()):
             req.finish(Failed(503, "the gateway is shutting down", "service_unavailable"))
+        self.parser.shutdown(wait=False, cancel_futures=True)
         self.control.close()
         self.tokens.close()
         self.ctx.term()
@@ -143,6 +147,18 @@ class Gateway:
         self.metrics.placement_wait.observe(time.monotonic() - start)
         req.mark(f"accepted.{req.attempt}")
 
+    def _renew_wire_id(self, req: GatewayRequest) -> None:
+        """An offer went unanswered: the node may still accept it later, so the request goes
+        on under a new wire id and that late acceptance can be aborted without touching the
+        live one (which may be on the same node)."""
+        old = req.wire_id
+        self.requests.pop(old, None)
+        placing = req.timeline.get(f"placing.{req.attempt}")
+        req.attempt += 1
+        if placing is not None:
+            req.timeline[f"placing.{req.attempt}"] = placing
+        self.requests[req.wire_id] = req
+
     def abort(self, req: GatewayRequest, reason: str = "client disconnected") -> None:
         """Free the request everywhere (client gone, stop string matched, error)."""
         if not req.finished:
@@ -170,9 +186,17 @@ class Gateway:
         self.metrics.observe_phases(req.phases())
         self._release(req, notify=abort_nodes)
 
-    def _on_token(self, req: GatewayRequest, token: int, finish_reason: str | None) -> None:
-        previous = req.last_token_at
-        done = req.add_token(token, finish_reason)
+    def _on_token(
+        self, req: GatewayRequest, index: int, token: int, finish_reason: str | None
+    ) -> None:
+        previous, count = req.last_token_at, len(req.output_ids)
+        try:
+            done = req.add_token(index, token, finish_reason)
+        except StreamGap as gap:
+            self._spawn(self.replace(req, f"token stream broken: {gap}"))
+            return
+        if len(req.output_ids) == count:
+            return  # held back behind a gap, or a duplicate
         now = req.last_token_at or time.monotonic()
         if previous is None:
             self.metrics.ttft.observe(now - req.arrival)
@@ -221,8 +245,10 @@ class Gateway:
         except zmq.ZMQError as exc:  # peer gone: an OSError, so the placer tries the next node
             raise ConnectionError(f"cannot reach {node.node_id}: {exc}") from exc
 
-    def _count_answer(self, node: NodeState, accepted: bool) -> None:
-        if accepted:
+    def _count_answer(self, node: NodeState, accepted: bool | None) -> None:
+        if accepted is None:
+            self.metrics.offer_timeouts.labels(node.node_id).inc()
+        elif accepted:
             node.accepts += 1
             self.metrics.accepts.labels(node.node_id).inc()
         else:
@@ -230,14 +256,21 @@ class Gateway:
             self.metrics.rejects.labels(node.node_id).inc()
 
     async def _control_loop(self) -> None:
+        """Anyone who reaches the control port can send anything: a message that is not one
+        identity frame plus one well-formed payload is logged and dropped, and no message,
+        however handled, ends this loop."""
         while True:
-            identity, payload = await self.control.recv_multipart()
-            msg = decode_or_none(NODE_DECODER, payload)
+            frames = await self.control.recv_multipart()
+            msg = decode_or_none(NODE_DECODER, frames[1]) if len(frames) == 2 else None
             if msg is None:
-                log.warning("dropping malformed control message from %r", identity[:64])
+                log.warning(
+                    "dropping malformed control message (%d frames) from %r",
+                    len(frames),
+                    frames[0][:64],
+                )
                 continue
             try:
-                await self._on_node_message(identity, msg)
+                await self._on_node_message(frames[0], msg)
             except Exception:
                 log.exception("handling %s failed", type(msg).__name__)
 
@@ -252,22 +285,25 @@ class Gateway:
                 )
                 self.placer.capacity_changed()
             case Accept(request_id=rid) | Reject(request_id=rid):
-                if not self.placer.answer(rid, isinstance(msg, Accept)) and isinstance(msg, Accept):
-                    await send(self.control, Abort(request_id=rid), to=identity)  # too late
+                accepted = isinstance(msg, Accept)
+                if not self.placer.answer(rid, identity, accepted) and accepted:
+                    # too late: that offer timed out and the request moved on under a new
+                    # wire id, so this aborts exactly the stale acceptance
+                    await send(self.control, Abort(request_id=rid), to=identity)
             case FirstToken(request_id=rid, token_id=token, finish_reason=reason):
                 req = self.requests.get(rid)
                 node = self.cluster.by_identity(identity)
                 if node is not None:
                     node.in_prefill.pop(rid, None)
                 self.placer.capacity_changed()
-                if req is None:
-                    return
+                if req is None or node is None or req.prefill_node != node.node_id:
+                    return  # an old attempt's, or not from the node that holds the request
                 req.mark(f"prefilled.{req.attempt}")
                 req.timeline[f"prefill_ms.{req.attempt}"] = round(msg.prefill_ms, 3)
                 req.timeline[f"queue_ms.{req.attempt}"] = round(msg.queue_ms, 3)
                 if reason is not None:
                     req.prefill_node = None  # the node already freed its KV
-                self._on_token(req, token, reason)
+                self._on_token(req, msg.index, token, reason)
             case KvTransferred(request_id=rid):
                 node = self.cluster.by_identity(identity)
                 self.metrics.kv_bytes.labels(node.node_id if node else "?", msg.backend).inc(
@@ -289,7 +325,8 @@ class Gateway:
                 await self._redirect(identity, rid, refused)
             case PrefillFailed(request_id=rid, reason=why):
                 req = self.requests.get(rid)
-                if req is not None:
+                node = self.cluster.by_identity(identity)
+                if req is not None and node is not None and req.prefill_node == node.node_id:
                     # spawned, not awaited: the re-placement waits for an Accept this loop reads
                     self._spawn(self.replace(req, f"prefill failed: {why}"))
             case Register(info=info):
@@ -318,7 +355,8 @@ class Gateway:
 
     async def _redirect(self, identity: bytes, rid: str, refused: str) -> None:
         req = self.requests.get(rid)
-        if req is None or req.finished:
+        node = self.cluster.by_identity(identity)
+        if req is None or req.finished or node is None or req.prefill_node != node.node_id:
             await send(self.control, Redirect(request_id=rid, decode=None), to=identity)
             return
         old = self.cluster.nodes.get(refused)
@@ -341,27 +379,41 @@ class Gateway:
     async def _tokens_loop(self) -> None:
         while True:
             payload = await self.tokens.recv()
-            msg = decode_or_none(TOKENS_DECODER, payload)
-            match msg:
-                case TokenBatch():
-                    for rid, token, reason in zip(
-                        msg.request_ids, msg.token_ids, msg.finish_reasons, strict=True
-                    ):
-                        req = self.requests.get(rid)
-                        if req is not None:
-                            self._on_token(req, token, reason)
-                case Preempted(request_id=rid, reason=why):
+            try:
+                self._on_tokens(decode_or_none(TOKENS_DECODER, payload))
+            except Exception:
+                log.exception("handling a token message failed")
+
+    def _on_tokens(self, msg: object) -> None:
+        match msg:
+            case TokenBatch() if msg.well_formed():
+                for rid, token, index, reason in zip(
+                    msg.request_ids, msg.token_ids, msg.indices, msg.finish_reasons, strict=True
+                ):
                     req = self.requests.get(rid)
-                    if req is not None:
-                        self._spawn(self.replace(req, why, "preempted"))
-                case _:
-                    log.warning("dropping malformed token message")
+                    # only from the node the request's KV went to (None: its Accept, on the
+                    # other socket, is not read yet; the wire id alone is this attempt's)
+                    if req is not None and req.decode_node in (None, msg.node_id):
+                        self._on_token(req, index, token, reason)
+            case Preempted(request_id=rid, reason=why):
+                req = self.requests.get(rid)
+                if req is not None and req.decode_node == msg.node_id:
+                    self._spawn(self.replace(req, why, "preempted"))
+            case _:
+                log.warning("dropping malformed token message")
 
     async def _liveness_loop(self) -> None:
         while True:
             await asyncio.sleep(min(0.25, self.cfg.heartbeat_timeout / 4))
-            for node_id in self.cluster.expired(time.monotonic()):
+            now = time.monotonic()
+            for node_id in self.cluster.expired(now):
                 await self._drop_node(node_id, "heartbeat timeout")
+            for req in list(self.requests.values()):
+                # a token that waits this long for an earlier one waits for a lost message:
+                # the attempt is broken, never shown as text with a hole in it
+                if req.gap_since is not None and now - req.gap_since > self.cfg.stream_gap_timeout:
+                    req.gap_since = None
+                    self._spawn(self.replace(req, f"token {len(req.output_ids)} never arrived"))
 
     async def _drop_node(self, node_id: str, why: str) -> None:
         node = self.cluster.remove(node_id)

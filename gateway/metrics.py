@@ -101,6 +101,12 @@ class GatewayMetrics:
         )
         self.accepts = Counter("pdserve:placement_accepts", "Offers accepted", ["node"], registry=r)
         self.rejects = Counter("pdserve:placement_rejects", "Offers rejected", ["node"], registry=r)
+        self.offer_timeouts = Counter(
+            "pdserve:placement_offer_timeouts",
+            "Offers a node did not answer within --offer-timeout",
+            ["node"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter(
             "pdserve:generation_tokens", "Generated tokens", registry=r

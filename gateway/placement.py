@@ -15,6 +15,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 from common.protocol import PrefillOffer
 from common.sampling import SamplingParams
@@ -40,7 +41,8 @@ class Placer:
         send_offer: SendOffer,
         placement_timeout: float,
         offer_timeout: float,
-        on_answer: Callable[[NodeState, bool], None] | None = None,
+        on_answer: Callable[[NodeState, bool | None], None] | None = None,
+        renew: Callable[[GatewayRequest], None] | None = None,
     ) -> None:
         self.cluster = cluster
         self.policy = policy
@@ -48,19 +50,26 @@ class Placer:
         self.placement_timeout = placement_timeout
         self.offer_timeout = offer_timeout
         self.on_answer = on_answer
+        self.renew = renew  # gives the request a new wire id after an unanswered offer
         self.waiting: deque[GatewayRequest] = deque()
-        self.answers: dict[str, asyncio.Future[bool]] = {}
+        self.answers: dict[str, _Offer] = {}  # the offer in flight, per wire id
         self.capacity = asyncio.Event()
 
     def capacity_changed(self) -> None:
         self.capacity.set()
 
-    def answer(self, wire_id: str, accepted: bool) -> bool:
-        """An Accept or Reject arrived; False if nobody waits for it (a late accept)."""
-        fut = self.answers.pop(wire_id, None)
-        if fut is None or fut.done():
+    def answer(self, wire_id: str, identity: bytes, accepted: bool) -> bool:
+        """An Accept or Reject arrived from the node with `identity`; False if it answers no
+        offer in flight: a late answer to an offer that timed out, when the request has moved
+        on (to another node, or it was placed). Matching the node matters: a late Accept from
+        node A must not be taken for node B's answer to the same request."""
+        offer = self.answers.get(wire_id)
+        if offer is None or offer.node.identity != identity or offer.answer.done():
             return False
-        fut.set_result(accepted)
+        del self.answers[wire_id]
+        if accepted:  # committed now, before this loop reads the node's next message
+            offer.commit()
+        offer.answer.set_result(accepted)
         return True
 
     async def place(
@@ -138,23 +147,45 @@ class Placer:
                 decode=decode.target(),
                 num_generated=len(req.output_ids),
             )
-            fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            self.answers[wire_id] = fut
+            pending = _Offer(req, node, decode, len(prompt_ids))
+            self.answers[wire_id] = pending
+            answer: bool | None = None  # None: no answer in time
             try:
                 await self.send_offer(node, offer)
-                accepted = await asyncio.wait_for(fut, self.offer_timeout)
-            except (asyncio.TimeoutError, OSError) as exc:
-                log.warning("offer of %s to %s got no answer (%r)", wire_id, node.node_id, exc)
-                accepted = False
+                answer = await asyncio.wait_for(pending.answer, self.offer_timeout)
+            except asyncio.TimeoutError:  # first: TimeoutError is an OSError too
+                log.warning("offer of %s to %s got no answer", wire_id, node.node_id)
+                if self.renew is not None:
+                    self.renew(req)  # the node may accept later: that wire id is spent
+            except OSError as exc:  # never reached the node
+                log.warning("offer of %s to %s failed (%r)", wire_id, node.node_id, exc)
             finally:
                 self.answers.pop(wire_id, None)
             if self.on_answer is not None:
-                self.on_answer(node, accepted)
-            if accepted:
-                node.in_prefill[wire_id] = len(prompt_ids)
-                decode.decoding.add(wire_id)
-                decode.assigned += 1
-                decode.reserved_blocks += blocks_for(decode, len(prompt_ids) + 1)
-                req.prefill_node, req.decode_node = node.node_id, decode.node_id
+                self.on_answer(node, answer)
+            if answer:
                 return True
         return False
+
+
+@dataclass
+class _Offer:
+    """An offer in flight. Accepting it commits the placement at once (`commit`), in the
+    same step that reads the Accept: the node's FirstToken, read right after on the same
+    socket, must find the request placed."""
+
+    req: GatewayRequest
+    node: NodeState
+    decode: NodeState
+    prompt_len: int
+    answer: asyncio.Future[bool] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+    def commit(self) -> None:
+        wire_id, decode = self.req.wire_id, self.decode
+        self.node.in_prefill[wire_id] = self.prompt_len
+        decode.decoding.add(wire_id)
+        decode.assigned += 1
+        decode.reserved_blocks += blocks_for(decode, self.prompt_len + 1)
+        self.req.prefill_node, self.req.decode_node = self.node.node_id, decode.node_id

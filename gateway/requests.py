@@ -1,7 +1,10 @@
 """One client request as the gateway tracks it: placement attempts, tokens, text, timeline.
 
-Tokens arrive from the prefill node (the first) and the decode node (the rest); both go
-through `add_token`, which detokenizes incrementally and applies stop strings. The HTTP
+Tokens arrive from the prefill node (the first) and the decode node (the rest) over two
+sockets, so they can arrive out of order; each carries its index among the attempt's output
+tokens and `add_token` places it by index: duplicates are dropped, a token ahead of a gap
+waits in `pending` until the gap fills (the gateway treats a gap that stays open as a lost
+attempt), and only the contiguous prefix is detokenized and checked for stop strings. The HTTP
 handler reads `events`: a `Delta` per token step that produced text, then one `Done` or
 `Failed`. A request re-placed after preemption or a node's death keeps its stream: only its
 wire id (`request_id.attempt`) changes, so late messages for an old attempt are ignored.
@@ -39,6 +42,11 @@ class Failed:
 
 
 Event = Delta | Done | Failed
+MAX_PENDING = 4096  # tokens held back behind a gap before the attempt counts as broken
+
+
+class StreamGap(Exception):
+    """Too many tokens wait behind a missing one: the attempt's stream is broken."""
 
 
 @dataclass
@@ -55,6 +63,9 @@ class GatewayRequest:
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     attempt: int = 0
+    base: int = 0  # output tokens before this attempt: its token index i is output_ids[base + i]
+    pending: dict[int, tuple[int, str | None]] = field(default_factory=dict)  # index -> token
+    gap_since: float | None = None  # when a token first waited for an earlier one
     losses: int = 0  # re-placements because a node died or failed
     prefill_node: str | None = None
     decode_node: str | None = None
@@ -80,15 +91,37 @@ class GatewayRequest:
         """Prompt and params for re-placing: prompt + generated tokens, remaining budget."""
         self.attempt += 1
         self.prefill_node = self.decode_node = None
+        self.base = len(self.output_ids)
+        self.pending.clear()
+        self.gap_since = None
         remaining = self.params.max_tokens - len(self.output_ids)
         params = msgspec.structs.replace(self.params, max_tokens=max(1, remaining))
         return self.prompt_ids + self.output_ids, params
 
-    def add_token(self, token_id: int, finish_reason: str | None) -> bool:
-        """Record one token; queue its text; returns True when the request is now finished
-        (by the node's finish reason or by a stop string matched here)."""
+    def add_token(self, index: int, token_id: int, finish_reason: str | None) -> bool:
+        """Place the attempt's token `index`; returns True when the request is now finished
+        (by the node's finish reason or by a stop string matched here). Raises StreamGap when
+        more than MAX_PENDING tokens wait for a missing one."""
         if self.finished:
             return True
+        position = self.base + index
+        if position < len(self.output_ids) or index in self.pending:
+            return False  # a duplicate
+        if position > len(self.output_ids):
+            if len(self.pending) >= MAX_PENDING:
+                raise StreamGap(f"{len(self.pending)} tokens wait for token {len(self.output_ids)}")
+            self.pending[index] = (token_id, finish_reason)
+            if self.gap_since is None:
+                self.gap_since = time.monotonic()
+            return False
+        done = self._append(token_id, finish_reason)
+        while not done and (nxt := len(self.output_ids) - self.base) in self.pending:
+            done = self._append(*self.pending.pop(nxt))
+        if not self.pending:
+            self.gap_since = None
+        return done
+
+    def _append(self, token_id: int, finish_reason: str | None) -> bool:
         now = time.monotonic()
         if self.first_token_at is None:
             self.first_token_at = now

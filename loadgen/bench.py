@@ -29,8 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rate", type=float, default=0.0, help="requests/s (0: all at once)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape k (1 = Poisson)")
     p.add_argument("--concurrency", type=int, default=0, help="closed loop with N in flight")
-    p.add_argument("--input-len", default="fixed:128", help="e.g. lognormal:512:0.5")
-    p.add_argument("--output-len", default="fixed:64")
+    p.add_argument("--input-len", default="128", help="128 (fixed), or e.g. lognormal:512:0.5")
+    p.add_argument("--output-len", default="64", help="as --input-len")
     p.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix workload")
     p.add_argument("--groups", type=int, default=4, help="shared-prefix workload")
     p.add_argument("--time-scale", type=float, default=1.0, help="mooncake: stretch arrivals")
@@ -40,6 +40,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for requests.jsonl / summary.*")
     p.add_argument("--no-ignore-eos", action="store_true", help="let EOS end requests early")
+    p.add_argument(
+        "--endpoint",
+        choices=["completions", "chat"],
+        default="completions",
+        help="completions: token-id prompts of exact length; chat: the same prompts as text "
+        "in one user message (the server's template and tokenizer run)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="--endpoint chat: model whose tokenizer turns token ids into text (default: the "
+        "embedded SmolLM2, the server's default model)",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=main)
 
@@ -70,6 +83,10 @@ def build_workload(args: argparse.Namespace) -> list[workloads.RequestSpec]:
 
 def main(args: argparse.Namespace) -> int:
     specs = build_workload(args)
+    if args.endpoint == "chat":
+        from common.tokenizer import Tokenizer
+
+        specs = workloads.as_text(specs, Tokenizer.load(args.tokenizer).decode)
     cfg = BenchConfig(
         url=args.url.rstrip("/"),
         model=args.model,
@@ -77,6 +94,7 @@ def main(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         ignore_eos=not args.no_ignore_eos,
         progress=not args.no_progress,
+        endpoint=args.endpoint,
     )
     records = asyncio.run(run(specs, cfg))
     summary = summarize(records, parse_slo(args.slo))
@@ -87,6 +105,7 @@ def main(args: argparse.Namespace) -> int:
         "rate": args.rate,
         "burstiness": args.burstiness,
         "concurrency": args.concurrency,
+        "endpoint": args.endpoint,
     }
     if args.out:
         write_results(Path(args.out), records, summary, meta)

@@ -1,8 +1,12 @@
-"""The streaming client: one OpenAI completions request, a timestamp per SSE chunk.
+"""The streaming client: one OpenAI request, a timestamp per SSE chunk.
 
-Uses /v1/completions with token-id prompts (exact lengths) or text, `stream: true` and
-`stream_options.include_usage`, so output tokens come from `usage` (DESIGN §7). A chunk
-"carries content" when its choice has non-empty text.
+`/v1/completions` takes the workload's token-id prompts (exact lengths) or text;
+`/v1/chat/completions` (`--endpoint chat`) takes the prompt as the text of one user message,
+so the server's chat template and tokenizer are measured as outside clients meet them. Both
+stream with `stream_options.include_usage`, so output tokens come from `usage`. A chunk
+"carries content" when its choice has non-empty text (or delta content). A server that reports
+its own timings in the final chunk (pdserve's and llama.cpp's `timings`) gives the
+server-side TTFT too, next to the client-side one.
 """
 
 from __future__ import annotations
@@ -24,21 +28,27 @@ async def send(
     index: int,
     ignore_eos: bool,
     timeout: float,
+    endpoint: str = "completions",
 ) -> RequestRecord:
     body: dict = {
-        "prompt": spec.prompt,
         "max_tokens": spec.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
         "temperature": 0.0,
         "ignore_eos": ignore_eos,
     }
+    if endpoint == "chat":
+        assert isinstance(spec.prompt, str), "chat prompts are text (loadgen.workloads.as_text)"
+        body["messages"] = [{"role": "user", "content": spec.prompt}]
+    else:
+        body["prompt"] = spec.prompt
     if model:
         body["model"] = model
     record = RequestRecord(index=index, sent=time.monotonic(), prompt_tokens=spec.prompt_len)
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     try:
         async with session.post(
-            f"{url}/v1/completions",
+            f"{url}{path}",
             data=orjson.dumps(body),
             headers={"Content-Type": "application/json"},
             timeout=aiohttp.ClientTimeout(total=timeout),
@@ -77,6 +87,9 @@ def _on_event(record: RequestRecord, event: bytes, now: float) -> None:
     if usage:
         record.output_tokens = int(usage["completion_tokens"])
         record.prompt_tokens = int(usage["prompt_tokens"])
+    timings = obj.get("timings")
+    if isinstance(timings, dict) and isinstance(timings.get("ttft_ms"), (int, float)):
+        record.server_ttft = timings["ttft_ms"] / 1000
     for choice in obj.get("choices", []):
-        if choice.get("text"):
+        if choice.get("text") or (choice.get("delta") or {}).get("content"):
             record.chunk_times.append(now)

@@ -1,6 +1,7 @@
 """Serving metrics from per-request records, with vLLM's definitions (DESIGN §7). Pure.
 
-    TTFT    request sent -> first chunk carrying content
+    TTFT    request sent -> first chunk carrying content (server_ttft: the server's own
+            figure, from its `timings`, where it reports one)
     TPOT    per request: (E2E - TTFT) / (output tokens - 1), output tokens from `usage`
     ITL     every gap between consecutive content chunks, pooled over all requests
     E2E     request sent -> last byte of the response
@@ -29,6 +30,7 @@ class RequestRecord:
     done: float = 0.0
     error: str = ""
     status: int = 0
+    server_ttft: float | None = None  # the server's own TTFT (its `timings`), if it reports one
 
     @property
     def ok(self) -> bool:
@@ -62,6 +64,9 @@ class RequestRecord:
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
             "ttft_ms": round(self.ttft * 1000, 3) if self.ok else None,
+            "server_ttft_ms": (
+                round(self.server_ttft * 1000, 3) if self.server_ttft is not None else None
+            ),
             "tpot_ms": round(self.tpot * 1000, 3) if self.ok and self.tpot is not None else None,
             "e2e_ms": round(self.e2e * 1000, 3) if self.ok else None,
             "itl_ms": [round(x * 1000, 3) for x in self.itls] if self.ok else [],
@@ -107,6 +112,9 @@ def summarize(records: list[RequestRecord], slo: dict[str, float] | None = None)
     duration = max(end - start, 1e-9)
     summary: dict[str, Any] = {}
     summary.update(_stats("ttft_ms", [r.ttft for r in ok]))
+    # the server's own view (arrival at its front end -> first token out): the difference to
+    # the client's TTFT is client, network and queueing in front of the server
+    summary.update(_stats("server_ttft_ms", [t for r in ok if (t := r.server_ttft) is not None]))
     summary.update(_stats("tpot_ms", [t for r in ok if (t := r.tpot) is not None]))
     summary.update(_stats("itl_ms", [x for r in ok for x in r.itls]))
     summary.update(_stats("e2e_ms", [r.e2e for r in ok]))

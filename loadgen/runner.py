@@ -31,6 +31,15 @@ class BenchConfig:
     ignore_eos: bool = True
     timeout: float = 600.0
     progress: bool = True
+    endpoint: str = "completions"  # or "chat" (text prompts as one user message)
+
+
+async def _send(
+    session: aiohttp.ClientSession, cfg: BenchConfig, spec: RequestSpec, index: int
+) -> RequestRecord:
+    return await send(
+        session, cfg.url, cfg.model, spec, index, cfg.ignore_eos, cfg.timeout, cfg.endpoint
+    )
 
 
 async def run(specs: list[RequestSpec], cfg: BenchConfig) -> list[RequestRecord]:
@@ -38,7 +47,7 @@ async def run(specs: list[RequestSpec], cfg: BenchConfig) -> list[RequestRecord]
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         for i, spec in enumerate(specs[: cfg.warmup]):
-            await send(session, cfg.url, cfg.model, spec, -1 - i, cfg.ignore_eos, cfg.timeout)
+            await _send(session, cfg, spec, -1 - i)
         measured = specs[cfg.warmup :]
         progress = _Progress(len(measured), cfg.progress)
         if cfg.concurrency:
@@ -59,7 +68,7 @@ async def _open_loop(
         delay = start + spec.arrival - base - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        record = await send(session, cfg.url, cfg.model, spec, i, cfg.ignore_eos, cfg.timeout)
+        record = await _send(session, cfg, spec, i)
         progress.update(record)
         return record
 
@@ -75,7 +84,7 @@ async def _closed_loop(
     async def worker() -> None:
         while queue:
             i, spec = queue.pop()
-            record = await send(session, cfg.url, cfg.model, spec, i, cfg.ignore_eos, cfg.timeout)
+            record = await _send(session, cfg, spec, i)
             progress.update(record)
             records.append(record)
 

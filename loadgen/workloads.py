@@ -15,6 +15,7 @@ their lengths are exact; `ignore_eos` forces output lengths. Sources:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,10 @@ class LengthDist:
 
     @classmethod
     def parse(cls, text: str) -> LengthDist:
-        """'fixed:128', 'uniform:128:64', 'normal:512:100', 'lognormal:512:0.5'."""
+        """'128' (= 'fixed:128', as vllm bench reads it), 'fixed:128', 'uniform:128:64',
+        'normal:512:100', 'lognormal:512:0.5'."""
+        if text.strip().isdigit():
+            return cls("fixed", float(text))
         parts = text.split(":")
         if parts[0] not in ("fixed", "uniform", "normal", "lognormal") or len(parts) < 2:
             raise ValueError(f"bad length distribution {text!r}")
@@ -157,3 +161,14 @@ def mooncake(
     for spec in specs:
         spec.arrival -= t0
     return specs
+
+
+def as_text(specs: list[RequestSpec], decode: Callable[[list[int]], str]) -> list[RequestSpec]:
+    """The same workload with text prompts (for the chat endpoint): token ids decoded by the
+    server's tokenizer, so a prompt re-tokenizes to about its length and equal prefixes stay
+    equal text. Text prompts pass through."""
+    return [
+        RequestSpec(s.arrival, s.prompt if isinstance(s.prompt, str) else decode(s.prompt),
+                    s.max_tokens, s.prompt_len)
+        for s in specs
+    ]  # fmt: skip

@@ -69,6 +69,7 @@ class PrefillNode(NodeBase):
         self.transfers: dict[str, Transfer] = {}  # of the batch being computed
         self.handed_off: dict[str, PrefillJob] = {}  # KV sent or being sent, until KvAck
         self.work = asyncio.Event()
+        self.pass_over: asyncio.Future[None] | None = None  # resolved when the pass ends
 
     def data_address(self) -> str:
         return ""
@@ -90,6 +91,10 @@ class PrefillNode(NodeBase):
     def idle(self) -> bool:
         return not (self.batcher.pending or self.batcher.running or self.handed_off)
 
+    def holds(self, rid: str) -> bool:
+        jobs = (*self.batcher.pending, *self.batcher.running)
+        return rid in self.handed_off or any(j.request_id == rid for j in jobs)
+
     async def serve(self) -> None:
         self.tasks.append(asyncio.create_task(self._engine_loop()))
         await super().serve()
@@ -104,7 +109,9 @@ class PrefillNode(NodeBase):
             case PrefillOffer():
                 await self._on_offer(msg)
             case Redirect(request_id=rid, decode=target):
-                await self._on_redirect(rid, target)
+                # spawned: it waits for the running pass, and this loop must keep answering
+                # offers meanwhile (an offer unanswered for --offer-timeout is lost)
+                self.spawn(self._on_redirect(rid, target))
             case Abort(request_id=rid):
                 self._abort(rid)
             case Drain():
@@ -123,6 +130,10 @@ class PrefillNode(NodeBase):
         )
         if self.draining:
             reason: str | None = "draining"
+        elif self.holds(job.request_id):
+            # the same request offered again: the gateway re-offered after our answer came
+            # late; the first acceptance stands (one job per request id, never two)
+            reason = "duplicate request id"
         else:
             reason = self.batcher.offer(job, self.blocks.num_free_blocks)
         self.metrics.offer(reason is None)
@@ -164,31 +175,37 @@ class PrefillNode(NodeBase):
                 batch = self.batcher.next_batch(self.blocks.num_free_blocks)
                 if not batch:
                     break  # KV full of unacknowledged transfers: wait for an ack
-                await self._run_batch(batch)
+                self.pass_over = asyncio.get_running_loop().create_future()
+                try:
+                    await self._run_batch(batch)
+                finally:
+                    self.pass_over.set_result(None)
 
     async def _run_batch(self, batch: list[PrefillJob]) -> None:
         for job in batch:
             job.block_table = self.blocks.allocate(self.batcher.blocks_for(job))
-            if job.params.max_tokens > 1:  # it will be handed off: decode reserves meanwhile
-                self.transfers[job.request_id] = self.sender.begin(
-                    job.request_id,
-                    job.decode,
-                    job.prompt_ids,
-                    job.num_prompt_tokens,
-                    job.params,
-                    job.block_table,
-                )
         started = time.monotonic()
         try:
-            tokens, at_end = await self.run_engine(self._prefill, batch, asyncio.get_running_loop())
-        except Exception as exc:
+            for job in batch:
+                if job.params.max_tokens > 1:  # it will be handed off: decode reserves meanwhile
+                    self.transfers[job.request_id] = self.sender.begin(
+                        job.request_id,
+                        job.decode,
+                        job.prompt_ids,
+                        job.num_prompt_tokens,
+                        job.params,
+                        job.block_table,
+                    )
+            loop = asyncio.get_running_loop()
+            tokens, at_end = await self.run_engine(self._prefill, batch, loop)
+        except Exception as exc:  # the batch fails, the node goes on: the gateway re-places it
             log.exception("prefill failed")
+            self.batcher.batch_done()
+            self.transfers.clear()
             for job in batch:
                 self._free(job)
                 self.sender.abort(job.request_id)
                 await self.send_gateway(PrefillFailed(request_id=job.request_id, reason=repr(exc)))
-            self.batcher.batch_done()
-            self.transfers.clear()
             return
         prefill_s = time.monotonic() - started
         prefill_ms = prefill_s * 1000
@@ -273,7 +290,12 @@ class PrefillNode(NodeBase):
 
     async def _on_redirect(self, rid: str, target: DecodeTarget | None) -> None:
         while any(j.request_id == rid for j in self.batcher.running):
-            await asyncio.sleep(0.001)  # the pass still sends to the old peer; resend after it
+            # the pass still sends to the old peer: resend after it
+            over = self.pass_over
+            if over is not None and not over.done():
+                await asyncio.shield(over)  # shielded: a cancelled redirect leaves it alone
+            else:
+                await asyncio.sleep(0.01)
         job = self.handed_off.get(rid)
         if job is None or job.first_token is None:
             return
@@ -286,5 +308,10 @@ class PrefillNode(NodeBase):
         t = self.sender.begin(
             rid, target, job.prompt_ids, job.num_prompt_tokens, job.params, job.block_table
         )
-        self.sender.push_all(t, await self.run_engine(self.sender.stage_all, t))
+        # staging reads only this request's blocks: it need not wait behind the next forward
+        # pass in the engine thread
+        payloads = await asyncio.to_thread(self.sender.stage_all, t)
+        if self.handed_off.get(rid) is not job:  # aborted meanwhile
+            return
+        self.sender.push_all(t, payloads)
         self.sender.done(t, job.first_token)

@@ -79,8 +79,8 @@ class SimEngine:
 
     def export_kv(self, layer: int, block_table: Sequence[int], num_tokens: int) -> memoryview:
         size = self.kv_frame_bytes(num_tokens)
-        if self._export.size < size:
-            self._export = (np.arange(size * 2, dtype=np.uint64) % 251).astype(np.uint8)
+        if self._export.size < size + 1:  # odd layers start one byte in: room for that byte
+            self._export = (np.arange(size * 2 + 1, dtype=np.uint64) % 251).astype(np.uint8)
         return memoryview(self._export[layer % 2 : layer % 2 + size].data)
 
     def export_frame(self, layer: int, block_table: Sequence[int], num_tokens: int) -> memoryview:

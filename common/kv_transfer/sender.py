@@ -65,6 +65,7 @@ class Transfer:
 class Peer:
     node_id: str
     sock: zmq.asyncio.Socket
+    # (ZeroMQ parts, UCX frame, (request id, layer, TCP frame parts)) in send order
     outbox: asyncio.Queue[tuple[list[Any], Any, Any]] = field(default_factory=asyncio.Queue)
     tasks: list[asyncio.Task] = field(default_factory=list)
     ucx_endpoint: Any = None
@@ -144,13 +145,14 @@ class KvSender:
 
     def push(self, t: Transfer, layer: int, payload: Any) -> None:
         """Event loop: queue the layer (descriptor + frame) behind everything sent before."""
+        if t.backend == "tcp":  # the frame carries its own head on the stream (tcp.py)
+            self._post(t.target, [], tcp_payload=(t.request_id, layer, payload))
+            return
         descriptor = encode(KvLayer(request_id=t.request_id, layer=layer))
         if t.backend == "zmq":
             self._post(t.target, [descriptor, *payload])
         elif t.backend == "ucx":
             self._post(t.target, [descriptor], ucx_payload=payload)
-        elif t.backend == "tcp":
-            self._post(t.target, [descriptor], tcp_payload=payload)
         else:
             self._post(t.target, [descriptor])
 
@@ -207,36 +209,52 @@ class KvSender:
     async def _sender(self, peer: Peer, target: DecodeTarget) -> None:
         while True:
             parts, ucx_payload, tcp_payload = await peer.outbox.get()
-            await peer.sock.send_multipart(parts, copy=len(parts) == 1)
-            if tcp_payload is not None:
-                if peer.tcp is None:
-                    peer.tcp = TcpStream(target.tcp_address, self.node_id)
-                try:
-                    await peer.tcp.send(tcp_payload)
-                except OSError as exc:  # the decode node times the transfer out and refuses
-                    log.warning("KV stream to %s failed: %s", peer.node_id, exc)
-            if ucx_payload is not None:
-                if peer.ucx_endpoint is None:
-                    from common.kv_transfer.ucx import connect
+            try:
+                await self._send_one(peer, target, parts, ucx_payload, tcp_payload)
+            except Exception:  # one failed send must not stop this peer's channel
+                log.exception("KV send to %s failed", peer.node_id)
 
-                    peer.ucx_endpoint = await connect(target.ucx_address, self.node_id)
-                await peer.ucx_endpoint.send(ucx_payload)
+    async def _send_one(
+        self, peer: Peer, target: DecodeTarget, parts: list[Any], ucx_payload: Any, tcp_payload: Any
+    ) -> None:
+        if parts:
+            await peer.sock.send_multipart(parts, copy=len(parts) == 1)
+        if tcp_payload is not None:
+            if peer.tcp is None:
+                peer.tcp = TcpStream(target.tcp_address, self.node_id)
+            try:
+                await peer.tcp.send(*tcp_payload)
+            except OSError as exc:  # the decode node sees the broken stream and refuses
+                log.warning("KV stream to %s failed: %s", peer.node_id, exc)
+        if ucx_payload is not None:
+            if peer.ucx_endpoint is None:
+                from common.kv_transfer.ucx import connect
+
+                peer.ucx_endpoint = await connect(target.ucx_address, self.node_id)
+            await peer.ucx_endpoint.send(ucx_payload)
 
     async def _receiver(self, peer: Peer) -> None:
         while True:
             msg = decode_or_none(TO_PREFILL_DECODER, await peer.sock.recv())
-            match msg:
-                case KvAck(request_id=rid):
-                    t = self.release(rid)
-                    if t is not None:
-                        t.finished = time.monotonic()
-                        self.on_ack(t)
-                case KvRefuse(request_id=rid, reason=why):
-                    t = self.transfers.get(rid)
-                    if t is not None and t.target.node_id == peer.node_id:
-                        await self.on_refuse(rid, peer.node_id, why)
-                case _:
-                    log.warning("dropping malformed message from %s", peer.node_id)
+            try:
+                await self._on_reply(peer, msg)
+            except Exception:
+                log.exception("handling a reply from %s failed", peer.node_id)
+
+    async def _on_reply(self, peer: Peer, msg: Any) -> None:
+        match msg:
+            case KvAck(request_id=rid):
+                t = self.transfers.get(rid)
+                if t is not None and t.target.node_id == peer.node_id:
+                    self.release(rid)
+                    t.finished = time.monotonic()
+                    self.on_ack(t)
+            case KvRefuse(request_id=rid, reason=why):
+                t = self.transfers.get(rid)
+                if t is not None and t.target.node_id == peer.node_id:
+                    await self.on_refuse(rid, peer.node_id, why)
+            case _:
+                log.warning("dropping malformed message from %s", peer.node_id)
 
     async def close(self) -> None:
         for peer in self.peers.values():

@@ -9,6 +9,7 @@ when the prefill node closes its pool; a crashed node leaves them to the OS's tm
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import secrets
@@ -46,6 +47,9 @@ class SegmentPool:
         self.free: list[Segment] = []
         self.all: list[Segment] = []
         self.max_free = max_free
+        # a name is never reused: destroying a segment must not free a name that a live one
+        # has (a count of live segments would hand it out again)
+        self.serial = itertools.count()
 
     def take(self, size: int) -> Segment:
         fits = [s for s in self.free if s.size >= size]
@@ -53,7 +57,7 @@ class SegmentPool:
             seg = min(fits, key=lambda s: s.size)
             self.free.remove(seg)
             return seg
-        name = f"{self.prefix}-{len(self.all)}"
+        name = f"{self.prefix}-{next(self.serial)}"
         size = max(1 << 20, 1 << (size - 1).bit_length())  # powers of two: reuse across sizes
         seg = Segment(name, size, _map(os.path.join(SHM_DIR, name), size, create=True))
         self.all.append(seg)

@@ -8,11 +8,15 @@ on a machine with few cores that copy competes with the transfer itself
 into the request's reserved blocks (one view per run of consecutive slots, see
 KVCache.export_parts), and the prefill node sends views of its cache.
 
-Control stays on ZeroMQ, as with UCX: a prefill node opens one connection per decode peer and
-first sends its node id (64 bytes, space padded); frames then follow in exactly the order of
-their KvLayer descriptors on the ZeroMQ channel, so the decode node, handling a descriptor,
-reads the next frame of that peer's stream. A stream that breaks or stalls is closed; the
-transfers on it fail and are refused, and the peer reconnects for the next one.
+The stream is self-describing: a prefill node opens one connection per decode peer, sends its
+node id (64 bytes, space padded), then frames, each behind a head naming its request, layer
+and length (`HEAD` + the request id). The decode node reads every connection in its own task
+and asks a `FrameSink` where each frame goes: into reserved blocks, or (unknown, refused or
+dropped transfers) nowhere, in which case the bytes are read and discarded. So the stream can
+never fall out of step with the transfers, and one stalled or broken peer holds up no other.
+A frame whose bytes stop coming for `timeout` seconds, a bad head, or a closed connection
+ends the stream; the transfer whose frame was landing is reported failed, and the peer
+reconnects for its next frame.
 """
 
 from __future__ import annotations
@@ -20,96 +24,145 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 ID_BYTES = 64
+MAGIC = b"PDKV"
+HEAD = struct.Struct("<4sIQH")  # magic, layer, payload bytes, request id bytes
+MAX_ID = 512
+CHUNK = 1 << 20  # discarded payloads are read through a buffer of this size
 
 log = logging.getLogger(__name__)
 
 
-async def _fill(sock: socket.socket, view: memoryview) -> None:
+def frame_head(request_id: str, layer: int, nbytes: int) -> bytes:
+    rid = request_id.encode()
+    return HEAD.pack(MAGIC, layer, nbytes, len(rid)) + rid
+
+
+class FrameSink(Protocol):
+    """Where the decode node's frames go (the KV intake)."""
+
+    async def open_frame(
+        self, peer: str, request_id: str, layer: int, nbytes: int
+    ) -> Sequence[memoryview] | None:
+        """Writable views (total `nbytes`) for this frame, or None to discard it."""
+        ...
+
+    async def frame_landed(self, peer: str, request_id: str, layer: int, ok: bool) -> None:
+        """The frame opened last is in place (ok), or its stream broke mid-frame."""
+        ...
+
+
+async def _fill(sock: socket.socket, view: memoryview, timeout: float | None) -> None:
     loop = asyncio.get_running_loop()
     got = 0
     while got < len(view):
-        n = await loop.sock_recv_into(sock, view[got:])
+        n = await asyncio.wait_for(loop.sock_recv_into(sock, view[got:]), timeout)
         if n == 0:
             raise ConnectionError("the KV stream closed mid-frame")
         got += n
 
 
 class TcpListener:
-    """Decode side: accepts prefill connections and reads their frames on request."""
+    """Decode side: accepts prefill connections and reads each one in its own task."""
 
-    def __init__(self, advertise_host: str, port: int = 0) -> None:
+    def __init__(
+        self, advertise_host: str, port: int = 0, timeout: float = 10.0, max_frame: int = 1 << 40
+    ) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("0.0.0.0", port))
         self.sock.listen(64)
         self.sock.setblocking(False)
         self.address = f"{advertise_host}:{self.sock.getsockname()[1]}"
+        self.timeout = timeout
+        self.max_frame = max_frame
+        self.sink: FrameSink | None = None
         self.conns: dict[str, socket.socket] = {}
-        self.arrived: dict[str, asyncio.Event] = {}
-        self.scratch = bytearray(0)
-        self.task: asyncio.Task | None = None
-        self.greeting: set[asyncio.Task] = set()
+        self.scratch = bytearray(CHUNK)
+        self.tasks: set[asyncio.Task] = set()
 
-    def start(self) -> None:
-        self.task = asyncio.create_task(self._accept_loop())
+    def start(self, sink: FrameSink) -> None:
+        self.sink = sink
+        self._spawn(self._accept_loop())
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(self.sock)
+            try:
+                conn, _ = await loop.sock_accept(self.sock)
+            except OSError as exc:  # out of file descriptors, say: try again shortly
+                log.warning("KV listener cannot accept: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            task = asyncio.create_task(self._greet(conn))
-            self.greeting.add(task)
-            task.add_done_callback(self.greeting.discard)
+            self._spawn(self._serve(conn))
 
-    async def _greet(self, conn: socket.socket) -> None:
+    async def _serve(self, conn: socket.socket) -> None:
         ident = bytearray(ID_BYTES)
         try:
-            await asyncio.wait_for(_fill(conn, memoryview(ident)), 10)
-        except (OSError, TimeoutError, asyncio.TimeoutError):
+            await _fill(conn, memoryview(ident), self.timeout)
+        except (OSError, asyncio.TimeoutError):
             conn.close()
             return
         peer = ident.decode(errors="replace").strip()
         old = self.conns.pop(peer, None)
         if old is not None:
-            old.close()
+            old.close()  # the peer reconnected: its old stream is over
         self.conns[peer] = conn
-        self.arrived.setdefault(peer, asyncio.Event()).set()
-
-    async def recv_into(self, peer: str, views: Sequence[memoryview]) -> None:
-        """Fill `views` in order with the next frame of `peer`'s stream."""
-        await self.arrived.setdefault(peer, asyncio.Event()).wait()
-        conn = self.conns[peer]
-        for view in views:
-            await _fill(conn, view)
-
-    async def recv(self, peer: str, size: int) -> memoryview:
-        """The next frame of `peer` in a buffer reused across frames (valid until the next
-        call): for caches that cannot be written in place (GPU) and frames to discard."""
-        if len(self.scratch) < size:
-            self.scratch = bytearray(size)
-        view = memoryview(self.scratch)[:size]
-        await self.recv_into(peer, [view])
-        return view
-
-    def reset(self, peer: str) -> None:
-        """The stream is out of step (broken, stalled): close it; the peer reconnects."""
-        conn = self.conns.pop(peer, None)
-        if conn is not None:
+        try:
+            await self._read_frames(peer, conn)
+        except (OSError, asyncio.TimeoutError, ValueError) as exc:
+            log.warning("KV stream from %s ended: %r", peer, exc)
+        finally:
             conn.close()
-        event = self.arrived.get(peer)
-        if event is not None:
-            event.clear()
+            if self.conns.get(peer) is conn:
+                del self.conns[peer]
+
+    async def _read_frames(self, peer: str, conn: socket.socket) -> None:
+        assert self.sink is not None
+        head = bytearray(HEAD.size)
+        while True:
+            await _fill(conn, memoryview(head), None)  # idle between frames: no deadline
+            magic, layer, nbytes, id_len = HEAD.unpack(head)
+            if magic != MAGIC or id_len > MAX_ID or nbytes > self.max_frame:
+                raise ValueError(f"not a KV frame head: {bytes(head)!r}")
+            rid_bytes = bytearray(id_len)
+            await _fill(conn, memoryview(rid_bytes), self.timeout)
+            rid = rid_bytes.decode(errors="replace")
+            views = await self.sink.open_frame(peer, rid, layer, nbytes)
+            try:
+                if views is None:
+                    await self._discard(conn, nbytes)
+                else:
+                    for view in views:
+                        await _fill(conn, view, self.timeout)
+            except Exception:
+                if views is not None:
+                    await self.sink.frame_landed(peer, rid, layer, False)
+                raise
+            if views is not None:
+                await self.sink.frame_landed(peer, rid, layer, True)
+
+    async def _discard(self, conn: socket.socket, nbytes: int) -> None:
+        view = memoryview(self.scratch)
+        while nbytes:
+            n = min(nbytes, len(view))
+            await _fill(conn, view[:n], self.timeout)
+            nbytes -= n
 
     async def close(self) -> None:
-        for task in (self.task, *self.greeting):
-            if task is not None:
-                task.cancel()
+        for task in list(self.tasks):
+            task.cancel()
         for conn in self.conns.values():
             conn.close()
         self.sock.close()
@@ -125,8 +178,9 @@ class TcpStream:
         self.node_id = node_id
         self.sock: socket.socket | None = None
 
-    async def send(self, parts: Sequence[Any]) -> None:
+    async def send(self, request_id: str, layer: int, parts: Sequence[Any]) -> None:
         loop = asyncio.get_running_loop()
+        nbytes = sum(memoryview(p).nbytes for p in parts)
         try:
             if self.sock is None:
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -136,6 +190,7 @@ class TcpStream:
                 self.sock = sock
                 ident = self.node_id.encode()[:ID_BYTES].ljust(ID_BYTES)
                 await loop.sock_sendall(sock, ident)
+            await loop.sock_sendall(self.sock, frame_head(request_id, layer, nbytes))
             for part in parts:
                 await loop.sock_sendall(self.sock, part)
         except OSError:

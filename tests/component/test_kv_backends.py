@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import socket
 
 import pytest
 import torch
@@ -15,11 +16,11 @@ from benchmarks.cache_engine import CacheOnlyEngine
 from common.kv_transfer import choose_backend
 from common.kv_transfer.intake import Intake, KvIntake
 from common.kv_transfer.sender import KvSender, Transfer
-from common.kv_transfer.tcp import TcpListener
+from common.kv_transfer.tcp import ID_BYTES, TcpListener, frame_head
 from common.kv_transfer.ucx import available as ucx_available
 from common.model_config import load_model_config, resolve_model
 from common.node import host_identity
-from common.protocol import DecodeTarget, KvLayer, encode
+from common.protocol import DecodeTarget, KvDone, KvHeader, encode
 from common.sampling import SamplingParams
 from common.transport import bound_address, make_socket
 
@@ -52,11 +53,9 @@ class Pair:
             from common.kv_transfer.ucx import UcxListener
 
             self.ucx = UcxListener("127.0.0.1")
-        self.tcp = TcpListener("127.0.0.1")
-        self.tcp.start()
-        self.intake = KvIntake(
-            sock, self.dst, self.reserve, self.release, self.admit, ucx=self.ucx, tcp=self.tcp
-        )
+        self.tcp = TcpListener("127.0.0.1", timeout=5.0)
+        self.intake = KvIntake(sock, self.dst, self.reserve, self.release, self.admit, ucx=self.ucx)
+        self.tcp.start(self.intake)
         self.task = asyncio.create_task(self.intake.run())
         self.target = DecodeTarget(
             node_id="d",
@@ -200,13 +199,14 @@ async def test_a_broken_tcp_stream_refuses_its_transfer_frees_blocks_and_reconne
     try:
         t = pair.sender.begin("cut", pair.target, list(range(40)), 40, SamplingParams(), [0, 1, 2])
         assert t.backend == "tcp"
-        descriptor = encode(KvLayer(request_id="cut", layer=0))
-        pair.sender._post(pair.target, [descriptor], tcp_payload=[b"x" * 100])  # part of a frame
+        host, port = pair.tcp.address.rsplit(":", 1)
+        raw = socket.create_connection((host, int(port)))  # "p"'s stream, by hand
+        raw.sendall(b"p".ljust(ID_BYTES) + frame_head("cut", 0, t.frame_bytes) + b"x" * 100)
         for _ in range(100):
-            if pair.sender.peers["d"].tcp is not None and pair.intake.incoming["cut"].receiving:
+            if "cut" in pair.intake.incoming and pair.intake.incoming["cut"].receiving:
                 break
             await asyncio.sleep(0.01)
-        pair.sender.peers["d"].tcp.close()  # the stream breaks mid-frame
+        raw.close()  # the stream breaks mid-frame
         for _ in range(200):
             if pair.refusals and len(pair.free) == total:
                 break
@@ -216,4 +216,45 @@ async def test_a_broken_tcp_stream_refuses_its_transfer_frees_blocks_and_reconne
         ok = await pair.send("after", 37, [7, 8, 9], layerwise=False)  # a fresh stream
         assert digest(pair.dst, ok.block_table, 37) == digest(pair.src, [7, 8, 9], 37)
     finally:
+        await pair.close()
+
+
+async def test_tcp_frames_before_their_header_unknown_frames_and_a_stalled_peer():
+    """The tcp stream is self-describing: a frame may arrive before its header (ZeroMQ is
+    another connection), a frame nobody reserved is read and dropped without losing step, and
+    a peer that stalls mid-frame holds up no other peer's transfers."""
+    pair = Pair("tcp", capacity=600)
+    host, port = pair.tcp.address.rsplit(":", 1)
+    ghost = socket.create_connection((host, int(port)))
+    early = socket.create_connection((host, int(port)))
+    dealer = make_socket(pair.ctx, "prefill.data", pair.target.data_address, identity="p2")
+    try:
+        n, table = 40, [0, 1, 2]
+        size = pair.src.kv_frame_bytes(n)
+        ghost.sendall(b"ghost".ljust(ID_BYTES) + frame_head("nobody.0", 0, 1000) + b"z" * 1000)
+        ghost.sendall(frame_head("nobody.1", 0, size) + b"z" * 100)  # then silence
+        # "p2" sends every frame first, its header a moment later
+        early.sendall(b"p2".ljust(ID_BYTES))
+        for layer in range(LAYOUT.num_layers):
+            early.sendall(frame_head("early", layer, size))
+            for part in pair.src.export_parts(layer, table, n):
+                early.sendall(part)
+        await asyncio.sleep(0.3)
+        params = SamplingParams()
+        header = KvHeader(request_id="early", prompt_ids=list(range(n)), num_prompt_tokens=n,
+                          params=params, num_layers=LAYOUT.num_layers, frame_bytes=size,
+                          prefill_node="p2", backend="tcp")  # fmt: skip
+        await dealer.send(encode(header))
+        await dealer.send(encode(KvDone(request_id="early", first_token_id=1)))
+        intake = await asyncio.wait_for(pair.admitted.get(), 3)
+        assert digest(pair.dst, intake.block_table, n) == digest(pair.src, table, n)
+        pair.release(intake.block_table)
+        # the real sender's transfers are not held up by the stalled ghost
+        ok = await asyncio.wait_for(pair.send("after", 33, [7, 8, 9], layerwise=True), 3)
+        assert digest(pair.dst, ok.block_table, 33) == digest(pair.src, [7, 8, 9], 33)
+        assert not pair.refusals
+    finally:
+        ghost.close()
+        early.close()
+        dealer.close()
         await pair.close()

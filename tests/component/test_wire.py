@@ -65,6 +65,7 @@ from common.transport import decode_or_none, free_port, make_socket, send
 from decode_node.server import DecodeNode
 from gateway.core import Gateway
 from gateway.requests import Done, Failed, GatewayRequest
+from prefill_node.batcher import PrefillJob
 from prefill_node.server import PrefillNode
 
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -251,7 +252,11 @@ SAMPLES: list[Msg] = [
     KvAck(request_id="r.0"),
     KvRefuse(request_id="r.0", reason="needs 3 KV blocks, 1 free"),
     TokenBatch(
-        node_id="d-1", request_ids=["a.0", "b.0"], token_ids=[1, 2], finish_reasons=[None, "stop"]
+        node_id="d-1",
+        request_ids=["a.0", "b.0"],
+        token_ids=[1, 2],
+        indices=[3, 1],
+        finish_reasons=[None, "stop"],
     ),
     Preempted(node_id="d-1", request_id="a.0", reason="out of KV blocks"),
     KvTransferred(
@@ -457,7 +462,8 @@ async def test_unreachable_prefill_node_is_skipped(tokenizer):
         req = c.request("r", prompt(30))
         await asyncio.wait_for(c.gw.run(req), TIMEOUT)
         assert await outcome(req) == Done("length")
-        assert c.gw.cluster.nodes["prefill-a"].rejects == 1  # counted as unanswered
+        unanswered = c.gw.metrics.offer_timeouts.labels("prefill-a")._value.get()
+        assert unanswered == 1 and c.gw.cluster.nodes["prefill-a"].rejects == 0
         assert c.gw.cluster.nodes["prefill-b"].accepts == 1
 
 
@@ -644,6 +650,22 @@ async def test_refused_kv_is_redirected_to_another_decode_node(tokenizer):
         stale.release()
         await until(all_free(prefill, small, medium), 1.0, "all KV freed")
         assert not small.intake.incoming and not small.seqs and not prefill.handed_off
+
+
+async def test_a_redirect_during_a_forward_pass_never_holds_up_the_control_loop(tokenizer):
+    """The redirected request's resend waits for the running pass; the loop that answers
+    offers must not wait with it (an offer unanswered for --offer-timeout is lost)."""
+    async with Cluster(tokenizer) as c:
+        node = c.node(PrefillNode, "prefill-0")
+        job = PrefillJob("r.0", prompt(10), PARAMS, TARGET, 10, accepted_at=0.0, first_token=5)
+        node.batcher.running = [job]  # a pass is running with the request in it
+        node.handed_off["r.0"] = job
+        redirect = node.on_gateway_message(Redirect(request_id="r.0", decode=None))
+        await asyncio.wait_for(redirect, 0.2)
+        assert "r.0" in node.handed_off  # applied only once the pass is over
+        node.batcher.running = []
+        await until(lambda: "r.0" not in node.handed_off, 1.0, "the redirect to be applied")
+        await node.shutdown()
 
 
 async def test_refused_kv_with_no_other_decode_node_is_placed_again(tokenizer):

@@ -97,7 +97,9 @@ def start_cluster(
     gateway_flags: tuple[str, ...] = (),
     node_flags: tuple[str, ...] = (),
     threads: int = 1,
+    extra: dict[str, tuple[str, ...]] | None = None,
 ) -> Cluster:
+    """`extra` adds flags to single nodes by id (say, fixed ports for "decode-0")."""
     port, control, tokens = free_port(), free_port(), free_port()
     cluster = Cluster(url=f"http://127.0.0.1:{port}", control=f"tcp://127.0.0.1:{control}")
     base = [sys.executable, "-m", "common.cli", "--log-level", "INFO"]
@@ -126,6 +128,7 @@ def start_cluster(
                 "--node-id",
                 f"{role}-{i}",
                 *cluster.node_flags,
+                *(extra or {}).get(f"{role}-{i}", ()),
             ]
             cluster.procs.append(subprocess.Popen(cmd))
     try:

@@ -53,6 +53,19 @@ def test_bench_smoke_through_a_real_cluster(make_cluster, tmp_path):
     saved = json.loads((out / "summary.json").read_text())
     assert saved["completed"] == 30 and "bench" in saved["command"]
     assert "| ttft_ms_p50 |" in (out / "summary.md").read_text()
+    # the server's TTFT (its `timings`) is inside the client's: arrival -> first token out
+    records = [json.loads(line) for line in lines]
+    assert all(0 < r["server_ttft_ms"] <= r["ttft_ms"] for r in records)
+    assert 0 < summary["server_ttft_ms_p50"] <= summary["ttft_ms_p50"]
+
+    # the chat endpoint: the same prompts as text, through the gateway's template and tokenizer
+    chat = [*cmd[: cmd.index("--out")], "--endpoint", "chat", "--input-len", "200"]
+    chat[chat.index("--num-requests") + 1] = "10"
+    done = subprocess.run(chat, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["completed"] == 10 and summary["failed"] == 0
+    assert summary["server_ttft_ms_p50"] is not None
 
 
 @pytest.mark.parametrize("scheduler", ["round_robin", "jsq", "kv_aware"])

@@ -48,6 +48,20 @@ def test_length_distributions():
     assert abs(norm.mean() - 500) < 3 and abs(norm.std() - 50) < 3
     with pytest.raises(ValueError):
         workloads.LengthDist.parse("zipf:3")
+    assert workloads.LengthDist.parse("128") == workloads.LengthDist.parse("fixed:128")
+    with pytest.raises(ValueError):
+        workloads.LengthDist.parse("-5")
+
+
+def test_chat_prompts_are_the_token_prompts_as_text(tokenizer):
+    specs = workloads.synthetic(
+        1, 5, 0, 1.0, workloads.LengthDist.parse("64"), workloads.LengthDist.parse("8")
+    )
+    texts = workloads.as_text(specs, tokenizer.decode)
+    assert [t.prompt for t in texts] == [tokenizer.decode(s.prompt) for s in specs]
+    assert all(isinstance(t.prompt, str) and t.prompt_len == 64 for t in texts)
+    # it re-tokenizes to about the same length
+    assert all(abs(len(tokenizer.encode(t.prompt, False)) - 64) <= 8 for t in texts)
 
 
 def test_shared_prefix_and_mooncake_replay_share_exactly_where_told(tmp_path):

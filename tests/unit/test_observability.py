@@ -41,8 +41,8 @@ def test_phases_from_the_timeline(tokenizer):
             "kv_transfer.0": {"start_ms": 10.0, "end_ms": 55.0},  # type: ignore[dict-item]
         }
     )
-    for token in (5, 6, 7):
-        req.add_token(token, None)
+    for index, token in enumerate((5, 6, 7)):
+        req.add_token(index, token, None)
     req.finish(Done("length"))
     req.timeline.update({"first_token": 50.0, "decode_start": 70.0, "finish": 110.0})
     phases = req.phases()

@@ -62,6 +62,15 @@ def test_kv_frames_have_the_scaled_real_size():
         assert "expected" in str(exc)
 
 
+def test_every_layer_frame_has_its_full_size_whatever_came_before():
+    """A frame one byte short desynchronises a byte stream (the tcp KV backend): every
+    layer's frame is whole, also right after a frame of half the size grew the buffer."""
+    eng = SimEngine(EngineConfig(engine="sim"), sleep=False)
+    for tokens in (16, 32, 33, 64, 7, 128):
+        for layer in range(4):
+            assert len(eng.export_kv(layer, [0], tokens)) == eng.kv_frame_bytes(tokens)
+
+
 def test_blocks_come_from_gpu_memory_minus_weights():
     eng = SimEngine(EngineConfig(engine="sim"), sleep=False)
     tokens = eng.num_blocks * eng.block_size

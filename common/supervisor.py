@@ -1,0 +1,107 @@
+"""Keeps a local cluster's processes running (`pdserve up`), as a supervisor of a fault-tolerant
+service should: a child that dies is started again and the others keep serving.
+
+Rules, per child:
+- exit code 0 is a clean exit (a node that drained after SIGTERM): not a failure, not
+  restarted;
+- any other exit (a crash, SIGKILL) is restarted after a backoff that doubles from
+  `backoff` up to `max_backoff`, and resets once the child has run `stable_after` seconds;
+- `give_up_after` failures in a row, each within `stable_after` seconds of its start, mean the
+  child cannot run here (a bad flag, a port taken): it is not started again, and the rest keep
+  serving. When the gateway gives up, or nothing is left running, the cluster stops.
+
+`step(now)` is the whole policy, driven by a clock passed in; `run` polls it.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Child:
+    name: str
+    command: list[str]
+    essential: bool = False  # the cluster cannot serve without it (the gateway)
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    failures: int = 0  # fast failures in a row
+    restart_at: float | None = None  # when to start it again after a failure
+    state: str = "new"  # new | running | waiting | exited | gave_up
+    restarts: int = 0
+
+
+@dataclass
+class Supervisor:
+    children: list[Child]
+    spawn: Callable[[Child], subprocess.Popen]
+    backoff: float = 0.5
+    max_backoff: float = 30.0
+    stable_after: float = 30.0
+    give_up_after: int = 5
+    events: list[str] = field(default_factory=list)
+
+    def start(self, now: float) -> None:
+        for child in self.children:
+            self._launch(child, now)
+
+    def _launch(self, child: Child, now: float) -> None:
+        child.proc = self.spawn(child)
+        child.started, child.state, child.restart_at = now, "running", None
+
+    def step(self, now: float) -> bool:
+        """Look after every child once; False when the cluster has to stop."""
+        for child in self.children:
+            if child.state == "running":
+                assert child.proc is not None
+                code = child.proc.poll()
+                if code is not None:
+                    self._exited(child, code, now)
+            elif child.state == "waiting" and child.restart_at is not None:
+                if now >= child.restart_at:
+                    child.restarts += 1
+                    self._say(f"restarting {child.name} (restart {child.restarts})")
+                    self._launch(child, now)
+        if any(c.essential and c.state in ("gave_up", "exited") for c in self.children):
+            return False
+        return any(c.state in ("running", "waiting") for c in self.children)
+
+    def _exited(self, child: Child, code: int, now: float) -> None:
+        if code == 0:
+            child.state = "exited"
+            self._say(f"{child.name} exited cleanly; not restarting it")
+            return
+        ran = now - child.started
+        child.failures = child.failures + 1 if ran < self.stable_after else 1
+        if child.failures >= self.give_up_after:
+            child.state = "gave_up"
+            self._say(
+                f"{child.name} failed {child.failures} times in a row (exit code {code}); "
+                "giving up on it"
+            )
+            return
+        delay = min(self.max_backoff, self.backoff * 2 ** (child.failures - 1))
+        child.state, child.restart_at = "waiting", now + delay
+        self._say(f"{child.name} exited with code {code}; restarting it in {delay:.1f} s")
+
+    def _say(self, event: str) -> None:
+        self.events.append(event)
+        log.warning("%s", event)
+        print(f"pdserve up: {event}", flush=True)
+
+    def running(self) -> Sequence[subprocess.Popen]:
+        return [c.proc for c in self.children if c.proc is not None and c.state == "running"]
+
+    def run(self, should_stop: Callable[[], bool], interval: float = 0.2) -> int:
+        """Supervise until asked to stop (0) or the cluster cannot go on (1)."""
+        while not should_stop():
+            if not self.step(time.monotonic()):
+                return 1
+            time.sleep(interval)
+        return 0

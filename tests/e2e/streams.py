@@ -1,0 +1,99 @@
+"""Many concurrent streaming requests against a gateway, for stress tests: one aiohttp session,
+every response read to its end, and each request's outcome (status, text, error, time)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+
+@dataclass
+class StreamResult:
+    status: int = 0
+    text: str = ""
+    error: str = ""  # an SSE error event, a non-200 body, or the client's exception
+    chunks: int = 0
+    seconds: float = 0.0
+    finish_reason: str | None = None
+    usage: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and not self.error and self.finish_reason is not None
+
+
+async def _one(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout: float
+) -> StreamResult:
+    result = StreamResult()
+    start = time.monotonic()
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    try:
+        async with session.post(
+            url + path, data=orjson.dumps(body), timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as resp:
+            result.status = resp.status
+            if resp.status != 200 or not body.get("stream"):
+                raw = await resp.read()
+                _on_body(result, raw)
+            else:
+                buffer = b""
+                async for data in resp.content.iter_any():
+                    buffer += data
+                    while b"\n\n" in buffer:
+                        event, buffer = buffer.split(b"\n\n", 1)
+                        _on_event(result, event)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.seconds = time.monotonic() - start
+    return result
+
+
+def _on_body(result: StreamResult, raw: bytes) -> None:
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        result.error = f"not JSON: {raw[:200]!r}"
+        return
+    if isinstance(obj, dict) and "error" in obj:
+        result.error = str(obj["error"])
+        return
+    choice = obj["choices"][0]
+    result.text = choice.get("text") or choice.get("message", {}).get("content", "")
+    result.finish_reason = choice.get("finish_reason")
+    result.usage = obj.get("usage") or {}
+
+
+def _on_event(result: StreamResult, event: bytes) -> None:
+    if not event.startswith(b"data: ") or event == b"data: [DONE]":
+        return
+    obj = orjson.loads(event[6:])
+    if "error" in obj:
+        result.error = str(obj["error"])
+        return
+    if obj.get("usage"):
+        result.usage = obj["usage"]
+    for choice in obj.get("choices", []):
+        text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+        result.text += text
+        result.chunks += bool(text)
+        if choice.get("finish_reason"):
+            result.finish_reason = choice["finish_reason"]
+
+
+async def _many(url: str, bodies: list[dict[str, Any]], timeout: float) -> list[StreamResult]:
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        return list(await asyncio.gather(*(_one(session, url, b, timeout) for b in bodies)))
+
+
+def run_streams(
+    url: str, bodies: list[dict[str, Any]], timeout: float = 60.0
+) -> list[StreamResult]:
+    """Send every body at once and wait for all of them; each ends or times out."""
+    return asyncio.run(_many(url, bodies, timeout))

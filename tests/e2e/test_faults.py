@@ -1,0 +1,282 @@
+"""Defects found by trying pdserve as its users would, each reproduced here at its real scale
+on sim clusters: garbage on internal sockets, a launcher that must outlive a dead node, KV
+transfers behind long prefill passes, offers answered after their timeout, and hundreds of
+malformed or unusual requests."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import zmq
+
+from common.kv_transfer.tcp import ID_BYTES, frame_head
+from common.protocol import Heartbeat, Load, TokenBatch, encode
+from common.transport import free_port
+from tests.e2e.conftest import wait_for
+from tests.e2e.streams import run_streams
+from tests.e2e.test_stress import sim_text
+
+
+def _bodies(n: int, max_tokens: int, stream: bool = True) -> list[dict]:
+    return [
+        {
+            "prompt": list(range(1000 + 7 * i, 1000 + 7 * i + 20 + i % 13)),
+            "max_tokens": max_tokens,
+            "temperature": 1.0,
+            "seed": i,
+            "ignore_eos": True,
+            "stream": stream or i % 2 == 0,
+        }
+        for i in range(n)
+    ]
+
+
+def _check_texts(tokenizer, bodies, results) -> None:
+    failed = [(i, r) for i, r in enumerate(results) if not r.ok]
+    assert not failed, failed[:3]
+    for body, r in zip(bodies, results, strict=True):
+        assert r.text == sim_text(tokenizer, body["prompt"], body["seed"], body["max_tokens"])
+
+
+def _blocks_in_use(cluster) -> float:
+    return cluster.metric("pdserve:kv_blocks", state="in_use")
+
+
+# -- 3. one malformed message must not kill anything ---------------------------------------
+def test_garbage_on_every_internal_socket_changes_nothing(make_cluster, tokenizer):
+    data_port, kv_port = free_port(), free_port()
+    cluster = make_cluster(
+        engine="sim",
+        node_flags=("--sim-time-scale", "0.05", "--kv-backend", "tcp"),
+        extra={"decode-0": ("--data-port", str(data_port), "--kv-tcp-port", str(kv_port))},
+    )
+    control = cluster.control
+    tokens = control.rsplit(":", 1)[0] + ":" + str(_tokens_port(cluster))
+    rng = random.Random(3)
+    ctx = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(control)
+        for frames in (
+            [b"a", b"b"],  # with the identity: three frames
+            [b"x", b"y", b"z", b"w"],
+            [b""],
+            [rng.randbytes(200)],
+            [encode(Heartbeat(node_id="decode-0", load=_load()))],  # a stranger's heartbeat
+        ):
+            dealer.send_multipart(frames)
+        push = ctx.socket(zmq.PUSH)
+        push.connect(tokens)
+        bad_batch = TokenBatch(
+            node_id="decode-0",
+            request_ids=["a", "b"],
+            token_ids=[1],
+            indices=[0],
+            finish_reasons=[],
+        )
+        for frames in ([encode(bad_batch)], [b"p", b"q"], [rng.randbytes(100)]):
+            push.send_multipart(frames)
+        data = ctx.socket(zmq.DEALER)
+        data.connect(f"tcp://127.0.0.1:{data_port}")
+        for frames in ([b"only"], [rng.randbytes(50), rng.randbytes(5000)], [b"\x81\xa4type"]):
+            data.send_multipart(frames)
+        for payload in (
+            rng.randbytes(4096),  # not even a greeting
+            b"evil".ljust(ID_BYTES) + rng.randbytes(300),  # a greeting, then no frame head
+            b"evil".ljust(ID_BYTES) + frame_head("nobody.0", 0, 1000) + b"z" * 1000,
+        ):
+            with socket.create_connection(("127.0.0.1", kv_port)) as s:
+                s.sendall(payload)
+        for port in (int(control.rsplit(":", 1)[1]), _tokens_port(cluster)):
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(rng.randbytes(2048))
+        time.sleep(1.0)  # past several heartbeats: a dead control loop shows by now
+    finally:
+        ctx.destroy(linger=0)
+    assert all(p.poll() is None for p in cluster.procs), "a process died"
+    assert cluster.get("/health")[0] == 200
+    bodies = _bodies(40, 8)
+    _check_texts(tokenizer, bodies, run_streams(cluster.url, bodies, timeout=30))
+    assert wait_for(lambda: _blocks_in_use(cluster) == 0, timeout=5)
+
+
+def _tokens_port(cluster) -> int:
+    return int(cluster.procs[0].args[cluster.procs[0].args.index("--tokens-port") + 1])
+
+
+def _load() -> Load:
+    return Load(running=0, waiting=0, blocks_free=1, blocks_cached=0, blocks_in_use=0)
+
+
+# -- 4. the launcher keeps the cluster serving when a node dies ----------------------------
+def _children(pid: int) -> dict[str, int]:
+    """Node id (or "gateway") -> pid of each child process of `pid`."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().decode().split("\0")
+        except OSError:
+            continue
+        if ppid == pid:
+            name = args[args.index("--node-id") + 1] if "--node-id" in args else "gateway"
+            out[name] = int(entry)
+    return out
+
+
+def test_pdserve_up_restarts_a_killed_node_while_in_flight_requests_complete(tokenizer):
+    port = free_port()
+    cmd = [sys.executable, "-m", "common.cli", "up", "--engine", "sim", "--prefill", "2"]
+    cmd += ["--decode", "2", "--port", str(port), "--control-port", str(free_port())]
+    cmd += ["--tokens-port", str(free_port()), "--startup-timeout", "60"]
+    env = {**os.environ, "PDSERVE_HEARTBEAT_INTERVAL": "0.2"}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    lines: list[str] = []
+    try:
+        line = proc.stdout.readline()
+        while line and "is up" not in line:
+            line = proc.stdout.readline()
+        assert "is up" in line
+        threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+        before = _children(proc.pid)
+        assert set(before) == {"gateway", "prefill-0", "prefill-1", "decode-0", "decode-1"}
+        bodies = _bodies(120, 150)
+        results: list = []
+        load = threading.Thread(
+            target=lambda: results.extend(run_streams(f"http://127.0.0.1:{port}", bodies, 60))
+        )
+        load.start()
+        time.sleep(1.0)  # streams are running on both decode nodes
+        os.kill(before["decode-1"], signal.SIGKILL)
+        load.join(90)
+        _check_texts(tokenizer, bodies, results)
+        assert proc.poll() is None, "the launcher stopped the cluster"
+
+        def restarted() -> bool:
+            pid = _children(proc.pid).get("decode-1")
+            if pid is None or pid == before["decode-1"]:
+                return False
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+                return b'"decode-1"' in s.makefile("rb").read()
+
+        assert wait_for(restarted, timeout=20)
+        assert _children(proc.pid)["prefill-0"] == before["prefill-0"]  # the rest untouched
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert any("restarting decode-1" in line for line in lines), lines[-20:]
+
+
+# -- 5. long prefill passes do not stall KV transfers --------------------------------------
+def test_transfers_behind_a_long_prefill_pass_never_time_out(make_cluster, tokenizer):
+    """The decode node reserves at the KV header, sent as the forward pass starts; a pass
+    longer than --kv-transfer-timeout (16 x 1,000 prompt tokens at this time scale take
+    about 3 s) must not count as a stalled transfer."""
+    cluster = make_cluster(
+        engine="sim",
+        gateway_flags=("--offer-timeout", "1"),
+        node_flags=("--sim-time-scale", "10", "--kv-transfer-timeout", "1", "--kv-backend", "tcp"),
+    )
+    bodies = [
+        {"prompt": list(range(2000 + i, 3000 + i)), "max_tokens": 3, "seed": i,
+         "temperature": 1.0, "ignore_eos": True, "stream": True}
+        for i in range(16)
+    ]  # fmt: skip
+    results = run_streams(cluster.url, bodies, timeout=60)
+    _check_texts(tokenizer, bodies, results)
+    assert cluster.metric("pdserve:request_replacements_total") == 0
+    assert cluster.metric("pdserve:placement_offer_timeouts_total") == 0
+    assert wait_for(lambda: _blocks_in_use(cluster) == 0, timeout=5)
+
+
+# -- 6. every request ends ------------------------------------------------------------------
+def test_offers_answered_after_their_timeout_leave_no_hung_request_and_no_kv(
+    make_cluster, tokenizer
+):
+    """Under load the gateway may read an Accept after it gave up on that offer and offered
+    the request again: the late acceptance must be told apart from the live one."""
+    cluster = make_cluster(
+        engine="sim",
+        gateway_flags=("--offer-timeout", "0.003"),
+        node_flags=("--sim-time-scale", "0.02", "--kv-backend", "tcp"),
+    )
+    bodies = _bodies(300, 8, stream=False)
+    _check_texts(tokenizer, bodies, run_streams(cluster.url, bodies, timeout=40))
+    assert cluster.metric("pdserve:placement_offer_timeouts_total") > 0  # the case did occur
+    assert wait_for(lambda: _blocks_in_use(cluster) == 0, timeout=5)
+
+
+WEIRD = [None, True, False, 0, -1, 1, 2**63 - 1, 2**64 - 1, -(2**63), 1.5, -0.0, 1e308, "",
+         "x" * 5000, "\u0000", "<|im_end|>", [], {}, [1, 2], [0], [49151], [49152], [-1], ["a"],
+         [[1, 2]], {"a": 1}, [""], "hello world", 100000, 4096]  # fmt: skip
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
+          "top_p", "top_k", "seed", "stop", "stream", "stream_options", "ignore_eos", "n",
+          "logprobs", "echo", "min_tokens", "response_format"]  # fmt: skip
+
+
+def _weird_body(rng: random.Random) -> tuple[str, bytes]:
+    chat = rng.random() < 0.5
+    body: dict = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    body["max_tokens"] = rng.choice([1, 2, 5, 16])
+    if rng.random() < 0.5:
+        body["stream"] = True
+    for _ in range(rng.randint(1, 4)):
+        body[rng.choice(FIELDS)] = rng.choice(WEIRD)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    return path, json.dumps(body).encode()
+
+
+def test_twelve_hundred_malformed_or_unusual_requests_all_end_and_none_is_a_5xx(make_cluster):
+    cluster = make_cluster(
+        engine="sim",
+        node_flags=("--sim-time-scale", "0.02", "--kv-backend", "tcp", "--max-model-len", "4096"),
+    )
+    rng = random.Random(11)
+    requests = [_weird_body(rng) for _ in range(1200)]
+    big = json.dumps({"prompt": "lorem ipsum " * 400_000, "max_tokens": 1}).encode()
+    for i in range(100, 1200, 250):  # multi-megabyte prompts: seconds of tokenizing each
+        requests[i] = ("/v1/completions", big)
+    import asyncio
+
+    import aiohttp
+
+    async def one(session, path: str, data: bytes) -> tuple[int, float]:
+        start = time.monotonic()
+        try:
+            async with session.post(
+                cluster.url + path, data=data, timeout=aiohttp.ClientTimeout(total=30)
+            ) as resp:
+                await resp.read()
+                return resp.status, time.monotonic() - start
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return -1, float(type(exc) is asyncio.TimeoutError)
+
+    async def main() -> list[tuple[int, float]]:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            return await asyncio.gather(*(one(session, p, d) for p, d in requests))
+
+    results = asyncio.run(main())
+    statuses = [s for s, _ in results]
+    hung = [requests[i] for i, s in enumerate(statuses) if s == -1]
+    assert not hung, [h[1][:300] for h in hung[:3]]
+    assert all(s == 200 or 400 <= s < 500 for s in statuses), sorted(set(statuses))
+    assert statuses.count(200) > 100 and statuses.count(400) > 500
+    assert all(p.poll() is None for p in cluster.procs)
+    assert wait_for(lambda: _blocks_in_use(cluster) == 0, timeout=5)

@@ -1,0 +1,89 @@
+"""The `pdserve up` supervisor's policy, on a clock passed in: restart with backoff, give up
+after repeated fast failures, never restart a clean exit, stop only without the gateway."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from common.supervisor import Child, Supervisor
+
+
+class FakeProc:
+    def __init__(self) -> None:
+        self.code: int | None = None
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+def make(*names: str, **kw: Any) -> tuple[Supervisor, dict[str, list[FakeProc]]]:
+    spawned: dict[str, list[FakeProc]] = {n: [] for n in names}
+
+    def spawn(child: Child) -> Any:
+        proc = FakeProc()
+        spawned[child.name].append(proc)
+        return proc
+
+    children = [Child(n, [n], essential=(n == "gateway")) for n in names]
+    sup = Supervisor(children, spawn, **kw)
+    sup.start(0.0)
+    return sup, spawned
+
+
+def test_a_killed_node_is_restarted_after_a_backoff_and_the_rest_keep_running():
+    sup, spawned = make("gateway", "decode-0", "decode-1", backoff=0.5)
+    spawned["decode-1"][-1].code = -9
+    assert sup.step(1.0)
+    assert len(spawned["decode-1"]) == 1  # waits out the backoff first
+    assert sup.step(1.4) and len(spawned["decode-1"]) == 1
+    assert sup.step(1.6) and len(spawned["decode-1"]) == 2
+    assert len(spawned["gateway"]) == 1 and len(spawned["decode-0"]) == 1
+
+
+def test_backoff_doubles_for_fast_failures_and_resets_after_a_stable_run():
+    sup, spawned = make("gateway", "prefill-0", backoff=1.0, stable_after=30.0, give_up_after=9)
+    now = 0.0
+    delays = []
+    for _ in range(4):
+        spawned["prefill-0"][-1].code = 1
+        sup.step(now)
+        child = sup.children[1]
+        assert child.restart_at is not None
+        delays.append(child.restart_at - now)
+        now = child.restart_at
+        sup.step(now)
+    assert delays == [1.0, 2.0, 4.0, 8.0]
+    spawned["prefill-0"][-1].code = 1  # this time after a long, healthy run
+    sup.step(now + 100)
+    assert sup.children[1].restart_at == now + 100 + 1.0
+
+
+def test_repeated_fast_failures_give_up_on_that_node_only():
+    sup, spawned = make("gateway", "prefill-0", "decode-0", backoff=0.1, give_up_after=3)
+    now = 0.0
+    for _ in range(3):
+        spawned["decode-0"][-1].code = 2
+        assert sup.step(now)
+        now += 1.0
+        sup.step(now)
+    assert sup.children[2].state == "gave_up"
+    assert len(spawned["decode-0"]) == 3
+    assert sup.step(now + 100)  # the gateway and the prefill node still serve
+    assert any("giving up" in e for e in sup.events)
+
+
+def test_a_clean_exit_after_a_drain_is_not_a_failure():
+    sup, spawned = make("gateway", "decode-0")
+    spawned["decode-0"][-1].code = 0
+    assert sup.step(1.0)
+    assert sup.step(100.0)
+    assert len(spawned["decode-0"]) == 1 and sup.children[1].state == "exited"
+
+
+def test_the_gateway_is_restarted_but_a_gateway_that_cannot_run_stops_the_cluster():
+    sup, spawned = make("gateway", "decode-0", backoff=0.1, give_up_after=2)
+    spawned["gateway"][-1].code = -9
+    assert sup.step(1.0) and sup.step(1.2)
+    assert len(spawned["gateway"]) == 2
+    spawned["gateway"][-1].code = 1
+    assert not sup.step(1.3)  # second fast failure in a row: the cluster cannot serve

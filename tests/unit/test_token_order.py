@@ -1,0 +1,93 @@
+"""The gateway places tokens by index: any arrival order, with duplicates, gives the text of the
+tokens in order; a gap holds later tokens back; too many held tokens break the attempt."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.sampling import SamplingParams
+from gateway.requests import MAX_PENDING, Delta, Done, GatewayRequest, StreamGap
+
+TOKENS = [1000 + 37 * i for i in range(12)]
+
+
+def _request(tokenizer, max_tokens: int = len(TOKENS)) -> GatewayRequest:
+    return GatewayRequest(
+        request_id="r",
+        kind="completion",
+        model="m",
+        prompt_ids=[1000, 1001],
+        params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        stream=True,
+        include_usage=False,
+        tokenizer=tokenizer,
+    )
+
+
+def _text(req: GatewayRequest) -> str:
+    parts = []
+    while not req.events.empty():
+        event = req.events.get_nowait()
+        if isinstance(event, Delta):
+            parts.append(event.text)
+    return "".join(parts)
+
+
+def _in_order_text(tokenizer) -> str:
+    req = _request(tokenizer)
+    for i, t in enumerate(TOKENS):
+        req.add_token(i, t, "length" if i == len(TOKENS) - 1 else None)
+    return _text(req)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.permutations(range(len(TOKENS))), st.lists(st.integers(0, len(TOKENS) - 1)))
+def test_any_arrival_order_with_duplicates_gives_the_same_text(tokenizer, order, dupes):
+    req = _request(tokenizer)
+    done = False
+    for i in [*order[:3], *dupes, *order[3:]]:
+        done = req.add_token(i, TOKENS[i], "length" if i == len(TOKENS) - 1 else None) or done
+    assert done and req.output_ids == TOKENS
+    assert _text(req) == _in_order_text(tokenizer)
+    assert not req.pending and req.gap_since is None
+
+
+def test_a_token_ahead_of_a_gap_waits_and_marks_the_gap(tokenizer):
+    req = _request(tokenizer)
+    assert req.add_token(1, TOKENS[1], None) is False
+    assert req.output_ids == [] and req.gap_since is not None and req.events.empty()
+    req.add_token(0, TOKENS[0], None)
+    assert req.output_ids == TOKENS[:2] and req.gap_since is None
+
+
+def test_the_final_token_arriving_first_does_not_end_the_request(tokenizer):
+    req = _request(tokenizer, max_tokens=2)
+    assert req.add_token(1, TOKENS[1], "length") is False
+    assert not req.finished
+    assert req.add_token(0, TOKENS[0], None) is True
+    assert req.output_ids == TOKENS[:2]
+    events = [req.events.get_nowait() for _ in range(req.events.qsize())]
+    assert isinstance(events[-1], Done)
+
+
+def test_too_many_tokens_behind_a_gap_break_the_attempt(tokenizer):
+    req = _request(tokenizer, max_tokens=10_000)
+    for i in range(1, MAX_PENDING + 1):
+        req.add_token(i, 1000, None)
+    with pytest.raises(StreamGap):
+        req.add_token(MAX_PENDING + 1, 1000, None)
+
+
+def test_a_new_attempt_counts_its_indices_from_the_tokens_kept(tokenizer):
+    req = _request(tokenizer)
+    req.add_token(0, TOKENS[0], None)
+    req.add_token(1, TOKENS[1], None)
+    req.add_token(3, TOKENS[3], None)  # held back; the attempt is then lost
+    prompt, params = req.next_attempt()
+    assert prompt == [1000, 1001, *TOKENS[:2]] and params.max_tokens == len(TOKENS) - 2
+    assert not req.pending and req.gap_since is None
+    req.add_token(1, TOKENS[3], None)  # index 1 of the new attempt is output token 3
+    req.add_token(0, TOKENS[2], None)
+    assert req.output_ids == TOKENS[:4]
