@@ -50,6 +50,9 @@ print('\n'.join(d for e in sys.argv[1].split(',') for d in p['project']['optiona
     fi
 
 COPY README.md /src/README.md
+# pdserve/ links the layer folders in (pdserve/common -> ../common): the installed wheel has
+# them as real files under the one import name pdserve
+COPY pdserve /src/pdserve
 COPY common /src/common
 COPY gateway /src/gateway
 COPY prefill_node /src/prefill_node

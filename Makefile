@@ -23,14 +23,14 @@ $(STAMP): pyproject.toml
 run: setup
 	$(BIN)/pdserve up --prefill 1 --decode 1
 
-test: setup
-	$(BIN)/ruff check .
-	$(BIN)/mypy common gateway prefill_node decode_node colocated_node loadgen benchmarks
+test: lint
 	$(BIN)/python -m pytest -q -x --durations=15 tests
 
+# ruff, mypy, and the layering contracts of .importlinter (import-linter)
 lint: setup
 	$(BIN)/ruff check .
-	$(BIN)/mypy common gateway prefill_node decode_node colocated_node loadgen benchmarks
+	$(BIN)/mypy -p pdserve -p benchmarks
+	$(BIN)/lint-imports
 
 bench: setup
 	$(BIN)/python benchmarks/engine.py

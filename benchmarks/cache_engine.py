@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from common.costmodel import MODELS
-from common.engine.kv_cache import KVCache
-from common.model_config import ModelConfig
+from pdserve.common.costmodel import MODELS
+from pdserve.common.engine.kv_cache import KVCache
+from pdserve.common.model_config import ModelConfig
 
 LLAMA_LAYOUT = MODELS["llama3.1-8b"].layout()
 

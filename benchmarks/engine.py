@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from common.config import EngineConfig
-from common.engine.interface import DecodeWork, PrefillWork
-from common.engine.runner import ModelRunner
-from common.sampling import SamplingParams
+from pdserve.common.config import EngineConfig
+from pdserve.common.engine.interface import DecodeWork, PrefillWork
+from pdserve.common.engine.runner import ModelRunner
+from pdserve.common.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
 

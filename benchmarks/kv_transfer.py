@@ -37,15 +37,15 @@ import zmq
 import zmq.asyncio
 
 from benchmarks.cache_engine import LLAMA_LAYOUT, CacheOnlyEngine
-from common.costmodel import MODELS
-from common.kv_transfer.intake import Intake, KvIntake
-from common.kv_transfer.sender import KvSender, Transfer
-from common.kv_transfer.tcp import TcpListener
-from common.memtune import tune_malloc
-from common.node import host_identity
-from common.protocol import DecodeTarget
-from common.sampling import SamplingParams
-from common.transport import bound_address, free_port, make_socket
+from pdserve.common.costmodel import MODELS
+from pdserve.common.kv_transfer.intake import Intake, KvIntake
+from pdserve.common.kv_transfer.sender import KvSender, Transfer
+from pdserve.common.kv_transfer.tcp import TcpListener
+from pdserve.common.memtune import tune_malloc
+from pdserve.common.node import host_identity
+from pdserve.common.protocol import DecodeTarget
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.transport import bound_address, free_port, make_socket
 
 BLOCK = 16
 LLAMA = MODELS["llama3.1-8b"]
@@ -95,7 +95,7 @@ async def _decode(num_tokens: int, ucx: bool, layout: str, ready: Any, digest_q:
 
     listener = None
     if ucx:
-        from common.kv_transfer.ucx import UcxListener
+        from pdserve.common.kv_transfer.ucx import UcxListener
 
         listener = UcxListener("127.0.0.1")
     tcp = TcpListener("127.0.0.1")

@@ -38,18 +38,18 @@ import torch
 import zmq.asyncio
 
 from benchmarks.cache_engine import CacheOnlyEngine
-from common.config import EngineConfig
-from common.engine.interface import PrefillWork
-from common.engine.runner import ModelRunner
-from common.kv_transfer.intake import Intake, KvIntake
-from common.kv_transfer.sender import KvSender, Transfer
-from common.kv_transfer.tcp import TcpListener
-from common.memtune import tune_malloc
-from common.model_config import load_model_config, resolve_model
-from common.node import host_identity
-from common.protocol import DecodeTarget
-from common.sampling import SamplingParams
-from common.transport import bound_address, make_socket
+from pdserve.common.config import EngineConfig
+from pdserve.common.engine.interface import PrefillWork
+from pdserve.common.engine.runner import ModelRunner
+from pdserve.common.kv_transfer.intake import Intake, KvIntake
+from pdserve.common.kv_transfer.sender import KvSender, Transfer
+from pdserve.common.kv_transfer.tcp import TcpListener
+from pdserve.common.memtune import tune_malloc
+from pdserve.common.model_config import load_model_config, resolve_model
+from pdserve.common.node import host_identity
+from pdserve.common.protocol import DecodeTarget
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.transport import bound_address, make_socket
 
 BLOCK = 16
 MAX_TOKENS = 4096

@@ -15,11 +15,11 @@ import logging
 import time
 from typing import Any
 
-from common.config import EngineConfig, NodeConfig
-from common.engine.interface import Engine
-from common.engine.llm_engine import LLMEngine
-from common.node import NodeBase
-from common.protocol import (
+from pdserve.common.config import EngineConfig, NodeConfig
+from pdserve.common.engine.interface import Engine
+from pdserve.common.engine.llm_engine import LLMEngine
+from pdserve.common.node import NodeBase
+from pdserve.common.protocol import (
     Abort,
     Accept,
     Drain,
@@ -30,7 +30,7 @@ from common.protocol import (
     Reject,
     TokenBatch,
 )
-from common.tokenizer import Tokenizer
+from pdserve.common.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
-from common.errors import ConfigError
+from pdserve.common.errors import ConfigError
 
 T = TypeVar("T")
 

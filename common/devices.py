@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
-from common.container import container_name, replica_from_name
+from pdserve.common.container import container_name, replica_from_name
 
 log = logging.getLogger(__name__)
 

@@ -27,11 +27,11 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from common.config import EngineConfig, NodeConfig
-from common.engine.interface import Engine
-from common.errors import PdserveError
-from common.node_metrics import NodeMetrics, start_http
-from common.protocol import (
+from pdserve.common.config import EngineConfig, NodeConfig
+from pdserve.common.engine.interface import Engine
+from pdserve.common.errors import PdserveError
+from pdserve.common.node_metrics import NodeMetrics, start_http
+from pdserve.common.protocol import (
     GATEWAY_DECODER,
     Deregister,
     Heartbeat,
@@ -45,8 +45,8 @@ from common.protocol import (
     Role,
     encode,
 )
-from common.tokenizer import Tokenizer
-from common.transport import CONTROL_MAX_MSG, decode_or_none, make_socket, send
+from pdserve.common.tokenizer import Tokenizer
+from pdserve.common.transport import CONTROL_MAX_MSG, decode_or_none, make_socket, send
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class RegistrationRefused(PdserveError):
 
 def default_node_id(role: str) -> str:
     """The compose container name (`pdserve-prefill-2`) in Docker, else ROLE-HOSTNAME-PID."""
-    from common.container import container_name
+    from pdserve.common.container import container_name
 
     return container_name() or f"{role}-{socket.gethostname()}-{os.getpid()}"
 

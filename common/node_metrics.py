@@ -26,7 +26,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from common.protocol import Load
+from pdserve.common.protocol import Load
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Literal
 
 import msgspec
 
-from common.sampling import SamplingParams
+from pdserve.common.sampling import SamplingParams
 
 Role = Literal["prefill", "decode", "colocated"]
 

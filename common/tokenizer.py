@@ -18,8 +18,8 @@ from typing import Any
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from common.errors import ModelLoadError
-from common.model_config import ModelSource, gguf_field, open_gguf, resolve_model
+from pdserve.common.errors import ModelLoadError
+from pdserve.common.model_config import ModelSource, gguf_field, open_gguf, resolve_model
 
 GGUF_TOKEN_TYPE_CONTROL = 3
 GGUF_TOKEN_TYPE_USER_DEFINED = 4
@@ -144,7 +144,7 @@ class Tokenizer:
                 value = value.get("content")
             return None if value is None else backend.token_to_id(value)
 
-        from common.model_config import load_model_config
+        from pdserve.common.model_config import load_model_config
 
         model_cfg = load_model_config(ModelSource("hf", folder))
         eos_ids = list(model_cfg.eos_token_ids)

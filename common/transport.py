@@ -18,7 +18,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from common.protocol import Msg, encode
+from pdserve.common.protocol import Msg, encode
 
 CONTROL_MAX_MSG = 64 * 2**20  # prompts up to a few hundred thousand tokens
 TOKENS_MAX_MSG = 16 * 2**20

@@ -19,16 +19,16 @@ from typing import Any
 
 import msgspec
 
-from common.config import EngineConfig, NodeConfig
-from common.engine.interface import DecodeWork, Engine
-from common.engine.scheduler import Scheduler, SchedulerConfig
-from common.engine.sequence import SeqStatus, Sequence, check_stop
-from common.kv_transfer.intake import Intake, KvIntake
-from common.kv_transfer.tcp import TcpListener
-from common.node import NodeBase
-from common.protocol import Abort, Drain, KvHeader, Load, Preempted, TokenBatch
-from common.tokenizer import Tokenizer
-from common.transport import TOKENS_MAX_MSG, bound_address, make_socket
+from pdserve.common.config import EngineConfig, NodeConfig
+from pdserve.common.engine.interface import DecodeWork, Engine
+from pdserve.common.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.common.engine.sequence import SeqStatus, Sequence, check_stop
+from pdserve.common.kv_transfer.intake import Intake, KvIntake
+from pdserve.common.kv_transfer.tcp import TcpListener
+from pdserve.common.node import NodeBase
+from pdserve.common.protocol import Abort, Drain, KvHeader, Load, Preempted, TokenBatch
+from pdserve.common.tokenizer import Tokenizer
+from pdserve.common.transport import TOKENS_MAX_MSG, bound_address, make_socket
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class DecodeNode(NodeBase):
 
     async def serve(self) -> None:
         if self.cfg.kv_backend == "ucx":
-            from common.kv_transfer.ucx import UcxListener
+            from pdserve.common.kv_transfer.ucx import UcxListener
 
             self.ucx = self.intake.ucx = UcxListener(self.cfg.advertise_host)
         self.tcp.start(self.intake)

@@ -18,10 +18,10 @@ from typing import Any, Literal
 import orjson
 from aiohttp import web
 
-from common.config import GatewayConfig
-from common.tokenizer import Tokenizer
-from gateway.core import Gateway
-from gateway.openai_api import (
+from pdserve.common.config import GatewayConfig
+from pdserve.common.tokenizer import Tokenizer
+from pdserve.gateway.core import Gateway
+from pdserve.gateway.openai_api import (
     ApiError,
     chunk,
     error_body,
@@ -30,7 +30,7 @@ from gateway.openai_api import (
     usage,
     usage_chunk,
 )
-from gateway.requests import Delta, Done, Failed, GatewayRequest
+from pdserve.gateway.requests import Delta, Done, Failed, GatewayRequest
 
 log = logging.getLogger(__name__)
 timeline_log = logging.getLogger("pdserve.timeline")

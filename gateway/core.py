@@ -20,8 +20,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from common.config import GatewayConfig
-from common.protocol import (
+from pdserve.common.config import GatewayConfig
+from pdserve.common.protocol import (
     NODE_DECODER,
     TOKENS_DECODER,
     Abort,
@@ -43,14 +43,20 @@ from common.protocol import (
     Reject,
     TokenBatch,
 )
-from common.sampling import SamplingParams
-from common.tokenizer import Tokenizer
-from common.transport import CONTROL_MAX_MSG, TOKENS_MAX_MSG, decode_or_none, make_socket, send
-from gateway.cluster import ClusterView, NodeState
-from gateway.metrics import GatewayMetrics
-from gateway.placement import PlacementTimeout, Placer
-from gateway.requests import Failed, GatewayRequest, StreamGap
-from gateway.schedulers import make_policy
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.tokenizer import Tokenizer
+from pdserve.common.transport import (
+    CONTROL_MAX_MSG,
+    TOKENS_MAX_MSG,
+    decode_or_none,
+    make_socket,
+    send,
+)
+from pdserve.gateway.cluster import ClusterView, NodeState
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.placement import PlacementTimeout, Placer
+from pdserve.gateway.requests import Failed, GatewayRequest, StreamGap
+from pdserve.gateway.schedulers import make_policy
 
 log = logging.getLogger(__name__)
 

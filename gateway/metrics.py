@@ -18,7 +18,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gateway.cluster import ClusterView
+from pdserve.gateway.cluster import ClusterView
 
 # `*_created` series double every counter and histogram for a timestamp nobody graphs
 disable_created_metrics()

@@ -10,8 +10,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from common.sampling import SamplingParams
-from common.tokenizer import Tokenizer
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.tokenizer import Tokenizer
 
 ERROR_TYPES = {
     400: "invalid_request_error",

@@ -17,11 +17,11 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from common.protocol import PrefillOffer
-from common.sampling import SamplingParams
-from gateway.cluster import ClusterView, NodeState
-from gateway.requests import GatewayRequest
-from gateway.schedulers import PlacementPolicy, blocks_for
+from pdserve.common.protocol import PrefillOffer
+from pdserve.common.sampling import SamplingParams
+from pdserve.gateway.cluster import ClusterView, NodeState
+from pdserve.gateway.requests import GatewayRequest
+from pdserve.gateway.schedulers import PlacementPolicy, blocks_for
 
 log = logging.getLogger(__name__)
 BACKOFF_S = 0.02

@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from common.sampling import SamplingParams
-from common.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 
 @dataclass

@@ -28,8 +28,8 @@ import logging
 from collections.abc import Iterable
 from typing import Protocol
 
-from common.costmodel import CostModel
-from gateway.cluster import NodeState
+from pdserve.common.costmodel import CostModel
+from pdserve.gateway.cluster import NodeState
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ import json
 import sys
 from pathlib import Path
 
-from loadgen import workloads
-from loadgen.metrics import parse_slo, summarize
-from loadgen.runner import BenchConfig, run, write_results
+from pdserve.loadgen import workloads
+from pdserve.loadgen.metrics import parse_slo, summarize
+from pdserve.loadgen.runner import BenchConfig, run, write_results
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -84,7 +84,7 @@ def build_workload(args: argparse.Namespace) -> list[workloads.RequestSpec]:
 def main(args: argparse.Namespace) -> int:
     specs = build_workload(args)
     if args.endpoint == "chat":
-        from common.tokenizer import Tokenizer
+        from pdserve.common.tokenizer import Tokenizer
 
         specs = workloads.as_text(specs, Tokenizer.load(args.tokenizer).decode)
     cfg = BenchConfig(

@@ -16,8 +16,8 @@ import time
 import aiohttp
 import orjson
 
-from loadgen.metrics import RequestRecord
-from loadgen.workloads import RequestSpec
+from pdserve.loadgen.metrics import RequestRecord
+from pdserve.loadgen.workloads import RequestSpec
 
 
 async def send(

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadgen.bench import build_workload
-from loadgen.metrics import RequestRecord, parse_slo, summarize
-from loadgen.runner import BenchConfig, run, write_results
+from pdserve.loadgen.bench import build_workload
+from pdserve.loadgen.metrics import RequestRecord, parse_slo, summarize
+from pdserve.loadgen.runner import BenchConfig, run, write_results
 
 WORKLOAD_DEFAULTS: dict[str, Any] = {
     "workload": "synthetic",
@@ -69,13 +69,13 @@ def load_config(path: Path) -> dict[str, Any]:
 
 
 def start_cluster(up_args: list[str], timeout: float) -> tuple[subprocess.Popen, str, list[str]]:
-    from common.transport import free_port
+    from pdserve.common.transport import free_port
 
     port = free_port()
     cmd = [
         sys.executable,
         "-m",
-        "common.cli",
+        "pdserve.cli",
         "up",
         *up_args,
         "--port",

@@ -17,9 +17,9 @@ from typing import Any
 
 import aiohttp
 
-from loadgen.client import send
-from loadgen.metrics import RequestRecord
-from loadgen.workloads import RequestSpec
+from pdserve.loadgen.client import send
+from pdserve.loadgen.metrics import RequestRecord
+from pdserve.loadgen.workloads import RequestSpec
 
 
 @dataclass

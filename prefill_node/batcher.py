@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from common.protocol import DecodeTarget
-from common.sampling import SamplingParams
+from pdserve.common.protocol import DecodeTarget
+from pdserve.common.sampling import SamplingParams
 
 
 @dataclass

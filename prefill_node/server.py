@@ -17,12 +17,12 @@ import logging
 import time
 from typing import Any
 
-from common.config import EngineConfig, NodeConfig
-from common.engine.block_manager import BlockManager
-from common.engine.interface import Engine, PrefillWork
-from common.kv_transfer.sender import KvSender, Transfer
-from common.node import NodeBase, host_identity
-from common.protocol import (
+from pdserve.common.config import EngineConfig, NodeConfig
+from pdserve.common.engine.block_manager import BlockManager
+from pdserve.common.engine.interface import Engine, PrefillWork
+from pdserve.common.kv_transfer.sender import KvSender, Transfer
+from pdserve.common.node import NodeBase, host_identity
+from pdserve.common.protocol import (
     Abort,
     Accept,
     DecodeTarget,
@@ -36,8 +36,8 @@ from common.protocol import (
     Redirect,
     Reject,
 )
-from common.tokenizer import Tokenizer
-from prefill_node.batcher import PrefillBatcher, PrefillJob
+from pdserve.common.tokenizer import Tokenizer
+from pdserve.prefill_node.batcher import PrefillBatcher, PrefillJob
 
 log = logging.getLogger(__name__)
 

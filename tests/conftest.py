@@ -22,7 +22,7 @@ CHAT_PROMPTS = [
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from common.tokenizer import Tokenizer
+    from pdserve.common.tokenizer import Tokenizer
 
     return Tokenizer.load(None)
 
@@ -31,8 +31,8 @@ def tokenizer():
 def smol_runner():
     import torch
 
-    from common.config import EngineConfig
-    from common.engine.runner import ModelRunner
+    from pdserve.common.config import EngineConfig
+    from pdserve.common.engine.runner import ModelRunner
 
     torch.set_num_threads(2)
     return ModelRunner(EngineConfig(num_kv_blocks=512))
@@ -40,8 +40,8 @@ def smol_runner():
 
 def make_engine(runner, tokenizer, **overrides):
     """A fresh colocated engine (own scheduler and block manager) around a shared runner."""
-    from common.config import EngineConfig
-    from common.engine.llm_engine import LLMEngine
+    from pdserve.common.config import EngineConfig
+    from pdserve.common.engine.llm_engine import LLMEngine
 
     cfg = EngineConfig(num_kv_blocks=runner.num_blocks, **overrides)
     return LLMEngine(cfg, engine=runner, tokenizer=tokenizer)

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from common.model_config import ModelConfig
-from common.sampling import SamplingParams
+from pdserve.common.model_config import ModelConfig
+from pdserve.common.sampling import SamplingParams
 
 LayerHook = Callable[[int], None]
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
-from common.config import EngineConfig
-from common.engine.interface import DecodeWork, Engine, PrefillWork
-from common.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from common.engine.sequence import Sequence, check_stop
-from common.sampling import SamplingParams
-from common.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from pdserve.common.config import EngineConfig
+from pdserve.common.engine.interface import DecodeWork, Engine, PrefillWork
+from pdserve.common.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.common.engine.sequence import Sequence, check_stop
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 
 @dataclass
@@ -52,10 +52,10 @@ class _OutputProcessor:
 
 def make_engine(cfg: EngineConfig, eos_token_ids: tuple[int, ...] | None = None) -> Engine:
     if cfg.engine == "sim":
-        from common.engine.sim import SimEngine
+        from pdserve.common.engine.sim import SimEngine
 
         return SimEngine(cfg)
-    from common.engine.runner import ModelRunner
+    from pdserve.common.engine.runner import ModelRunner
 
     return ModelRunner(cfg, eos_token_ids)
 

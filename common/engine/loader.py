@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.errors import ModelLoadError
-from common.model_config import ModelConfig, ModelSource, open_gguf
+from pdserve.common.errors import ModelLoadError
+from pdserve.common.model_config import ModelConfig, ModelSource, open_gguf
 
 GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",

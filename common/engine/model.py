@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.engine.interface import LayerHook
-from common.engine.kv_cache import KVCache
-from common.errors import ModelLoadError
-from common.model_config import ModelConfig
+from pdserve.common.engine.interface import LayerHook
+from pdserve.common.engine.kv_cache import KVCache
+from pdserve.common.errors import ModelLoadError
+from pdserve.common.model_config import ModelConfig
 
 
 @dataclass

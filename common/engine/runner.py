@@ -7,13 +7,13 @@ from collections.abc import Sequence
 
 import torch
 
-from common.config import EngineConfig
-from common.engine.interface import DecodeWork, LayerHook, PrefillWork, sample_positions
-from common.engine.kv_cache import KVCache
-from common.engine.loader import iter_weights
-from common.engine.model import AttentionMetadata, LlamaModel, PrefillSpan
-from common.engine.sampler import sample
-from common.model_config import ModelConfig, load_model_config, resolve_model
+from pdserve.common.config import EngineConfig
+from pdserve.common.engine.interface import DecodeWork, LayerHook, PrefillWork, sample_positions
+from pdserve.common.engine.kv_cache import KVCache
+from pdserve.common.engine.loader import iter_weights
+from pdserve.common.engine.model import AttentionMetadata, LlamaModel, PrefillSpan
+from pdserve.common.engine.sampler import sample
+from pdserve.common.model_config import ModelConfig, load_model_config, resolve_model
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

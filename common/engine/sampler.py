@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from common.sampling import SamplingParams, counter_uniform
+from pdserve.common.sampling import SamplingParams, counter_uniform
 
 
 def sample(

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from common.engine.block_manager import BlockManager
-from common.engine.sequence import SeqStatus, Sequence
+from pdserve.common.engine.block_manager import BlockManager
+from pdserve.common.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)

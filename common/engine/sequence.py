@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from common.sampling import SamplingParams
+from pdserve.common.sampling import SamplingParams
 
 
 class SeqStatus(enum.Enum):

@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from common.config import EngineConfig
-from common.costmodel import CostModel
-from common.engine.interface import DecodeWork, LayerHook, PrefillWork
-from common.sampling import counter_int
+from pdserve.common.config import EngineConfig
+from pdserve.common.costmodel import CostModel
+from pdserve.common.engine.interface import DecodeWork, LayerHook, PrefillWork
+from pdserve.common.sampling import counter_int
 
 FIRST_ORDINARY_TOKEN = 1000  # avoid special and control tokens of the embedded tokenizer
 ORDINARY_TOKEN_SPAN = 20000

@@ -22,7 +22,7 @@ TCP it is slower than our sockets (benchmarks/kv_transfer.py), its gain is on RD
 
 from __future__ import annotations
 
-from common.protocol import DecodeTarget
+from pdserve.common.protocol import DecodeTarget
 
 BACKENDS = ("auto", "zmq", "shm", "ucx", "tcp")
 

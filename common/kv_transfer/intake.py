@@ -29,9 +29,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from common.engine.interface import Engine
-from common.kv_transfer.shm import Segment, SegmentMaps
-from common.protocol import (
+from pdserve.common.engine.interface import Engine
+from pdserve.common.kv_transfer.shm import Segment, SegmentMaps
+from pdserve.common.protocol import (
     TO_DECODE_DECODER,
     Abort,
     KvAck,
@@ -41,7 +41,7 @@ from common.protocol import (
     KvRefuse,
     encode,
 )
-from common.transport import decode_or_none
+from pdserve.common.transport import decode_or_none
 
 log = logging.getLogger(__name__)
 CLOSED_MEMORY = 4096  # recently ended transfers whose late tcp frames are discarded at once

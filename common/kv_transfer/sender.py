@@ -21,11 +21,11 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from common.engine.interface import Engine
-from common.kv_transfer import choose_backend
-from common.kv_transfer.shm import Segment, SegmentPool
-from common.kv_transfer.tcp import TcpStream
-from common.protocol import (
+from pdserve.common.engine.interface import Engine
+from pdserve.common.kv_transfer import choose_backend
+from pdserve.common.kv_transfer.shm import Segment, SegmentPool
+from pdserve.common.kv_transfer.tcp import TcpStream
+from pdserve.common.protocol import (
     TO_PREFILL_DECODER,
     Abort,
     DecodeTarget,
@@ -36,8 +36,8 @@ from common.protocol import (
     KvRefuse,
     encode,
 )
-from common.sampling import SamplingParams
-from common.transport import decode_or_none, make_socket
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.transport import decode_or_none, make_socket
 
 log = logging.getLogger(__name__)
 ACK_MAX_MSG = 1 << 20
@@ -228,7 +228,7 @@ class KvSender:
                 log.warning("KV stream to %s failed: %s", peer.node_id, exc)
         if ucx_payload is not None:
             if peer.ucx_endpoint is None:
-                from common.kv_transfer.ucx import connect
+                from pdserve.common.kv_transfer.ucx import connect
 
                 peer.ucx_endpoint = await connect(target.ucx_address, self.node_id)
             await peer.ucx_endpoint.send(ucx_payload)

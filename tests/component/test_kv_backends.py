@@ -13,16 +13,16 @@ import torch
 import zmq.asyncio
 
 from benchmarks.cache_engine import CacheOnlyEngine
-from common.kv_transfer import choose_backend
-from common.kv_transfer.intake import Intake, KvIntake
-from common.kv_transfer.sender import KvSender, Transfer
-from common.kv_transfer.tcp import ID_BYTES, TcpListener, frame_head
-from common.kv_transfer.ucx import available as ucx_available
-from common.model_config import load_model_config, resolve_model
-from common.node import host_identity
-from common.protocol import DecodeTarget, KvDone, KvHeader, encode
-from common.sampling import SamplingParams
-from common.transport import bound_address, make_socket
+from pdserve.common.kv_transfer import choose_backend
+from pdserve.common.kv_transfer.intake import Intake, KvIntake
+from pdserve.common.kv_transfer.sender import KvSender, Transfer
+from pdserve.common.kv_transfer.tcp import ID_BYTES, TcpListener, frame_head
+from pdserve.common.kv_transfer.ucx import available as ucx_available
+from pdserve.common.model_config import load_model_config, resolve_model
+from pdserve.common.node import host_identity
+from pdserve.common.protocol import DecodeTarget, KvDone, KvHeader, encode
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.transport import bound_address, make_socket
 
 BLOCK = 16
 LAYOUT = load_model_config(resolve_model(None))  # SmolLM2: 30 layers x 3 KV heads x 64
@@ -50,7 +50,7 @@ class Pair:
         sock = make_socket(self.ctx, "decode.data", "tcp://127.0.0.1:0", max_msg=1 << 30)
         self.ucx = None
         if backend == "ucx":
-            from common.kv_transfer.ucx import UcxListener
+            from pdserve.common.kv_transfer.ucx import UcxListener
 
             self.ucx = UcxListener("127.0.0.1")
         self.tcp = TcpListener("127.0.0.1", timeout=5.0)

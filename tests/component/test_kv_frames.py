@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.engine.kv_cache import KVCache
+from pdserve.common.engine.kv_cache import KVCache
 
 LAYERS, HEADS, DIM, BS = 2, 3, 8, 4
 

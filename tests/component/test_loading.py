@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from common.config import EngineConfig
-from common.errors import ModelLoadError
-from common.model_config import load_model_config, resolve_model
-from common.tokenizer import Tokenizer
+from pdserve.common.config import EngineConfig
+from pdserve.common.errors import ModelLoadError
+from pdserve.common.model_config import load_model_config, resolve_model
+from pdserve.common.tokenizer import Tokenizer
 
 
 def test_default_model_is_the_embedded_smollm2():
@@ -71,7 +71,7 @@ def test_unsupported_architecture_is_named(tmp_path):
 
 
 def test_missing_and_corrupt_weights(tmp_path):
-    from common.engine.runner import ModelRunner
+    from pdserve.common.engine.runner import ModelRunner
 
     folder = hf_folder(tmp_path, LLAMA)
     with pytest.raises(ModelLoadError, match=r"no \*\.safetensors"):
@@ -114,10 +114,10 @@ def test_truncated_gguf_is_a_clear_error(tmp_path):
 
 
 def test_generate_cli_prints_only_the_text(smol_runner, tokenizer):
-    from common.engine.llm_engine import LLMEngine
-    from common.sampling import SamplingParams
+    from pdserve.common.engine.llm_engine import LLMEngine
+    from pdserve.common.sampling import SamplingParams
 
-    exe = shutil.which("pdserve") or f"{sys.executable} -m common.cli"
+    exe = shutil.which("pdserve") or f"{sys.executable} -m pdserve.cli"
     cmd = [
         *exe.split(),
         "generate",

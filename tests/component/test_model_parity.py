@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from common.config import EngineConfig
-from common.engine.interface import PrefillWork
-from common.engine.runner import ModelRunner
-from common.sampling import SamplingParams
+from pdserve.common.config import EngineConfig
+from pdserve.common.engine.interface import PrefillWork
+from pdserve.common.engine.runner import ModelRunner
+from pdserve.common.sampling import SamplingParams
 from tests.conftest import CHAT_PROMPTS, chat_ids, make_engine
 
 GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -79,7 +79,7 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
 def hf_smollm():
     from transformers import AutoModelForCausalLM
 
-    from common.model_config import default_model_path
+    from pdserve.common.model_config import default_model_path
 
     path = default_model_path()
     return AutoModelForCausalLM.from_pretrained(

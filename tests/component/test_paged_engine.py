@@ -6,9 +6,9 @@ import copy
 
 import torch
 
-from common.engine.interface import DecodeWork, PrefillWork
-from common.engine.kv_cache import KVCache
-from common.sampling import SamplingParams
+from pdserve.common.engine.interface import DecodeWork, PrefillWork
+from pdserve.common.engine.kv_cache import KVCache
+from pdserve.common.sampling import SamplingParams
 from tests.conftest import CHAT_PROMPTS, chat_ids, make_engine
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

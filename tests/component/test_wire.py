@@ -17,10 +17,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from common.config import EngineConfig, GatewayConfig, NodeConfig
-from common.engine.sim import SimEngine
-from common.node import NodeBase, RegistrationRefused
-from common.protocol import (
+from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig
+from pdserve.common.engine.sim import SimEngine
+from pdserve.common.node import NodeBase, RegistrationRefused
+from pdserve.common.protocol import (
     GATEWAY_DECODER,
     NODE_DECODER,
     TO_DECODE_DECODER,
@@ -60,13 +60,13 @@ from common.protocol import (
     TokenBatch,
     encode,
 )
-from common.sampling import SamplingParams
-from common.transport import decode_or_none, free_port, make_socket, send
-from decode_node.server import DecodeNode
-from gateway.core import Gateway
-from gateway.requests import Done, Failed, GatewayRequest
-from prefill_node.batcher import PrefillJob
-from prefill_node.server import PrefillNode
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.transport import decode_or_none, free_port, make_socket, send
+from pdserve.decode_node.server import DecodeNode
+from pdserve.gateway.core import Gateway
+from pdserve.gateway.requests import Done, Failed, GatewayRequest
+from pdserve.prefill_node.batcher import PrefillJob
+from pdserve.prefill_node.server import PrefillNode
 
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 SIM = EngineConfig(engine="sim", sim_time_scale=0.01, num_kv_blocks=256, max_batch=8)
@@ -500,8 +500,8 @@ async def test_kv_reaches_the_decode_node_and_both_sides_free_it(tokenizer):
 @pytest.fixture(scope="module")
 def torch_runners():
     """Two engines on the real SmolLM2 model: the same weights, separate KV caches."""
-    from common.engine.kv_cache import KVCache
-    from common.engine.runner import ModelRunner
+    from pdserve.common.engine.kv_cache import KVCache
+    from pdserve.common.engine.runner import ModelRunner
 
     ecfg = EngineConfig(num_kv_blocks=256, num_threads=1)
     first = ModelRunner(ecfg)

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from common.launch import stop_all, wait_healthy
-from common.transport import free_port
+from pdserve.common.transport import free_port
+from pdserve.launch import stop_all, wait_healthy
 
 
 @dataclass
@@ -72,7 +72,7 @@ class Cluster:
         cmd = [
             sys.executable,
             "-m",
-            "common.cli",
+            "pdserve.cli",
             role,
             "--gateway",
             self.control,
@@ -102,7 +102,7 @@ def start_cluster(
     """`extra` adds flags to single nodes by id (say, fixed ports for "decode-0")."""
     port, control, tokens = free_port(), free_port(), free_port()
     cluster = Cluster(url=f"http://127.0.0.1:{port}", control=f"tcp://127.0.0.1:{control}")
-    base = [sys.executable, "-m", "common.cli", "--log-level", "INFO"]
+    base = [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO"]
     gateway = [
         *base,
         "gateway",

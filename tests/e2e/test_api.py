@@ -20,7 +20,7 @@ from typing import Any
 import openai
 import pytest
 
-from common.transport import free_port
+from pdserve.common.transport import free_port
 from tests.e2e.conftest import Cluster, start_cluster, wait_for
 
 SIM_FLAGS = ("--sim-time-scale", "0.05")
@@ -91,7 +91,7 @@ def start_gateway(*flags: str) -> Cluster:
     """A gateway with no nodes (add them with `cluster.add_node`); /health answers 503."""
     port, control, tokens = free_port(), free_port(), free_port()
     cluster = Cluster(url=f"http://127.0.0.1:{port}", control=f"tcp://127.0.0.1:{control}")
-    cmd = [sys.executable, "-m", "common.cli", "--log-level", "WARNING", "gateway"]
+    cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "gateway"]
     cmd += ["--port", str(port), "--control-port", str(control), "--tokens-port", str(tokens)]
     cluster.procs.append(subprocess.Popen([*cmd, *flags]))
     cluster.node_flags = ["--engine", "sim", "--heartbeat-interval", "0.2", *SIM_FLAGS]

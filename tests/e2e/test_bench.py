@@ -16,7 +16,7 @@ def test_bench_smoke_through_a_real_cluster(make_cluster, tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "common.cli",
+        "pdserve.cli",
         "bench",
         "--url",
         cluster.url,

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from common.sampling import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from tests.conftest import make_engine
 from tests.e2e.conftest import wait_for
 
@@ -161,13 +161,13 @@ def test_sigterm_drains_a_decode_node_without_losing_its_stream(make_cluster):
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_pdserve_up_stops_every_child(role, tmp_path):
-    from common.transport import free_port
+    from pdserve.common.transport import free_port
 
     port = free_port()
     cmd = [
         sys.executable,
         "-m",
-        "common.cli",
+        "pdserve.cli",
         "up",
         "--engine",
         "sim",

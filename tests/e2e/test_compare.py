@@ -54,7 +54,7 @@ def test_compare_runs_every_configuration_and_writes_the_report(tmp_path):
     path.write_text(json.dumps(config))
     out = tmp_path / "report"
     done = subprocess.run(
-        [sys.executable, "-m", "common.cli", "compare", "--config", str(path), "--out", str(out)],
+        [sys.executable, "-m", "pdserve.cli", "compare", "--config", str(path), "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,

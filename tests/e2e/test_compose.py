@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from common.transport import free_port
+from pdserve.common.transport import free_port
 from tests.docker_util import compose_or_skip
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -171,7 +171,7 @@ def test_compose_stack_serves_streams_benches_and_reports(stack, smol_runner, to
         or chunks[-2]["choices"][0]["finish_reason"] == "stop"
     )
     # the correctness invariant across containers: float32 greedy equals one process
-    from common.sampling import SamplingParams
+    from pdserve.common.sampling import SamplingParams
 
     engine = make_engine(smol_runner, tokenizer)
     [out] = engine.generate(
@@ -183,7 +183,7 @@ def test_compose_stack_serves_streams_benches_and_reports(stack, smol_runner, to
         [
             sys.executable,
             "-m",
-            "common.cli",
+            "pdserve.cli",
             "bench",
             "--url",
             url,

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from common.sampling import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from tests.conftest import CHAT_PROMPTS, chat_ids, make_engine
 from tests.e2e.conftest import wait_for
 

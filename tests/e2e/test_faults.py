@@ -17,9 +17,9 @@ import time
 
 import zmq
 
-from common.kv_transfer.tcp import ID_BYTES, frame_head
-from common.protocol import Heartbeat, Load, TokenBatch, encode
-from common.transport import free_port
+from pdserve.common.kv_transfer.tcp import ID_BYTES, frame_head
+from pdserve.common.protocol import Heartbeat, Load, TokenBatch, encode
+from pdserve.common.transport import free_port
 from tests.e2e.conftest import wait_for
 from tests.e2e.streams import run_streams
 from tests.e2e.test_stress import sim_text
@@ -138,7 +138,7 @@ def _children(pid: int) -> dict[str, int]:
 
 def test_pdserve_up_restarts_a_killed_node_while_in_flight_requests_complete(tokenizer):
     port = free_port()
-    cmd = [sys.executable, "-m", "common.cli", "up", "--engine", "sim", "--prefill", "2"]
+    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--engine", "sim", "--prefill", "2"]
     cmd += ["--decode", "2", "--port", str(port), "--control-port", str(free_port())]
     cmd += ["--tokens-port", str(free_port()), "--startup-timeout", "60"]
     env = {**os.environ, "PDSERVE_HEARTBEAT_INTERVAL": "0.2"}

@@ -1,6 +1,6 @@
 import pytest
 
-from common.engine.block_manager import BlockManager, prefix_hashes
+from pdserve.common.engine.block_manager import BlockManager, prefix_hashes
 
 
 def test_allocate_and_free_round_trip():

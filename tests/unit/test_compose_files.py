@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from common.config import EngineConfig, GatewayConfig, NodeConfig
+from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig
 from tests.docker_util import compose_cli
 
 ROOT = Path(__file__).resolve().parents[2]

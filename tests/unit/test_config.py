@@ -2,8 +2,8 @@ import argparse
 
 import pytest
 
-from common.config import EngineConfig, add_flags, from_args
-from common.errors import ConfigError
+from pdserve.common.config import EngineConfig, add_flags, from_args
+from pdserve.common.errors import ConfigError
 
 
 def parse(argv):

@@ -8,9 +8,9 @@ import struct
 
 import pytest
 
-from common.container import parse_ptr_answer, ptr_query, replica_from_name
-from common.devices import pick_gpu
-from common.node import facing_address, resolve_tokens_address
+from pdserve.common.container import parse_ptr_answer, ptr_query, replica_from_name
+from pdserve.common.devices import pick_gpu
+from pdserve.common.node import facing_address, resolve_tokens_address
 
 
 def _answer(query: bytes, name: str, compress: bool) -> bytes:

@@ -1,6 +1,6 @@
 import pytest
 
-from common.costmodel import GPUS, MODELS, CostModel
+from pdserve.common.costmodel import GPUS, MODELS, CostModel
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from loadgen import workloads
-from loadgen.metrics import RequestRecord, parse_slo, summarize
-from loadgen.runner import BenchConfig, run
+from pdserve.loadgen import workloads
+from pdserve.loadgen.metrics import RequestRecord, parse_slo, summarize
+from pdserve.loadgen.runner import BenchConfig, run
 
 TTFT, STEP, TOKENS = 0.20, 0.05, 8  # seconds, seconds, output tokens per request
 

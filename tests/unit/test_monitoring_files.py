@@ -18,10 +18,10 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
-from common.node_metrics import NodeMetrics
-from common.protocol import Load
-from gateway.cluster import ClusterView
-from gateway.metrics import GatewayMetrics
+from pdserve.common.node_metrics import NodeMetrics
+from pdserve.common.protocol import Load
+from pdserve.gateway.cluster import ClusterView
+from pdserve.gateway.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[2] / "docker" / "monitoring"
 DASHBOARD = ROOT / "grafana" / "dashboards" / "pdserve.json"

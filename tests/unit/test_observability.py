@@ -9,12 +9,12 @@ import logging
 import urllib.error
 import urllib.request
 
-from common.logs import JsonFormatter, TextFormatter
-from common.node_metrics import NodeMetrics, start_http
-from common.protocol import Load
-from common.sampling import SamplingParams
-from common.transport import free_port
-from gateway.requests import Done, GatewayRequest
+from pdserve.common.logs import JsonFormatter, TextFormatter
+from pdserve.common.node_metrics import NodeMetrics, start_http
+from pdserve.common.protocol import Load
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.transport import free_port
+from pdserve.gateway.requests import Done, GatewayRequest
 
 
 def _request(tokenizer) -> GatewayRequest:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from common.protocol import DecodeTarget, Load, NodeInfo
-from common.sampling import SamplingParams
-from gateway.cluster import ClusterView
-from gateway.schedulers import OnDemand, make_policy
-from prefill_node.batcher import PrefillBatcher, PrefillJob
+from pdserve.common.protocol import DecodeTarget, Load, NodeInfo
+from pdserve.common.sampling import SamplingParams
+from pdserve.gateway.cluster import ClusterView
+from pdserve.gateway.schedulers import OnDemand, make_policy
+from pdserve.prefill_node.batcher import PrefillBatcher, PrefillJob
 
 TARGET = DecodeTarget(node_id="d", data_address="tcp://x:1", host_id="h")
 
@@ -181,7 +181,7 @@ def test_jsq_joins_the_shortest_prefill_queue_and_least_used_decode():
 
 
 def test_kv_aware_minimises_estimated_ttft_with_the_cost_formula(caplog):
-    from common.costmodel import CostModel
+    from pdserve.common.costmodel import CostModel
 
     view = cluster_with({"p0": (0, 0), "p1": (0, 0)}, {"d0": 50})
     view.nodes["p0"].in_prefill.update(a=4000)  # one long prompt queued there
@@ -193,7 +193,7 @@ def test_kv_aware_minimises_estimated_ttft_with_the_cost_formula(caplog):
     assert est["ttft_s"] == pytest.approx(
         3 * cost.prefill_seconds(100) + cost.prefill_seconds(1000) + cost.transfer_seconds(1000)
     )
-    with caplog.at_level("DEBUG", logger="gateway.schedulers"):
+    with caplog.at_level("DEBUG", logger="pdserve.gateway.schedulers"):
         order = policy.prefill_order(view.alive("prefill"), 1000)
     assert [n.node_id for n in order] == ["p1", "p0"]  # 3 x 100 queued beats 1 x 4000
     assert "ttft_s" in caplog.text and "queue_s" in caplog.text

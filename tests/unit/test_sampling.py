@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from common.engine.sampler import sample
-from common.sampling import SamplingParams, counter_uniform
+from pdserve.common.engine.sampler import sample
+from pdserve.common.sampling import SamplingParams, counter_uniform
 
 
 def test_counter_uniform_is_a_pure_function_in_range():

@@ -1,6 +1,6 @@
-from common.engine.scheduler import Scheduler, SchedulerConfig
-from common.engine.sequence import Sequence
-from common.sampling import SamplingParams
+from pdserve.common.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.common.engine.sequence import Sequence
+from pdserve.common.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=100, temperature=0.0)
 

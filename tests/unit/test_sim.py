@@ -3,10 +3,10 @@
 import sys
 import time
 
-from common.config import EngineConfig
-from common.engine.interface import DecodeWork, PrefillWork
-from common.engine.sim import SimEngine
-from common.sampling import SamplingParams
+from pdserve.common.config import EngineConfig
+from pdserve.common.engine.interface import DecodeWork, PrefillWork
+from pdserve.common.engine.sim import SimEngine
+from pdserve.common.sampling import SamplingParams
 
 P = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -15,10 +15,13 @@ def test_sim_never_imports_torch():
     import subprocess
 
     code = (
-        "import sys; from common.engine.llm_engine import LLMEngine; from common.config import "
-        "EngineConfig; e = LLMEngine(EngineConfig(engine='sim', sim_time_scale=0.01)); "
-        "print(len(e.generate([[1, 2, 3]], __import__('common.sampling').sampling."
-        "SamplingParams(max_tokens=4))[0].token_ids)); assert 'torch' not in sys.modules"
+        "import sys\n"
+        "from pdserve.common.engine.llm_engine import LLMEngine\n"
+        "from pdserve.common.config import EngineConfig\n"
+        "from pdserve.common.sampling import SamplingParams\n"
+        "e = LLMEngine(EngineConfig(engine='sim', sim_time_scale=0.01))\n"
+        "print(len(e.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].token_ids))\n"
+        "assert 'torch' not in sys.modules\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "4"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.supervisor import Child, Supervisor
+from pdserve.supervisor import Child, Supervisor
 
 
 class FakeProc:

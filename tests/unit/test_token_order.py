@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.sampling import SamplingParams
-from gateway.requests import MAX_PENDING, Delta, Done, GatewayRequest, StreamGap
+from pdserve.common.sampling import SamplingParams
+from pdserve.gateway.requests import MAX_PENDING, Delta, Done, GatewayRequest, StreamGap
 
 TOKENS = [1000 + 37 * i for i in range(12)]
 

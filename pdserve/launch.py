@@ -17,8 +17,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from common.config import EngineConfig, GatewayConfig, NodeConfig, from_args
-from common.supervisor import Child, Supervisor
+from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig, from_args
+from pdserve.supervisor import Child, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -33,32 +33,32 @@ def _use_uvloop() -> None:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
-    from gateway.app import serve
+    from pdserve.gateway.app import serve
 
     serve(from_args(GatewayConfig, args))
     return 0
 
 
 def run_node(args: argparse.Namespace, role: str) -> int:
-    from common.engine.llm_engine import make_engine
-    from common.memtune import tune_malloc
-    from common.tokenizer import Tokenizer
+    from pdserve.common.engine.llm_engine import make_engine
+    from pdserve.common.memtune import tune_malloc
+    from pdserve.common.tokenizer import Tokenizer
 
     tune_malloc()  # multi-megabyte KV frames reuse warm pages (see common/memtune.py)
     ecfg = from_args(EngineConfig, args)
     if ecfg.engine == "torch" and ecfg.device == "cuda:auto":
-        from common.devices import resolve_device
+        from pdserve.common.devices import resolve_device
 
         ecfg = dataclasses.replace(ecfg, device=resolve_device(ecfg.device, ecfg.gpu_offset))
     ncfg = from_args(NodeConfig, args)
     tokenizer = Tokenizer.load(ecfg.model if ecfg.engine == "torch" else None)
     engine = make_engine(ecfg, tokenizer.eos_token_ids)
     if role == "prefill":
-        from prefill_node.server import PrefillNode as Node
+        from pdserve.prefill_node.server import PrefillNode as Node
     elif role == "decode":
-        from decode_node.server import DecodeNode as Node  # type: ignore[assignment]
+        from pdserve.decode_node.server import DecodeNode as Node  # type: ignore[assignment]
     else:
-        from colocated_node.server import ColocatedNode as Node  # type: ignore[assignment]
+        from pdserve.colocated_node.server import ColocatedNode as Node  # type: ignore[assignment]
 
     async def main() -> None:
         await Node(ncfg, ecfg, engine, tokenizer).serve()
@@ -118,7 +118,7 @@ def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
     nodes = args.prefill + args.decode + args.colocated
     if ecfg.engine == "torch" and not ecfg.num_threads:
         ecfg = dataclasses.replace(ecfg, num_threads=max(1, (os.cpu_count() or 2) // nodes))
-    base = [sys.executable, "-m", "common.cli", "--log-level", args.log_level]
+    base = [sys.executable, "-m", "pdserve.cli", "--log-level", args.log_level]
     base += ["--log-format", getattr(args, "log_format", "text")]
     gateway = [
         *base,

@@ -10,16 +10,16 @@ import os
 import sys
 from collections.abc import Callable
 
-from common.config import EngineConfig, GatewayConfig, NodeConfig, add_flags, from_args
-from common.errors import PdserveError
-from common.logs import setup_logging
+from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig, add_flags, from_args
+from pdserve.common.errors import PdserveError
+from pdserve.common.logs import setup_logging
 
 Command = Callable[[argparse.Namespace], int]
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from common.engine.llm_engine import LLMEngine
-    from common.sampling import SamplingParams
+    from pdserve.common.engine.llm_engine import LLMEngine
+    from pdserve.common.sampling import SamplingParams
 
     cfg = from_args(EngineConfig, args)
     engine = LLMEngine(cfg)
@@ -60,7 +60,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_serving(sub: argparse._SubParsersAction) -> None:
-    from common import launch
+    from pdserve import launch
 
     g = sub.add_parser("gateway", help="the HTTP gateway (one process)")
     add_flags(g, GatewayConfig)
@@ -102,8 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serving(sub)
-    from loadgen.bench import add_parser as add_bench
-    from loadgen.compare import add_parser as add_compare
+    from pdserve.loadgen.bench import add_parser as add_bench
+    from pdserve.loadgen.compare import add_parser as add_compare
 
     add_bench(sub)
     add_compare(sub)

@@ -1,0 +1,7 @@
+"""`python -m pdserve` is the `pdserve` command."""
+
+import sys
+
+from pdserve.cli import main
+
+sys.exit(main())

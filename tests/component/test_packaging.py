@@ -1,0 +1,34 @@
+"""What `pip install .` puts on a machine: one top-level import name, real files, no links."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def test_the_wheel_installs_only_pdserve_with_every_layer_inside(tmp_path):
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--target", str(target), "."],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    top = sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info"))
+    assert top == ["bin", "pdserve"]  # bin/: the console script
+    pkg = target / "pdserve"
+    for layer in ("common", "gateway", "prefill_node", "decode_node", "colocated_node", "loadgen"):
+        assert (pkg / layer / "__init__.py").is_file() and not (pkg / layer).is_symlink()
+    assert (pkg / "common" / "engine" / "model.py").is_file()
+    assert not any(os.path.islink(os.path.join(d, f)) for d, _, fs in os.walk(pkg) for f in fs)
+    code = "import pdserve.cli, pdserve.common.protocol; print(pdserve.cli.__file__)"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(target)},
+    )
+    assert out.stdout.startswith(str(pkg))
