@@ -19,6 +19,7 @@ class CacheOnlyEngine:
         blocks = -(-num_tokens // block_size) + 1
         self.model_config = layout
         self.block_size = block_size
+        self.max_model_len = num_tokens
         self.cache = KVCache(
             layout.num_layers, blocks, block_size, layout.num_kv_heads, layout.head_dim, dtype
         )

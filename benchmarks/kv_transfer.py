@@ -38,9 +38,10 @@ import zmq.asyncio
 
 from benchmarks.cache_engine import LLAMA_LAYOUT, CacheOnlyEngine
 from pdserve.common.costmodel import MODELS
+from pdserve.common.kv_transfer import listen_all, receivers_for
+from pdserve.common.kv_transfer.base import Local
 from pdserve.common.kv_transfer.intake import Intake, KvIntake
 from pdserve.common.kv_transfer.sender import KvSender, Transfer
-from pdserve.common.kv_transfer.tcp import TcpListener
 from pdserve.common.memtune import tune_malloc
 from pdserve.common.node import host_identity
 from pdserve.common.protocol import DecodeTarget
@@ -93,23 +94,25 @@ async def _decode(num_tokens: int, ucx: bool, layout: str, ready: Any, digest_q:
             checked = True
             digest_q.put(kv_digest(engine, dest, num_tokens))
 
-    listener = None
-    if ucx:
-        from pdserve.common.kv_transfer.ucx import UcxListener
-
-        listener = UcxListener("127.0.0.1")
-    tcp = TcpListener("127.0.0.1")
+    address = bound_address(sock, "127.0.0.1")
+    local = Local(
+        "bench-decode",
+        host_identity(),
+        "127.0.0.1",
+        engine,  # type: ignore[arg-type]
+        data_address=address,
+        forced="ucx" if ucx else "auto",
+    )
+    receivers = receivers_for(local)
     intake = KvIntake(
         sock,
         engine,  # type: ignore[arg-type]
         lambda h: list(dest),
         lambda b: None,
         admit,
-        ucx=listener,
+        receivers,
     )
-    tcp.start(intake)
-    addresses = (bound_address(sock, "127.0.0.1"), listener.address if listener else "")
-    ready.put((*addresses, tcp.address))
+    ready.put((address, await listen_all(receivers, intake)))
     await intake.run()
 
 
@@ -145,28 +148,20 @@ async def run_backend(
     args = (n, backend == "ucx", layout, ready, digest_q)
     proc = mp.Process(target=decode_main, args=args, daemon=True)
     proc.start()
-    address, ucx_address, tcp_address = ready.get(timeout=120)
+    address, endpoints = ready.get(timeout=120)
     ctx = zmq.asyncio.Context()
     acked: asyncio.Queue[Transfer] = asyncio.Queue()
 
     async def on_refuse(rid: str, peer: str, why: str) -> None:
         raise RuntimeError(f"refused: {why}")
 
-    sender = KvSender(
-        ctx,
-        "bench-prefill",
-        host_identity(),
-        engine,  # type: ignore[arg-type]
-        backend,
-        on_ack=acked.put_nowait,
-        on_refuse=on_refuse,
-    )
+    local = Local("bench-prefill", host_identity(), "127.0.0.1", engine, forced=backend)  # type: ignore[arg-type]
+    sender = KvSender(ctx, local, on_ack=acked.put_nowait, on_refuse=on_refuse)
     target = DecodeTarget(
         node_id="bench-decode",
         data_address=address,
         host_id=host_identity(),
-        ucx_address=ucx_address,
-        tcp_address=tcp_address,
+        kv_endpoints=endpoints,
     )
     src = table(n, "source")
     times = [

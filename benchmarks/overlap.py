@@ -41,9 +41,10 @@ from benchmarks.cache_engine import CacheOnlyEngine
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.interface import PrefillWork
 from pdserve.common.engine.runner import ModelRunner
+from pdserve.common.kv_transfer import listen_all, receivers_for
+from pdserve.common.kv_transfer.base import Local
 from pdserve.common.kv_transfer.intake import Intake, KvIntake
 from pdserve.common.kv_transfer.sender import KvSender, Transfer
-from pdserve.common.kv_transfer.tcp import TcpListener
 from pdserve.common.memtune import tune_malloc
 from pdserve.common.model_config import load_model_config, resolve_model
 from pdserve.common.node import host_identity
@@ -70,16 +71,18 @@ async def _decode(ready: Any) -> None:
     async def admit(intake: Intake, first_token: int) -> None:
         return None
 
-    tcp = TcpListener("127.0.0.1")
+    address = bound_address(sock, "127.0.0.1")
+    local = Local("overlap-decode", "elsewhere", "127.0.0.1", engine, data_address=address)  # type: ignore[arg-type]
+    receivers = receivers_for(local)
     intake = KvIntake(
         sock,
         engine,  # type: ignore[arg-type]
         lambda h: blocks[: -(-len(h.prompt_ids) // BLOCK) + 1],  # type: ignore[arg-type]
         lambda b: None,
         admit,
+        receivers,
     )
-    tcp.start(intake)
-    ready.put((bound_address(sock, "127.0.0.1"), tcp.address))
+    ready.put((address, await listen_all(receivers, intake)))
     await intake.run()
 
 
@@ -128,23 +131,16 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     ready: Any = mp.Queue()
     proc = mp.Process(target=decode_main, args=(ready,), daemon=True)
     proc.start()
-    address, tcp_address = ready.get(timeout=120)
+    address, endpoints = ready.get(timeout=120)
     acked: asyncio.Queue[Transfer] = asyncio.Queue()
 
     async def on_refuse(rid: str, peer: str, why: str) -> None:
         raise RuntimeError(why)
 
-    sender = KvSender(
-        zmq.asyncio.Context(),
-        "overlap",
-        host_identity(),
-        runner,
-        args.backend,
-        on_ack=acked.put_nowait,
-        on_refuse=on_refuse,
-    )
+    local = Local("overlap", host_identity(), "127.0.0.1", runner, forced=args.backend)
+    sender = KvSender(zmq.asyncio.Context(), local, on_ack=acked.put_nowait, on_refuse=on_refuse)
     target = DecodeTarget(
-        node_id="decode", data_address=address, host_id="elsewhere", tcp_address=tcp_address
+        node_id="decode", data_address=address, host_id="elsewhere", kv_endpoints=endpoints
     )
     counter = iter(range(10**6))
 

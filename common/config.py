@@ -198,10 +198,11 @@ class NodeConfig:
     kv_transfer_timeout: float = flag(
         10.0, "decode: free a transfer whose frames make no progress this long (once they flow)"
     )
-    queueing: bool = flag(False, "prefill: accept every offer and queue locally (baselines)")
     drain_timeout: float = flag(30.0, "seconds a draining node finishes work before handing back")
-    kv_backend: Literal["auto", "zmq", "shm", "ucx", "tcp"] = flag(
-        "auto", "KV transfer: auto (shm on one host, else tcp), or force zmq, shm, ucx, tcp"
+    kv_backend: str = flag(
+        "auto",
+        "KV transfer: auto (shm on one host, else tcp), or a backend by name (zmq, tcp, "
+        "shm, ucx, or any in common/kv_transfer BACKENDS)",
     )
     kv_tcp_port: int = flag(0, "decode: port of the in-place TCP KV listener; 0 = any free")
     layerwise_min_tokens: int = flag(
@@ -215,3 +216,7 @@ class NodeConfig:
             )
         if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError("--heartbeat-timeout must exceed --heartbeat-interval (> 0)")
+        from pdserve.common.kv_transfer import CHOICES
+
+        if self.kv_backend not in CHOICES:
+            raise ConfigError(f"--kv-backend {self.kv_backend!r}: choose one of {list(CHOICES)}")

@@ -127,15 +127,22 @@ class NodeMetrics:
         self._kv_seconds = histogram(
             "pdserve:kv_transfer_seconds", "First KV byte sent until the peer's ack", ("backend",)
         )
+        self._kv_overlap = histogram(
+            "pdserve:kv_transfer_overlap_seconds",
+            "Of the KV transfer, the part that ran while the prefill pass still computed",
+            ("backend",),
+        )
         r.register(_LoadCollector(node, role, load, num_blocks))
 
     def offer(self, accepted: bool) -> None:
         self._offers.labels(**self.labels, decision="accept" if accepted else "reject").inc()
 
-    def kv_sent(self, backend: str, nbytes: int, seconds: float | None) -> None:
+    def kv_sent(self, backend: str, nbytes: int, seconds: float, overlap: float) -> None:
+        """One handoff: first KV byte sent to the ack, and the part of it that ran while the
+        prefill pass still computed."""
         self._kv_bytes.labels(**self.labels, backend=backend, direction="out").inc(nbytes)
-        if seconds is not None:
-            self._kv_seconds.labels(**self.labels, backend=backend).observe(seconds)
+        self._kv_seconds.labels(**self.labels, backend=backend).observe(seconds)
+        self._kv_overlap.labels(**self.labels, backend=backend).observe(overlap)
 
     def kv_received(self, backend: str, nbytes: int) -> None:
         self._kv_bytes.labels(**self.labels, backend=backend, direction="in").inc(nbytes)

@@ -1,9 +1,10 @@
-"""Every message on pdserve's internal sockets (DESIGN §4), as tagged msgspec Structs.
+"""Every message on pdserve's internal sockets, as tagged msgspec Structs (the flow they make
+is in docs/architecture.md).
 
 Each channel decodes into one tagged union with a typed decoder, so a peer that sends
 anything else gets a `msgspec.ValidationError`, never a surprise object. KV bytes never
-travel inside msgpack: a `KvLayer` struct is followed by one raw frame in the same
-multipart message, sent with `copy=False`.
+travel inside msgpack: they go as raw frames beside it, where the KV connector puts them
+(`KvLayer` says where, common/kv_transfer).
 
 Channels:
     node -> gateway     (DEALER -> ROUTER)  NodeToGateway
@@ -43,9 +44,9 @@ class NodeInfo(msgspec.Struct, kw_only=True, frozen=True):
     max_batch: int
     max_batch_tokens: int
     max_model_len: int
-    ucx_address: str = ""  # decode: HOST:PORT of its UCX listener, "" without UCX
-    tcp_address: str = ""  # decode: HOST:PORT of its in-place TCP KV listener
-    queueing: bool = False  # accepts every offer and queues locally (baseline schedulers)
+    # decode: where each KV backend it offers reaches it (common/kv_transfer): "zmq" its data
+    # socket, "tcp" HOST:PORT of its stream listener, "shm" its host identity, "ucx" HOST:PORT
+    kv_endpoints: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class Load(msgspec.Struct, kw_only=True, frozen=True):
@@ -105,14 +106,17 @@ class Deregister(Msg):
 
 
 class KvTransferred(Msg):
-    """A prefill node's record of one finished KV handoff, for the request's timeline."""
+    """A prefill node's record of one finished KV handoff, for the request's timeline. Times
+    in ms since the node accepted the request: from the first KV byte sent to KvAck, and how
+    much of that ran while the prefill pass was still computing (layer-wise sending)."""
 
     request_id: str
     backend: str
     bytes: int
     layerwise: bool
-    start_ms: float  # since the node accepted the request
+    start_ms: float  # the first layer's frame went out
     end_ms: float  # KvAck received
+    overlap_ms: float = 0.0  # of start..end, the part before the forward pass ended
 
 
 NodeToGateway = (
@@ -132,6 +136,9 @@ NodeToGateway = (
 class RegisterAck(Msg):
     node_id: str
     tokens_address: str  # where decode nodes push TokenBatch messages
+    # prefill nodes: accept every offer and queue locally (the baseline policies), or answer
+    # by batch room (on-demand); the gateway's policy decides, for every node alike
+    queueing: bool = False
 
 
 class RegisterRefuse(Msg):
@@ -146,10 +153,9 @@ class HeartbeatReply(Msg):
 
 class DecodeTarget(msgspec.Struct, kw_only=True, frozen=True):
     node_id: str
-    data_address: str
+    data_address: str  # the ZeroMQ data socket: headers, descriptors, acks
     host_id: str
-    ucx_address: str = ""
-    tcp_address: str = ""
+    kv_endpoints: dict[str, str] = msgspec.field(default_factory=dict)  # as in NodeInfo
 
 
 class PrefillOffer(Msg):
@@ -157,7 +163,6 @@ class PrefillOffer(Msg):
     prompt_ids: list[int]  # prompt, or prompt + generated tokens when re-placed
     params: SamplingParams
     decode: DecodeTarget
-    num_generated: int = 0  # tokens already produced before a re-placement
 
 
 class Redirect(Msg):
@@ -189,13 +194,17 @@ class KvHeader(Msg):
     num_layers: int
     frame_bytes: int  # bytes of each layer's frame
     prefill_node: str
-    backend: str = "zmq"  # where the frames travel: zmq | shm | ucx (common/kv_transfer)
-    shm_name: str = ""  # shm: the segment holding layer i at offset i * frame_bytes
+    backend: str = "zmq"  # the connector carrying the frames (common/kv_transfer)
+    location: str = ""  # connector-specific (shm: the segment with layer i at i * frame_bytes)
 
 
 class KvLayer(Msg):
+    """Layer `layer` of the request's KV is ready: for the zmq backend its frame follows in
+    the same message (one or more parts whose concatenation is the frame); shm and ucx carry
+    the bytes elsewhere; tcp sends no descriptors (its stream frames describe themselves)."""
+
     request_id: str
-    layer: int  # zmq: followed by one raw frame of KvHeader.frame_bytes bytes
+    layer: int
 
 
 class KvDone(Msg):

@@ -138,7 +138,7 @@ async def _generate(
             return await _stream(request, gw, req, prefix + rid, echo_id)
         return await _collect(req, prefix + rid, echo_id)
     finally:
-        if not req.finished or gw.requests.get(req.wire_id) is req:
+        if not req.finished or gw.table.current(req) is not None:
             gw.abort(req)
         if not placing.done():
             placing.cancel()
@@ -166,8 +166,8 @@ def _log_timeline(req: GatewayRequest, echo_id: str) -> None:
         "prompt_tokens": len(req.prompt_ids),
         "output_tokens": len(req.output_ids),
         "attempts": req.attempt + 1,
-        "prefill_node": req.prefill_node,
-        "decode_node": req.decode_node,
+        "prefill_node": req.ran_on.get("prefill"),
+        "decode_node": req.ran_on.get("decode"),
         "phases": req.phases(),
         "timeline": req.timeline,
     }

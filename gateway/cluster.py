@@ -7,7 +7,7 @@ dead after `heartbeat_timeout` seconds of silence. `now` is always passed in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.common.protocol import DecodeTarget, Load, NodeInfo
 
@@ -16,33 +16,28 @@ EMPTY_LOAD = Load(running=0, waiting=0, blocks_free=0, blocks_cached=0, blocks_i
 
 @dataclass
 class NodeState:
+    """A registered node: what it said of itself, its last load report, and statistics. Where
+    requests run is not here but in the request table (gateway/table.py)."""
+
     info: NodeInfo
     identity: bytes  # its control socket's ZeroMQ identity (node id + a per-process suffix)
     last_seen: float
     load: Load = EMPTY_LOAD
-    # requests offered and accepted here, not yet prefilled: wire id -> prompt tokens
-    in_prefill: dict[str, int] = field(default_factory=dict)
-    decoding: set[str] = field(default_factory=set)  # request ids whose KV is headed here
-    reserved_blocks: int = 0  # our estimate of blocks promised since the last load report
-    accepts: int = 0
+    load_at: float = 0.0  # when `load` was reported
+    refused_at: float = -1.0  # when it last refused KV: its report is stale until a newer one
+    accepts: int = 0  # offers accepted so far (on-demand spreads ties by it)
     rejects: int = 0
-    assigned: int = 0  # decode: requests whose KV was sent here
 
     @property
     def node_id(self) -> str:
         return self.info.node_id
-
-    @property
-    def free_blocks(self) -> int:
-        return self.load.blocks_free + self.load.blocks_cached - self.reserved_blocks
 
     def target(self) -> DecodeTarget:
         return DecodeTarget(
             node_id=self.info.node_id,
             data_address=self.info.data_address,
             host_id=self.info.host_id,
-            ucx_address=self.info.ucx_address,
-            tcp_address=self.info.tcp_address,
+            kv_endpoints=self.info.kv_endpoints,
         )
 
 
@@ -88,7 +83,7 @@ class ClusterView:
         node = self.nodes.get(node_id)
         if node is None or node.identity != identity:
             return False
-        node.last_seen, node.load, node.reserved_blocks = now, load, 0
+        node.last_seen, node.load, node.load_at = now, load, now
         return True
 
     def by_identity(self, identity: bytes) -> NodeState | None:

@@ -1,10 +1,12 @@
-"""The gateway's ZeroMQ side: node registry, placement, token demultiplexing, failures.
+"""The gateway's ZeroMQ side: sockets, the request table, placement, failures.
 
 Sockets: a ROUTER that nodes register, heartbeat and answer offers on, and a PULL that
-decode nodes push token batches to. Every request lives in `requests` under its wire id
-(`id.attempt`). When a node dies, drains or preempts, its requests are re-placed as a
-prefill of prompt + generated tokens and keep streaming; after `max_replacements` they
-end with an error. A client that goes away triggers Abort on every node holding the request.
+decode nodes push token batches to. Node messages are dispatched by one handler table
+(gateway/node_messages.py). Where every request runs is held in one place, the request table
+(gateway/table.py); placement decisions come from `plan()` and the placer runs the offer
+protocol. When a node dies, drains or preempts, its requests are re-placed as a prefill of
+prompt + generated tokens and keep streaming; after `max_replacements` losses they end with an
+error. A client that goes away triggers Abort on every node holding the request.
 """
 
 from __future__ import annotations
@@ -21,54 +23,28 @@ import zmq
 import zmq.asyncio
 
 from pdserve.common.config import GatewayConfig
-from pdserve.common.protocol import (
-    NODE_DECODER,
-    TOKENS_DECODER,
-    Abort,
-    Accept,
-    Deregister,
-    FirstToken,
-    Heartbeat,
-    HeartbeatReply,
-    KvTransferred,
-    Msg,
-    NeedDecode,
-    Preempted,
-    PrefillFailed,
-    PrefillOffer,
-    Redirect,
-    Register,
-    RegisterAck,
-    RegisterRefuse,
-    Reject,
-    TokenBatch,
-)
-from pdserve.common.sampling import SamplingParams
+from pdserve.common.protocol import Abort, Msg, PrefillOffer
 from pdserve.common.tokenizer import Tokenizer
-from pdserve.common.transport import (
-    CONTROL_MAX_MSG,
-    TOKENS_MAX_MSG,
-    decode_or_none,
-    make_socket,
-    send,
-)
+from pdserve.common.transport import CONTROL_MAX_MSG, TOKENS_MAX_MSG, make_socket, send
 from pdserve.gateway.cluster import ClusterView, NodeState
 from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.node_messages import NodeMessages
 from pdserve.gateway.placement import PlacementTimeout, Placer
+from pdserve.gateway.policies import make_policy
 from pdserve.gateway.requests import Failed, GatewayRequest, StreamGap
-from pdserve.gateway.schedulers import make_policy
+from pdserve.gateway.table import RequestTable
 
 log = logging.getLogger(__name__)
 
 
-class Gateway:
+class Gateway(NodeMessages):
     def __init__(self, cfg: GatewayConfig, tokenizer: Tokenizer) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.tokenizer_fingerprint = tokenizer.fingerprint()
         self.cluster = ClusterView(cfg.heartbeat_timeout)
+        self.table = RequestTable()
         self.policy = make_policy(cfg.scheduler, cfg.cost_profile)
-        self.requests: dict[str, GatewayRequest] = {}  # by wire id
         self.ctx = zmq.asyncio.Context()
         self.control = make_socket(
             self.ctx,
@@ -86,14 +62,14 @@ class Gateway:
         self.tokens_address = f"tcp://{cfg.advertise_host}:{cfg.tokens_port}"
         self.placer = Placer(
             self.cluster,
+            self.table,
             self.policy,
             self._send_offer,
             cfg.placement_timeout,
             cfg.offer_timeout,
             on_answer=self._count_answer,
-            renew=self._renew_wire_id,
         )
-        self.metrics = GatewayMetrics(self.cluster, self.placer.waiting)
+        self.metrics = GatewayMetrics(self.cluster, self.table, self.placer.waiting)
         self.tasks: list[asyncio.Task] = []
         self.parser = ThreadPoolExecutor(2, thread_name_prefix="parse")  # tokenizing requests
 
@@ -110,8 +86,8 @@ class Gateway:
         for task in self.tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for req in list(self.requests.values()):
-            req.finish(Failed(503, "the gateway is shutting down", "service_unavailable"))
+        for attempt in self.table:
+            attempt.req.finish(Failed(503, "the gateway is shutting down", "service_unavailable"))
         self.parser.shutdown(wait=False, cancel_futures=True)
         self.control.close()
         self.tokens.close()
@@ -130,16 +106,14 @@ class Gateway:
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         await self._place(req, req.prompt_ids, req.params)
 
-    async def _place(
-        self, req: GatewayRequest, prompt_ids: list[int], params: SamplingParams
-    ) -> None:
-        self.requests[req.wire_id] = req
+    async def _place(self, req: GatewayRequest, prompt_ids: list[int], params: Any) -> None:
+        self.table.open(req, len(prompt_ids))
         req.mark(f"placing.{req.attempt}")
         start = time.monotonic()
         try:
             await self.placer.place(req, prompt_ids, params)
         except PlacementTimeout:
-            self.requests.pop(req.wire_id, None)
+            self.table.close(req.wire_id)
             req.finish(
                 Failed(
                     503,
@@ -153,18 +127,6 @@ class Gateway:
         self.metrics.placement_wait.observe(time.monotonic() - start)
         req.mark(f"accepted.{req.attempt}")
 
-    def _renew_wire_id(self, req: GatewayRequest) -> None:
-        """An offer went unanswered: the node may still accept it later, so the request goes
-        on under a new wire id and that late acceptance can be aborted without touching the
-        live one (which may be on the same node)."""
-        old = req.wire_id
-        self.requests.pop(old, None)
-        placing = req.timeline.get(f"placing.{req.attempt}")
-        req.attempt += 1
-        if placing is not None:
-            req.timeline[f"placing.{req.attempt}"] = placing
-        self.requests[req.wire_id] = req
-
     def abort(self, req: GatewayRequest, reason: str = "client disconnected") -> None:
         """Free the request everywhere (client gone, stop string matched, error)."""
         if not req.finished:
@@ -173,16 +135,15 @@ class Gateway:
         self._release(req, notify=True)
 
     def _release(self, req: GatewayRequest, notify: bool) -> None:
-        wire_id = req.wire_id
-        self.requests.pop(wire_id, None)
-        for node_id in {req.prefill_node, req.decode_node} - {None}:
-            node = self.cluster.nodes.get(node_id)  # type: ignore[arg-type]
-            if node is None:
-                continue
-            node.in_prefill.pop(wire_id, None)
-            node.decoding.discard(wire_id)
-            if notify:
-                self._spawn(self._send_node(node, Abort(request_id=wire_id)))
+        attempt = self.table.current(req)
+        if attempt is None:
+            return
+        self.table.close(attempt.wire_id)
+        if notify:
+            for node_id in attempt.nodes():
+                node = self.cluster.nodes.get(node_id)
+                if node is not None:
+                    self._spawn(self._send_node(node, Abort(request_id=attempt.wire_id)))
         self.placer.capacity_changed()
 
     def _complete(self, req: GatewayRequest, abort_nodes: bool) -> None:
@@ -238,7 +199,7 @@ class Gateway:
         task = asyncio.ensure_future(coro)
         task.add_done_callback(_log_failure)
 
-    # -- node messages ---------------------------------------------------------------------
+    # -- to nodes --------------------------------------------------------------------------
     async def _send_node(self, node: NodeState, msg: Msg) -> None:
         try:
             await send(self.control, msg, to=node.identity)
@@ -261,160 +222,15 @@ class Gateway:
             node.rejects += 1
             self.metrics.rejects.labels(node.node_id).inc()
 
-    async def _control_loop(self) -> None:
-        """Anyone who reaches the control port can send anything: a message that is not one
-        identity frame plus one well-formed payload is logged and dropped, and no message,
-        however handled, ends this loop."""
-        while True:
-            frames = await self.control.recv_multipart()
-            msg = decode_or_none(NODE_DECODER, frames[1]) if len(frames) == 2 else None
-            if msg is None:
-                log.warning(
-                    "dropping malformed control message (%d frames) from %r",
-                    len(frames),
-                    frames[0][:64],
-                )
-                continue
-            try:
-                await self._on_node_message(frames[0], msg)
-            except Exception:
-                log.exception("handling %s failed", type(msg).__name__)
-
-    async def _on_node_message(self, identity: bytes, msg: object) -> None:
-        now = time.monotonic()
-        match msg:
-            case Heartbeat(node_id=node_id, load=load):
-                known = self.cluster.heartbeat(node_id, identity, load, now)
-                stale = tuple(r for r in load.held if r not in self.requests) if known else ()
-                await send(
-                    self.control, HeartbeatReply(stale=stale, unknown_node=not known), to=identity
-                )
-                self.placer.capacity_changed()
-            case Accept(request_id=rid) | Reject(request_id=rid):
-                accepted = isinstance(msg, Accept)
-                if not self.placer.answer(rid, identity, accepted) and accepted:
-                    # too late: that offer timed out and the request moved on under a new
-                    # wire id, so this aborts exactly the stale acceptance
-                    await send(self.control, Abort(request_id=rid), to=identity)
-            case FirstToken(request_id=rid, token_id=token, finish_reason=reason):
-                req = self.requests.get(rid)
-                node = self.cluster.by_identity(identity)
-                if node is not None:
-                    node.in_prefill.pop(rid, None)
-                self.placer.capacity_changed()
-                if req is None or node is None or req.prefill_node != node.node_id:
-                    return  # an old attempt's, or not from the node that holds the request
-                req.mark(f"prefilled.{req.attempt}")
-                req.timeline[f"prefill_ms.{req.attempt}"] = round(msg.prefill_ms, 3)
-                req.timeline[f"queue_ms.{req.attempt}"] = round(msg.queue_ms, 3)
-                if reason is not None:
-                    req.prefill_node = None  # the node already freed its KV
-                self._on_token(req, msg.index, token, reason)
-            case KvTransferred(request_id=rid):
-                node = self.cluster.by_identity(identity)
-                self.metrics.kv_bytes.labels(node.node_id if node else "?", msg.backend).inc(
-                    msg.bytes
-                )
-                self.metrics.kv_seconds.labels(msg.backend).observe(
-                    (msg.end_ms - msg.start_ms) / 1000
-                )
-                req = self.requests.get(rid)
-                if req is not None:
-                    req.timeline[f"kv_transfer.{req.attempt}"] = {  # type: ignore[assignment]
-                        "backend": msg.backend,
-                        "bytes": msg.bytes,
-                        "layerwise": msg.layerwise,
-                        "start_ms": round(msg.start_ms, 3),
-                        "end_ms": round(msg.end_ms, 3),
-                    }
-            case NeedDecode(request_id=rid, refused_by=refused):
-                await self._redirect(identity, rid, refused)
-            case PrefillFailed(request_id=rid, reason=why):
-                req = self.requests.get(rid)
-                node = self.cluster.by_identity(identity)
-                if req is not None and node is not None and req.prefill_node == node.node_id:
-                    # spawned, not awaited: the re-placement waits for an Accept this loop reads
-                    self._spawn(self.replace(req, f"prefill failed: {why}"))
-            case Register(info=info):
-                reason = self.cluster.register(info, identity, now, self.tokenizer_fingerprint)
-                if reason is None:
-                    log.info("registered %s node %s (%s)", info.role, info.node_id, info.model_id)
-                    await send(
-                        self.control,
-                        RegisterAck(node_id=info.node_id, tokens_address=self.tokens_address),
-                        to=identity,
-                    )
-                    self.placer.capacity_changed()
-                else:
-                    log.warning("refused node %s: %s", info.node_id, reason)
-                    await send(
-                        self.control,
-                        RegisterRefuse(node_id=info.node_id, reason=reason),
-                        to=identity,
-                    )
-            case Deregister(node_id=node_id):
-                node = self.cluster.nodes.get(node_id)
-                if node is not None and node.identity == identity:
-                    await self._drop_node(node_id, "node left")
-            case _:
-                log.warning("unexpected control message %s", type(msg).__name__)
-
-    async def _redirect(self, identity: bytes, rid: str, refused: str) -> None:
-        req = self.requests.get(rid)
-        node = self.cluster.by_identity(identity)
-        if req is None or req.finished or node is None or req.prefill_node != node.node_id:
-            await send(self.control, Redirect(request_id=rid, decode=None), to=identity)
-            return
-        old = self.cluster.nodes.get(refused)
-        if old is not None:
-            old.decoding.discard(rid)
-        target = self.policy.pick_decode(
-            self.cluster.alive("decode"), len(req.prompt_ids) + len(req.output_ids), {refused}
-        )
-        if target is None:
-            await send(self.control, Redirect(request_id=rid, decode=None), to=identity)
-            # spawned, not awaited: the re-placement waits for an Accept this loop reads
-            self._spawn(
-                self.replace(req, f"{refused} refused and no decode node had room", "no_room")
-            )
-            return
-        target.decoding.add(rid)
-        req.decode_node = target.node_id
-        await send(self.control, Redirect(request_id=rid, decode=target.target()), to=identity)
-
-    async def _tokens_loop(self) -> None:
-        while True:
-            payload = await self.tokens.recv()
-            try:
-                self._on_tokens(decode_or_none(TOKENS_DECODER, payload))
-            except Exception:
-                log.exception("handling a token message failed")
-
-    def _on_tokens(self, msg: object) -> None:
-        match msg:
-            case TokenBatch() if msg.well_formed():
-                for rid, token, index, reason in zip(
-                    msg.request_ids, msg.token_ids, msg.indices, msg.finish_reasons, strict=True
-                ):
-                    req = self.requests.get(rid)
-                    # only from the node the request's KV went to (None: its Accept, on the
-                    # other socket, is not read yet; the wire id alone is this attempt's)
-                    if req is not None and req.decode_node in (None, msg.node_id):
-                        self._on_token(req, index, token, reason)
-            case Preempted(request_id=rid, reason=why):
-                req = self.requests.get(rid)
-                if req is not None and req.decode_node == msg.node_id:
-                    self._spawn(self.replace(req, why, "preempted"))
-            case _:
-                log.warning("dropping malformed token message")
-
+    # -- liveness --------------------------------------------------------------------------
     async def _liveness_loop(self) -> None:
         while True:
             await asyncio.sleep(min(0.25, self.cfg.heartbeat_timeout / 4))
             now = time.monotonic()
             for node_id in self.cluster.expired(now):
                 await self._drop_node(node_id, "heartbeat timeout")
-            for req in list(self.requests.values()):
+            for attempt in self.table:
+                req = attempt.req
                 # a token that waits this long for an earlier one waits for a lost message:
                 # the attempt is broken, never shown as text with a hole in it
                 if req.gap_since is not None and now - req.gap_since > self.cfg.stream_gap_timeout:
@@ -426,10 +242,8 @@ class Gateway:
         if node is None:
             return
         log.warning("dropped node %s: %s", node_id, why)
-        for rid in set(node.in_prefill) | node.decoding:
-            req = self.requests.get(rid)
-            if req is not None:
-                self._spawn(self.replace(req, f"{node.info.role} node {node_id}: {why}"))
+        for attempt in self.table.on_node(node_id):
+            self._spawn(self.replace(attempt.req, f"{node.info.role} node {node_id}: {why}"))
         self.placer.capacity_changed()
 
 

@@ -19,6 +19,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pdserve.gateway.cluster import ClusterView
+from pdserve.gateway.table import RequestTable
 
 # `*_created` series double every counter and histogram for a timestamp nobody graphs
 disable_created_metrics()
@@ -49,8 +50,9 @@ LATENCY_BUCKETS = (
 
 
 class ClusterCollector(Collector):
-    def __init__(self, cluster: ClusterView, waiting: object) -> None:
+    def __init__(self, cluster: ClusterView, table: RequestTable, waiting: object) -> None:
         self.cluster = cluster
+        self.table = table
         self.waiting = waiting  # anything with __len__: requests waiting for placement
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -76,7 +78,7 @@ class ClusterCollector(Collector):
             running.add_metric(key, load.running)
             waiting.add_metric(key, load.waiting)
             if node.info.role == "prefill":
-                prefill.add_metric([node.node_id], len(node.in_prefill))
+                prefill.add_metric([node.node_id], len(self.table.in_prefill(node.node_id)))
             total = max(1, node.info.num_blocks)
             usage.add_metric(key, load.blocks_in_use / total)
             for state, value in (
@@ -93,7 +95,7 @@ class ClusterCollector(Collector):
 
 
 class GatewayMetrics:
-    def __init__(self, cluster: ClusterView, waiting: object) -> None:
+    def __init__(self, cluster: ClusterView, table: RequestTable, waiting: object) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -140,7 +142,14 @@ class GatewayMetrics:
         )
         self.kv_seconds = Histogram(
             "pdserve:kv_transfer_seconds",
-            "KV handoff: header sent to KvAck",
+            "KV handoff: first KV byte sent to KvAck",
+            ["backend"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.kv_overlap = Histogram(
+            "pdserve:kv_transfer_overlap_seconds",
+            "Of the KV handoff, the part that ran while the prefill pass still computed",
             ["backend"],
             buckets=LATENCY_BUCKETS,
             registry=r,
@@ -162,7 +171,7 @@ class GatewayMetrics:
                 ("tpot_ms", "pdserve:time_per_output_token_seconds", "Mean gap per request"),
             )
         }
-        r.register(ClusterCollector(cluster, waiting))
+        r.register(ClusterCollector(cluster, table, waiting))
 
     def observe_phases(self, phases: dict[str, float]) -> None:
         """The per-request timeline summarised: one histogram per phase (gateway wait and KV

@@ -67,8 +67,7 @@ class GatewayRequest:
     pending: dict[int, tuple[int, str | None]] = field(default_factory=dict)  # index -> token
     gap_since: float | None = None  # when a token first waited for an earlier one
     losses: int = 0  # re-placements because a node died or failed
-    prefill_node: str | None = None
-    decode_node: str | None = None
+    ran_on: dict[str, str] = field(default_factory=dict)  # last placement, for the log only
     finished: bool = False
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -90,7 +89,6 @@ class GatewayRequest:
     def next_attempt(self) -> tuple[list[int], SamplingParams]:
         """Prompt and params for re-placing: prompt + generated tokens, remaining budget."""
         self.attempt += 1
-        self.prefill_node = self.decode_node = None
         self.base = len(self.output_ids)
         self.pending.clear()
         self.gap_since = None

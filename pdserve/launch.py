@@ -131,13 +131,11 @@ def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
         gateway += ["--model", ecfg.model]
     address = f"tcp://{gcfg.advertise_host or '127.0.0.1'}:{gcfg.control_port}"
     cmds = [gateway]
-    queueing = ["--queueing"] if gcfg.scheduler != "on_demand" else []  # baselines queue
     roles = (("prefill", args.prefill), ("decode", args.decode), ("colocated", args.colocated))
     for role, count in roles:
         for i in range(count):
-            extra = queueing if role == "prefill" else []
             node = [*base, role, "--gateway", address, "--node-id", f"{role}-{i}"]
-            cmds.append([*node, *to_flags(ecfg), *extra])
+            cmds.append([*node, *to_flags(ecfg)])
     return cmds
 
 

@@ -11,8 +11,8 @@ import secrets
 from dataclasses import dataclass, field
 
 from pdserve.common.config import EngineConfig
-from pdserve.common.engine.interface import DecodeWork, Engine, PrefillWork
-from pdserve.common.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.common.engine.interface import Engine
+from pdserve.common.engine.scheduler import Scheduler, SchedulerConfig, step_work
 from pdserve.common.engine.sequence import Sequence, check_stop
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
@@ -108,7 +108,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
-        tokens = self.engine.step(*self._work(sched))
+        tokens = self.engine.step(*step_work(sched))
         outputs = []
         for seq in self.scheduler.on_step_done(sched, tokens):
             reason = check_stop(seq, self.engine.eos_token_ids, self.engine.max_model_len)
@@ -118,27 +118,6 @@ class LLMEngine:
                 del self.seqs[seq.seq_id], self.processors[seq.seq_id]
             outputs.append(out)
         return outputs
-
-    @staticmethod
-    def _work(sched: SchedulerOutput) -> tuple[list[PrefillWork], list[DecodeWork]]:
-        prefills = []
-        for seq, n in sched.prefills:
-            start = seq.num_computed_tokens
-            last = start + n == seq.num_tokens
-            prefills.append(
-                PrefillWork(
-                    seq.seq_id,
-                    seq.token_ids[start : start + n],
-                    start,
-                    seq.block_table,
-                    seq.params if last else None,
-                )
-            )
-        decodes = [
-            DecodeWork(s.seq_id, s.token_ids[-1], s.num_tokens - 1, s.block_table, s.params)
-            for s in sched.decodes
-        ]
-        return prefills, decodes
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]

@@ -1,4 +1,4 @@
-"""Continuous-batching scheduler for one engine doing prefill and decode. Pure Python.
+"""Continuous-batching scheduler for one engine, in the mode of its node's role. Pure Python.
 
 Each step has a token budget: `chunk_size` with chunked prefill, else `max_batch_tokens`.
 Running sequences that are decoding go first, one token each, so a long prompt never
@@ -8,17 +8,31 @@ prompt is prefilled whole (alone if it exceeds the budget, so nothing starves); 
 chunking it is cut to the remaining budget. A sequence gets blocks for its whole prompt at
 admission, only while `watermark_blocks` stay free for running sequences to grow (vLLM's
 watermark). When a decoding sequence cannot grow anyway, the newest running sequence is
-preempted: its blocks are freed and it goes back to the head of the queue, to be prefilled
-again from prompt + generated tokens (recompute).
+preempted: its blocks are freed.
+
+Modes (one scheduler for every role, so a node could serve either):
+    colocated  both phases here; a preempted sequence goes back to the head of the queue,
+               to be prefilled again from prompt + generated tokens (recompute).
+    prefill    prompts only. A sequence whose prefill completed leaves the batch but keeps
+               its blocks (`parked`) until its KV is handed off (`release`). `can_take`
+               answers offers at once: on demand (P/D-Serve), only while the batch
+               (waiting + prefilling) is below `max_num_seqs` and within `max_batch_tokens`
+               and the free KV; queueing (the baseline policies), whenever it could ever fit.
+    decode     sequences arrive prefilled (`admit_prefilled`); a preempted one is handed
+               back (out.preempted, not requeued): the gateway re-places it elsewhere.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pdserve.common.engine.block_manager import BlockManager
+from pdserve.common.engine.interface import DecodeWork, PrefillWork
 from pdserve.common.engine.sequence import SeqStatus, Sequence
+
+Mode = Literal["colocated", "prefill", "decode"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +43,7 @@ class SchedulerConfig:
     num_blocks: int
     block_size: int
     watermark_blocks: int = 0
+    mode: Mode = "colocated"
 
 
 @dataclass
@@ -41,6 +56,10 @@ class SchedulerOutput:
     def empty(self) -> bool:
         return not self.prefills and not self.decodes
 
+    @property
+    def seq_ids(self) -> set[str]:
+        return {s.seq_id for s, _ in self.prefills} | {s.seq_id for s in self.decodes}
+
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig) -> None:
@@ -48,10 +67,31 @@ class Scheduler:
         self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order; the last is the newest
+        self.parked: dict[str, Sequence] = {}  # prefill mode: prefilled, KV held for handoff
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    # -- admission ----------------------------------------------------------------------
+    def can_take(self, num_tokens: int, queueing: bool) -> str | None:
+        """Prefill mode: None to accept a prompt of `num_tokens` now, else the reason not to."""
+        bm = self.block_manager
+        need = bm.blocks_needed(num_tokens)
+        if need > self.cfg.num_blocks:
+            return f"prompt of {num_tokens} tokens exceeds this node's KV cache"
+        if queueing:
+            return None
+        batch = [*self.running, *self.waiting]
+        if len(batch) >= self.cfg.max_num_seqs:
+            return f"batch full ({len(batch)}/{self.cfg.max_num_seqs})"
+        tokens = sum(s.num_tokens for s in batch)
+        if batch and tokens + num_tokens > self.cfg.max_batch_tokens:
+            return f"token budget ({tokens} + {num_tokens} > {self.cfg.max_batch_tokens})"
+        promised = sum(bm.blocks_needed(s.num_tokens) for s in self.waiting)
+        if need > bm.num_free_blocks - promised:
+            return "KV cache full (transfers in flight)"
+        return None
 
     def add(self, seq: Sequence) -> None:
         needed = self.block_manager.blocks_needed(seq.num_tokens + 1)
@@ -63,20 +103,31 @@ class Scheduler:
         self.waiting.append(seq)
 
     def admit_prefilled(self, seq: Sequence) -> None:
-        """A sequence whose KV arrived from elsewhere (a decode node's intake): it already
-        holds its blocks and decodes from the next step on."""
+        """Decode mode: a sequence whose KV arrived from elsewhere (a decode node's intake):
+        it already holds its blocks and decodes from the next step on."""
         assert seq.block_table and seq.num_computed_tokens == seq.num_tokens - 1
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
 
+    # -- endings ------------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str) -> None:
+        """The sequence is done (or aborted) wherever it is: its blocks are freed."""
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.parked.pop(seq.seq_id, None)
         self._release(seq)
 
+    def release(self, seq_id: str) -> Sequence | None:
+        """Prefill mode: the parked sequence's KV was handed off; free its blocks."""
+        seq = self.parked.pop(seq_id, None)
+        if seq is not None:
+            self.finish(seq, "handed_off")
+        return seq
+
+    # -- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.cfg.chunk_size or self.cfg.max_batch_tokens
@@ -105,6 +156,28 @@ class Scheduler:
             budget -= n
         return out
 
+    def on_step_done(self, out: SchedulerOutput, tokens: list[int]) -> list[Sequence]:
+        """Record computed tokens and append sampled ones; returns the sequences that grew.
+        In prefill mode those leave the batch for the parking lot, blocks kept."""
+        grew: list[Sequence] = []
+        for seq, n in out.prefills:
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                grew.append(seq)
+        for seq in out.decodes:
+            seq.num_computed_tokens += 1
+            grew.append(seq)
+        assert len(grew) == len(tokens), (len(grew), len(tokens))
+        for seq, token in zip(grew, tokens, strict=True):
+            seq.token_ids.append(token)
+        if self.cfg.mode == "prefill":
+            for seq in grew:
+                self.running.remove(seq)
+                seq.status = SeqStatus.PREFILLED
+                self.parked[seq.seq_id] = seq
+        return grew
+
+    # -- internals ----------------------------------------------------------------------
     def _admit(self, seq: Sequence) -> bool:
         if len(self.running) >= self.cfg.max_num_seqs:
             return False
@@ -130,27 +203,38 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self._release(seq)
+        out.preempted.append(seq)
+        if self.cfg.mode == "decode":  # handed back: it is re-placed elsewhere
+            seq.status = SeqStatus.PREEMPTED
+            return
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)
 
     def _release(self, seq: Sequence) -> None:
         if seq.block_table:
             self.block_manager.free(seq.block_table)
             seq.block_table = []
 
-    def on_step_done(self, out: SchedulerOutput, tokens: list[int]) -> list[Sequence]:
-        """Record computed tokens and append sampled ones; returns the sequences that grew."""
-        grew: list[Sequence] = []
-        for seq, n in out.prefills:
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens:
-                grew.append(seq)
-        for seq in out.decodes:
-            seq.num_computed_tokens += 1
-            grew.append(seq)
-        assert len(grew) == len(tokens), (len(grew), len(tokens))
-        for seq, token in zip(grew, tokens, strict=True):
-            seq.token_ids.append(token)
-        return grew
+
+def step_work(out: SchedulerOutput) -> tuple[list[PrefillWork], list[DecodeWork]]:
+    """What the engine computes for a scheduled step: each prefill chunk (sampling only at a
+    prompt's last chunk) and each decode token."""
+    prefills = []
+    for seq, n in out.prefills:
+        start = seq.num_computed_tokens
+        last = start + n == seq.num_tokens
+        prefills.append(
+            PrefillWork(
+                seq.seq_id,
+                seq.token_ids[start : start + n],
+                start,
+                seq.block_table,
+                seq.params if last else None,
+            )
+        )
+    decodes = [
+        DecodeWork(s.seq_id, s.token_ids[-1], s.num_tokens - 1, list(s.block_table), s.params)
+        for s in out.decodes
+    ]
+    return prefills, decodes

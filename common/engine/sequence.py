@@ -11,6 +11,8 @@ from pdserve.common.sampling import SamplingParams
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PREFILLED = "prefilled"  # prefill node: done here, KV kept until handed off
+    PREEMPTED = "preempted"  # decode node: given back to be re-placed
     FINISHED = "finished"
 
 

@@ -1,42 +1,76 @@
-"""How KV bytes move from a prefill node to a decode node. Control messages (KvHeader,
-KvLayer descriptors, KvDone, KvAck/KvRefuse) always travel over the ZeroMQ data sockets;
-the backend decides where each layer's frame (K then V for the request's tokens, one
-contiguous buffer, see common/engine/kv_cache.py) travels:
+"""How KV bytes move from a prefill node to a decode node: connectors by name.
 
-    zmq  the frame rides as extra parts of the KvLayer multipart message, sent with
-         copy=False from views of the paged cache; the decode node copies it from ZeroMQ's
-         receive buffers into its paged cache.
-    tcp  a raw TCP stream per peer pair carries the frame from views of the prefill cache
-         straight into the decode node's reserved blocks (recv_into): one kernel copy on
-         each side, like a plain socket (common/kv_transfer/tcp.py).
-    shm  same host / IPC namespace: the prefill node exports each layer straight into a
-         reusable /dev/shm segment; the descriptor names the segment and the decode node
-         copies from it into its cache (one copy on each side, no socket).
-    ucx  a UCX endpoint (ucxx; RDMA or NVLink on GPU boxes, TCP here) carries the frame into
-         a reused receive buffer, then one copy into the cache.
+Control messages (KvHeader, KvLayer descriptors, KvDone, KvAck/KvRefuse) always travel over
+the ZeroMQ data sockets (sender.py, intake.py); a backend decides where each layer's frame (K
+then V for the request's tokens, one contiguous buffer, see common/engine/kv_cache.py)
+travels. Each is one module with a `CONNECTOR` (base.py says what one must do):
 
-`auto` picks shm when both nodes registered the same host identity, else tcp (zmq for a
-peer without a TCP listener). UCX is used when asked for (`--kv-backend ucx`): over plain
-TCP it is slower than our sockets (benchmarks/kv_transfer.py), its gain is on RDMA fabrics.
+    zmq  the frame rides as extra parts of the KvLayer message, sent with copy=False from views
+         of the paged cache; the decode node copies it from ZeroMQ's buffers into its cache.
+    tcp  a raw TCP stream per peer pair, self-describing frames read straight into the
+         reserved blocks: one kernel copy on each side (tcp.py).
+    shm  same host / IPC namespace: a reusable /dev/shm segment per request; one copy on
+         each side, no socket.
+    ucx  a UCX endpoint (ucxx; RDMA or NVLink on GPU boxes, TCP here) into a reused buffer.
+
+Decode nodes advertise `kv_endpoints` ({backend: endpoint}) when they register. `auto` takes
+the usable backend of lowest rank (shm on one host, else tcp, else zmq); ucx is used when
+asked for: over plain TCP it is slower than our sockets (benchmarks/kv_transfer.py), its gain
+is on RDMA fabrics. A forced backend the peer cannot take falls back to zmq rather than
+failing the request.
 """
 
 from __future__ import annotations
 
-from pdserve.common.protocol import DecodeTarget
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-BACKENDS = ("auto", "zmq", "shm", "ucx", "tcp")
+if TYPE_CHECKING:
+    from pdserve.common.kv_transfer.base import Backend, Local, ReceiveConnector
+
+# name -> module defining CONNECTOR. Adding a backend: a module, and one line here.
+BACKENDS: dict[str, str] = {
+    "zmq": "pdserve.common.kv_transfer.zmq_parts",
+    "tcp": "pdserve.common.kv_transfer.tcp",
+    "shm": "pdserve.common.kv_transfer.shm",
+    "ucx": "pdserve.common.kv_transfer.ucx",
+}
+CHOICES = ("auto", *BACKENDS)
 
 
-def choose_backend(forced: str, my_host: str, target: DecodeTarget) -> str:
-    """What carries the frames to `target`; a forced backend the peer cannot take falls
-    back to zmq rather than failing the request."""
-    same_host = my_host == target.host_id
-    if forced == "auto":
-        return "shm" if same_host else ("tcp" if target.tcp_address else "zmq")
-    if (
-        (forced == "shm" and not same_host)
-        or (forced == "ucx" and not target.ucx_address)
-        or (forced == "tcp" and not target.tcp_address)
-    ):
-        return "zmq"
-    return forced
+def backend(name: str) -> Backend:
+    """The backend registered as `name` (imported on first use: ucx pulls in ucxx)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown KV backend {name!r}: choose one of {list(CHOICES)}")
+    return importlib.import_module(BACKENDS[name]).CONNECTOR  # type: ignore[no-any-return]
+
+
+def choose(forced: str, usable: Callable[[str, str], bool], endpoints: dict[str, str]) -> str:
+    """The backend that carries frames to a decode node advertising `endpoints`: the forced
+    one if the peer can take it, else zmq; with `auto`, the usable one of lowest rank.
+    `usable(name, endpoint)` asks that backend's sender whether it can reach the endpoint."""
+    if forced != "auto":
+        return forced if forced in endpoints and usable(forced, endpoints[forced]) else "zmq"
+    ranked = sorted(
+        (rank, name)
+        for name in BACKENDS
+        if name in endpoints and (rank := backend(name).auto_rank) is not None
+    )
+    return next((name for _, name in ranked if usable(name, endpoints[name])), "zmq")
+
+
+def receivers_for(local: Local) -> dict[str, ReceiveConnector]:
+    """A decode node's receiving side of every backend (each decides at `listen` whether it
+    is offered)."""
+    return {name: backend(name).receive(local) for name in BACKENDS}
+
+
+async def listen_all(receivers: dict[str, ReceiveConnector], sink: object) -> dict[str, str]:
+    """Start every receiver; the endpoints of those offered, to advertise (`kv_endpoints`)."""
+    endpoints = {}
+    for name, receiver in receivers.items():
+        endpoint = await receiver.listen(sink)
+        if endpoint:
+            endpoints[name] = endpoint
+    return endpoints

@@ -1,19 +1,20 @@
 """Decode side of KV transfer: reservations, frames into the paged cache, acknowledgements.
 
 A `KvHeader` asks `reserve` for blocks (a block table, or the reason to refuse, answered
-with `KvRefuse`). Each layer's frame is put into those blocks: from ZeroMQ's receive buffer
-(zmq, behind a `KvLayer` descriptor), from the named shared-memory segment (shm), from the
-UCX endpoint's reused buffer (ucx), or read straight into the blocks by the peer's TCP stream
-reader (tcp: frames carry their own head, see tcp.py, so they need no descriptor and may
-arrive before the header; the reader waits a moment for it). A transfer is complete once it
-has every layer and its `KvDone` (in either order: tcp frames and ZeroMQ messages travel on
-different connections); then it goes to `admit` and the peer gets `KvAck`.
+with `KvRefuse`) and its backend's `ReceiveConnector` prepares (`open`). Each layer's frame is
+put into those blocks: behind a `KvLayer` descriptor the connector says where the frame is
+(ZeroMQ parts, a shared-memory segment, a UCX receive); a stream backend (tcp) lands frames
+itself through this intake's `open_frame`/`frame_landed` (tcp.FrameSink): its frames carry
+their own head, need no descriptor and may arrive before the header (the stream reader waits
+for it a moment). A transfer is complete once it has every layer and its `KvDone`, in either
+order (frames and ZeroMQ messages may travel on different connections); then it goes to
+`admit` and the peer gets `KvAck`.
 
 Leases: until its first frame, a reservation lives as long as the gateway knows the request
 (the node's heartbeat lists it, the reply names stale ids); the prefill forward pass may take
-any time. From its first frame on, a transfer that makes no progress for `timeout` seconds is
-released and refused. Blocks dropped while a tcp frame lands in them are released only after
-it has landed, so no other sequence's KV is ever overwritten.
+any time. From its first frame (or KvDone) on, a transfer that makes no progress for
+`timeout` seconds is released and refused. Blocks dropped while a frame lands in them are
+released only after it has landed, so no other sequence's KV is ever overwritten.
 """
 
 from __future__ import annotations
@@ -23,14 +24,13 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from pdserve.common.engine.interface import Engine
-from pdserve.common.kv_transfer.shm import Segment, SegmentMaps
+from pdserve.common.kv_transfer.base import Intake, ReceiveConnector
 from pdserve.common.protocol import (
     TO_DECODE_DECODER,
     Abort,
@@ -44,27 +44,10 @@ from pdserve.common.protocol import (
 from pdserve.common.transport import decode_or_none
 
 log = logging.getLogger(__name__)
-CLOSED_MEMORY = 4096  # recently ended transfers whose late tcp frames are discarded at once
+STREAMED = ("tcp",)  # backends whose frames travel apart from KvDone, maybe behind it
+CLOSED_MEMORY = 4096  # recently ended transfers whose late stream frames are discarded at once
 
-
-@dataclass
-class Intake:
-    header: KvHeader
-    peer: bytes
-    block_table: list[int]
-    started: float = field(default_factory=time.monotonic)
-    progress: float = 0.0  # last frame landed; 0 until the first
-    layers: set[int] = field(default_factory=set)
-    segment: Segment | None = None
-    bytes_in: int = 0
-    first_token: int | None = None  # from KvDone
-    dropped: bool = False  # refused or aborted (ucx: kept only to drain its frames)
-    receiving: bool = False  # a tcp frame is landing in its blocks right now
-    scratch: bytearray | None = None  # tcp into a cache that cannot be written in place
-
-    @property
-    def complete(self) -> bool:
-        return self.first_token is not None and len(self.layers) == self.header.num_layers
+__all__ = ["Intake", "KvIntake"]
 
 
 class KvIntake:
@@ -75,7 +58,7 @@ class KvIntake:
         reserve: Callable[[KvHeader], list[int] | str],
         release: Callable[[list[int]], None],
         admit: Callable[[Intake, int], Awaitable[None]],
-        ucx: Any = None,
+        receivers: dict[str, ReceiveConnector],
         timeout: float = 10.0,
     ) -> None:
         self.sock = sock
@@ -83,12 +66,11 @@ class KvIntake:
         self.reserve = reserve
         self.release = release
         self.admit = admit
-        self.ucx = ucx
+        self.receivers = receivers  # the backends this node offers, by name
         self.timeout = timeout
         self.incoming: dict[str, Intake] = {}
         self.closed: OrderedDict[str, None] = OrderedDict()
-        self.arrivals: dict[str, asyncio.Event] = {}  # tcp frames waiting for their header
-        self.maps = SegmentMaps()
+        self.arrivals: dict[str, asyncio.Event] = {}  # stream frames waiting for their header
 
     async def run(self) -> None:
         while True:
@@ -107,8 +89,7 @@ class KvIntake:
             case KvHeader():
                 await self._on_header(peer, msg)
             case KvLayer(request_id=rid, layer=layer):
-                frame = [p.buffer for p in parts[2:]] or None  # the frame, maybe in parts
-                await self._on_layer(peer, rid, layer, frame)
+                await self._on_layer(peer, rid, layer, [p.buffer for p in parts[2:]])
             case KvDone(request_id=rid, first_token_id=token):
                 intake = self.incoming.get(rid)
                 if intake is None or intake.peer != peer:
@@ -120,7 +101,7 @@ class KvIntake:
                 intake.progress = time.monotonic()  # from now on a stall is a failure
                 if intake.complete:
                     await self._complete(intake)
-                elif intake.header.backend != "tcp":  # tcp frames may still be on their way
+                elif intake.header.backend not in STREAMED:  # its frames may still be coming
                     got = f"{len(intake.layers)}/{intake.header.num_layers}"
                     self.drop(rid)
                     await self.refuse(peer, rid, f"got {got} layers")
@@ -134,11 +115,15 @@ class KvIntake:
 
     async def _on_header(self, peer: bytes, h: KvHeader) -> None:
         rid = h.request_id
+        receiver = self.receivers.get(h.backend)
         if rid in self.incoming:  # never replace a live transfer's state
             return await self.refuse(peer, rid, "duplicate request id")
+        if receiver is None:
+            self._remember_closed(rid)
+            return await self.refuse(peer, rid, f"KV backend {h.backend!r} not offered here")
         reserved = self.reserve(h)
         if isinstance(reserved, str):
-            if h.backend == "ucx":  # its frames still come, in order: read, discard
+            if receiver.drains_after_drop:  # its frames still come, in order: read, discard
                 self.incoming[rid] = Intake(h, peer, [], dropped=True)
             else:
                 self._remember_closed(rid)
@@ -146,37 +131,31 @@ class KvIntake:
         intake = Intake(h, peer, reserved)
         self.incoming[rid] = intake
         self.closed.pop(rid, None)
-        if h.backend == "shm":
-            try:
-                intake.segment = self.maps.get(h.shm_name, h.frame_bytes * h.num_layers)
-            except (OSError, ValueError) as exc:
-                self.drop(rid)
-                return await self.refuse(peer, rid, f"shared memory: {exc}")
+        problem = receiver.open(intake)
+        if problem is not None:
+            self.drop(rid)
+            return await self.refuse(peer, rid, problem)
         event = self.arrivals.pop(rid, None)
         if event is not None:
             event.set()
 
-    async def _on_layer(self, peer: bytes, rid: str, layer: int, frame: Any) -> None:
+    async def _on_layer(self, peer: bytes, rid: str, layer: int, parts: list[Any]) -> None:
         intake = self.incoming.get(rid)
-        if intake is None or intake.peer != peer or intake.header.backend == "tcp":
+        if intake is None or intake.peer != peer:
             return
         h = intake.header
-        size = h.frame_bytes
-        if h.backend == "ucx":  # consume the peer's next frame even if we will drop it
-            try:
-                frame = await asyncio.wait_for(self.ucx.recv(h.prefill_node, size), self.timeout)
-            except (OSError, asyncio.TimeoutError) as exc:
-                log.warning("UCX frame from %s failed: %r", h.prefill_node, exc)
-                if self.drop(rid):
-                    await self.refuse(peer, rid, "KV stream failed")
-                return
-        elif h.backend == "shm" and intake.segment is not None:
-            frame = intake.segment.view(layer * size, size)
+        try:  # the connector must take its frame off its channel even if it will be dropped
+            frame = await self.receivers[h.backend].frame(intake, layer, parts)
+        except (OSError, asyncio.TimeoutError) as exc:
+            log.warning("KV frame of %s from %s failed: %r", rid, h.prefill_node, exc)
+            if self.drop(rid):
+                await self.refuse(peer, rid, "KV stream failed")
+            return
         if isinstance(frame, list):
-            got = sum(p.nbytes for p in frame)
+            got = sum(memoryview(p).nbytes for p in frame)
         else:
-            got = -1 if frame is None else len(frame)
-        if intake.dropped or got != size or not 0 <= layer < h.num_layers:
+            got = -1 if frame is None else memoryview(frame).nbytes
+        if intake.dropped or got != h.frame_bytes or not 0 <= layer < h.num_layers:
             return
         self.engine.import_kv(layer, intake.block_table, len(h.prompt_ids), frame)
         self._landed(intake, layer)
@@ -186,7 +165,7 @@ class KvIntake:
         intake.bytes_in += intake.header.frame_bytes
         intake.progress = time.monotonic()
 
-    # -- the tcp stream reader's side (tcp.FrameSink) ----------------------------------------
+    # -- stream backends land frames themselves (tcp.FrameSink) ------------------------------
     async def open_frame(
         self, peer: str, request_id: str, layer: int, nbytes: int
     ) -> Sequence[memoryview] | None:
@@ -211,9 +190,9 @@ class KvIntake:
         views = self.engine.kv_targets(layer, intake.block_table, len(h.prompt_ids))
         if views is not None:
             return views
-        if intake.scratch is None or len(intake.scratch) < nbytes:
-            intake.scratch = bytearray(nbytes)  # a cache that cannot be written in place
-        return [memoryview(intake.scratch)[:nbytes]]
+        if intake.state is None or len(intake.state) < nbytes:
+            intake.state = bytearray(nbytes)  # a cache that cannot be written in place
+        return [memoryview(intake.state)[:nbytes]]
 
     async def frame_landed(self, peer: str, request_id: str, layer: int, ok: bool) -> None:
         intake = self.incoming.get(request_id)
@@ -229,8 +208,8 @@ class KvIntake:
                 await self.refuse(intake.peer, request_id, "KV stream failed")
             return
         h = intake.header
-        if intake.scratch is not None:
-            frame = memoryview(intake.scratch)[: h.frame_bytes]
+        if intake.state is not None:
+            frame = memoryview(intake.state)[: h.frame_bytes]
             self.engine.import_kv(layer, intake.block_table, len(h.prompt_ids), frame)
         self._landed(intake, layer)
         if intake.complete:
@@ -239,8 +218,7 @@ class KvIntake:
     # -- endings ------------------------------------------------------------------------------
     async def _complete(self, intake: Intake) -> None:
         rid = intake.header.request_id
-        del self.incoming[rid]
-        self._remember_closed(rid)
+        self._forget(rid)
         assert intake.first_token is not None
         await self.admit(intake, intake.first_token)
         await self.sock.send_multipart([intake.peer, encode(KvAck(request_id=rid))])
@@ -257,7 +235,8 @@ class KvIntake:
         intake.dropped = True
         if not intake.receiving:  # else released when its frame has landed
             self._release(intake)
-            if intake.header.backend != "ucx":
+            receiver = self.receivers.get(intake.header.backend)
+            if receiver is None or not receiver.drains_after_drop:
                 self._forget(rid)
         return True
 
@@ -267,7 +246,9 @@ class KvIntake:
             intake.block_table = []
 
     def _forget(self, rid: str) -> None:
-        self.incoming.pop(rid, None)
+        intake = self.incoming.pop(rid, None)
+        if intake is not None and intake.header.backend in self.receivers:
+            self.receivers[intake.header.backend].close_intake(intake)
         self._remember_closed(rid)
 
     def _remember_closed(self, rid: str) -> None:
@@ -283,7 +264,7 @@ class KvIntake:
         for rid, intake in list(self.incoming.items()):
             if intake.dropped:
                 if now - intake.started > 3 * self.timeout:
-                    del self.incoming[rid]  # a ucx transfer whose peer is gone too
+                    self._forget(rid)  # a draining transfer whose peer is gone too
                 continue
             if intake.progress and now - intake.progress > self.timeout and not intake.receiving:
                 log.warning(
@@ -296,5 +277,6 @@ class KvIntake:
                 self.drop(rid)
                 await self.refuse(intake.peer, rid, "KV transfer timed out")
 
-    def close(self) -> None:
-        self.maps.close()
+    async def close(self) -> None:
+        for receiver in self.receivers.values():
+            await receiver.close()

@@ -1,12 +1,12 @@
-"""Prefill side of KV transfer: one ordered channel per decode peer, four backends.
+"""Prefill side of KV transfer: one ordered channel per decode peer, frames by connector.
 
-`begin` sends the header (the decode node reserves blocks while we compute). `stage` runs in
-the engine thread as each layer lands in the cache: it exports the layer as one contiguous
-frame (ucx), hands out views of the cache itself (zmq, tcp: sent without a copy) or writes
-it straight into the request's shared-memory segment (shm).
-`push` (event loop) queues the layer's descriptor, and its frame or views, on the peer's
-outbox; one sender task per peer keeps the order header, layers, done. The sender owns a
-transfer until the decode node acknowledges it; `on_ack`/`on_refuse` report back.
+`begin` picks the backend for the target (`choose`), lets it prepare (`SendConnector.begin`)
+and sends the header, so the decode node reserves blocks while we compute. `stage` runs in
+the engine thread as each layer lands in the cache (the connector hands out views of the
+cache, a staged frame, or writes into shared memory). `push` (event loop) queues the layer's
+descriptor and frame on the peer's outbox; one sender task per peer keeps the order header,
+layers, done, whatever the backend. The sender owns a transfer until the decode node
+acknowledges it; `on_ack`/`on_refuse` report back.
 """
 
 from __future__ import annotations
@@ -21,10 +21,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pdserve.common.engine.interface import Engine
-from pdserve.common.kv_transfer import choose_backend
-from pdserve.common.kv_transfer.shm import Segment, SegmentPool
-from pdserve.common.kv_transfer.tcp import TcpStream
+from pdserve.common.kv_transfer import backend, choose
+from pdserve.common.kv_transfer.base import Local, SendConnector, Transfer
 from pdserve.common.protocol import (
     TO_PREFILL_DECODER,
     Abort,
@@ -42,58 +40,46 @@ from pdserve.common.transport import decode_or_none, make_socket
 log = logging.getLogger(__name__)
 ACK_MAX_MSG = 1 << 20
 
+__all__ = ["KvSender", "Transfer"]
+
 
 @dataclass
-class Transfer:
-    request_id: str
-    target: DecodeTarget
-    backend: str
-    block_table: list[int]
-    num_tokens: int
-    frame_bytes: int
-    num_layers: int
-    segment: Segment | None = None
-    started: float = field(default_factory=time.monotonic)
-    finished: float = 0.0
-
-    @property
-    def total_bytes(self) -> int:
-        return self.frame_bytes * self.num_layers
+class _Item:
+    parts: list[Any]  # ZeroMQ parts (may be empty)
+    transfer: Transfer | None = None  # with a layer's frame: the connector sends it after
+    layer: int = 0
+    payload: Any = None
 
 
 @dataclass
 class Peer:
     node_id: str
     sock: zmq.asyncio.Socket
-    # (ZeroMQ parts, UCX frame, (request id, layer, TCP frame parts)) in send order
-    outbox: asyncio.Queue[tuple[list[Any], Any, Any]] = field(default_factory=asyncio.Queue)
+    outbox: asyncio.Queue[_Item] = field(default_factory=asyncio.Queue)
     tasks: list[asyncio.Task] = field(default_factory=list)
-    ucx_endpoint: Any = None
-    tcp: TcpStream | None = None
 
 
 class KvSender:
     def __init__(
         self,
         ctx: zmq.asyncio.Context,
-        node_id: str,
-        host_id: str,
-        engine: Engine,
-        backend: str,
+        local: Local,
         on_ack: Callable[[Transfer], None],
         on_refuse: Callable[[str, str, str], Any],
     ) -> None:
         self.ctx = ctx
-        self.node_id = node_id
-        self.host_id = host_id
-        self.engine = engine
-        self.forced = backend
+        self.local = local
         self.on_ack = on_ack
         self.on_refuse = on_refuse
-        self.num_layers = engine.model_config.num_layers
+        self.num_layers = local.engine.model_config.num_layers
+        self.connectors: dict[str, SendConnector] = {}
         self.peers: dict[str, Peer] = {}
         self.transfers: dict[str, Transfer] = {}
-        self.pool = SegmentPool(node_id)
+
+    def connector(self, name: str) -> SendConnector:
+        if name not in self.connectors:
+            self.connectors[name] = backend(name).send(self.local)
+        return self.connectors[name]
 
     # -- transfer lifecycle ----------------------------------------------------------------
     def begin(
@@ -105,19 +91,20 @@ class KvSender:
         params: SamplingParams,
         block_table: list[int],
     ) -> Transfer:
-        backend = choose_backend(self.forced, self.host_id, target)
+        name = choose(
+            self.local.forced, lambda b, ep: self.connector(b).usable(ep), target.kv_endpoints
+        )
         n = len(prompt_ids)
         t = Transfer(
             request_id,
             target,
-            backend,
+            name,
             block_table,
             n,
-            self.engine.kv_frame_bytes(n),
+            self.local.engine.kv_frame_bytes(n),
             self.num_layers,
         )
-        if backend == "shm":
-            t.segment = self.pool.take(t.total_bytes)
+        self.connector(name).begin(t)
         self.transfers[request_id] = t
         header = KvHeader(
             request_id=request_id,
@@ -126,112 +113,82 @@ class KvSender:
             params=params,
             num_layers=self.num_layers,
             frame_bytes=t.frame_bytes,
-            prefill_node=self.node_id,
-            backend=backend,
-            shm_name=t.segment.name if t.segment else "",
+            prefill_node=self.local.node_id,
+            backend=name,
+            location=t.location,
         )
-        self._post(target, [encode(header)])
+        self._post(target, _Item([encode(header)]))
         return t
 
     def stage(self, t: Transfer, layer: int) -> Any:
-        """Engine thread: the layer's frame (zmq/ucx), or None once it sits in shared memory."""
-        if t.segment is not None:
-            view = t.segment.view(layer * t.frame_bytes, t.frame_bytes)
-            self.engine.export_into(layer, t.block_table, t.num_tokens, view)
-            return None
-        if t.backend in ("zmq", "tcp"):  # views of the cache itself: nothing copied to send
-            return self.engine.export_parts(layer, t.block_table, t.num_tokens)
-        return self.engine.export_frame(layer, t.block_table, t.num_tokens)
-
-    def push(self, t: Transfer, layer: int, payload: Any) -> None:
-        """Event loop: queue the layer (descriptor + frame) behind everything sent before."""
-        if t.backend == "tcp":  # the frame carries its own head on the stream (tcp.py)
-            self._post(t.target, [], tcp_payload=(t.request_id, layer, payload))
-            return
-        descriptor = encode(KvLayer(request_id=t.request_id, layer=layer))
-        if t.backend == "zmq":
-            self._post(t.target, [descriptor, *payload])
-        elif t.backend == "ucx":
-            self._post(t.target, [descriptor], ucx_payload=payload)
-        else:
-            self._post(t.target, [descriptor])
+        """Engine thread: what the layer's descriptor and frame need (connector-specific)."""
+        return self.connector(t.backend).stage(t, layer)
 
     def stage_all(self, t: Transfer) -> list[Any]:
         """Engine thread: every layer at once (short prompts, resends)."""
         return [self.stage(t, layer) for layer in range(self.num_layers)]
+
+    def push(self, t: Transfer, layer: int, payload: Any) -> None:
+        """Event loop: queue the layer (descriptor + frame) behind everything sent before."""
+        if not t.first_byte:
+            t.first_byte = time.monotonic()
+        extra = self.connector(t.backend).descriptor(t, layer, payload)
+        parts = [] if extra is None else [encode(KvLayer(request_id=t.request_id, layer=layer))]
+        self._post(t.target, _Item([*parts, *(extra or [])], t, layer, payload))
 
     def push_all(self, t: Transfer, payloads: list[Any]) -> None:
         for layer, payload in enumerate(payloads):
             self.push(t, layer, payload)
 
     def done(self, t: Transfer, first_token: int) -> None:
-        self._post(t.target, [encode(KvDone(request_id=t.request_id, first_token_id=first_token))])
+        done = KvDone(request_id=t.request_id, first_token_id=first_token)
+        self._post(t.target, _Item([encode(done)]))
 
     def abort(self, request_id: str) -> None:
         """Tell the decode node to drop the reservation, and forget the transfer."""
         t = self.transfers.get(request_id)
         if t is not None:
-            self._post(t.target, [encode(Abort(request_id=request_id))])
+            self._post(t.target, _Item([encode(Abort(request_id=request_id))]))
             self.release(request_id)
 
     def release(self, request_id: str) -> Transfer | None:
         t = self.transfers.pop(request_id, None)
-        if t is not None and t.segment is not None:
-            self.pool.give_back(t.segment)
-            t.segment = None
+        if t is not None:
+            self.connector(t.backend).end(t)
         return t
 
     # -- peers -----------------------------------------------------------------------------
-    def _post(
-        self,
-        target: DecodeTarget,
-        parts: list[Any],
-        ucx_payload: Any = None,
-        tcp_payload: Any = None,
-    ) -> None:
+    def _post(self, target: DecodeTarget, item: _Item) -> None:
         peer = self.peers.get(target.node_id)
         if peer is None:
             sock = make_socket(
                 self.ctx,
                 "prefill.data",
                 target.data_address,
-                identity=self.node_id,
+                identity=self.local.node_id,
                 max_msg=ACK_MAX_MSG,
             )
             peer = Peer(target.node_id, sock)
             peer.tasks = [
-                asyncio.create_task(self._sender(peer, target)),
+                asyncio.create_task(self._sender(peer)),
                 asyncio.create_task(self._receiver(peer)),
             ]
             self.peers[target.node_id] = peer
-        peer.outbox.put_nowait((parts, ucx_payload, tcp_payload))
+        peer.outbox.put_nowait(item)
 
-    async def _sender(self, peer: Peer, target: DecodeTarget) -> None:
+    async def _sender(self, peer: Peer) -> None:
         while True:
-            parts, ucx_payload, tcp_payload = await peer.outbox.get()
+            item = await peer.outbox.get()
             try:
-                await self._send_one(peer, target, parts, ucx_payload, tcp_payload)
+                if item.parts:
+                    await peer.sock.send_multipart(item.parts, copy=len(item.parts) == 1)
+                t = item.transfer
+                if t is not None:
+                    await self.connector(t.backend).send(t, item.layer, item.payload)
+            except OSError as exc:  # the decode side sees the broken channel and refuses
+                log.warning("KV frame to %s failed: %s", peer.node_id, exc)
             except Exception:  # one failed send must not stop this peer's channel
                 log.exception("KV send to %s failed", peer.node_id)
-
-    async def _send_one(
-        self, peer: Peer, target: DecodeTarget, parts: list[Any], ucx_payload: Any, tcp_payload: Any
-    ) -> None:
-        if parts:
-            await peer.sock.send_multipart(parts, copy=len(parts) == 1)
-        if tcp_payload is not None:
-            if peer.tcp is None:
-                peer.tcp = TcpStream(target.tcp_address, self.node_id)
-            try:
-                await peer.tcp.send(*tcp_payload)
-            except OSError as exc:  # the decode node sees the broken stream and refuses
-                log.warning("KV stream to %s failed: %s", peer.node_id, exc)
-        if ucx_payload is not None:
-            if peer.ucx_endpoint is None:
-                from pdserve.common.kv_transfer.ucx import connect
-
-                peer.ucx_endpoint = await connect(target.ucx_address, self.node_id)
-            await peer.ucx_endpoint.send(ucx_payload)
 
     async def _receiver(self, peer: Peer) -> None:
         while True:
@@ -260,12 +217,6 @@ class KvSender:
         for peer in self.peers.values():
             for task in peer.tasks:
                 task.cancel()
-            if peer.tcp is not None:
-                peer.tcp.close()
-            if peer.ucx_endpoint is not None:
-                try:
-                    await peer.ucx_endpoint.close()
-                except Exception:  # the peer may be gone already
-                    pass
             peer.sock.close()
-        self.pool.close()
+        for connector in self.connectors.values():
+            await connector.close()

@@ -1,4 +1,8 @@
-"""Shared-memory segments for same-host KV transfer: files in /dev/shm, mapped by both sides.
+"""The shm backend: same-host KV transfer through files in /dev/shm, mapped by both sides.
+
+Used between nodes that registered the same host identity (kernel boot id and IPC namespace,
+common/node.py): the prefill node exports each layer straight into a segment lent to the
+request, only a descriptor crosses ZeroMQ, and the decode node copies once into its cache.
 
 The prefill node keeps a pool of segments and reuses them (fresh pages cost 3-7x a warm
 copy), so a steady stream of requests maps no new memory. A segment is lent to one request
@@ -14,6 +18,16 @@ import mmap
 import os
 import secrets
 from dataclasses import dataclass
+from typing import Any
+
+from pdserve.common.kv_transfer.base import (
+    Backend,
+    Intake,
+    Local,
+    ReceiveConnector,
+    SendConnector,
+    Transfer,
+)
 
 SHM_DIR = "/dev/shm"
 
@@ -109,3 +123,56 @@ class SegmentMaps:
         for seg in self.maps.values():
             seg.mem.close()
         self.maps.clear()
+
+
+class ShmSend(SendConnector):
+    def __init__(self, local: Local) -> None:
+        super().__init__(local)
+        self.pool = SegmentPool(local.node_id)
+
+    def usable(self, endpoint: str) -> bool:
+        return endpoint == self.local.host_id  # the peer shares our /dev/shm
+
+    def begin(self, t: Transfer) -> None:
+        seg = self.pool.take(t.total_bytes)
+        t.state, t.location = seg, seg.name
+
+    def stage(self, t: Transfer, layer: int) -> Any:
+        view = t.state.view(layer * t.frame_bytes, t.frame_bytes)
+        self.local.engine.export_into(layer, t.block_table, t.num_tokens, view)
+        return None  # the frame is in the segment already
+
+    def end(self, t: Transfer) -> None:
+        if t.state is not None:
+            self.pool.give_back(t.state)
+            t.state = None
+
+    async def close(self) -> None:
+        self.pool.close()
+
+
+class ShmReceive(ReceiveConnector):
+    def __init__(self, local: Local) -> None:
+        super().__init__(local)
+        self.maps = SegmentMaps()
+
+    async def listen(self, sink: Any) -> str:
+        return self.local.host_id
+
+    def open(self, rec: Intake) -> str | None:
+        h = rec.header
+        try:
+            rec.state = self.maps.get(h.location, h.frame_bytes * h.num_layers)
+        except (OSError, ValueError) as exc:
+            return f"shared memory: {exc}"
+        return None
+
+    async def frame(self, rec: Intake, layer: int, parts: list[Any]) -> Any:
+        size = rec.header.frame_bytes
+        return rec.state.view(layer * size, size) if rec.state is not None else None
+
+    async def close(self) -> None:
+        self.maps.close()
+
+
+CONNECTOR = Backend("shm", ShmSend, ShmReceive, auto_rank=0)

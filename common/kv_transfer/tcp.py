@@ -28,6 +28,14 @@ import struct
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from pdserve.common.kv_transfer.base import (
+    Backend,
+    Local,
+    ReceiveConnector,
+    SendConnector,
+    Transfer,
+)
+
 ID_BYTES = 64
 MAGIC = b"PDKV"
 HEAD = struct.Struct("<4sIQH")  # magic, layer, payload bytes, request id bytes
@@ -201,3 +209,42 @@ class TcpStream:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+
+
+class TcpSend(SendConnector):
+    def __init__(self, local: Local) -> None:
+        super().__init__(local)
+        self.streams: dict[str, TcpStream] = {}  # by decode node id
+
+    def descriptor(self, t: Transfer, layer: int, payload: Any) -> list[Any] | None:
+        return None  # the stream is self-describing: no KvLayer messages
+
+    async def send(self, t: Transfer, layer: int, payload: Any) -> None:
+        stream = self.streams.get(t.target.node_id)
+        if stream is None:
+            endpoint = t.target.kv_endpoints["tcp"]
+            stream = self.streams[t.target.node_id] = TcpStream(endpoint, self.local.node_id)
+        await stream.send(t.request_id, layer, payload)
+
+    async def close(self) -> None:
+        for stream in self.streams.values():
+            stream.close()
+
+
+class TcpReceive(ReceiveConnector):
+    def __init__(self, local: Local) -> None:
+        super().__init__(local)
+        engine = local.engine
+        max_frame = engine.kv_frame_bytes(engine.max_model_len) + 4096
+        port = local.ports.get("tcp", 0)
+        self.listener = TcpListener(local.advertise_host, port, local.timeout, max_frame)
+
+    async def listen(self, sink: Any) -> str:
+        self.listener.start(sink)  # the intake lands the frames (FrameSink)
+        return self.listener.address
+
+    async def close(self) -> None:
+        await self.listener.close()
+
+
+CONNECTOR = Backend("tcp", TcpSend, TcpReceive, auto_rank=1)

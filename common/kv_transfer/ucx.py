@@ -14,6 +14,15 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.common.kv_transfer.base import (
+    Backend,
+    Intake,
+    Local,
+    ReceiveConnector,
+    SendConnector,
+    Transfer,
+)
+
 ID_BYTES = 64
 
 
@@ -70,3 +79,54 @@ class UcxListener:
             except Exception:
                 pass
         self.listener.close()
+
+
+class UcxSend(SendConnector):
+    def __init__(self, local: Local) -> None:
+        super().__init__(local)
+        self.endpoints: dict[str, Any] = {}  # by decode node id
+
+    def stage(self, t: Transfer, layer: int) -> Any:
+        return self.local.engine.export_frame(layer, t.block_table, t.num_tokens)
+
+    async def send(self, t: Transfer, layer: int, payload: Any) -> None:
+        ep = self.endpoints.get(t.target.node_id)
+        if ep is None:
+            ep = await connect(t.target.kv_endpoints["ucx"], self.local.node_id)
+            self.endpoints[t.target.node_id] = ep
+        await ep.send(payload)
+
+    async def close(self) -> None:
+        for ep in self.endpoints.values():
+            try:
+                await ep.close()
+            except Exception:  # the peer may be gone already
+                pass
+
+
+class UcxReceive(ReceiveConnector):
+    drains_after_drop = True  # frames follow their descriptors in order: consume every one
+
+    def __init__(self, local: Local) -> None:
+        super().__init__(local)
+        self.listener: UcxListener | None = None
+
+    async def listen(self, sink: Any) -> str:
+        if self.local.forced != "ucx":  # opened only when asked for (it is slower over TCP)
+            return ""
+        self.listener = UcxListener(self.local.advertise_host, self.local.ports.get("ucx", 0))
+        return self.listener.address
+
+    async def frame(self, rec: Intake, layer: int, parts: list[Any]) -> Any:
+        assert self.listener is not None
+        size = rec.header.frame_bytes
+        return await asyncio.wait_for(
+            self.listener.recv(rec.header.prefill_node, size), self.local.timeout
+        )
+
+    async def close(self) -> None:
+        if self.listener is not None:
+            await self.listener.close()
+
+
+CONNECTOR = Backend("ucx", UcxSend, UcxReceive)

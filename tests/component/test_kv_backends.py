@@ -13,10 +13,12 @@ import torch
 import zmq.asyncio
 
 from benchmarks.cache_engine import CacheOnlyEngine
-from pdserve.common.kv_transfer import choose_backend
+from pdserve.common.kv_transfer import BACKENDS as REGISTERED
+from pdserve.common.kv_transfer import backend, choose, listen_all, receivers_for
+from pdserve.common.kv_transfer.base import Backend, Local, ReceiveConnector, SendConnector
 from pdserve.common.kv_transfer.intake import Intake, KvIntake
 from pdserve.common.kv_transfer.sender import KvSender, Transfer
-from pdserve.common.kv_transfer.tcp import ID_BYTES, TcpListener, frame_head
+from pdserve.common.kv_transfer.tcp import ID_BYTES, frame_head
 from pdserve.common.kv_transfer.ucx import available as ucx_available
 from pdserve.common.model_config import load_model_config, resolve_model
 from pdserve.common.node import host_identity
@@ -40,6 +42,7 @@ class Pair:
 
     def __init__(self, backend: str, capacity: int) -> None:
         self.ctx = zmq.asyncio.Context()
+        self.backend = backend
         self.src = CacheOnlyEngine(LAYOUT, capacity, BLOCK, torch.float32)
         self.dst = CacheOnlyEngine(LAYOUT, capacity, BLOCK, torch.float32)
         self.src.cache.data.normal_(generator=torch.Generator().manual_seed(0))
@@ -47,32 +50,41 @@ class Pair:
         self.admitted: asyncio.Queue[Intake] = asyncio.Queue()
         self.acked: asyncio.Queue[Transfer] = asyncio.Queue()
         self.refusals: list[str] = []
-        sock = make_socket(self.ctx, "decode.data", "tcp://127.0.0.1:0", max_msg=1 << 30)
-        self.ucx = None
-        if backend == "ucx":
-            from pdserve.common.kv_transfer.ucx import UcxListener
-
-            self.ucx = UcxListener("127.0.0.1")
-        self.tcp = TcpListener("127.0.0.1", timeout=5.0)
-        self.intake = KvIntake(sock, self.dst, self.reserve, self.release, self.admit, ucx=self.ucx)
-        self.tcp.start(self.intake)
-        self.task = asyncio.create_task(self.intake.run())
-        self.target = DecodeTarget(
-            node_id="d",
-            data_address=bound_address(sock, "127.0.0.1"),
-            host_id=host_identity(),
-            ucx_address=self.ucx.address if self.ucx else "",
-            tcp_address=self.tcp.address,
+        self.sock = make_socket(self.ctx, "decode.data", "tcp://127.0.0.1:0", max_msg=1 << 30)
+        address = bound_address(self.sock, "127.0.0.1")
+        forced = backend if backend in REGISTERED else "auto"
+        local = Local("d", host_identity(), "127.0.0.1", self.dst, address, 5.0, forced=forced)  # type: ignore[arg-type]
+        self.receivers = receivers_for(local)
+        self.intake = KvIntake(
+            self.sock,
+            self.dst,
+            self.reserve,
+            self.release,
+            self.admit,
+            self.receivers,  # type: ignore[arg-type]
         )
+        self.task = asyncio.create_task(self.intake.run())
         self.sender = KvSender(
             self.ctx,
-            "p",
-            host_identity(),
-            self.src,
-            backend,
+            Local("p", host_identity(), "127.0.0.1", self.src, forced=forced),  # type: ignore[arg-type]
             on_ack=self.acked.put_nowait,
             on_refuse=self.on_refuse,
         )
+
+    async def start(self) -> Pair:
+        endpoints = await listen_all(self.receivers, self.intake)
+        self.endpoints = endpoints
+        self.target = DecodeTarget(
+            node_id="d",
+            data_address=endpoints["zmq"],
+            host_id=host_identity(),
+            kv_endpoints=endpoints,
+        )
+        return self
+
+    @property
+    def tcp_address(self) -> str:
+        return self.endpoints["tcp"]
 
     def reserve(self, header):
         need = -(-(len(header.prompt_ids) + 1) // BLOCK)
@@ -105,10 +117,7 @@ class Pair:
     async def close(self) -> None:
         await self.sender.close()
         self.task.cancel()
-        await self.tcp.close()
-        if self.ucx is not None:
-            await self.ucx.close()
-        self.intake.close()
+        await self.intake.close()
         self.ctx.destroy(linger=0)
 
 
@@ -127,7 +136,7 @@ BACKENDS = [
 
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_backends_move_kv_byte_exact_around_block_boundaries(backend):
-    pair = Pair(backend, capacity=600)
+    pair = await Pair(backend, capacity=600).start()
     try:
         for i, n in enumerate([1, 15, 16, 17, 33, 257] * 2):
             table = list(range(i, i + 40, 1))[: -(-n // BLOCK)]  # a different spot each time
@@ -138,14 +147,15 @@ async def test_backends_move_kv_byte_exact_around_block_boundaries(backend):
             pair.release(intake.block_table)
         assert not pair.intake.incoming and not pair.sender.transfers
         if backend == "shm":  # segments are reused, not created per request
-            assert [seg.size for seg in pair.sender.pool.all] == [1 << 20, 2 << 20, 16 << 20]
+            pool = pair.sender.connector("shm").pool  # type: ignore[attr-defined]
+            assert [seg.size for seg in pool.all] == [1 << 20, 2 << 20, 16 << 20]
     finally:
         await pair.close()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_refused_and_aborted_transfers_leave_nothing_behind(backend):
-    pair = Pair(backend, capacity=600)
+    pair = await Pair(backend, capacity=600).start()
     pair.free = pair.free[:8]  # the decode side has room for 8 blocks only
     total = len(pair.free)
     try:
@@ -177,29 +187,34 @@ async def test_refused_and_aborted_transfers_leave_nothing_behind(backend):
 
 
 def test_backend_choice_follows_where_the_peers_are():
-    def to(host: str, ucx: str = "", tcp: str = "") -> DecodeTarget:
-        return DecodeTarget(
-            node_id="d", data_address="tcp://x:1", host_id=host, ucx_address=ucx, tcp_address=tcp
+    me = Local("p", "h1", "127.0.0.1", None)  # type: ignore[arg-type]
+    senders = {name: backend(name).send(me) for name in REGISTERED}
+
+    def pick(forced: str, **endpoints: str) -> str:
+        return choose(
+            forced, lambda b, ep: senders[b].usable(ep), {"zmq": "tcp://x:1", **endpoints}
         )
 
-    assert choose_backend("auto", "h1", to("h1", tcp="x:2")) == "shm"
-    assert choose_backend("auto", "h1", to("h2", tcp="x:2")) == "tcp"
-    assert choose_backend("auto", "h1", to("h2", ucx="x:1")) == "zmq"  # no TCP listener
-    assert choose_backend("shm", "h1", to("h2")) == "zmq"  # cannot share memory across hosts
-    assert choose_backend("ucx", "h1", to("h1")) == "zmq"  # the peer has no UCX listener
-    assert choose_backend("ucx", "h1", to("h2", ucx="x:1")) == "ucx"
-    assert choose_backend("tcp", "h1", to("h1")) == "zmq"  # the peer has no TCP listener
-    assert choose_backend("tcp", "h1", to("h1", tcp="x:2")) == "tcp"
-    assert choose_backend("zmq", "h1", to("h1", tcp="x:2")) == "zmq"
+    assert pick("auto", shm="h1", tcp="x:2") == "shm"
+    assert pick("auto", shm="h2", tcp="x:2") == "tcp"  # another host: no shared memory
+    assert pick("auto", shm="h2", ucx="x:3") == "zmq"  # no TCP listener; ucx only on request
+    assert pick("shm", shm="h2") == "zmq"  # cannot share memory across hosts
+    assert pick("ucx", shm="h1") == "zmq"  # the peer has no UCX listener
+    assert pick("ucx", ucx="x:1") == "ucx"
+    assert pick("tcp", shm="h1") == "zmq"  # the peer has no TCP listener
+    assert pick("tcp", tcp="x:2") == "tcp"
+    assert pick("zmq", tcp="x:2") == "zmq"
+    with pytest.raises(ValueError, match="unknown KV backend"):
+        backend("carrier-pigeon")
 
 
 async def test_a_broken_tcp_stream_refuses_its_transfer_frees_blocks_and_reconnects():
-    pair = Pair("tcp", capacity=600)
+    pair = await Pair("tcp", capacity=600).start()
     total = len(pair.free)
     try:
         t = pair.sender.begin("cut", pair.target, list(range(40)), 40, SamplingParams(), [0, 1, 2])
         assert t.backend == "tcp"
-        host, port = pair.tcp.address.rsplit(":", 1)
+        host, port = pair.tcp_address.rsplit(":", 1)
         raw = socket.create_connection((host, int(port)))  # "p"'s stream, by hand
         raw.sendall(b"p".ljust(ID_BYTES) + frame_head("cut", 0, t.frame_bytes) + b"x" * 100)
         for _ in range(100):
@@ -223,8 +238,8 @@ async def test_tcp_frames_before_their_header_unknown_frames_and_a_stalled_peer(
     """The tcp stream is self-describing: a frame may arrive before its header (ZeroMQ is
     another connection), a frame nobody reserved is read and dropped without losing step, and
     a peer that stalls mid-frame holds up no other peer's transfers."""
-    pair = Pair("tcp", capacity=600)
-    host, port = pair.tcp.address.rsplit(":", 1)
+    pair = await Pair("tcp", capacity=600).start()
+    host, port = pair.tcp_address.rsplit(":", 1)
     ghost = socket.create_connection((host, int(port)))
     early = socket.create_connection((host, int(port)))
     dealer = make_socket(pair.ctx, "prefill.data", pair.target.data_address, identity="p2")
@@ -257,4 +272,41 @@ async def test_tcp_frames_before_their_header_unknown_frames_and_a_stalled_peer(
         ghost.close()
         early.close()
         dealer.close()
+        await pair.close()
+
+
+# -- a backend is one module plus one registry line ------------------------------------------
+class CopySend(SendConnector):
+    """A toy backend: each frame staged as one bytes object, sent as one ZeroMQ part."""
+
+    def stage(self, t: Transfer, layer: int) -> bytes:
+        return bytes(self.local.engine.export_frame(layer, t.block_table, t.num_tokens))
+
+    def descriptor(self, t: Transfer, layer: int, payload: bytes) -> list[bytes]:
+        return [payload]
+
+
+class CopyReceive(ReceiveConnector):
+    async def listen(self, sink: object) -> str:
+        return "here"
+
+    async def frame(self, rec: Intake, layer: int, parts: list) -> object:
+        return parts[0] if len(parts) == 1 else None
+
+
+CONNECTOR = Backend("copy", CopySend, CopyReceive)
+
+
+async def test_a_new_backend_is_one_module_and_one_registry_line(monkeypatch):
+    monkeypatch.setitem(REGISTERED, "copy", __name__)  # the one line in BACKENDS
+    pair = await Pair("copy", capacity=300).start()
+    try:
+        assert pair.endpoints["copy"] == "here"
+        for i, n in enumerate([5, 16, 100]):
+            table = list(range(i, i + 7))[: -(-n // BLOCK)]
+            intake = await pair.send(f"c{i}", n, table, layerwise=i == 1)
+            assert intake.header.backend == "copy"
+            assert digest(pair.dst, intake.block_table, n) == digest(pair.src, table, n)
+            pair.release(intake.block_table)
+    finally:
         await pair.close()

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_wheel_installs_only_pdserve_with_every_layer_inside(tmp_path):
-    target = tmp_path / "site"
+    src, target = tmp_path / "src", tmp_path / "site"  # built from a copy: no build/ left here
+    skip = shutil.ignore_patterns(".*", "build", "dist", "*.egg-info", "__pycache__", "tests")
+    shutil.copytree(ROOT, src, symlinks=True, ignore=skip)
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-         "--target", str(target), "."],
+         "--target", str(target), str(src)],
         check=True,
         capture_output=True,
     )  # fmt: skip

@@ -18,8 +18,9 @@ import zmq
 import zmq.asyncio
 
 from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig
+from pdserve.common.engine.sequence import Sequence
 from pdserve.common.engine.sim import SimEngine
-from pdserve.common.node import NodeBase, RegistrationRefused
+from pdserve.common.node import NodeBase, NodeRequest, RegistrationRefused
 from pdserve.common.protocol import (
     GATEWAY_DECODER,
     NODE_DECODER,
@@ -65,7 +66,6 @@ from pdserve.common.transport import decode_or_none, free_port, make_socket, sen
 from pdserve.decode_node.server import DecodeNode
 from pdserve.gateway.core import Gateway
 from pdserve.gateway.requests import Done, Failed, GatewayRequest
-from pdserve.prefill_node.batcher import PrefillJob
 from pdserve.prefill_node.server import PrefillNode
 
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -197,7 +197,6 @@ INFO = NodeInfo(
     max_batch=4,
     max_batch_tokens=8192,
     max_model_len=2048,
-    queueing=True,
 )
 LOAD = Load(
     running=1,
@@ -231,9 +230,7 @@ SAMPLES: list[Msg] = [
     RegisterAck(node_id="p-1", tokens_address="tcp://127.0.0.1:8002"),
     RegisterRefuse(node_id="p-1", reason="dtype"),
     HeartbeatReply(stale=("r.0",), unknown_node=True),
-    PrefillOffer(
-        request_id="r.1", prompt_ids=[1, 2, 3], params=FULL_PARAMS, decode=TARGET, num_generated=2
-    ),
+    PrefillOffer(request_id="r.1", prompt_ids=[1, 2, 3], params=FULL_PARAMS, decode=TARGET),
     Redirect(request_id="r.0", decode=TARGET),
     Redirect(request_id="r.0", decode=None),
     Abort(request_id="r.0"),
@@ -415,22 +412,22 @@ async def test_full_prefill_node_rejects_and_every_request_completes(tokenizer):
     async with Cluster(tokenizer) as c:
         prefill = await c.add(c.node(PrefillNode, "prefill-0", ecfg=slow))
         decode = await c.add(c.node(DecodeNode, "decode-0"))
-        batcher = prefill.batcher
+        sched = prefill.scheduler
         peak = {"held": 0, "batch": 0}
-        offer, next_batch = batcher.offer, batcher.next_batch
+        can_take, schedule = sched.can_take, sched.schedule
 
-        def counting_offer(job, free):
-            reason = offer(job, free)
-            held = len(batcher.pending) + len(batcher.running)
+        def counting_can_take(n, queueing):
+            reason = can_take(n, queueing)
+            held = len(sched.waiting) + len(sched.running) + (reason is None)
             peak["held"] = max(peak["held"], held)
             return reason
 
-        def counting_next_batch(free):
-            batch = next_batch(free)
-            peak["batch"] = max(peak["batch"], len(batch))
-            return batch
+        def counting_schedule():
+            out = schedule()
+            peak["batch"] = max(peak["batch"], len(out.prefills))
+            return out
 
-        batcher.offer, batcher.next_batch = counting_offer, counting_next_batch
+        sched.can_take, sched.schedule = counting_can_take, counting_schedule
 
         reqs = [c.request(f"r{i}", prompt(20 + i, 1000 + 100 * i)) for i in range(5)]
         await asyncio.wait_for(asyncio.gather(*(c.gw.run(r) for r in reqs)), TIMEOUT)
@@ -441,9 +438,9 @@ async def test_full_prefill_node_rejects_and_every_request_completes(tokenizer):
         assert peak == {"held": 1, "batch": 1}
         assert state.accepts == len(reqs)
         assert state.rejects > 0
-        await until(lambda: not prefill.handed_off and not decode.seqs, what="idle nodes")
+        await until(lambda: not prefill.requests and not decode.requests, what="idle nodes")
         assert prefill.blocks.num_in_use_blocks == 0 and decode.blocks.num_in_use_blocks == 0
-        assert not c.gw.requests
+        assert not c.gw.table
 
 
 async def test_unreachable_prefill_node_is_skipped(tokenizer):
@@ -494,7 +491,7 @@ async def test_kv_reaches_the_decode_node_and_both_sides_free_it(tokenizer):
             1.0,
             "KV freed on both nodes",
         )
-        assert not prefill.handed_off and not decode.seqs and not decode.intake.incoming
+        assert not prefill.requests and not decode.requests and not decode.intake.incoming
 
 
 @pytest.fixture(scope="module")
@@ -528,12 +525,12 @@ async def test_torch_kv_arrives_byte_exact(tokenizer, torch_runners):
 
         async def snapshotting_admit(intake, token):
             rid = intake.header.request_id
-            job = prefill.handed_off[rid]
+            table = prefill.requests[rid].seq.block_table
             n = len(intake.header.prompt_ids)
-            assert intake.block_table != job.block_table
+            assert intake.block_table != table
             layers = range(decode_runner.model_config.num_layers)
             snapshots[rid] = (
-                [_digest(prefill_runner.export_kv(i, job.block_table, n)) for i in layers],
+                [_digest(prefill_runner.export_kv(i, table, n)) for i in layers],
                 [_digest(decode_runner.export_kv(i, intake.block_table, n)) for i in layers],
             )
             await admit(intake, token)
@@ -566,16 +563,16 @@ async def test_abort_while_decoding_frees_the_decode_node(tokenizer):
         req = c.request("r", prompt(40), long)
         await asyncio.wait_for(c.gw.run(req), TIMEOUT)
         await until(lambda: len(req.output_ids) >= 5, what="decoding")
-        assert decode.blocks.num_in_use_blocks > 0 and "r.0" in decode.seqs
+        assert decode.blocks.num_in_use_blocks > 0 and "r.0" in decode.requests
         c.gw.abort(req)
         event = await outcome(req, 1.0)
         assert isinstance(event, Failed) and event.status == 499
         await until(lambda: decode.blocks.num_in_use_blocks == 0, 1.0, "decode frees the KV")
-        assert not decode.seqs and prefill.blocks.num_in_use_blocks == 0 and req.attempt == 0
+        assert not decode.requests and prefill.blocks.num_in_use_blocks == 0 and req.attempt == 0
         produced = len(req.output_ids)
         await asyncio.sleep(0.05)
         assert len(req.output_ids) == produced  # nothing is decoded for it any more
-        assert not c.gw.requests
+        assert not c.gw.table
 
 
 # -- 6. decode refusal, redirect, re-placement ---------------------------------------------
@@ -649,7 +646,7 @@ async def test_refused_kv_is_redirected_to_another_decode_node(tokenizer):
         assert req.attempt == 0 and len(req.output_ids) == PARAMS.max_tokens
         stale.release()
         await until(all_free(prefill, small, medium), 1.0, "all KV freed")
-        assert not small.intake.incoming and not small.seqs and not prefill.handed_off
+        assert not small.intake.incoming and not small.requests and not prefill.requests
 
 
 async def test_a_redirect_during_a_forward_pass_never_holds_up_the_control_loop(tokenizer):
@@ -657,14 +654,18 @@ async def test_a_redirect_during_a_forward_pass_never_holds_up_the_control_loop(
     offers must not wait with it (an offer unanswered for --offer-timeout is lost)."""
     async with Cluster(tokenizer) as c:
         node = c.node(PrefillNode, "prefill-0")
-        job = PrefillJob("r.0", prompt(10), PARAMS, TARGET, 10, accepted_at=0.0, first_token=5)
-        node.batcher.running = [job]  # a pass is running with the request in it
-        node.handed_off["r.0"] = job
+        seq = Sequence.new("r.0", prompt(10), PARAMS)
+        node.scheduler.parked["r.0"] = seq  # prefilled, its KV held for the handoff
+        node.requests["r.0"] = NodeRequest(seq, target=TARGET)
+        node.in_step = {"r.0"}  # and a pass that involves it is still running
+        node.step_over = asyncio.get_running_loop().create_future()
         redirect = node.on_gateway_message(Redirect(request_id="r.0", decode=None))
         await asyncio.wait_for(redirect, 0.2)
-        assert "r.0" in node.handed_off  # applied only once the pass is over
-        node.batcher.running = []
-        await until(lambda: "r.0" not in node.handed_off, 1.0, "the redirect to be applied")
+        await asyncio.sleep(0.05)
+        assert "r.0" in node.requests  # applied only once the pass is over
+        node.in_step = set()
+        node.step_over.set_result(None)
+        await until(lambda: "r.0" not in node.requests, 1.0, "the redirect to be applied")
         await node.shutdown()
 
 
@@ -682,7 +683,7 @@ async def test_refused_kv_with_no_other_decode_node_is_placed_again(tokenizer):
         assert req.attempt == 1  # re-placed as a prefill of prompt + first token
         assert len(req.output_ids) == PARAMS.max_tokens
         await until(all_free(prefill, small), 1.0, "all KV freed")
-        assert not prefill.handed_off and not c.gw.requests
+        assert not prefill.requests and not c.gw.table
 
 
 async def test_refused_kv_with_no_room_anywhere_fails_cleanly(tokenizer):
@@ -697,12 +698,12 @@ async def test_refused_kv_with_no_room_anywhere_fails_cleanly(tokenizer):
         assert isinstance(event, Failed) and event.status == 503, event
         assert len(stale.refusals) == 1 and req.attempt == 1
         await until(
-            lambda: prefill.blocks.num_in_use_blocks == 0 and not prefill.handed_off,
+            lambda: prefill.blocks.num_in_use_blocks == 0 and not prefill.requests,
             1.0,
             "prefill frees the refused KV",
         )
         assert small.blocks.num_in_use_blocks == OCCUPIED and not small.intake.incoming
-        assert not small.seqs and not c.gw.requests
+        assert not small.requests and not c.gw.table
         stale.release()
 
 
@@ -726,4 +727,4 @@ async def test_failed_prefill_is_placed_again(tokenizer):
         assert len(req.output_ids) == PARAMS.max_tokens
         # the reservation the failed attempt made on the decode node is aborted
         await until(all_free(prefill, decode), 1.0, "all KV freed")
-        assert not decode.intake.incoming and not decode.seqs
+        assert not decode.intake.incoming and not decode.requests

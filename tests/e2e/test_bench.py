@@ -75,7 +75,7 @@ def test_baseline_schedulers_queue_on_prefill_nodes_and_complete(make_cluster, s
         prefill=2,
         decode=2,
         gateway_flags=("--scheduler", scheduler),
-        node_flags=("--sim-time-scale", "1", "--queueing", "--max-batch", "2"),
+        node_flags=("--sim-time-scale", "1", "--max-batch", "2"),
     )
     body = {"prompt": list(range(100, 1100)), "max_tokens": 4, "ignore_eos": True}
     with ThreadPoolExecutor(12) as pool:

@@ -22,6 +22,7 @@ from pdserve.common.node_metrics import NodeMetrics
 from pdserve.common.protocol import Load
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.table import RequestTable
 
 ROOT = Path(__file__).resolve().parents[2] / "docker" / "monitoring"
 DASHBOARD = ROOT / "grafana" / "dashboards" / "pdserve.json"
@@ -47,11 +48,11 @@ def _samples(metrics: object, registry: CollectorRegistry) -> Samples:
 @pytest.fixture(scope="module")
 def exported() -> dict[str, Samples]:
     """Job name -> what that job's targets export."""
-    gateway = GatewayMetrics(ClusterView(heartbeat_timeout=5.0), [])
+    gateway = GatewayMetrics(ClusterView(heartbeat_timeout=5.0), RequestTable(), [])
     load = Load(running=0, waiting=0, blocks_free=1, blocks_cached=0, blocks_in_use=0)
     node = NodeMetrics("n0", "prefill", lambda: load, 100)
     node.offer(False)
-    node.kv_sent("zmq", 1024, 0.01)
+    node.kv_sent("zmq", 1024, 0.01, 0.005)
     node.kv_received("zmq", 1024)
     nodes = _samples(node, node.registry)  # decode nodes build the same registry
     return {"gateway": _samples(gateway, gateway.registry), "prefill": nodes, "decode": nodes}

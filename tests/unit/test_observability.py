@@ -86,7 +86,7 @@ def test_node_metrics_and_health_over_http():
     metrics = NodeMetrics("p0", "prefill", lambda: load, num_blocks=100)
     metrics.offer(True)
     metrics.offer(False)
-    metrics.kv_sent("shm", 4096, 0.01)
+    metrics.kv_sent("shm", 4096, 0.01, 0.004)
     state = {"reason": "not registered"}
     port = free_port()
 

@@ -1,21 +1,19 @@
-"""Pure policies of the serving path: the prefill batcher, the cluster view, on-demand order."""
+"""Pure policies of the serving path: the cluster view, the placement
+policies over views derived from the request table, and the policy registry."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
-from pdserve.common.protocol import DecodeTarget, Load, NodeInfo
+from pdserve.common.protocol import Load, NodeInfo
 from pdserve.common.sampling import SamplingParams
 from pdserve.gateway.cluster import ClusterView
-from pdserve.gateway.schedulers import OnDemand, make_policy
-from pdserve.prefill_node.batcher import PrefillBatcher, PrefillJob
-
-TARGET = DecodeTarget(node_id="d", data_address="tcp://x:1", host_id="h")
-
-
-def make_job(rid: str, n: int) -> PrefillJob:
-    return PrefillJob(rid, list(range(n)), SamplingParams(), TARGET, n, 0.0)
+from pdserve.gateway.plan import plan, views
+from pdserve.gateway.policies import REGISTRY, Need, NodeView, Policy, make_policy, names, register
+from pdserve.gateway.policies.on_demand import OnDemand
+from pdserve.gateway.requests import GatewayRequest
+from pdserve.gateway.table import RequestTable
 
 
 def make_info(node_id: str, role: str = "prefill", **kw) -> NodeInfo:
@@ -36,42 +34,6 @@ def make_info(node_id: str, role: str = "prefill", **kw) -> NodeInfo:
     )
     base.update(kw)
     return NodeInfo(**base)
-
-
-def test_on_demand_batcher_rejects_when_batch_or_budget_is_full():
-    b = PrefillBatcher(
-        max_batch=2, max_batch_tokens=100, block_size=16, num_blocks=50, queueing=False
-    )
-    assert b.offer(make_job("a", 60), free_blocks=50) is None
-    assert "token budget" in b.offer(make_job("b", 50), free_blocks=50)
-    assert b.offer(make_job("c", 30), free_blocks=50) is None
-    assert "batch full" in b.offer(make_job("d", 1), free_blocks=50)
-    assert [j.request_id for j in b.next_batch(free_blocks=50)] == ["a", "c"]
-    assert "batch full" in b.offer(make_job("e", 1), free_blocks=50)  # running counts too
-    b.batch_done()
-    assert b.offer(make_job("e", 1), free_blocks=50) is None
-
-
-def test_long_prompt_alone_and_kv_room():
-    b = PrefillBatcher(
-        max_batch=4, max_batch_tokens=100, block_size=16, num_blocks=50, queueing=False
-    )
-    assert b.offer(make_job("long", 300), free_blocks=50) is None  # alone: accepted
-    assert "exceeds" in b.offer(make_job("huge", 16 * 51), free_blocks=50)
-    b2 = PrefillBatcher(4, 1000, 16, 50, queueing=False)
-    assert "KV cache full" in b2.offer(make_job("x", 64), free_blocks=3)
-
-
-def test_queueing_mode_accepts_and_batches_fifo():
-    b = PrefillBatcher(
-        max_batch=2, max_batch_tokens=100, block_size=16, num_blocks=50, queueing=True
-    )
-    for i in range(5):
-        assert b.offer(make_job(str(i), 40), free_blocks=50) is None
-    assert [j.request_id for j in b.next_batch(50)] == ["0", "1"]
-    b.batch_done()
-    assert [j.request_id for j in b.next_batch(50)] == ["2", "3"]
-    assert b.remove("4") is not None and not b.pending
 
 
 def test_cluster_refuses_mismatches_and_duplicates():
@@ -96,33 +58,67 @@ def test_silent_nodes_expire_and_heartbeats_need_the_same_socket():
     assert view.expired(3.0) == [] and view.expired(3.6) == ["p0"]
 
 
+class Placed:
+    """A cluster view and a request table, with requests placed by hand."""
+
+    def __init__(self, view: ClusterView) -> None:
+        self.view = view
+        self.table = RequestTable()
+        self.count = 0
+
+    def in_prefill(self, node: str, *prompt_lens: int, decode: str = "d0") -> None:
+        for n in prompt_lens:
+            self.count += 1
+            req = GatewayRequest(
+                request_id=f"r{self.count}",
+                kind="completion",
+                model="m",
+                prompt_ids=list(range(n)),
+                params=SamplingParams(),
+                stream=False,
+                include_usage=False,
+                tokenizer=None,  # type: ignore[arg-type]
+            )
+            attempt = self.table.open(req, n)
+            self.table.commit(attempt, node, decode, -(-n // 16), now=1.0)
+
+    def nodes(self, role: str) -> list[NodeView]:
+        return views(self.view, self.table, role)
+
+
 def test_on_demand_orders_by_requests_in_prefill_and_picks_roomiest_decode():
-    view = ClusterView(2.0)
-    for name in ("p0", "p1", "p2"):
-        view.register(make_info(name), name.encode(), 0.0, "t")
-    for name, free in (("d0", 10), ("d1", 40), ("d2", 1)):
-        view.register(make_info(name, role="decode"), name.encode(), 0.0, "t")
-        view.heartbeat(
-            name,
-            name.encode(),
-            Load(running=0, waiting=0, blocks_free=free, blocks_cached=0, blocks_in_use=0),
-            0.0,
-        )
-    view.nodes["p0"].in_prefill.update(a=10, b=10)
-    view.nodes["p2"].in_prefill.update(c=10)
+    placed = Placed(
+        cluster_with({"p0": (0, 0), "p1": (0, 0), "p2": (0, 0)}, {"d0": 10, "d1": 40, "d2": 1})
+    )
+    placed.in_prefill("p0", 10, 10)
+    placed.in_prefill("p2", 10)
     policy = make_policy("on_demand")
-    assert isinstance(policy, OnDemand)
-    assert [n.node_id for n in policy.prefill_order(view.alive("prefill"), 10)] == [
-        "p1",
-        "p2",
-        "p0",
-    ]
-    assert policy.pick_decode(view.alive("decode"), 100, set()).node_id == "d1"
-    assert policy.pick_decode(view.alive("decode"), 100, {"d1"}).node_id == "d0"
-    assert policy.pick_decode(view.alive("decode"), 1000, set()) is None
+    assert isinstance(policy, OnDemand) and not policy.queueing
+    order = policy.prefill_order(placed.nodes("prefill"), Need(10))
+    assert [n.node_id for n in order] == ["p1", "p2", "p0"]
+    decode = placed.nodes("decode")
+    assert policy.pick_decode(decode, Need(100)).node_id == "d1"
+    assert policy.pick_decode(decode, Need(100, frozenset({"d1"}))).node_id == "d0"
+    assert policy.pick_decode(decode, Need(1000)) is None
     with pytest.raises(ValueError, match="unknown scheduler"):
         make_policy("magic")
     assert msgspec.structs.replace(make_info("x"), dtype="f").dtype == "f"
+
+
+def test_free_blocks_count_what_was_promised_since_the_last_report():
+    placed = Placed(cluster_with({"p0": (0, 0)}, {"d0": 40}))
+    placed.in_prefill("p0", 160, decode="d0")  # 10 blocks, promised after the report at 0.0
+    assert placed.nodes("decode")[0].free_blocks == 30
+    placed.view.heartbeat("d0", b"d0", placed.view.nodes["d0"].load, 2.0)  # a newer report
+    assert placed.nodes("decode")[0].free_blocks == 40  # it shows them itself now
+
+
+def test_a_refusal_is_newer_than_the_report_it_contradicts():
+    placed = Placed(cluster_with({"p0": (0, 0)}, {"d0": 40}))
+    placed.view.nodes["d0"].refused_at = 1.0  # refused KV after its report at 0.0
+    assert placed.nodes("decode")[0].free_blocks == 0
+    placed.view.heartbeat("d0", b"d0", placed.view.nodes["d0"].load, 2.0)
+    assert placed.nodes("decode")[0].free_blocks == 40
 
 
 def cluster_with(
@@ -154,46 +150,71 @@ def cluster_with(
 
 
 def test_round_robin_takes_turns_on_both_pools():
-    view = cluster_with({"p0": (0, 0), "p1": (5, 0), "p2": (0, 0)}, {"d0": 50, "d1": 50})
+    placed = Placed(cluster_with({"p0": (0, 0), "p1": (5, 0), "p2": (0, 0)}, {"d0": 50, "d1": 50}))
     policy = make_policy("round_robin")
     assert policy.queueing
-    firsts = [policy.prefill_order(view.alive("prefill"), 10)[0].node_id for _ in range(4)]
+    firsts = [policy.prefill_order(placed.nodes("prefill"), Need(10))[0].node_id for _ in range(4)]
     assert firsts == ["p0", "p1", "p2", "p0"]  # load is ignored, by design
-    decodes = [policy.pick_decode(view.alive("decode"), 10, set()).node_id for _ in range(3)]
+    decodes = [policy.pick_decode(placed.nodes("decode"), Need(10)).node_id for _ in range(3)]
     assert decodes == ["d0", "d1", "d0"]
 
 
 def test_jsq_joins_the_shortest_prefill_queue_and_least_used_decode():
-    view = cluster_with(
-        {"p0": (3, 1), "p1": (0, 1), "p2": (1, 1)},
-        {"d0": 50, "d1": 50},
-        in_use={"d0": 30, "d1": 10},
+    placed = Placed(
+        cluster_with(
+            {"p0": (3, 1), "p1": (0, 1), "p2": (1, 1)}, {"d0": 50, "d1": 50}, {"d0": 30, "d1": 10}
+        )
     )
     policy = make_policy("jsq")
-    assert [n.node_id for n in policy.prefill_order(view.alive("prefill"), 10)] == [
-        "p1",
-        "p2",
-        "p0",
-    ]
-    view.nodes["p1"].in_prefill.update(a=1, b=1, c=1, d=1, e=1)  # sent since its report
-    assert policy.prefill_order(view.alive("prefill"), 10)[0].node_id == "p2"
-    assert policy.pick_decode(view.alive("decode"), 10, set()).node_id == "d1"
+    order = policy.prefill_order(placed.nodes("prefill"), Need(10))
+    assert [n.node_id for n in order] == ["p1", "p2", "p0"]
+    placed.in_prefill("p1", 1, 1, 1, 1, 1, decode="d1")  # sent since its report
+    assert policy.prefill_order(placed.nodes("prefill"), Need(10))[0].node_id == "p2"
+    assert policy.pick_decode(placed.nodes("decode"), Need(10)).node_id == "d1"  # 10 + 5 < 30
 
 
 def test_kv_aware_minimises_estimated_ttft_with_the_cost_formula(caplog):
     from pdserve.common.costmodel import CostModel
 
-    view = cluster_with({"p0": (0, 0), "p1": (0, 0)}, {"d0": 50})
-    view.nodes["p0"].in_prefill.update(a=4000)  # one long prompt queued there
-    view.nodes["p1"].in_prefill.update(b=100, c=100, d=100)  # three short ones
+    placed = Placed(cluster_with({"p0": (0, 0), "p1": (0, 0)}, {"d0": 50}))
+    placed.in_prefill("p0", 4000)  # one long prompt queued there
+    placed.in_prefill("p1", 100, 100, 100)  # three short ones
     policy = make_policy("kv_aware", "h100-llama3.1-8b")
     cost = CostModel.named("h100-llama3.1-8b")
-    est = policy.estimate(view.nodes["p1"], 1000)
+    p1 = next(n for n in placed.nodes("prefill") if n.node_id == "p1")
+    est = policy.estimate(p1, 1000)  # type: ignore[attr-defined]
     assert est["queue_s"] == pytest.approx(3 * cost.prefill_seconds(100))
     assert est["ttft_s"] == pytest.approx(
         3 * cost.prefill_seconds(100) + cost.prefill_seconds(1000) + cost.transfer_seconds(1000)
     )
-    with caplog.at_level("DEBUG", logger="pdserve.gateway.schedulers"):
-        order = policy.prefill_order(view.alive("prefill"), 1000)
+    with caplog.at_level("DEBUG", logger="pdserve.gateway.policies.kv_aware"):
+        order = policy.prefill_order(placed.nodes("prefill"), Need(1000))
     assert [n.node_id for n in order] == ["p1", "p0"]  # 3 x 100 queued beats 1 x 4000
     assert "ttft_s" in caplog.text and "queue_s" in caplog.text
+
+
+def test_plan_pairs_every_prefill_candidate_with_one_decode_node():
+    placed = Placed(cluster_with({"p0": (0, 0), "p1": (0, 0)}, {"d0": 10, "d1": 40}))
+    pairs = plan(make_policy("on_demand"), placed.view, placed.table, Need(100))
+    assert [(p.node_id, d.node_id) for p, d in pairs] == [("p0", "d1"), ("p1", "d1")]
+    assert plan(make_policy("on_demand"), placed.view, placed.table, Need(10_000)) == []
+
+
+def test_a_policy_is_one_module_registered_by_name():
+    @register
+    class Fewest(Policy):
+        name = "test_fewest_id"
+
+        def prefill_order(self, nodes, need):
+            return sorted(nodes, key=lambda n: n.node_id, reverse=True)
+
+    try:
+        assert "test_fewest_id" in names() and {"on_demand", "jsq"} <= set(names())
+        policy = make_policy("test_fewest_id")
+        placed = Placed(cluster_with({"p0": (0, 0), "p1": (0, 0)}, {"d0": 10}))
+        assert plan(policy, placed.view, placed.table, Need(10))[0][0].node_id == "p1"
+        assert policy.pick_decode(placed.nodes("decode"), Need(10)).node_id == "d0"  # default
+        with pytest.raises(ValueError, match="two placement policies"):
+            register(type("Other", (Policy,), {"name": "test_fewest_id"}))
+    finally:
+        REGISTRY.pop("test_fewest_id", None)

@@ -96,3 +96,66 @@ def test_finish_and_abort_free_blocks():
     assert sched.block_manager.num_in_use_blocks == 3
     sched.finish(a, "abort")
     assert sched.block_manager.num_in_use_blocks == 0 and not sched.has_work
+
+
+# -- prefill mode: the on-demand answer to offers, batches, parking until the handoff ------
+def prefill_scheduler(**kw):
+    return make_scheduler(mode="prefill", **kw)
+
+
+def offer(sched, rid: str, n: int, queueing: bool = False) -> str | None:
+    reason = sched.can_take(n, queueing)
+    if reason is None:
+        sched.add(make_request(rid, n))
+    return reason
+
+
+def test_on_demand_rejects_when_the_batch_or_its_token_budget_is_full():
+    sched = prefill_scheduler(max_num_seqs=2, max_batch_tokens=100, num_blocks=50, block_size=16)
+    assert offer(sched, "a", 60) is None
+    assert "token budget" in offer(sched, "b", 50)
+    assert offer(sched, "c", 30) is None
+    assert "batch full" in offer(sched, "d", 1)
+    out = run_step(sched)
+    assert [s.seq_id for s, _ in out.prefills] == ["a", "c"]
+    # prefilled: out of the batch, but holding their blocks until handed off
+    assert not sched.running and set(sched.parked) == {"a", "c"}
+    assert sched.block_manager.num_in_use_blocks == 4 + 2
+    assert offer(sched, "e", 1) is None
+    assert sched.release("a") is not None and sched.block_manager.num_in_use_blocks == 2 + 0
+
+
+def test_a_long_prompt_alone_and_room_in_the_kv_cache():
+    sched = prefill_scheduler(max_num_seqs=4, max_batch_tokens=100, num_blocks=50, block_size=16)
+    assert offer(sched, "long", 300) is None  # alone: accepted, run alone
+    assert "exceeds" in offer(sched, "huge", 16 * 51)
+    small = prefill_scheduler(max_num_seqs=4, max_batch_tokens=1000, num_blocks=4, block_size=16)
+    assert offer(small, "x", 48) is None
+    assert "KV cache full" in offer(small, "y", 32)  # 3 of 4 blocks promised to x
+
+
+def test_queueing_accepts_whatever_could_fit_and_batches_fifo():
+    sched = prefill_scheduler(max_num_seqs=2, max_batch_tokens=100, num_blocks=50, block_size=16)
+    for i in range(5):
+        assert offer(sched, str(i), 40, queueing=True) is None
+    assert [s.seq_id for s, _ in run_step(sched).prefills] == ["0", "1"]
+    assert [s.seq_id for s, _ in run_step(sched).prefills] == ["2", "3"]
+    sched.finish(sched.waiting[0], "abort")
+    assert not sched.waiting
+
+
+def test_decode_mode_hands_a_preempted_sequence_back_instead_of_requeueing_it():
+    from pdserve.common.engine.sequence import SeqStatus
+
+    sched = make_scheduler(mode="decode", num_blocks=4, block_size=4)
+    for rid in ("a", "b"):
+        seq = make_request(rid, 7)
+        seq.block_table = sched.block_manager.allocate(2)
+        seq.token_ids.append(9)  # the first token, from the prefill node
+        seq.num_computed_tokens = 7
+        sched.admit_prefilled(seq)
+    assert not run_step(sched).preempted  # 8 tokens: two blocks hold them
+    out = run_step(sched)  # both grow into a third block: only one can
+    assert [s.seq_id for s in out.preempted] == ["b"] and not sched.waiting
+    assert out.preempted[0].status is SeqStatus.PREEMPTED and not out.preempted[0].block_table
+    assert [s.seq_id for s in out.decodes] == ["a"]

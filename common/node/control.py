@@ -1,12 +1,12 @@
-"""What prefill and decode nodes share: registration, heartbeats, leases, drain, engine thread.
+"""A node's control plane, the same for every role: registration, heartbeats, leases, drain.
 
 A node connects a DEALER (identity = node id + a random suffix) to the gateway's control
 ROUTER, registers, and sends a heartbeat with its load every `heartbeat_interval`. The reply
 names request ids the gateway no longer knows (the node frees them: leases) or says the
-gateway does not know the node (it restarted): the node registers again. Engine work runs in
-one dedicated thread so the event loop keeps answering offers and heartbeats during a
-forward pass. SIGTERM drains: stop taking work, finish what is held (or hand it back after
-`drain_timeout`), exit.
+gateway does not know the node (it restarted): the node registers again. SIGTERM drains:
+stop taking work, finish what is held (or hand it back after `drain_timeout`), exit. A loop
+that dies takes the node down, so that a supervisor restarts it rather than the gateway
+offering work to a node that cannot do it.
 """
 
 from __future__ import annotations
@@ -15,13 +15,10 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import secrets
 import signal
-import socket
 import time
 from abc import ABC, abstractmethod
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import zmq
@@ -30,6 +27,12 @@ import zmq.asyncio
 from pdserve.common.config import EngineConfig, NodeConfig
 from pdserve.common.engine.interface import Engine
 from pdserve.common.errors import PdserveError
+from pdserve.common.node.host import (
+    default_node_id,
+    facing_address,
+    host_identity,
+    resolve_tokens_address,
+)
 from pdserve.common.node_metrics import NodeMetrics, start_http
 from pdserve.common.protocol import (
     GATEWAY_DECODER,
@@ -55,54 +58,7 @@ class RegistrationRefused(PdserveError):
     pass
 
 
-def default_node_id(role: str) -> str:
-    """The compose container name (`pdserve-prefill-2`) in Docker, else ROLE-HOSTNAME-PID."""
-    from pdserve.common.container import container_name
-
-    return container_name() or f"{role}-{socket.gethostname()}-{os.getpid()}"
-
-
-def _host_of(address: str) -> str:
-    """`tcp://gateway:8001` -> `gateway`."""
-    return address.split("://", 1)[1].rsplit(":", 1)[0]
-
-
-def facing_address(gateway: str) -> str:
-    """This host's address on the route to the gateway: what peers can reach us at when no
-    --advertise-host is given (127.0.0.1 for a local gateway, the container's address on the
-    compose network). A UDP connect sends nothing; it only asks the kernel for the route."""
-    host = _host_of(gateway).strip("[]")
-    if host in ("localhost", "127.0.0.1", "*", ""):
-        return "127.0.0.1"
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))
-            return str(s.getsockname()[0])
-    except OSError:
-        return socket.gethostname()
-
-
-def resolve_tokens_address(address: str, gateway: str) -> str:
-    """The gateway may leave its tokens host empty ("tcp://:8002"): then it is the host this
-    node registered through, which is by construction one the node can reach."""
-    if address.startswith("tcp://:"):
-        return f"tcp://{_host_of(gateway)}:{address.rsplit(':', 1)[1]}"
-    return address
-
-
-def host_identity() -> str:
-    """Equal exactly for processes that can share /dev/shm: the same kernel (boot id) and the
-    same IPC namespace. Containers sharing an IPC namespace match; hostnames do not matter."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        ipc_ns = os.readlink("/proc/self/ns/ipc")
-    except OSError:
-        return f"{socket.gethostname()}/{os.getpid()}"  # unknown: never share memory
-    return f"{boot}/{ipc_ns}"
-
-
-class NodeBase(ABC):
+class NodeControl(ABC):
     role: Role
     pushes_tokens = False  # decode and colocated nodes stream tokens to the gateway
 
@@ -124,7 +80,6 @@ class NodeBase(ABC):
             identity=f"{self.node_id}/{secrets.token_hex(4)}",  # unique even for a duplicate id
             max_msg=CONTROL_MAX_MSG,
         )
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-engine")
         self.registered = asyncio.Event()
         self.stopped = asyncio.Event()
         self.draining = False
@@ -154,6 +109,10 @@ class NodeBase(ABC):
     def idle(self) -> bool:
         """Nothing held: a draining node may exit."""
 
+    def on_registered(self, ack: RegisterAck) -> None:
+        """The gateway accepted us and said how to take work (a role applies what it needs)."""
+        return None
+
     async def on_drain_timeout(self) -> None:
         """Hand back whatever is still held when the drain timeout passes."""
         return None
@@ -175,7 +134,6 @@ class NodeBase(ABC):
             max_batch=self.ecfg.max_batch,
             max_batch_tokens=self.ecfg.max_batch_tokens,
             max_model_len=eng.max_model_len,
-            queueing=self.cfg.queueing,
         )
 
     async def push_tokens(self, msg: Msg) -> None:
@@ -200,9 +158,6 @@ class NodeBase(ABC):
         task = asyncio.ensure_future(coro)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
-
-    async def run_engine(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -249,15 +204,14 @@ class NodeBase(ABC):
                 await task
         if self.http is not None:
             await self.http.cleanup()
-        self.executor.shutdown(wait=True, cancel_futures=True)
-        self.close_sockets()
+        await self.close_role()
         if self.tokens_sock is not None:
             self.tokens_sock.close()
         self.control.close()
         self.ctx.term()
 
-    def close_sockets(self) -> None:
-        """Close role-specific sockets (before the context terminates)."""
+    async def close_role(self) -> None:
+        """Stop what the role runs beside the control plane (before the context ends)."""
         return None
 
     def begin_drain(self) -> None:
@@ -283,6 +237,7 @@ class NodeBase(ABC):
             self.last_reply = time.monotonic()
             match msg:
                 case RegisterAck(tokens_address=address):
+                    self.on_registered(msg)
                     self.tokens_address = resolve_tokens_address(address, self.cfg.gateway)
                     self.registered.set()
                     log.info("%s registered", self.node_id)

@@ -1,0 +1,54 @@
+"""Where a node is: its default id, the address peers reach it at, the host identity that
+decides whether two nodes may share memory."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def default_node_id(role: str) -> str:
+    """The compose container name (`pdserve-prefill-2`) in Docker, else ROLE-HOSTNAME-PID."""
+    from pdserve.common.container import container_name
+
+    return container_name() or f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def _host_of(address: str) -> str:
+    """`tcp://gateway:8001` -> `gateway`."""
+    return address.split("://", 1)[1].rsplit(":", 1)[0]
+
+
+def facing_address(gateway: str) -> str:
+    """This host's address on the route to the gateway: what peers can reach us at when no
+    --advertise-host is given (127.0.0.1 for a local gateway, the container's address on the
+    compose network). A UDP connect sends nothing; it only asks the kernel for the route."""
+    host = _host_of(gateway).strip("[]")
+    if host in ("localhost", "127.0.0.1", "*", ""):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
+
+
+def resolve_tokens_address(address: str, gateway: str) -> str:
+    """The gateway may leave its tokens host empty ("tcp://:8002"): then it is the host this
+    node registered through, which is by construction one the node can reach."""
+    if address.startswith("tcp://:"):
+        return f"tcp://{_host_of(gateway)}:{address.rsplit(':', 1)[1]}"
+    return address
+
+
+def host_identity() -> str:
+    """Equal exactly for processes that can share /dev/shm: the same kernel (boot id) and the
+    same IPC namespace. Containers sharing an IPC namespace match; hostnames do not matter."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        ipc_ns = os.readlink("/proc/self/ns/ipc")
+    except OSError:
+        return f"{socket.gethostname()}/{os.getpid()}"  # unknown: never share memory
+    return f"{boot}/{ipc_ns}"

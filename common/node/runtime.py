@@ -1,0 +1,193 @@
+"""The node runtime every role runs on: one request table, one step loop, one way to abort.
+
+`requests` holds every request the node has (by wire id) from the moment it takes it until
+it lets go: a prefill node from its Accept until the decode node acknowledged the KV, a
+decode node from the KV's arrival (its intake holds it before that) until the last token, a
+colocated node from Accept to last token. Each entry is the engine `Sequence` (tokens, KV
+blocks, scheduling state, in `scheduler`) plus what the role needs beside it.
+
+The step loop asks the scheduler for the next step, lets the role prepare (`before_step`),
+runs the engine in one dedicated thread (so the event loop keeps answering offers and
+heartbeats during a forward pass; `engine_step` may add a layer hook), and hands the result
+to the role (`after_step`). Preempted sequences go to `on_preempted`.
+
+Aborts (client gone, lease expired, stop string) go through `abort` alone: a request the
+running step is computing is dropped right after the step (its blocks are in use until
+then, and its token from that step is not sent); any other at once. Dropping frees its blocks
+wherever the scheduler holds it (waiting, running, parked) and lets the role let go of
+the rest (`on_dropped`: a KV transfer, an intake).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.common.config import EngineConfig, NodeConfig
+from pdserve.common.engine.interface import Engine
+from pdserve.common.engine.scheduler import Mode, Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.common.engine.sequence import Sequence
+from pdserve.common.node.control import NodeControl
+from pdserve.common.protocol import DecodeTarget, Load, Preempted
+from pdserve.common.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NodeRequest:
+    seq: Sequence
+    accepted_at: float = field(default_factory=time.monotonic)
+    target: DecodeTarget | None = None  # prefill: the decode node its KV goes to
+
+
+class NodeBase(NodeControl):
+    mode: Mode = "colocated"
+
+    def __init__(
+        self, cfg: NodeConfig, ecfg: EngineConfig, engine: Engine, tokenizer: Tokenizer
+    ) -> None:
+        super().__init__(cfg, ecfg, engine, tokenizer)
+        self.scheduler = Scheduler(self.scheduler_config())
+        self.blocks = self.scheduler.block_manager
+        self.requests: dict[str, NodeRequest] = {}
+        self.in_step: set[str] = set()  # ids the engine is computing right now
+        self.step_over: asyncio.Future[None] | None = None  # resolved when that step ends
+        self.aborted: set[str] = set()  # ids to drop once the running step is over
+        self.work = asyncio.Event()
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-engine")
+
+    def scheduler_config(self) -> SchedulerConfig:
+        e, engine = self.ecfg, self.engine
+        return SchedulerConfig(
+            max_num_seqs=e.max_batch,
+            max_batch_tokens=e.max_batch_tokens,
+            chunk_size=e.chunk_size,
+            num_blocks=engine.num_blocks,
+            block_size=engine.block_size,
+            watermark_blocks=int(e.watermark * engine.num_blocks),
+            mode=self.mode,
+        )
+
+    # -- hooks of the role -----------------------------------------------------------------
+    async def before_step(self, out: SchedulerOutput) -> None:
+        """The step is scheduled and about to run."""
+
+    def engine_step(self, out: SchedulerOutput, loop: asyncio.AbstractEventLoop) -> Any:
+        """Engine thread: run the step; returns the sampled tokens (or what after_step needs)."""
+        from pdserve.common.engine.scheduler import step_work
+
+        return self.engine.step(*step_work(out))
+
+    async def after_step(self, out: SchedulerOutput, grew: list[Sequence], result: Any) -> None:
+        """The step is done; `grew` are the sequences that produced a token (aborted ones
+        left out)."""
+
+    async def on_preempted(self, seqs: list[Sequence]) -> None:
+        """Sequences the scheduler preempted (decode: handed back to the gateway)."""
+
+    def on_dropped(self, rid: str, req: NodeRequest | None) -> None:
+        """A request was aborted: let go of what the role holds for it beside the engine."""
+
+    def extra_held(self) -> list[str]:
+        """Ids the role holds outside `requests` (a decode node's incoming transfers)."""
+        return []
+
+    async def step_failed(self, out: SchedulerOutput, exc: Exception) -> None:
+        """The engine raised: by default the node stops (a supervisor restarts it)."""
+        raise exc
+
+    # -- the table -------------------------------------------------------------------------
+    def load(self) -> Load:
+        sched, bm = self.scheduler, self.blocks
+        cached = bm.num_cached_blocks
+        extra = self.extra_held()
+        return Load(
+            running=len(sched.running),
+            waiting=len(sched.waiting) + len(extra),
+            # blocks held back by the watermark are not offered: work needing them waits
+            blocks_free=max(0, bm.num_free_blocks - cached - sched.cfg.watermark_blocks),
+            blocks_cached=cached,
+            blocks_in_use=bm.num_in_use_blocks,
+            held=(*self.requests, *extra),
+            draining=self.draining,
+        )
+
+    def idle(self) -> bool:
+        return not self.requests and not self.extra_held()
+
+    def abort(self, rid: str) -> None:
+        """The one way a request ends early, whatever the role (see the module's note)."""
+        if rid in self.in_step:
+            self.aborted.add(rid)
+        else:
+            self._drop(rid)
+
+    def free_stale(self, request_ids: tuple[str, ...]) -> None:
+        for rid in request_ids:
+            log.info("lease expired for %s: freeing its KV", rid)
+            self.abort(rid)
+
+    def _drop(self, rid: str) -> None:
+        req = self.requests.pop(rid, None)
+        if req is not None:
+            self.scheduler.finish(req.seq, "abort")
+            self.work.set()  # blocks freed: waiting work may fit now
+        self.on_dropped(rid, req)
+
+    async def out_of_step(self, rid: str) -> None:
+        """Wait until the engine is not computing `rid` (its blocks are ours again)."""
+        while rid in self.in_step and self.step_over is not None:
+            await asyncio.shield(self.step_over)  # shielded: a cancelled waiter leaves it be
+
+    async def hand_back(self, reason: str) -> None:
+        """Give every held request back to the gateway to be re-placed (decode, colocated)."""
+        for rid in list(self.requests):
+            await self.push_tokens(Preempted(node_id=self.node_id, request_id=rid, reason=reason))
+            self.abort(rid)
+
+    # -- the step loop ---------------------------------------------------------------------
+    async def run_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def serve(self) -> None:
+        self.tasks.append(asyncio.create_task(self._step_loop()))
+        await super().serve()
+
+    async def close_role(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+    async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self.work.wait()
+            self.work.clear()
+            while self.scheduler.has_work:
+                out = self.scheduler.schedule()
+                if out.preempted:
+                    await self.on_preempted(out.preempted)
+                if out.empty:
+                    break  # nothing fits now (KV full): wait for blocks to free
+                await self.before_step(out)
+                self.in_step, self.step_over = out.seq_ids, loop.create_future()
+                started = time.monotonic()
+                try:
+                    result = await self.run_engine(self.engine_step, out, loop)
+                except Exception as exc:
+                    await self.step_failed(out, exc)
+                    continue
+                finally:
+                    self.in_step = set()
+                    self.step_over.set_result(None)
+                self.metrics.step_time.observe(time.monotonic() - started)
+                tokens = result[0] if isinstance(result, tuple) else result
+                grew = self.scheduler.on_step_done(out, tokens)
+                aborted, self.aborted = self.aborted, set()
+                await self.after_step(out, [s for s in grew if s.seq_id not in aborted], result)
+                for rid in aborted:
+                    self._drop(rid)

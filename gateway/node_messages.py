@@ -1,0 +1,249 @@
+"""What the gateway does with each message from the nodes: one handler per message type, in
+one table per socket (`CONTROL`, `TOKENS`), one dispatch.
+
+Every handler checks that the message comes from the node that holds the attempt it names
+(the request table says which): a late or stray message for an attempt that moved on, or from
+another node, changes nothing. Anyone who reaches the control port can send anything: a
+message that is not one identity frame plus one well-formed payload is logged and dropped,
+and no message, however handled, ends a loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+from pdserve.common.config import GatewayConfig
+from pdserve.common.protocol import (
+    NODE_DECODER,
+    TOKENS_DECODER,
+    Abort,
+    Accept,
+    Deregister,
+    FirstToken,
+    Heartbeat,
+    HeartbeatReply,
+    KvTransferred,
+    NeedDecode,
+    Preempted,
+    PrefillFailed,
+    Redirect,
+    Register,
+    RegisterAck,
+    RegisterRefuse,
+    Reject,
+    TokenBatch,
+)
+from pdserve.common.transport import decode_or_none, send
+from pdserve.gateway.cluster import ClusterView
+from pdserve.gateway.plan import redirect
+from pdserve.gateway.policies import Need, Policy
+from pdserve.gateway.table import Attempt, RequestTable
+
+if TYPE_CHECKING:
+    import zmq.asyncio
+
+    from pdserve.gateway.metrics import GatewayMetrics
+    from pdserve.gateway.placement import Placer
+    from pdserve.gateway.requests import GatewayRequest
+
+log = logging.getLogger(__name__)
+Handler = Callable[[Any, bytes, Any], Coroutine[Any, Any, None]]
+
+
+class NodeMessages:
+    cfg: GatewayConfig
+    cluster: ClusterView
+    table: RequestTable
+    policy: Policy
+    placer: Placer
+    metrics: GatewayMetrics
+    control: zmq.asyncio.Socket
+    tokens: zmq.asyncio.Socket
+    tokens_address: str
+    tokenizer_fingerprint: str
+
+    # provided by Gateway
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None: ...
+    def _on_token(
+        self, req: GatewayRequest, index: int, token: int, reason: str | None
+    ) -> None: ...
+    async def replace(self, req: GatewayRequest, reason: str, kind: str = "lost") -> None: ...
+    async def _drop_node(self, node_id: str, why: str) -> None: ...
+
+    # -- loops -----------------------------------------------------------------------------
+    async def _control_loop(self) -> None:
+        while True:
+            frames = await self.control.recv_multipart()
+            msg = decode_or_none(NODE_DECODER, frames[1]) if len(frames) == 2 else None
+            handler = CONTROL.get(type(msg))
+            if handler is None:
+                log.warning(
+                    "dropping malformed control message (%d frames) from %r",
+                    len(frames),
+                    frames[0][:64],
+                )
+                continue
+            try:
+                await handler(self, frames[0], msg)
+            except Exception:
+                log.exception("handling %s failed", type(msg).__name__)
+
+    async def _tokens_loop(self) -> None:
+        while True:
+            msg = decode_or_none(TOKENS_DECODER, await self.tokens.recv())
+            handler = TOKENS.get(type(msg))
+            if handler is None:
+                log.warning("dropping malformed token message")
+                continue
+            try:
+                await handler(self, b"", msg)
+            except Exception:
+                log.exception("handling %s failed", type(msg).__name__)
+
+    def _held_by(self, identity: bytes, rid: str, role: str) -> Attempt | None:
+        """The attempt `rid` if the node speaking (by socket identity) holds it in `role`."""
+        attempt = self.table.get(rid)
+        node = self.cluster.by_identity(identity)
+        if attempt is None or node is None or getattr(attempt, role) != node.node_id:
+            return None
+        return attempt
+
+    async def _reply(self, identity: bytes, msg: Any) -> None:
+        await send(self.control, msg, to=identity)
+
+    # -- control socket --------------------------------------------------------------------
+    async def _on_register(self, identity: bytes, msg: Register) -> None:
+        info = msg.info
+        reason = self.cluster.register(info, identity, time.monotonic(), self.tokenizer_fingerprint)
+        if reason is not None:
+            log.warning("refused node %s: %s", info.node_id, reason)
+            await self._reply(identity, RegisterRefuse(node_id=info.node_id, reason=reason))
+            return
+        log.info("registered %s node %s (%s)", info.role, info.node_id, info.model_id)
+        ack = RegisterAck(
+            node_id=info.node_id,
+            tokens_address=self.tokens_address,
+            # the policy decides how prefill nodes take offers: one rule, whatever launched them
+            queueing=self.policy.queueing,
+        )
+        await self._reply(identity, ack)
+        self.placer.capacity_changed()
+
+    async def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
+        known = self.cluster.heartbeat(msg.node_id, identity, msg.load, time.monotonic())
+        # the lease: ids the node holds that the gateway no longer knows are freed there
+        stale = tuple(r for r in msg.load.held if self.table.get(r) is None) if known else ()
+        await self._reply(identity, HeartbeatReply(stale=stale, unknown_node=not known))
+        self.placer.capacity_changed()
+
+    async def _on_answer(self, identity: bytes, msg: Accept | Reject) -> None:
+        accepted = isinstance(msg, Accept)
+        if not self.placer.answer(msg.request_id, identity, accepted) and accepted:
+            # too late: that offer timed out and the request moved on under a new wire id,
+            # so this aborts exactly the stale acceptance
+            await self._reply(identity, Abort(request_id=msg.request_id))
+
+    async def _on_first_token(self, identity: bytes, msg: FirstToken) -> None:
+        attempt = self._held_by(identity, msg.request_id, "prefill")
+        self.placer.capacity_changed()
+        if attempt is None:
+            return  # an old attempt's, or not from the node that holds the request
+        req = attempt.req
+        self.table.prefilled(attempt)
+        req.mark(f"prefilled.{req.attempt}")
+        req.timeline[f"prefill_ms.{req.attempt}"] = round(msg.prefill_ms, 3)
+        req.timeline[f"queue_ms.{req.attempt}"] = round(msg.queue_ms, 3)
+        if msg.finish_reason is not None:
+            self.table.delivered(attempt)  # it ended here: the node kept no KV for it
+        self._on_token(req, msg.index, msg.token_id, msg.finish_reason)
+
+    async def _on_kv_transferred(self, identity: bytes, msg: KvTransferred) -> None:
+        node = self.cluster.by_identity(identity)
+        self.metrics.kv_bytes.labels(node.node_id if node else "?", msg.backend).inc(msg.bytes)
+        self.metrics.kv_seconds.labels(msg.backend).observe((msg.end_ms - msg.start_ms) / 1000)
+        self.metrics.kv_overlap.labels(msg.backend).observe(msg.overlap_ms / 1000)
+        attempt = self._held_by(identity, msg.request_id, "prefill")
+        if attempt is None:
+            return
+        self.table.delivered(attempt)
+        req = attempt.req
+        req.timeline[f"kv_transfer.{req.attempt}"] = {  # type: ignore[assignment]
+            "backend": msg.backend,
+            "bytes": msg.bytes,
+            "layerwise": msg.layerwise,
+            "start_ms": round(msg.start_ms, 3),
+            "end_ms": round(msg.end_ms, 3),
+            "overlap_ms": round(msg.overlap_ms, 3),
+        }
+
+    async def _on_need_decode(self, identity: bytes, msg: NeedDecode) -> None:
+        refused = self.cluster.nodes.get(msg.refused_by)
+        if refused is not None:
+            refused.refused_at = time.monotonic()
+        attempt = self._held_by(identity, msg.request_id, "prefill")
+        if attempt is None or attempt.req.finished:
+            await self._reply(identity, Redirect(request_id=msg.request_id, decode=None))
+            return
+        need = Need(attempt.prompt_len, exclude_decode=frozenset({msg.refused_by}))
+        target = redirect(self.policy, self.cluster, self.table, need)
+        if target is None:
+            await self._reply(identity, Redirect(request_id=msg.request_id, decode=None))
+            # spawned, not awaited: the re-placement waits for an Accept this loop reads
+            why = f"{msg.refused_by} refused and no decode node had room"
+            self._spawn(self.replace(attempt.req, why, "no_room"))
+            return
+        blocks = target.blocks_for(attempt.prompt_len + 1)
+        self.table.redirect(attempt, target.node_id, blocks, time.monotonic())
+        await self._reply(
+            identity, Redirect(request_id=msg.request_id, decode=target.node.target())
+        )
+
+    async def _on_prefill_failed(self, identity: bytes, msg: PrefillFailed) -> None:
+        attempt = self._held_by(identity, msg.request_id, "prefill")
+        if attempt is not None:
+            # spawned, not awaited: the re-placement waits for an Accept this loop reads
+            self._spawn(self.replace(attempt.req, f"prefill failed: {msg.reason}"))
+
+    async def _on_deregister(self, identity: bytes, msg: Deregister) -> None:
+        node = self.cluster.nodes.get(msg.node_id)
+        if node is not None and node.identity == identity:
+            await self._drop_node(msg.node_id, "node left")
+
+    # -- tokens socket ---------------------------------------------------------------------
+    async def _on_token_batch(self, _: bytes, msg: TokenBatch) -> None:
+        if not msg.well_formed():
+            log.warning("dropping a token batch of unequal lists from %s", msg.node_id)
+            return
+        for rid, token, index, reason in zip(
+            msg.request_ids, msg.token_ids, msg.indices, msg.finish_reasons, strict=True
+        ):
+            attempt = self.table.get(rid)
+            # only from the node the KV went to (None: not placed yet as far as this side
+            # knows; the wire id alone is this attempt's)
+            if attempt is not None and attempt.decode in (None, msg.node_id):
+                self._on_token(attempt.req, index, token, reason)
+
+    async def _on_preempted(self, _: bytes, msg: Preempted) -> None:
+        attempt = self.table.get(msg.request_id)
+        if attempt is not None and attempt.decode == msg.node_id:
+            self._spawn(self.replace(attempt.req, msg.reason, "preempted"))
+
+
+CONTROL: dict[type, Handler] = {
+    Register: NodeMessages._on_register,
+    Heartbeat: NodeMessages._on_heartbeat,
+    Accept: NodeMessages._on_answer,
+    Reject: NodeMessages._on_answer,
+    FirstToken: NodeMessages._on_first_token,
+    KvTransferred: NodeMessages._on_kv_transferred,
+    NeedDecode: NodeMessages._on_need_decode,
+    PrefillFailed: NodeMessages._on_prefill_failed,
+    Deregister: NodeMessages._on_deregister,
+}
+TOKENS: dict[type, Handler] = {
+    TokenBatch: NodeMessages._on_token_batch,
+    Preempted: NodeMessages._on_preempted,
+}

@@ -1,0 +1,151 @@
+"""The gateway's one record of where every request runs. Pure: no sockets, `now` passed in.
+
+Each placement attempt of a request is an `Attempt`, keyed by its wire id
+(`request_id.attempt`): the prefill node that accepted it, the decode node its KV goes to, the
+KV blocks promised there, and its phase. Nothing else keeps placement state: what policies,
+metrics and failure handling need per node (requests in prefill, KV headed to a decode node,
+blocks promised since its last load report) is computed from this table.
+
+    OFFERED --commit--> PREFILL --first token--> DECODE --close--> (gone)
+       (an offer in flight)  (prefill node computing)  (KV on / headed to the decode node;
+                                                        the prefill node keeps its copy
+                                                        until the transfer is reported done)
+
+A redirect changes an attempt's decode node; a re-placement or an unanswered offer closes
+the attempt and opens the next one (a new wire id, so late messages for the old one are
+recognised as such).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from pdserve.gateway.requests import GatewayRequest
+
+
+class Phase(enum.Enum):
+    OFFERED = "offered"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass
+class Attempt:
+    req: GatewayRequest
+    wire_id: str
+    prompt_len: int = 0  # tokens this attempt prefills (prompt + output kept so far)
+    prefill: str | None = None  # node ids
+    decode: str | None = None
+    blocks: int = 0  # KV blocks promised on the decode node (prompt + first token)
+    placed_at: float = 0.0  # when the decode node was promised them
+    phase: Phase = Phase.OFFERED
+
+    def nodes(self) -> set[str]:
+        return {n for n in (self.prefill, self.decode) if n is not None}
+
+
+class RequestTable:
+    def __init__(self) -> None:
+        self.attempts: dict[str, Attempt] = {}  # by wire id
+        self._on_node: dict[str, set[str]] = {}  # node id -> wire ids placed on it
+
+    def __len__(self) -> int:
+        return len(self.attempts)
+
+    def __iter__(self) -> Iterator[Attempt]:
+        return iter(list(self.attempts.values()))
+
+    def get(self, wire_id: str) -> Attempt | None:
+        return self.attempts.get(wire_id)
+
+    def request(self, wire_id: str) -> GatewayRequest | None:
+        attempt = self.attempts.get(wire_id)
+        return attempt.req if attempt is not None else None
+
+    def current(self, req: GatewayRequest) -> Attempt | None:
+        attempt = self.attempts.get(req.wire_id)
+        return attempt if attempt is not None and attempt.req is req else None
+
+    # -- transitions ------------------------------------------------------------------------
+    def open(self, req: GatewayRequest, prompt_len: int) -> Attempt:
+        attempt = Attempt(req, req.wire_id, prompt_len)
+        self.attempts[req.wire_id] = attempt
+        return attempt
+
+    def commit(self, attempt: Attempt, prefill: str, decode: str, blocks: int, now: float) -> None:
+        """A prefill node accepted: the attempt holds it, and KV blocks on the decode node."""
+        assert attempt.phase is Phase.OFFERED, attempt
+        attempt.prefill, attempt.phase = prefill, Phase.PREFILL
+        self._place(attempt, decode, blocks, now)
+        self._link(attempt, prefill)
+        attempt.req.ran_on = {"prefill": prefill, "decode": decode}
+
+    def redirect(self, attempt: Attempt, decode: str, blocks: int, now: float) -> None:
+        """Its decode node refused the KV: another one takes it."""
+        if attempt.decode is not None and attempt.decode != attempt.prefill:
+            self._unlink(attempt, attempt.decode)
+        self._place(attempt, decode, blocks, now)
+        attempt.req.ran_on["decode"] = decode
+
+    def prefilled(self, attempt: Attempt) -> None:
+        """The first token arrived: prefill is over. The prefill node keeps the KV (and the
+        attempt stays on it: its death loses the request) until the decode node has it."""
+        attempt.phase = Phase.DECODE
+
+    def delivered(self, attempt: Attempt) -> None:
+        """The decode node acknowledged the KV: the prefill node holds nothing of it."""
+        if attempt.prefill is not None and attempt.prefill != attempt.decode:
+            self._unlink(attempt, attempt.prefill)
+            attempt.prefill = None
+
+    def close(self, wire_id: str) -> Attempt | None:
+        attempt = self.attempts.pop(wire_id, None)
+        if attempt is not None:
+            for node in attempt.nodes():
+                self._unlink(attempt, node)
+        return attempt
+
+    def renew(self, req: GatewayRequest) -> Attempt:
+        """The attempt's wire id is spent (an offer went unanswered and may still be
+        accepted): the request goes on as a fresh attempt under a new one."""
+        old = self.close(req.wire_id)
+        placing = req.timeline.get(f"placing.{req.attempt}")
+        req.attempt += 1
+        if placing is not None:
+            req.timeline[f"placing.{req.attempt}"] = placing
+        return self.open(req, old.prompt_len if old is not None else len(req.prompt_ids))
+
+    # -- what is on a node (derived) --------------------------------------------------------
+    def on_node(self, node_id: str) -> list[Attempt]:
+        return [self.attempts[w] for w in self._on_node.get(node_id, ())]
+
+    def in_prefill(self, node_id: str) -> list[Attempt]:
+        return [
+            a for a in self.on_node(node_id) if a.prefill == node_id and a.phase is Phase.PREFILL
+        ]
+
+    def headed_to(self, node_id: str) -> list[Attempt]:
+        """Attempts whose KV is on, or on its way to, this decode node."""
+        return [a for a in self.on_node(node_id) if a.decode == node_id]
+
+    def promised_since(self, node_id: str, since: float) -> int:
+        """KV blocks promised on a decode node after its last load report (which does not
+        show them yet)."""
+        return sum(a.blocks for a in self.headed_to(node_id) if a.placed_at > since)
+
+    # -- internals --------------------------------------------------------------------------
+    def _place(self, attempt: Attempt, decode: str, blocks: int, now: float) -> None:
+        attempt.decode, attempt.blocks, attempt.placed_at = decode, blocks, now
+        self._link(attempt, decode)
+
+    def _link(self, attempt: Attempt, node_id: str) -> None:
+        self._on_node.setdefault(node_id, set()).add(attempt.wire_id)
+
+    def _unlink(self, attempt: Attempt, node_id: str) -> None:
+        wires = self._on_node.get(node_id)
+        if wires is not None:
+            wires.discard(attempt.wire_id)
+            if not wires:
+                del self._on_node[node_id]

@@ -1,0 +1,93 @@
+"""The gateway's request table: one owner of where each attempt runs; every per-node number
+is derived from it, and every transition keeps the per-node index consistent."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdserve.common.sampling import SamplingParams
+from pdserve.gateway.requests import GatewayRequest
+from pdserve.gateway.table import Phase, RequestTable
+
+
+def make_request(rid: str, n: int = 32) -> GatewayRequest:
+    return GatewayRequest(
+        request_id=rid,
+        kind="completion",
+        model="m",
+        prompt_ids=list(range(n)),
+        params=SamplingParams(),
+        stream=False,
+        include_usage=False,
+        tokenizer=None,  # type: ignore[arg-type]
+    )
+
+
+def test_an_attempt_moves_from_offer_to_prefill_to_decode_and_nodes_see_it():
+    table = RequestTable()
+    req = make_request("a", 40)
+    attempt = table.open(req, 40)
+    assert attempt.phase is Phase.OFFERED and table.on_node("p0") == []
+    table.commit(attempt, "p0", "d0", blocks=3, now=5.0)
+    assert table.in_prefill("p0") == [attempt] and table.headed_to("d0") == [attempt]
+    assert table.promised_since("d0", 4.0) == 3 and table.promised_since("d0", 5.0) == 0
+    assert req.ran_on == {"prefill": "p0", "decode": "d0"}
+    table.prefilled(attempt)
+    assert table.in_prefill("p0") == [] and table.on_node("p0") == [attempt]  # holds the KV
+    table.delivered(attempt)
+    assert table.on_node("p0") == [] and attempt.prefill is None
+    assert table.close("a.0") is attempt and len(table) == 0 and table.on_node("d0") == []
+
+
+def test_a_redirect_moves_the_kv_and_a_renewal_spends_the_wire_id():
+    table = RequestTable()
+    req = make_request("b")
+    attempt = table.open(req, 32)
+    table.commit(attempt, "p0", "d0", blocks=2, now=1.0)
+    table.redirect(attempt, "d1", blocks=2, now=2.0)
+    assert table.headed_to("d0") == [] and table.headed_to("d1") == [attempt]
+    assert req.ran_on["decode"] == "d1"
+    req.timeline["placing.0"] = 1.0
+    fresh = table.renew(req)
+    assert fresh.wire_id == "b.1" and table.get("b.0") is None and table.current(req) is fresh
+    assert table.on_node("p0") == [] and fresh.phase is Phase.OFFERED
+    assert req.timeline["placing.1"] == 1.0
+
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["open", "commit", "prefilled", "delivered", "redirect", "close", "renew"]),
+        st.integers(0, 5),  # which request
+        st.integers(0, 2),  # which node
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(OPS)
+def test_the_per_node_index_always_matches_the_attempts(ops):
+    table = RequestTable()
+    reqs = [make_request(f"r{i}") for i in range(6)]
+    for op, i, n in ops:
+        req, attempt = reqs[i], table.current(reqs[i])
+        if op == "open" and attempt is None:
+            table.open(req, 32)
+        elif attempt is None:
+            continue
+        elif op == "commit" and attempt.phase is Phase.OFFERED:
+            table.commit(attempt, f"p{n}", f"d{n}", 2, float(len(ops)))
+        elif op == "prefilled" and attempt.phase is Phase.PREFILL:
+            table.prefilled(attempt)
+        elif op == "delivered" and attempt.phase is Phase.DECODE:
+            table.delivered(attempt)
+        elif op == "redirect" and attempt.phase is not Phase.OFFERED:
+            table.redirect(attempt, f"d{(n + 1) % 3}", 2, 0.0)
+        elif op == "close":
+            table.close(attempt.wire_id)
+        elif op == "renew":
+            table.renew(req)
+    for node in [f"{r}{k}" for r in "pd" for k in range(3)]:
+        expected = {a.wire_id for a in table if node in a.nodes()}
+        assert {a.wire_id for a in table.on_node(node)} == expected
