@@ -3,7 +3,12 @@
 Every random draw is a pure function of (seed, token position): `counter_uniform` hashes
 the pair with SplitMix64. Nothing depends on generator state, batch composition or which
 process produced the previous token, so a seeded request yields the same text in one
-process or split across a prefill node and a decode node (DESIGN §1).
+process or split across a prefill node and a decode node.
+
+`SamplingParams` is the one definition of a sampling field: the gateway reads each field from
+a request body by its name and type (gateway/openai_api.py), nodes receive the struct whole,
+`pdserve generate` makes a flag of each, and the checks below are the only ones. A new field
+is declared here and applied where the engine samples (common/engine/sampler.py).
 """
 
 from __future__ import annotations
@@ -11,6 +16,14 @@ from __future__ import annotations
 import msgspec
 
 MASK64 = (1 << 64) - 1
+
+
+class InvalidSampling(ValueError):
+    """A sampling field out of its range; `field` names it (the API's error `param`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -24,14 +37,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
+        checks = (
+            ("max_tokens", self.max_tokens >= 1, "at least 1"),
+            ("temperature", 0 <= self.temperature <= 2, "in [0, 2]"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k >= -1, "-1, 0 or positive"),
+            ("seed", self.seed is None or -(1 << 63) <= self.seed < (1 << 64), "a 64-bit integer"),
+        )
+        for name, ok, what in checks:
+            if not ok:
+                raise InvalidSampling(name, f"{name} must be {what}, got {getattr(self, name)}")
 
     @property
     def greedy(self) -> bool:

@@ -1,4 +1,5 @@
-"""The one socket factory: which side binds, which connects, and the size limits (DESIGN §4).
+"""The one socket factory: which side binds, which connects, and the size limits (the
+sockets and what travels on them: docs/architecture.md, section 1).
 
     socket            type    side      peer
     gateway.control   ROUTER  bind      node.control (DEALER, connects, identity = node id)

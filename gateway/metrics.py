@@ -1,4 +1,4 @@
-"""Prometheus metrics of the gateway, named after vLLM's where one exists (DESIGN §4).
+"""Prometheus metrics of the gateway, named `pdserve:` + vLLM's name where one exists.
 
 Counters and histograms are updated as requests flow; per-node gauges (running, waiting,
 in prefill, KV blocks by state) are read from the cluster view at scrape time.

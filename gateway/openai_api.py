@@ -10,7 +10,9 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pdserve.common.sampling import SamplingParams
+import msgspec
+
+from pdserve.common.sampling import InvalidSampling, SamplingParams
 from pdserve.common.tokenizer import Tokenizer
 
 ERROR_TYPES = {
@@ -187,37 +189,31 @@ def _completion_prompt(prompt: Any, tokenizer: Tokenizer) -> list[int]:
 
 
 def _sampling(body: dict[str, Any], max_tokens: int) -> SamplingParams:
-    temperature = float(_get(body, "temperature", (int, float), 1.0))
-    if not 0 <= temperature <= 2:
-        raise ApiError(400, f"temperature must be in [0, 2], got {temperature}", "temperature")
-    top_p = float(_get(body, "top_p", (int, float), 1.0))
-    if not 0 < top_p <= 1:
-        raise ApiError(400, f"top_p must be in (0, 1], got {top_p}", "top_p")
-    top_k = _get(body, "top_k", int, 0)
-    if top_k < -1:
-        raise ApiError(400, f"top_k must be -1, 0 or positive, got {top_k}", "top_k")
-    seed = _get(body, "seed", int)
-    stop = body.get("stop")
-    if stop is None:
-        stops: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stops = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stops = tuple(s for s in stop if s)
-    else:
-        raise ApiError(400, "'stop' must be a string or a list of strings", "stop")
-    ignore_eos = _get(body, "ignore_eos", bool, False)
-    if seed is None and temperature > 0 and top_k != 1:
-        seed = secrets.randbits(63)  # fixed now so every node of every attempt agrees
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        stop=stops,
-        ignore_eos=ignore_eos,
-    )
+    """Every `SamplingParams` field the body names, by its name and type (the struct is the
+    one definition of sampling fields: common/sampling.py); OpenAI's own shapes first."""
+    fields = {
+        name: body[name]
+        for name in SamplingParams.__struct_fields__
+        if name != "max_tokens" and body.get(name) is not None
+    }
+    stop = fields.get("stop")
+    if isinstance(stop, str):  # OpenAI: a string or a list of strings
+        fields["stop"] = [stop]
+    if isinstance(fields.get("stop"), list):
+        fields["stop"] = [s for s in fields["stop"] if s != ""]
+    try:
+        params = msgspec.convert({**fields, "max_tokens": max_tokens}, SamplingParams)
+    except msgspec.ValidationError as exc:
+        if isinstance(exc.__cause__, InvalidSampling):  # a range check (wrapped by msgspec)
+            raise ApiError(400, str(exc.__cause__), exc.__cause__.field) from exc
+        # a type: "Expected `int`, got `str` - at `$.top_k`"
+        message, _, where = str(exc).partition(" - at `$.")
+        param = where.split("`")[0].split("[")[0] or None
+        raise ApiError(400, f"'{param}': {message}" if param else message, param) from exc
+    if params.seed is None and not params.greedy:
+        # fixed now so every node of every attempt draws alike
+        params = params.with_seed(secrets.randbits(63))
+    return params
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

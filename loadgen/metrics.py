@@ -1,4 +1,4 @@
-"""Serving metrics from per-request records, with vLLM's definitions (DESIGN §7). Pure.
+"""Serving metrics from per-request records, with vLLM's definitions (below). Pure.
 
     TTFT    request sent -> first chunk carrying content (server_ttft: the server's own
             figure, from its `timings`, where it reports one)
@@ -105,7 +105,7 @@ def _stats(prefix: str, values: list[float]) -> dict[str, float | None]:
 
 
 def summarize(records: list[RequestRecord], slo: dict[str, float] | None = None) -> dict[str, Any]:
-    """Summary with DESIGN §7's keys, over the (post-warm-up) records given."""
+    """The summary (the keys of vLLM's benchmark), over the (post-warm-up) records given."""
     ok = [r for r in records if r.ok]
     start = min((r.sent for r in records), default=0.0)
     end = max((r.done for r in records), default=0.0)

@@ -1,4 +1,4 @@
-"""The `pdserve` console script: one sub-command per process or tool (DESIGN §3).
+"""The `pdserve` console script: one sub-command per process or tool.
 
 Sub-commands import their modules lazily, so `pdserve gateway` never loads torch.
 """
@@ -8,7 +8,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
 from collections.abc import Callable
+from typing import Any
+
+import msgspec
 
 from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig, add_flags, from_args
 from pdserve.common.errors import PdserveError
@@ -29,15 +33,8 @@ def _generate(args: argparse.Namespace) -> int:
         prompt_ids = tok.encode(text, add_special_tokens=False)
     else:
         prompt_ids = tok.encode(args.prompt)
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=tuple(args.stop or ()),
-        ignore_eos=args.ignore_eos,
-    )
+    fields = {f.name: getattr(args, f.name) for f in msgspec.structs.fields(SamplingParams)}
+    params = msgspec.convert({k: v for k, v in fields.items() if v is not None}, SamplingParams)
     for out in engine.generate([prompt_ids], params):
         sys.stdout.write(out.text)
     sys.stdout.write("\n")
@@ -48,15 +45,27 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="colocated generation in this process; prints the text")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
+    _add_sampling_flags(p, max_tokens=64, temperature=0.0)
     add_flags(p, EngineConfig)
     p.set_defaults(func=_generate)
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser, **defaults: Any) -> None:
+    """One flag per SamplingParams field (a new field gets its flag here by itself);
+    `defaults` overrides the struct's (generate is greedy by default)."""
+    from pdserve.common.sampling import SamplingParams
+
+    for f in msgspec.structs.fields(SamplingParams):
+        flag = "--" + f.name.replace("_", "-")
+        default = defaults.get(f.name, f.default)
+        origin, args = typing.get_origin(f.type), typing.get_args(f.type)
+        if f.type is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        elif origin is tuple:  # stop, stop_token_ids: repeatable
+            p.add_argument(flag, action="append", type=args[0], help="repeatable")
+        else:
+            kind = next((a for a in args if a is not type(None)), f.type)  # int | None -> int
+            p.add_argument(flag, type=kind, default=default)
 
 
 def _add_serving(sub: argparse._SubParsersAction) -> None:
@@ -83,6 +92,7 @@ def _add_serving(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--startup-timeout", type=float, default=300.0)
     add_flags(up, GatewayConfig, skip=("model",))
     add_flags(up, EngineConfig)
+    add_flags(up, NodeConfig, skip=launch.PER_NODE)
     up.set_defaults(func=launch.run_up)
 
 

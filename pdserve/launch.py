@@ -20,6 +20,17 @@ from typing import Any
 from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig, from_args
 from pdserve.supervisor import Child, Supervisor
 
+# node settings `pdserve up` decides per node itself (addresses, ports, ids)
+PER_NODE = (
+    "gateway",
+    "node_id",
+    "advertise_host",
+    "metrics_port",
+    "metrics_host",
+    "data_port",
+    "kv_tcp_port",
+)
+
 log = logging.getLogger(__name__)
 
 
@@ -115,6 +126,7 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float, nodes:
 def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
     gcfg = from_args(GatewayConfig, args)
     ecfg = from_args(EngineConfig, args)
+    node_flags = to_flags(from_args(NodeConfig, args), skip=PER_NODE)
     nodes = args.prefill + args.decode + args.colocated
     if ecfg.engine == "torch" and not ecfg.num_threads:
         ecfg = dataclasses.replace(ecfg, num_threads=max(1, (os.cpu_count() or 2) // nodes))
@@ -135,7 +147,7 @@ def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
     for role, count in roles:
         for i in range(count):
             node = [*base, role, "--gateway", address, "--node-id", f"{role}-{i}"]
-            cmds.append([*node, *to_flags(ecfg)])
+            cmds.append([*node, *to_flags(ecfg), *node_flags])
     return cmds
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from pdserve.common.engine.sampler import sample
-from pdserve.common.sampling import SamplingParams, counter_uniform
+from pdserve.common.sampling import InvalidSampling, SamplingParams, counter_uniform
 
 
 def test_counter_uniform_is_a_pure_function_in_range():
@@ -21,11 +21,14 @@ def test_counter_uniform_is_a_pure_function_in_range():
         {"top_p": 0.0},
         {"top_p": 1.5},
         {"top_k": -2},
+        {"temperature": 2.5},
+        {"seed": 1 << 64},
     ],
 )
-def test_invalid_params_are_rejected(bad):
-    with pytest.raises(ValueError):
+def test_invalid_params_are_rejected_naming_the_field(bad):
+    with pytest.raises(InvalidSampling) as err:
         SamplingParams(**bad)
+    assert err.value.field == next(iter(bad))
 
 
 def test_greedy_and_top_k_1_pick_the_argmax():
