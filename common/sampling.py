@@ -31,6 +31,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest one's probability
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -42,6 +43,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             ("temperature", 0 <= self.temperature <= 2, "in [0, 2]"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", self.top_k >= -1, "-1, 0 or positive"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
             ("seed", self.seed is None or -(1 << 63) <= self.seed < (1 << 64), "a 64-bit integer"),
         )
         for name, ok, what in checks:

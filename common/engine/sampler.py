@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with counter-based randomness.
+"""Token sampling: greedy, temperature, top-k, min-p, top-p, with counter-based randomness.
 
 A sampled row draws one uniform u = counter_uniform(seed, position) and inverts the CDF of
 the filtered distribution, sorted by probability (ties by token id). The draw depends only
@@ -37,6 +37,9 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, u: float) -> int:
     else:
         values, ids = torch.sort(scaled, descending=True, stable=True)
     probs = torch.softmax(values, dim=-1)
+    if p.min_p > 0.0:  # sorted: the tokens at least min_p x as likely as the top one lead
+        keep = max(1, int((probs >= p.min_p * probs[0]).sum().item()))
+        probs, ids = probs[:keep], ids[:keep]
     cdf = torch.cumsum(probs, dim=-1)
     if p.top_p < 1.0:
         # keep the smallest head whose mass reaches top_p (always at least one token)

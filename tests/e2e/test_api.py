@@ -160,6 +160,8 @@ BAD_BODIES = [
     pytest.param(CHAT, _chat(temperature="hot"), 400, "temperature", id="temperature-str"),
     pytest.param(CHAT, _chat(temperature=2.5), 400, "temperature", id="temperature-range"),
     pytest.param(CHAT, _chat(top_p=0), 400, "top_p", id="top-p-zero"),
+    pytest.param(CHAT, _chat(min_p=2), 400, "min_p", id="min-p-range"),
+    pytest.param(CHAT, _chat(min_p="x"), 400, "min_p", id="min-p-str"),
     pytest.param(CHAT, _chat(stop=5), 400, "stop", id="stop-int"),
     pytest.param(CHAT, _chat(stop=["a", 1]), 400, "stop", id="stop-list-mixed"),
     pytest.param(CHAT, _chat(stream="yes"), 400, "stream", id="stream-str"),

@@ -22,6 +22,7 @@ def test_counter_uniform_is_a_pure_function_in_range():
         {"top_p": 1.5},
         {"top_k": -2},
         {"temperature": 2.5},
+        {"min_p": 1.5},
         {"seed": 1 << 64},
     ],
 )
@@ -63,6 +64,15 @@ def test_top_p_and_top_k_restrict_the_support():
         for s in range(200)
     }
     assert picks_k == {0, 1}
+
+
+def test_min_p_drops_tokens_far_less_likely_than_the_top_one():
+    probs = torch.tensor([[0.5, 0.3, 0.12, 0.08]])  # min_p 0.2: keep p >= 0.1
+    picks = {
+        sample(torch.log(probs), [SamplingParams(temperature=1.0, min_p=0.2, seed=s)], [0])[0]
+        for s in range(300)
+    }
+    assert picks == {0, 1, 2}
 
 
 def test_sampling_follows_the_distribution():
