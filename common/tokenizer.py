@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,11 @@ from typing import Any
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from pdserve.common import cache
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.model_config import ModelSource, gguf_field, open_gguf, resolve_model
 
+log = logging.getLogger(__name__)
 GGUF_TOKEN_TYPE_CONTROL = 3
 GGUF_TOKEN_TYPE_USER_DEFINED = 4
 
@@ -37,8 +40,39 @@ class Tokenizer:
     def load(cls, model: str | ModelSource | None = None) -> Tokenizer:
         source = model if isinstance(model, ModelSource) else resolve_model(model)
         if source.kind == "gguf":
-            return cls._from_gguf(source.path)
+            name = cache.key("tokenizer", source.path) + ".json"
+            cached = cache.read(name)
+            if cached is not None:
+                try:
+                    return cls._from_cached(cached)
+                except Exception as exc:  # a cache must never break loading
+                    log.warning("ignoring a broken tokenizer cache entry %s: %s", name, exc)
+            tok = cls._from_gguf(source.path)
+            cache.write(name, tok._to_cached())
+            return tok
         return cls._from_hf(source.path)
+
+    def _to_cached(self) -> str:
+        return json.dumps(
+            {
+                "backend": self.backend.to_str(),
+                "eos_token_ids": list(self.eos_token_ids),
+                "bos_token_id": self.bos_token_id,
+                "add_bos_token": self.add_bos_token,
+                "chat_template": self.chat_template,
+            }
+        )
+
+    @classmethod
+    def _from_cached(cls, text: str) -> Tokenizer:
+        d = json.loads(text)
+        return cls(
+            backend=HFTokenizer.from_str(d["backend"]),
+            eos_token_ids=tuple(d["eos_token_ids"]),
+            bos_token_id=d["bos_token_id"],
+            add_bos_token=bool(d["add_bos_token"]),
+            chat_template=d["chat_template"],
+        )
 
     @property
     def vocab_size(self) -> int:

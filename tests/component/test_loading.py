@@ -146,3 +146,26 @@ def test_generate_cli_prints_only_the_text(smol_runner, tokenizer):
         timeout=60,
     )
     assert bad.returncode == 2 and "does not exist" in bad.stderr and bad.stdout == ""
+
+
+def test_the_gguf_tokenizer_cache_gives_the_same_tokenizer_and_survives_corruption(
+    tmp_path, monkeypatch
+):
+    from pdserve.common import cache
+    from pdserve.common.model_config import resolve_model
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    fresh = Tokenizer.load(None)  # parses the GGUF, writes the entry
+    (entry,) = tmp_path.iterdir()
+    assert entry.name == cache.key("tokenizer", resolve_model(None).path) + ".json"
+    cached = Tokenizer.load(None)
+    text = "Hello <|im_start|>user\nwörld 123<|im_end|>"
+    assert cached.encode(text) == fresh.encode(text)
+    assert cached.decode(fresh.encode(text)) == fresh.decode(fresh.encode(text))
+    assert cached.fingerprint() == fresh.fingerprint()
+    assert (cached.chat_template, cached.eos_token_ids) == (
+        fresh.chat_template,
+        fresh.eos_token_ids,
+    )
+    entry.write_text("{not json")
+    assert Tokenizer.load(None).fingerprint() == fresh.fingerprint()  # re-derived

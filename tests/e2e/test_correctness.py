@@ -53,15 +53,19 @@ def complete(cluster, prompt_ids: list[int], **extra) -> dict:
 
 
 @pytest.mark.parametrize(
-    "topology,backend",
-    [((1, 1), "zmq"), ((1, 1), "tcp"), ((1, 1), "shm"), ((1, 1), "ucx"), ((2, 2), "auto")],
-    ids=["1P1D-zmq", "1P1D-tcp", "1P1D-shm", "1P1D-ucx", "2P2D-auto"],
+    "backends",
+    [("zmq", "tcp"), ("shm", "ucx"), ("auto",)],
+    ids=["2P2D-zmq+tcp", "2P2D-shm+ucx", "1P1D-auto"],
 )
-def test_cluster_matches_single_process(make_cluster, reference, topology, backend):
+def test_cluster_matches_single_process(make_cluster, reference, backends):
+    """Each prefill node is forced to its own KV backend, so one cluster checks two backends
+    (and both topologies are covered: 2P2D, and 1P1D with the default)."""
     ps, expected, sampled, (stop, stopped) = reference
-    cluster = make_cluster(
-        prefill=topology[0], decode=topology[1], node_flags=("--kv-backend", backend)
-    )
+    n = len(backends)
+    extra = {f"prefill-{i}": ("--kv-backend", b) for i, b in enumerate(backends)}
+    if "ucx" in backends:  # decode nodes open a UCX listener only when asked to
+        extra |= {f"decode-{i}": ("--kv-backend", "ucx") for i in range(n)}
+    cluster = make_cluster(prefill=n, decode=n, extra=extra)
     with ThreadPoolExecutor(len(ps)) as pool:  # all in flight together
         results = list(pool.map(lambda p: complete(cluster, p), ps))
     for prompt, exp, got in zip(ps, expected, results, strict=True):
@@ -70,20 +74,17 @@ def test_cluster_matches_single_process(make_cluster, reference, topology, backe
         assert got["usage"]["completion_tokens"] == len(exp.token_ids)
         assert got["usage"]["prompt_tokens"] == len(prompt)
         assert choice["finish_reason"] == exp.finish_reason
-    seeded = complete(cluster, ps[0], temperature=0.8, top_p=0.9, seed=1234)
-    assert seeded["choices"][0]["text"] == sampled.text
-    cut = complete(cluster, ps[0], stop=[stop])  # matched by the gateway, decode side aborted
-    assert cut["choices"][0]["text"] == stopped.text and stop not in stopped.text
-    assert cut["choices"][0]["finish_reason"] == "stop"
-    assert (
-        cluster.metric(
-            "pdserve:kv_transfer_bytes_total", backend="shm" if backend == "auto" else backend
-        )
-        > 0
-    )
-    if topology == (2, 2):  # both pairs really served traffic
-        assert cluster.metric("pdserve:placement_accepts_total", node="prefill-0") > 0
-        assert cluster.metric("pdserve:placement_accepts_total", node="prefill-1") > 0
+    for _ in range(n):  # seeded and stop-string requests land on every prefill node
+        seeded = complete(cluster, ps[0], temperature=0.8, top_p=0.9, seed=1234)
+        assert seeded["choices"][0]["text"] == sampled.text
+        cut = complete(cluster, ps[0], stop=[stop])  # matched by the gateway, decode aborted
+        assert cut["choices"][0]["text"] == stopped.text and stop not in stopped.text
+        assert cut["choices"][0]["finish_reason"] == "stop"
+    for backend in backends:  # every backend really carried KV
+        moved = "shm" if backend == "auto" else backend
+        assert cluster.metric("pdserve:kv_transfer_bytes_total", backend=moved) > 0, moved
+    for i in range(n):  # and every pair served traffic
+        assert cluster.metric("pdserve:placement_accepts_total", node=f"prefill-{i}") > 0
 
 
 @pytest.mark.parametrize("chunk", [0, 64], ids=["colocated", "colocated-chunked"])
