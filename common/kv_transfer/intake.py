@@ -218,7 +218,7 @@ class KvIntake:
     # -- endings ------------------------------------------------------------------------------
     async def _complete(self, intake: Intake) -> None:
         rid = intake.header.request_id
-        self._forget(rid)
+        self._forget(rid, keep_blocks=True)  # they are the sequence's now
         assert intake.first_token is not None
         await self.admit(intake, intake.first_token)
         await self.sock.send_multipart([intake.peer, encode(KvAck(request_id=rid))])
@@ -245,10 +245,19 @@ class KvIntake:
             self.release(intake.block_table)
             intake.block_table = []
 
-    def _forget(self, rid: str) -> None:
-        intake = self.incoming.pop(rid, None)
-        if intake is not None and intake.header.backend in self.receivers:
-            self.receivers[intake.header.backend].close_intake(intake)
+    def _forget(self, rid: str, keep_blocks: bool = False) -> None:
+        """The transfer is over here. Its blocks go back with it (unless admitted), except
+        while a frame is landing in them: then `frame_landed` releases and forgets it."""
+        intake = self.incoming.get(rid)
+        if intake is not None:
+            if intake.receiving:
+                intake.dropped = True
+                return
+            del self.incoming[rid]
+            if not keep_blocks:
+                self._release(intake)
+            if intake.header.backend in self.receivers:
+                self.receivers[intake.header.backend].close_intake(intake)
         self._remember_closed(rid)
 
     def _remember_closed(self, rid: str) -> None:

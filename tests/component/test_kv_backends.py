@@ -22,7 +22,7 @@ from pdserve.common.kv_transfer.tcp import ID_BYTES, frame_head
 from pdserve.common.kv_transfer.ucx import available as ucx_available
 from pdserve.common.model_config import load_model_config, resolve_model
 from pdserve.common.node import host_identity
-from pdserve.common.protocol import DecodeTarget, KvDone, KvHeader, encode
+from pdserve.common.protocol import Abort, DecodeTarget, KvDone, KvHeader, encode
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.transport import bound_address, make_socket
 
@@ -309,4 +309,40 @@ async def test_a_new_backend_is_one_module_and_one_registry_line(monkeypatch):
             assert digest(pair.dst, intake.block_table, n) == digest(pair.src, table, n)
             pair.release(intake.block_table)
     finally:
+        await pair.close()
+
+
+async def test_a_transfer_ended_while_its_frame_lands_frees_its_blocks_once_landed():
+    """Abort (or KvDone of a dropped transfer) may arrive on ZeroMQ while the tcp reader is
+    filling that transfer's blocks: the blocks go back only after the frame landed."""
+    pair = await Pair("tcp", capacity=600).start()
+    total = len(pair.free)
+    host, port = pair.tcp_address.rsplit(":", 1)
+    raw = socket.create_connection((host, int(port)))
+    dealer = make_socket(pair.ctx, "prefill.data", pair.target.data_address, identity="p3")
+    try:
+        n = 40
+        size = pair.src.kv_frame_bytes(n)
+        header = KvHeader(request_id="mid", prompt_ids=list(range(n)), num_prompt_tokens=n,
+                          params=SamplingParams(), num_layers=LAYOUT.num_layers,
+                          frame_bytes=size, prefill_node="p3", backend="tcp")  # fmt: skip
+        await dealer.send(encode(header))
+        raw.sendall(b"p3".ljust(ID_BYTES) + frame_head("mid", 0, size) + b"x" * (size // 2))
+        for _ in range(200):
+            if "mid" in pair.intake.incoming and pair.intake.incoming["mid"].receiving:
+                break
+            await asyncio.sleep(0.01)
+        assert len(pair.free) < total  # reserved, half a frame landed
+        await dealer.send(encode(Abort(request_id="mid")))
+        await asyncio.sleep(0.2)
+        assert len(pair.free) < total  # still landing: not released under the reader
+        raw.sendall(b"x" * (size - size // 2))
+        for _ in range(200):
+            if len(pair.free) == total:
+                break
+            await asyncio.sleep(0.01)
+        assert len(pair.free) == total and "mid" not in pair.intake.incoming
+    finally:
+        raw.close()
+        dealer.close()
         await pair.close()
