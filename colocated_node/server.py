@@ -24,7 +24,6 @@ from pdserve.common.protocol import (
     FirstToken,
     PrefillOffer,
     Reject,
-    TokenBatch,
 )
 
 log = logging.getLogger(__name__)
@@ -77,31 +76,18 @@ class ColocatedNode(NodeBase):
 
     async def after_step(self, out: SchedulerOutput, grew: list[Sequence], result: Any) -> None:
         self.metrics.generation_tokens.inc(len(grew))
-        ids, tokens, indices, reasons = [], [], [], []
+        batch = []
         for seq in grew:
             reason = check_stop(seq, self.engine.eos_token_ids, self.engine.max_model_len)
-            index = seq.num_output_tokens - 1
             if reason is not None:
                 self.requests.pop(seq.seq_id, None)
                 self.scheduler.finish(seq, reason)
-            if index == 0:
+            if seq.num_output_tokens == 1:  # its first token: as a prefill node sends it
                 await self.send_gateway(
                     FirstToken(
                         request_id=seq.seq_id, token_id=seq.token_ids[-1], finish_reason=reason
                     )
                 )
                 continue
-            ids.append(seq.seq_id)
-            tokens.append(seq.token_ids[-1])
-            indices.append(index)
-            reasons.append(reason)
-        if ids:
-            await self.push_tokens(
-                TokenBatch(
-                    node_id=self.node_id,
-                    request_ids=ids,
-                    token_ids=tokens,
-                    indices=indices,
-                    finish_reasons=reasons,
-                )
-            )
+            batch.append((seq, reason))
+        await self.push_step(batch)

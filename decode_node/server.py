@@ -26,10 +26,10 @@ from pdserve.common.engine.interface import Engine
 from pdserve.common.engine.scheduler import SchedulerConfig, SchedulerOutput
 from pdserve.common.engine.sequence import SeqStatus, Sequence, check_stop
 from pdserve.common.kv_transfer import listen_all, receivers_for
-from pdserve.common.kv_transfer.base import Intake, Local
+from pdserve.common.kv_transfer.base import Intake
 from pdserve.common.kv_transfer.intake import KvIntake
-from pdserve.common.node import NodeBase, NodeRequest, host_identity
-from pdserve.common.protocol import Abort, Drain, KvHeader, Preempted, TokenBatch
+from pdserve.common.node import NodeBase, NodeRequest
+from pdserve.common.protocol import Abort, Drain, KvHeader, Preempted
 from pdserve.common.tokenizer import Tokenizer
 from pdserve.common.transport import TOKENS_MAX_MSG, bound_address, make_socket
 
@@ -53,23 +53,13 @@ class DecodeNode(NodeBase):
             max_msg=max(max_frame, TOKENS_MAX_MSG),
         )
         self._data_address = bound_address(self.data, self.cfg.advertise_host)
-        local = Local(
-            node_id=self.node_id,
-            host_id=host_identity(),
-            advertise_host=self.cfg.advertise_host,
-            engine=engine,
-            data_address=self._data_address,
-            timeout=cfg.kv_transfer_timeout,
-            ports={"tcp": cfg.kv_tcp_port},
-            forced=cfg.kv_backend,
-        )
         self.intake = KvIntake(
             self.data,
             engine,
             self._reserve,
             self.blocks.free,
             self._admit,
-            receivers_for(local),
+            receivers_for(self.kv_local(self._data_address)),
             timeout=cfg.kv_transfer_timeout,
         )
         self.kv_endpoints: dict[str, str] = {}
@@ -163,23 +153,11 @@ class DecodeNode(NodeBase):
 
     async def after_step(self, out: SchedulerOutput, grew: list[Sequence], result: Any) -> None:
         self.metrics.generation_tokens.inc(len(grew))
-        ids, toks, indices, reasons = [], [], [], []
+        batch = []  # output index 0 was the prefill node's first token: these are 1 on
         for seq in grew:
             reason = check_stop(seq, self.engine.eos_token_ids, self.engine.max_model_len)
-            ids.append(seq.seq_id)
-            toks.append(seq.token_ids[-1])
-            indices.append(seq.num_output_tokens - 1)  # 0 is the prefill node's first token
-            reasons.append(reason)
+            batch.append((seq, reason))
             if reason is not None:
                 self.requests.pop(seq.seq_id, None)
                 self.scheduler.finish(seq, reason)
-        if ids:
-            await self.push_tokens(
-                TokenBatch(
-                    node_id=self.node_id,
-                    request_ids=ids,
-                    token_ids=toks,
-                    indices=indices,
-                    finish_reasons=reasons,
-                )
-            )
+        await self.push_step(batch)

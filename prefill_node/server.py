@@ -26,9 +26,9 @@ from pdserve.common.config import EngineConfig, NodeConfig
 from pdserve.common.engine.interface import Engine
 from pdserve.common.engine.scheduler import SchedulerConfig, SchedulerOutput, step_work
 from pdserve.common.engine.sequence import Sequence, check_stop
-from pdserve.common.kv_transfer.base import Local, Transfer
+from pdserve.common.kv_transfer.base import Transfer
 from pdserve.common.kv_transfer.sender import KvSender
-from pdserve.common.node import NodeBase, NodeRequest, host_identity
+from pdserve.common.node import NodeBase, NodeRequest
 from pdserve.common.protocol import (
     Abort,
     Accept,
@@ -57,14 +57,9 @@ class PrefillNode(NodeBase):
     ) -> None:
         super().__init__(cfg, ecfg, engine, tokenizer)
         self.queueing = False  # until the gateway says otherwise at registration
-        local = Local(
-            node_id=self.node_id,
-            host_id=host_identity(),
-            advertise_host=self.cfg.advertise_host,
-            engine=engine,
-            forced=cfg.kv_backend,
+        self.sender = KvSender(
+            self.ctx, self.kv_local(), on_ack=self._on_ack, on_refuse=self._on_refuse
         )
-        self.sender = KvSender(self.ctx, local, on_ack=self._on_ack, on_refuse=self._on_refuse)
 
     def scheduler_config(self) -> SchedulerConfig:
         # whole prompts (a chunk's KV would stream before the prompt is done) and no

@@ -47,6 +47,23 @@ def make_engine(runner, tokenizer, **overrides):
     return LLMEngine(cfg, engine=runner, tokenizer=tokenizer)
 
 
+def gateway_request(rid: str, n: int = 32, tokenizer=None):
+    """A gateway request of an n-token prompt (no tokenizer needed unless tokens arrive)."""
+    from pdserve.common.sampling import SamplingParams
+    from pdserve.gateway.requests import GatewayRequest
+
+    return GatewayRequest(
+        request_id=rid,
+        kind="completion",
+        model="m",
+        prompt_ids=list(range(n)),
+        params=SamplingParams(),
+        stream=False,
+        include_usage=False,
+        tokenizer=tokenizer,
+    )
+
+
 def chat_ids(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(
         tokenizer.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False

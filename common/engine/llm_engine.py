@@ -69,14 +69,7 @@ class LLMEngine:
         self.engine = engine or make_engine(cfg, self.tokenizer.eos_token_ids)
         eng = self.engine
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=cfg.max_batch,
-                max_batch_tokens=cfg.max_batch_tokens,
-                chunk_size=cfg.chunk_size,
-                num_blocks=eng.num_blocks,
-                block_size=eng.block_size,
-                watermark_blocks=int(cfg.watermark * eng.num_blocks),
-            )
+            SchedulerConfig.of(cfg, eng.num_blocks, eng.block_size, "colocated")
         )
         self.processors: dict[str, _OutputProcessor] = {}
         self.seqs: dict[str, Sequence] = {}

@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pdserve.common.config import EngineConfig
 from pdserve.common.engine.block_manager import BlockManager
 from pdserve.common.engine.interface import DecodeWork, PrefillWork
 from pdserve.common.engine.sequence import SeqStatus, Sequence
@@ -44,6 +45,19 @@ class SchedulerConfig:
     block_size: int
     watermark_blocks: int = 0
     mode: Mode = "colocated"
+
+    @classmethod
+    def of(cls, cfg: EngineConfig, num_blocks: int, block_size: int, mode: Mode) -> SchedulerConfig:
+        """From an engine's settings (its batch limits, chunking and watermark)."""
+        return cls(
+            max_num_seqs=cfg.max_batch,
+            max_batch_tokens=cfg.max_batch_tokens,
+            chunk_size=cfg.chunk_size,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            watermark_blocks=int(cfg.watermark * num_blocks),
+            mode=mode,
+        )
 
 
 @dataclass

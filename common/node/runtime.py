@@ -32,8 +32,10 @@ from pdserve.common.config import EngineConfig, NodeConfig
 from pdserve.common.engine.interface import Engine
 from pdserve.common.engine.scheduler import Mode, Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.common.engine.sequence import Sequence
+from pdserve.common.kv_transfer.base import Local
 from pdserve.common.node.control import NodeControl
-from pdserve.common.protocol import DecodeTarget, Load, Preempted
+from pdserve.common.node.host import host_identity
+from pdserve.common.protocol import DecodeTarget, Load, Preempted, TokenBatch
 from pdserve.common.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -63,15 +65,21 @@ class NodeBase(NodeControl):
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-engine")
 
     def scheduler_config(self) -> SchedulerConfig:
-        e, engine = self.ecfg, self.engine
-        return SchedulerConfig(
-            max_num_seqs=e.max_batch,
-            max_batch_tokens=e.max_batch_tokens,
-            chunk_size=e.chunk_size,
-            num_blocks=engine.num_blocks,
-            block_size=engine.block_size,
-            watermark_blocks=int(e.watermark * engine.num_blocks),
-            mode=self.mode,
+        engine = self.engine
+        return SchedulerConfig.of(self.ecfg, engine.num_blocks, engine.block_size, self.mode)
+
+    def kv_local(self, data_address: str = "") -> Local:
+        """What the node's KV connectors know of it."""
+        cfg = self.cfg
+        return Local(
+            node_id=self.node_id,
+            host_id=host_identity(),
+            advertise_host=cfg.advertise_host,
+            engine=self.engine,
+            data_address=data_address,
+            timeout=cfg.kv_transfer_timeout,
+            ports={"tcp": cfg.kv_tcp_port},
+            forced=cfg.kv_backend,
         )
 
     # -- hooks of the role -----------------------------------------------------------------
@@ -144,6 +152,20 @@ class NodeBase(NodeControl):
         """Wait until the engine is not computing `rid` (its blocks are ours again)."""
         while rid in self.in_step and self.step_over is not None:
             await asyncio.shield(self.step_over)  # shielded: a cancelled waiter leaves it be
+
+    async def push_step(self, out: list[tuple[Sequence, str | None]]) -> None:
+        """One TokenBatch with each sequence's newest token, its output index and finish
+        reason (decode and colocated nodes, after a step)."""
+        if out:
+            await self.push_tokens(
+                TokenBatch(
+                    node_id=self.node_id,
+                    request_ids=[s.seq_id for s, _ in out],
+                    token_ids=[s.token_ids[-1] for s, _ in out],
+                    indices=[s.num_output_tokens - 1 for s, _ in out],
+                    finish_reasons=[reason for _, reason in out],
+                )
+            )
 
     async def hand_back(self, reason: str) -> None:
         """Give every held request back to the gateway to be re-placed (decode, colocated)."""

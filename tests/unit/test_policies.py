@@ -7,13 +7,12 @@ import msgspec
 import pytest
 
 from pdserve.common.protocol import Load, NodeInfo
-from pdserve.common.sampling import SamplingParams
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.plan import plan, views
 from pdserve.gateway.policies import REGISTRY, Need, NodeView, Policy, make_policy, names, register
 from pdserve.gateway.policies.on_demand import OnDemand
-from pdserve.gateway.requests import GatewayRequest
 from pdserve.gateway.table import RequestTable
+from tests.conftest import gateway_request
 
 
 def make_info(node_id: str, role: str = "prefill", **kw) -> NodeInfo:
@@ -69,16 +68,7 @@ class Placed:
     def in_prefill(self, node: str, *prompt_lens: int, decode: str = "d0") -> None:
         for n in prompt_lens:
             self.count += 1
-            req = GatewayRequest(
-                request_id=f"r{self.count}",
-                kind="completion",
-                model="m",
-                prompt_ids=list(range(n)),
-                params=SamplingParams(),
-                stream=False,
-                include_usage=False,
-                tokenizer=None,  # type: ignore[arg-type]
-            )
+            req = gateway_request(f"r{self.count}", n)
             attempt = self.table.open(req, n)
             self.table.commit(attempt, node, decode, -(-n // 16), now=1.0)
 

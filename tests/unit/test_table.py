@@ -6,22 +6,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.common.sampling import SamplingParams
-from pdserve.gateway.requests import GatewayRequest
 from pdserve.gateway.table import Phase, RequestTable
+from tests.conftest import gateway_request
 
-
-def make_request(rid: str, n: int = 32) -> GatewayRequest:
-    return GatewayRequest(
-        request_id=rid,
-        kind="completion",
-        model="m",
-        prompt_ids=list(range(n)),
-        params=SamplingParams(),
-        stream=False,
-        include_usage=False,
-        tokenizer=None,  # type: ignore[arg-type]
-    )
+make_request = gateway_request
 
 
 def test_an_attempt_moves_from_offer_to_prefill_to_decode_and_nodes_see_it():
