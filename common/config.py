@@ -44,6 +44,9 @@ class EngineConfig:
     num_threads: int = flag(0, "torch CPU threads; 0 = torch's default")
     gpu_offset: int = flag(0, "--device cuda:auto: GPU index of this role's first replica")
     watermark: float = flag(0.01, "fraction of KV blocks kept free for running sequences to grow")
+    prefix_caching: Literal["on", "off"] = flag(
+        "on", "reuse the KV of cached prompt prefixes (full blocks, LRU among unused ones)"
+    )
     sim_profile: str = flag("h100-llama3.1-8b", "sim engine: GPU x model profile (costmodel)")
     sim_kv_scale: float = flag(1 / 16, "sim engine: KV payload size relative to the real model")
     sim_time_scale: float = flag(1.0, "sim engine: stretch modelled time by this factor")

@@ -23,7 +23,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pdserve.common.protocol import Load
@@ -62,7 +62,7 @@ class _LoadCollector(Collector):
         self.load = load
         self.num_blocks = max(1, num_blocks)
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         labels = ["node", "role"]
         load = self.load()
         running = GaugeMetricFamily(
@@ -93,6 +93,23 @@ class _LoadCollector(Collector):
         )
         draining.add_metric(self.key, int(load.draining))
         yield from (running, waiting, usage, blocks, draining)
+        yield from prefix_counters([(self.key, load)])
+
+
+def prefix_counters(loads: list[tuple[list[str], Load]]) -> Iterator[Metric]:
+    """vLLM's prefix-cache counters (in tokens), per node, from load reports."""
+    queries = CounterMetricFamily(
+        "pdserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+        labels=["node", "role"],
+    )  # fmt: skip
+    hits = CounterMetricFamily(
+        "pdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+        labels=["node", "role"],
+    )  # fmt: skip
+    for key, load in loads:
+        queries.add_metric(key, load.prefix_queries)
+        hits.add_metric(key, load.prefix_hits)
+    yield from (queries, hits)
 
 
 class NodeMetrics:

@@ -57,6 +57,8 @@ class Load(msgspec.Struct, kw_only=True, frozen=True):
     blocks_in_use: int
     held: tuple[str, ...] = ()  # request ids whose KV this node holds (the lease)
     draining: bool = False
+    prefix_queries: int = 0  # prompt tokens looked up in its prefix cache, since it started
+    prefix_hits: int = 0  # of those, found cached
 
 
 class Register(Msg):

@@ -15,9 +15,10 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pdserve.common.node_metrics import prefix_counters
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.table import RequestTable
 
@@ -55,7 +56,7 @@ class ClusterCollector(Collector):
         self.table = table
         self.waiting = waiting  # anything with __len__: requests waiting for placement
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         labels = ["node", "role"]
         running = GaugeMetricFamily(
             "pdserve:num_requests_running", "Requests in the engine", labels=labels
@@ -92,6 +93,17 @@ class ClusterCollector(Collector):
         )
         gw_waiting.add_metric([], len(self.waiting))  # type: ignore[arg-type]
         yield from (running, waiting, prefill, usage, blocks, gw_waiting)
+        loads = [([n.node_id, n.info.role], n.load) for n in self.cluster.nodes.values()]
+        yield from prefix_counters(loads)  # per node, from heartbeats
+        total_q = CounterMetricFamily(
+            "pdserve:cluster_prefix_cache_queries", "Prompt tokens looked up, every node"
+        )
+        total_h = CounterMetricFamily(
+            "pdserve:cluster_prefix_cache_hits", "Prompt tokens found cached, every node"
+        )
+        total_q.add_metric([], sum(load.prefix_queries for _, load in loads))
+        total_h.add_metric([], sum(load.prefix_hits for _, load in loads))
+        yield from (total_q, total_h)
 
 
 class GatewayMetrics:

@@ -4,7 +4,14 @@ A block is `in_use` (ref count > 0), `cached` (ref count 0 but holding a full bl
 prefix hash is registered, reusable by a later request with the same prefix) or `free`.
 Freed blocks join the tail of one queue and allocation takes from the head, so cached
 blocks are evicted least recently freed first (vLLM v1's free-block queue). A full block's
-hash chains its parent's hash with its tokens, so equal hashes mean equal whole prefixes.
+hash chains its parent's hash with its tokens, from a root `salt` (model, dtype, block size:
+KV of another model or precision must never match), so equal hashes mean equal whole
+prefixes of equal KV.
+
+With `record_events`, every hash registered (`stored`) or forgotten because its block was
+taken for other tokens (`evicted`) is queued for the node to publish (the gateway's prefix
+index, common/protocol.py KvEvents). The queue is bounded: past `MAX_EVENTS` it is dropped
+and `events_lost` tells the node to publish a full snapshot instead.
 """
 
 from __future__ import annotations
@@ -12,7 +19,9 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+MAX_EVENTS = 8192
 
 
 def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
@@ -21,25 +30,44 @@ def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     return digest.digest()
 
 
-def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Chained hashes of every full block of `token_ids`."""
+def hash_salt(model_id: str, dtype: str, block_size: int) -> bytes:
+    """The root of every chain: prefixes of different models or KV precisions never match."""
+    return hashlib.blake2b(f"{model_id}|{dtype}|{block_size}".encode(), digest_size=16).digest()
+
+
+def prefix_hashes(
+    token_ids: Sequence[int], block_size: int, salt: bytes = b"", start: int = 0,
+    parent: bytes | None = None,
+) -> list[bytes]:  # fmt: skip
+    """Chained hashes of every full block of `token_ids` from block `start` on (`parent`: the
+    hash of block start - 1, so a sequence's hashes extend without rehashing its prefix)."""
     hashes: list[bytes] = []
-    parent: bytes | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, token_ids[start : start + block_size])
+    if start == 0:
+        parent = salt or None
+    for begin in range(start * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = block_hash(parent, token_ids[begin : begin + block_size])
         hashes.append(parent)
     return hashes
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, salt: bytes = b"", record_events: bool = False
+    ) -> None:
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.salt = salt
         self.ref_counts = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.block_of_hash: dict[bytes, int] = {}
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.record_events = record_events
+        self.events: list[tuple[bool, bytes]] = []  # (stored?, hash), in order
+        self.events_lost = False
+        # called with (block, hash) just before a cached block's KV is overwritten: the
+        # last moment to keep it elsewhere (a lower tier)
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     # -- queries -------------------------------------------------------------------------
     def blocks_needed(self, num_tokens: int) -> int:
@@ -63,6 +91,13 @@ class BlockManager:
 
     def can_allocate(self, num_blocks: int, reserve: int = 0) -> bool:
         return num_blocks + reserve <= len(self.free_queue)
+
+    def hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+        return prefix_hashes(token_ids, self.block_size, self.salt)
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash this cache can serve (in use or cached): a snapshot for the index."""
+        return list(self.block_of_hash)
 
     # -- allocation ----------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> list[int]:
@@ -95,27 +130,33 @@ class BlockManager:
                 self.free_queue[block] = None
 
     # -- prefix reuse --------------------------------------------------------------------
-    def register_full_blocks(self, block_table: Sequence[int], token_ids: Sequence[int]) -> None:
-        """Record the hashes of the full blocks of a sequence whose KV is computed."""
-        for block, digest in zip(
-            block_table, prefix_hashes(token_ids, self.block_size), strict=False
-        ):
+    def register(self, block_table: Sequence[int], hashes: Sequence[bytes]) -> None:
+        """Full blocks now hold the KV of the prefixes `hashes` (block i, hash i)."""
+        for block, digest in zip(block_table, hashes, strict=False):
             if self.hash_of[block] is None and digest not in self.block_of_hash:
                 self.hash_of[block] = digest
                 self.block_of_hash[digest] = block
+                self._event(True, digest)
 
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Blocks already holding the longest cached prefix of `token_ids` (not yet taken)."""
+    def register_full_blocks(self, block_table: Sequence[int], token_ids: Sequence[int]) -> None:
+        """Record the hashes of the full blocks of a sequence whose KV is computed."""
+        self.register(block_table, self.hashes(token_ids))
+
+    def match(self, hashes: Sequence[bytes]) -> list[int]:
+        """Blocks holding the longest cached prefix of `hashes` (not yet taken)."""
         blocks = []
-        for digest in prefix_hashes(token_ids, self.block_size):
+        for digest in hashes:
             block = self.block_of_hash.get(digest)
             if block is None:
                 break
             blocks.append(block)
         return blocks
 
+    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        return self.match(self.hashes(token_ids))
+
     def take(self, blocks: Sequence[int]) -> None:
-        """Add a reference to blocks found by `match_prefix`."""
+        """Add a reference to blocks found by `match`."""
         for block in blocks:
             if self.ref_counts[block] == 0:
                 del self.free_queue[block]
@@ -124,6 +165,24 @@ class BlockManager:
     def _forget_hash(self, block: int) -> None:
         digest = self.hash_of[block]
         if digest is not None:
+            if self.on_evict is not None:
+                self.on_evict(block, digest)
             self.hash_of[block] = None
             if self.block_of_hash.get(digest) == block:
                 del self.block_of_hash[digest]
+                self._event(False, digest)
+
+    def _event(self, stored: bool, digest: bytes) -> None:
+        if not self.record_events or self.events_lost:
+            return
+        if len(self.events) >= MAX_EVENTS:
+            self.events.clear()
+            self.events_lost = True  # the node sends a snapshot instead
+            return
+        self.events.append((stored, digest))
+
+    def take_events(self) -> tuple[list[tuple[bool, bytes]], bool]:
+        """The queued events and whether some were lost (then: publish a snapshot)."""
+        events, lost = self.events, self.events_lost
+        self.events, self.events_lost = [], False
+        return events, lost

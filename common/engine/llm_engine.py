@@ -69,7 +69,9 @@ class LLMEngine:
         self.engine = engine or make_engine(cfg, self.tokenizer.eos_token_ids)
         eng = self.engine
         self.scheduler = Scheduler(
-            SchedulerConfig.of(cfg, eng.num_blocks, eng.block_size, "colocated")
+            SchedulerConfig.of(
+                cfg, eng.num_blocks, eng.block_size, "colocated", getattr(eng, "model_id", "")
+            )
         )
         self.processors: dict[str, _OutputProcessor] = {}
         self.seqs: dict[str, Sequence] = {}

@@ -10,6 +10,13 @@ admission, only while `watermark_blocks` stay free for running sequences to grow
 watermark). When a decoding sequence cannot grow anyway, the newest running sequence is
 preempted: its blocks are freed.
 
+Prefix caching (`prefix_caching`): a sequence admitted with no KV yet takes the blocks that
+already hold the longest cached prefix of its tokens (chained block hashes, see
+block_manager.py) and computes only the rest, at least its last token (its logits are
+needed). Every full block whose KV is computed (or arrived, in decode mode) is registered,
+so it stays reusable after its sequence ends, until its block is taken for other tokens
+(least recently freed first).
+
 Modes (one scheduler for every role, so a node could serve either):
     colocated  both phases here; a preempted sequence goes back to the head of the queue,
                to be prefilled again from prompt + generated tokens (recompute).
@@ -29,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pdserve.common.config import EngineConfig
-from pdserve.common.engine.block_manager import BlockManager
+from pdserve.common.engine.block_manager import BlockManager, hash_salt, prefix_hashes
 from pdserve.common.engine.interface import DecodeWork, PrefillWork
 from pdserve.common.engine.sequence import SeqStatus, Sequence
 
@@ -45,10 +52,22 @@ class SchedulerConfig:
     block_size: int
     watermark_blocks: int = 0
     mode: Mode = "colocated"
+    prefix_caching: bool = False
+    hash_salt: bytes = b""  # the root of block hashes: model, dtype, block size
+    record_events: bool = False  # queue stored/evicted hashes for the node to publish
 
     @classmethod
-    def of(cls, cfg: EngineConfig, num_blocks: int, block_size: int, mode: Mode) -> SchedulerConfig:
-        """From an engine's settings (its batch limits, chunking and watermark)."""
+    def of(
+        cls,
+        cfg: EngineConfig,
+        num_blocks: int,
+        block_size: int,
+        mode: Mode,
+        model_id: str = "",
+        record_events: bool = False,
+    ) -> SchedulerConfig:
+        """From an engine's settings (its batch limits, chunking, watermark, caching)."""
+        dtype = cfg.dtype if cfg.engine == "torch" else "sim"
         return cls(
             max_num_seqs=cfg.max_batch,
             max_batch_tokens=cfg.max_batch_tokens,
@@ -57,6 +76,9 @@ class SchedulerConfig:
             block_size=block_size,
             watermark_blocks=int(cfg.watermark * num_blocks),
             mode=mode,
+            prefix_caching=cfg.prefix_caching == "on",
+            hash_salt=hash_salt(model_id, dtype, block_size),
+            record_events=record_events,
         )
 
 
@@ -78,7 +100,11 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig) -> None:
         self.cfg = cfg
-        self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size)
+        self.block_manager = BlockManager(
+            cfg.num_blocks, cfg.block_size, cfg.hash_salt, cfg.record_events and cfg.prefix_caching
+        )
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, found cached
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order; the last is the newest
         self.parked: dict[str, Sequence] = {}  # prefill mode: prefilled, KV held for handoff
@@ -122,6 +148,7 @@ class Scheduler:
         assert seq.block_table and seq.num_computed_tokens == seq.num_tokens - 1
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
+        self._register(seq)  # the prompt's KV is here now: reusable by a later turn
 
     # -- endings ------------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -155,7 +182,9 @@ class Scheduler:
                 budget -= 1
         candidates = [s for s in self.running if s.is_prefilling] + list(self.waiting)
         for seq in candidates:
-            remaining = seq.num_tokens - seq.num_computed_tokens
+            waiting = seq.status is SeqStatus.WAITING
+            hits = self._cached_prefix(seq) if waiting else []
+            remaining = seq.num_tokens - seq.num_computed_tokens - len(hits) * self.cfg.block_size
             if self.cfg.chunk_size:
                 n = min(remaining, budget)
             else:
@@ -164,7 +193,7 @@ class Scheduler:
                     break
             if n <= 0:
                 break
-            if seq.status is SeqStatus.WAITING and not self._admit(seq):
+            if waiting and not self._admit(seq, hits):
                 break
             out.prefills.append((seq, n))
             budget -= n
@@ -184,6 +213,8 @@ class Scheduler:
         assert len(grew) == len(tokens), (len(grew), len(tokens))
         for seq, token in zip(grew, tokens, strict=True):
             seq.token_ids.append(token)
+        for seq in [s for s, _ in out.prefills] + out.decodes:
+            self._register(seq)
         if self.cfg.mode == "prefill":
             for seq in grew:
                 self.running.remove(seq)
@@ -192,18 +223,60 @@ class Scheduler:
         return grew
 
     # -- internals ----------------------------------------------------------------------
-    def _admit(self, seq: Sequence) -> bool:
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks holding the longest cached prefix of a waiting sequence's tokens, short of
+        its last token (computed anyway: its logits are needed). Not taken yet."""
+        if not self.cfg.prefix_caching or seq.block_table:
+            return []
+        self._extend_hashes(seq)
+        return self.block_manager.match(seq.block_hashes)[
+            : (seq.num_tokens - 1) // self.cfg.block_size
+        ]
+
+    def _admit(self, seq: Sequence, hits: list[int]) -> bool:
         if len(self.running) >= self.cfg.max_num_seqs:
             return False
         bm = self.block_manager
-        need = bm.blocks_needed(seq.num_tokens) - len(seq.block_table)
-        if not bm.can_allocate(need, reserve=self.cfg.watermark_blocks):
+        need = bm.blocks_needed(seq.num_tokens) - len(hits)
+        idle_hits = sum(1 for b in hits if bm.ref_counts[b] == 0)  # cached: in the free queue
+        if not bm.can_allocate(need + idle_hits, reserve=self.cfg.watermark_blocks):
             return False
-        seq.block_table.extend(bm.allocate(need))
+        bm.take(hits)
+        seq.block_table = [*hits, *bm.allocate(need)]
+        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.cfg.block_size
+        seq.num_registered_blocks = len(hits)
+        if self.cfg.prefix_caching:
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += seq.num_cached_tokens
         self.waiting.remove(seq)
         self.running.append(seq)
         seq.status = SeqStatus.RUNNING
         return True
+
+    def _extend_hashes(self, seq: Sequence, upto: int | None = None) -> None:
+        """Hash the sequence's full blocks (up to `upto` blocks) it has not hashed yet."""
+        full = min(len(seq.token_ids) // self.cfg.block_size, upto if upto is not None else 1 << 62)
+        have = len(seq.block_hashes)
+        if full > have:
+            parent = seq.block_hashes[-1] if have else None
+            seq.block_hashes += prefix_hashes(
+                seq.token_ids[: full * self.cfg.block_size],
+                self.cfg.block_size,
+                self.cfg.hash_salt,
+                start=have,
+                parent=parent,
+            )
+
+    def _register(self, seq: Sequence) -> None:
+        """Make the full blocks whose KV is computed reusable (prefix caching)."""
+        if not self.cfg.prefix_caching:
+            return
+        full = min(seq.num_computed_tokens // self.cfg.block_size, len(seq.block_table))
+        if full > seq.num_registered_blocks:
+            self._extend_hashes(seq, full)
+            first = seq.num_registered_blocks
+            self.block_manager.register(seq.block_table[first:full], seq.block_hashes[first:full])
+            seq.num_registered_blocks = full
 
     def _make_room(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Grow seq's blocks to hold its newest token, preempting the newest others if needed."""
@@ -229,6 +302,7 @@ class Scheduler:
         if seq.block_table:
             self.block_manager.free(seq.block_table)
             seq.block_table = []
+            seq.num_registered_blocks = 0
 
 
 def step_work(out: SchedulerOutput) -> tuple[list[PrefillWork], list[DecodeWork]]:

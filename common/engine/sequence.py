@@ -26,6 +26,12 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    # prefix caching: chained hashes of its full blocks so far (extended, never recomputed),
+    # how many of its blocks are registered in the cache, and its prompt tokens that were
+    # found cached at admission
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
 
     @classmethod
     def new(cls, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:

@@ -66,7 +66,10 @@ class NodeBase(NodeControl):
 
     def scheduler_config(self) -> SchedulerConfig:
         engine = self.engine
-        return SchedulerConfig.of(self.ecfg, engine.num_blocks, engine.block_size, self.mode)
+        model_id = getattr(engine, "model_id", "unknown")
+        return SchedulerConfig.of(
+            self.ecfg, engine.num_blocks, engine.block_size, self.mode, model_id, True
+        )
 
     def kv_local(self, data_address: str = "") -> Local:
         """What the node's KV connectors know of it."""
@@ -124,6 +127,8 @@ class NodeBase(NodeControl):
             blocks_in_use=bm.num_in_use_blocks,
             held=(*self.requests, *extra),
             draining=self.draining,
+            prefix_queries=sched.prefix_queries,
+            prefix_hits=sched.prefix_hits,
         )
 
     def idle(self) -> bool:

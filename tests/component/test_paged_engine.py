@@ -125,3 +125,34 @@ def test_stop_strings_eos_and_max_tokens(smol_runner, tokenizer):
     )[0]
     assert by_id.token_ids == free.token_ids[:3] and by_id.finish_reason == "stop"
     assert engine.scheduler.block_manager.num_in_use_blocks == 0
+
+
+def test_prefix_caching_changes_no_output(smol_runner, tokenizer):
+    """Greedy and seeded text with the prefix cache on equals the text with it off: a prompt
+    that reuses another's blocks, one that diverges mid-block, and one whose cached blocks
+    were evicted a moment ago by a request that needed the room."""
+    import dataclasses
+
+    from pdserve.common.engine.scheduler import Scheduler
+
+    story = chat_ids(tokenizer, "Tell me a long story about a lighthouse keeper and a storm.")
+    assert len(story) > 40
+    diverged = story[:37] + tokenizer.encode(" and then the cat arrived", False)  # mid-block
+    longer = story + tokenizer.encode(" It was night.", False)
+    filler = tokenizer.encode("Numbers: " + " ".join(str(i) for i in range(90)), False)
+    seeded = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=21)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    order = [(story, greedy), (diverged, greedy), (longer, seeded), (filler, greedy),
+             (story, seeded), (longer, greedy)]  # fmt: skip
+    off = make_engine(smol_runner, tokenizer, prefix_caching="off")
+    expected = [off.generate([p], params)[0].token_ids for p, params in order]
+
+    on = make_engine(smol_runner, tokenizer)
+    small = dataclasses.replace(on.scheduler.cfg, num_blocks=24, record_events=True)
+    on.scheduler = Scheduler(small)  # 384 tokens: the filler evicts the story's blocks
+    got = [on.generate([p], params)[0].token_ids for p, params in order]
+    assert got == expected
+    sched = on.scheduler
+    assert sched.prefix_hits >= 32  # the diverged and longer prompts did reuse blocks
+    events, lost = sched.block_manager.take_events()
+    assert not lost and any(not stored for stored, _ in events)  # and blocks were evicted

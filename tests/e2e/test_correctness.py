@@ -1,6 +1,7 @@
 """The correctness invariant: in float32, greedy (or seeded) text through the cluster equals
-the same engine in one process (what `pdserve generate` runs), token for token, for any
-topology, with concurrent requests in flight."""
+the same engine in one process (what `pdserve generate` runs, here with the prefix cache
+off), token for token, for any topology and KV backend, with concurrent requests in flight
+and the nodes' prefix caches on (repeated prompts do hit them)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def prompts(tokenizer) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(smol_runner, tokenizer):
     ps = prompts(tokenizer)
-    engine = make_engine(smol_runner, tokenizer)
+    engine = make_engine(smol_runner, tokenizer, prefix_caching="off")
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     seeded = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=1234)
     outs = engine.generate(ps, greedy)
@@ -85,6 +86,7 @@ def test_cluster_matches_single_process(make_cluster, reference, backends):
         assert cluster.metric("pdserve:kv_transfer_bytes_total", backend=moved) > 0, moved
     for i in range(n):  # and every pair served traffic
         assert cluster.metric("pdserve:placement_accepts_total", node=f"prefill-{i}") > 0
+    assert wait_for(lambda: cluster.metric("pdserve:cluster_prefix_cache_hits_total") > 0)
 
 
 @pytest.mark.parametrize("chunk", [0, 64], ids=["colocated", "colocated-chunked"])
@@ -99,6 +101,7 @@ def test_colocated_node_through_the_gateway_matches_single_process(make_cluster,
         assert got["usage"]["completion_tokens"] == len(exp.token_ids)
     seeded = complete(cluster, ps[0], temperature=0.8, top_p=0.9, seed=1234)
     assert seeded["choices"][0]["text"] == sampled.text
+    assert wait_for(lambda: cluster.metric("pdserve:cluster_prefix_cache_hits_total") > 0)
     assert wait_for(
         lambda: cluster.metric("pdserve:kv_blocks", role="colocated", state="in_use") == 0
     )

@@ -1,4 +1,6 @@
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdserve.common.engine.block_manager import BlockManager, prefix_hashes
 
@@ -72,3 +74,63 @@ def test_shared_block_freed_only_when_last_reference_goes():
     assert bm.num_in_use_blocks == 1
     bm.free(table)
     assert bm.num_in_use_blocks == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["alloc", "free", "hit"]), st.integers(0, 5), st.integers(1, 4)),
+        max_size=80,
+    )
+)
+def test_reference_counts_hashes_and_lru_eviction_stay_consistent(ops):
+    """Random sequences allocate, register, free and reuse prefixes of 6 distinct prompts;
+    after every step: free blocks are exactly those without references, hashes point both
+    ways, and what the cache serves for a prompt is its own chain."""
+    bm = BlockManager(num_blocks=12, block_size=2, salt=b"s", record_events=True)
+    prompts = [[p * 100 + i for i in range(8)] for p in range(6)]
+    held: list[list[int]] = []
+    freed: list[int] = []  # blocks in the order they went back to the free queue
+    for op, p, n in ops:
+        hashes = bm.hashes(prompts[p])[:n]
+        if op == "alloc" and bm.can_allocate(n):
+            table = bm.allocate(n)
+            bm.register(table, hashes)
+            held.append(table)
+        elif op == "hit":
+            hit = bm.match(hashes)
+            bm.take(hit)
+            held.append(hit)
+        elif op == "free" and held:
+            table = held.pop(p % len(held))
+            bm.free(table)
+            freed += [b for b in reversed(table) if bm.ref_counts[b] == 0]
+        assert set(bm.free_queue) == {b for b in range(12) if bm.ref_counts[b] == 0}
+        assert all(bm.hash_of[b] == h for h, b in bm.block_of_hash.items())
+        for q, prompt in enumerate(prompts):  # a match is a chain of that prompt's blocks
+            hit = bm.match(bm.hashes(prompt))
+            assert [bm.hash_of[b] for b in hit] == bm.hashes(prompt)[: len(hit)], q
+    queue = list(bm.free_queue)  # least recently freed first: the eviction order
+    order = [b for b in dict.fromkeys(reversed(freed)) if b in bm.free_queue][::-1]
+    assert queue[-len(order) :] == order if order else True
+    events, lost = bm.take_events()
+    stored = {h for s, h in events if s}
+    assert lost or set(bm.block_of_hash) <= stored
+
+
+def test_events_record_stored_and_evicted_hashes_and_overflow_asks_for_a_snapshot():
+    from pdserve.common.engine import block_manager as bm_module
+
+    bm = BlockManager(num_blocks=2, block_size=2, salt=b"s", record_events=True)
+    table = bm.allocate(2)
+    hashes = bm.hashes([1, 2, 3, 4])
+    bm.register(table, hashes)
+    bm.free(table)
+    bm.allocate(2)  # takes both cached blocks for other tokens
+    events, lost = bm.take_events()
+    assert events == [(True, hashes[0]), (True, hashes[1]), (False, hashes[1]), (False, hashes[0])]
+    assert not lost
+    for i in range(bm_module.MAX_EVENTS + 1):
+        bm._event(True, bytes([i % 256]) * 16)
+    events, lost = bm.take_events()
+    assert lost and not events

@@ -159,3 +159,74 @@ def test_decode_mode_hands_a_preempted_sequence_back_instead_of_requeueing_it():
     assert [s.seq_id for s in out.preempted] == ["b"] and not sched.waiting
     assert out.preempted[0].status is SeqStatus.PREEMPTED and not out.preempted[0].block_table
     assert [s.seq_id for s in out.decodes] == ["a"]
+
+
+# -- prefix caching -------------------------------------------------------------------------
+def caching_scheduler(**kw):
+    return make_scheduler(prefix_caching=True, **kw)
+
+
+def finish_prefill(sched, seq):
+    while seq.num_output_tokens == 0:
+        run_step(sched)
+
+
+def test_a_shared_prefix_is_reused_and_only_the_rest_computed():
+    sched = caching_scheduler(block_size=4, num_blocks=32)
+    a = Sequence.new("a", list(range(1, 11)), GREEDY)  # 2 full blocks + 2 tokens
+    sched.add(a)
+    finish_prefill(sched, a)
+    sched.finish(a, "stop")  # its blocks stay cached
+    b = Sequence.new("b", [*range(1, 9), 50, 51, 52], GREEDY)  # same first 2 blocks
+    sched.add(b)
+    out = run_step(sched)
+    assert [(s.seq_id, n) for s, n in out.prefills] == [("b", 3)]
+    assert b.num_cached_tokens == 8 and sched.prefix_hits == 8
+    assert sched.prefix_queries == 10 + 11
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    sched = caching_scheduler(block_size=4, num_blocks=32)
+    a = Sequence.new("a", list(range(1, 9)), GREEDY)  # exactly 2 blocks
+    sched.add(a)
+    finish_prefill(sched, a)
+    sched.finish(a, "stop")
+    again = Sequence.new("again", list(range(1, 9)), GREEDY)
+    sched.add(again)
+    out = run_step(sched)
+    assert [(s.seq_id, n) for s, n in out.prefills] == [("again", 4)]  # block 2 recomputed
+
+
+def test_generated_tokens_are_cached_for_the_next_turn():
+    sched = caching_scheduler(block_size=4, num_blocks=32)
+    turn1 = Sequence.new("t1", [1, 2, 3, 4, 5, 6], GREEDY)
+    sched.add(turn1)
+    for _ in range(6):
+        run_step(sched, token=9)
+    history = list(turn1.token_ids)  # prompt + answer: 12 tokens, 11 with KV computed
+    sched.finish(turn1, "stop")
+    turn2 = Sequence.new("t2", [*history, 70, 71], GREEDY)
+    sched.add(turn2)
+    out = run_step(sched)
+    # the answer's last token has no KV yet (it was never fed back): 2 blocks are cached
+    assert turn2.num_cached_tokens == 8 and [n for _, n in out.prefills] == [6]
+
+
+def test_off_means_no_hashing_and_no_reuse():
+    sched = make_scheduler(block_size=4, num_blocks=32)
+    a = Sequence.new("a", list(range(1, 11)), GREEDY)
+    sched.add(a)
+    finish_prefill(sched, a)
+    assert not a.block_hashes and sched.block_manager.num_cached_blocks == 0
+
+
+def test_hashes_are_salted_by_model_and_precision():
+    from pdserve.common.engine.block_manager import hash_salt, prefix_hashes
+
+    toks = list(range(32))
+    fp32 = prefix_hashes(toks, 16, hash_salt("m", "float32", 16))
+    bf16 = prefix_hashes(toks, 16, hash_salt("m", "bfloat16", 16))
+    other = prefix_hashes(toks, 16, hash_salt("n", "float32", 16))
+    assert len({fp32[0], bf16[0], other[0]}) == 3
+    tail = prefix_hashes(toks, 16, hash_salt("m", "float32", 16), start=1, parent=fp32[0])
+    assert tail == fp32[1:]  # a chain extends without rehashing its prefix
