@@ -68,6 +68,7 @@ class Register(Msg):
 class Heartbeat(Msg):
     node_id: str
     load: Load
+    kv_seq: int = -1  # the last KvEvents sent (-1: none): the gateway sees a lost last one
 
 
 class Accept(Msg):
@@ -121,8 +122,22 @@ class KvTransferred(Msg):
     overlap_ms: float = 0.0  # of start..end, the part before the forward pass ended
 
 
+class KvEvents(Msg):
+    """Prefix blocks (chained hashes, common/engine/block_manager.py) the node's cache stored
+    or evicted since its previous KvEvents; `seq` counts the node's messages from 0, so a
+    gap tells the gateway one was lost (it asks for a snapshot). With `snapshot`, `stored`
+    is everything the node holds and replaces what the gateway knew of it."""
+
+    node_id: str
+    seq: int
+    stored: list[bytes] = msgspec.field(default_factory=list)
+    evicted: list[bytes] = msgspec.field(default_factory=list)
+    snapshot: bool = False
+
+
 NodeToGateway = (
     KvTransferred
+    | KvEvents
     | Register
     | Heartbeat
     | Accept
@@ -151,6 +166,7 @@ class RegisterRefuse(Msg):
 class HeartbeatReply(Msg):
     stale: tuple[str, ...] = ()  # request ids the gateway no longer knows: free them
     unknown_node: bool = False  # the gateway restarted or dropped us: register again
+    kv_resync: bool = False  # a KvEvents was lost: send a snapshot of the prefix cache
 
 
 class DecodeTarget(msgspec.Struct, kw_only=True, frozen=True):

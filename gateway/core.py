@@ -31,6 +31,7 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.node_messages import NodeMessages
 from pdserve.gateway.placement import PlacementTimeout, Placer
 from pdserve.gateway.policies import make_policy
+from pdserve.gateway.prefix_index import PrefixIndex
 from pdserve.gateway.requests import Failed, GatewayRequest, StreamGap
 from pdserve.gateway.table import RequestTable
 
@@ -44,6 +45,7 @@ class Gateway(NodeMessages):
         self.tokenizer_fingerprint = tokenizer.fingerprint()
         self.cluster = ClusterView(cfg.heartbeat_timeout)
         self.table = RequestTable()
+        self.index = PrefixIndex()  # which prefix blocks each node holds
         self.policy = make_policy(cfg.scheduler, cfg.cost_profile)
         self.ctx = zmq.asyncio.Context()
         self.control = make_socket(
@@ -239,6 +241,7 @@ class Gateway(NodeMessages):
 
     async def _drop_node(self, node_id: str, why: str) -> None:
         node = self.cluster.remove(node_id)
+        self.index.drop(node_id)
         if node is None:
             return
         log.warning("dropped node %s: %s", node_id, why)

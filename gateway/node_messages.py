@@ -25,6 +25,7 @@ from pdserve.common.protocol import (
     FirstToken,
     Heartbeat,
     HeartbeatReply,
+    KvEvents,
     KvTransferred,
     NeedDecode,
     Preempted,
@@ -40,6 +41,7 @@ from pdserve.common.transport import decode_or_none, send
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.plan import redirect
 from pdserve.gateway.policies import Need, Policy
+from pdserve.gateway.prefix_index import PrefixIndex
 from pdserve.gateway.table import Attempt, RequestTable
 
 if TYPE_CHECKING:
@@ -57,6 +59,7 @@ class NodeMessages:
     cfg: GatewayConfig
     cluster: ClusterView
     table: RequestTable
+    index: PrefixIndex
     policy: Policy
     placer: Placer
     metrics: GatewayMetrics
@@ -123,6 +126,7 @@ class NodeMessages:
             await self._reply(identity, RegisterRefuse(node_id=info.node_id, reason=reason))
             return
         log.info("registered %s node %s (%s)", info.role, info.node_id, info.model_id)
+        self.index.drop(info.node_id)  # a new process: its snapshot follows
         ack = RegisterAck(
             node_id=info.node_id,
             tokens_address=self.tokens_address,
@@ -136,7 +140,13 @@ class NodeMessages:
         known = self.cluster.heartbeat(msg.node_id, identity, msg.load, time.monotonic())
         # the lease: ids the node holds that the gateway no longer knows are freed there
         stale = tuple(r for r in msg.load.held if self.table.get(r) is None) if known else ()
-        await self._reply(identity, HeartbeatReply(stale=stale, unknown_node=not known))
+        if known:
+            self.index.check(msg.node_id, msg.kv_seq)
+        resync = (
+            known and msg.node_id in self.index.nodes and self.index.needs_snapshot(msg.node_id)
+        )
+        reply = HeartbeatReply(stale=stale, unknown_node=not known, kv_resync=resync)
+        await self._reply(identity, reply)
         self.placer.capacity_changed()
 
     async def _on_answer(self, identity: bytes, msg: Accept | Reject) -> None:
@@ -207,6 +217,13 @@ class NodeMessages:
             # spawned, not awaited: the re-placement waits for an Accept this loop reads
             self._spawn(self.replace(attempt.req, f"prefill failed: {msg.reason}"))
 
+    async def _on_kv_events(self, identity: bytes, msg: KvEvents) -> None:
+        node = self.cluster.nodes.get(msg.node_id)
+        if node is None or node.identity != identity:
+            return  # not from the registered node of that name
+        if not self.index.apply(msg):
+            log.info("KV events of %s lost: asking for a snapshot", msg.node_id)
+
     async def _on_deregister(self, identity: bytes, msg: Deregister) -> None:
         node = self.cluster.nodes.get(msg.node_id)
         if node is not None and node.identity == identity:
@@ -239,6 +256,7 @@ CONTROL: dict[type, Handler] = {
     Reject: NodeMessages._on_answer,
     FirstToken: NodeMessages._on_first_token,
     KvTransferred: NodeMessages._on_kv_transferred,
+    KvEvents: NodeMessages._on_kv_events,
     NeedDecode: NodeMessages._on_need_decode,
     PrefillFailed: NodeMessages._on_prefill_failed,
     Deregister: NodeMessages._on_deregister,

@@ -70,6 +70,7 @@ class PrefillNode(NodeBase):
         return ""
 
     def on_registered(self, ack: RegisterAck) -> None:
+        super().on_registered(ack)
         self.queueing = ack.queueing  # the gateway's policy decides
 
     async def close_role(self) -> None:

@@ -113,6 +113,18 @@ class NodeControl(ABC):
         """The gateway accepted us and said how to take work (a role applies what it needs)."""
         return None
 
+    def on_kv_resync(self) -> None:
+        """The gateway lost track of our prefix cache: publish it whole next time."""
+        return None
+
+    def kv_seq(self) -> int:
+        """The seq of the last KvEvents sent (-1: none)."""
+        return -1
+
+    async def publish(self) -> None:
+        """Called after each heartbeat: send what the gateway should know beside the load."""
+        return None
+
     async def on_drain_timeout(self) -> None:
         """Hand back whatever is still held when the drain timeout passes."""
         return None
@@ -253,6 +265,8 @@ class NodeControl(ABC):
                 case HeartbeatReply(stale=stale, unknown_node=unknown):
                     if stale:
                         self.free_stale(stale)
+                    if msg.kv_resync:
+                        self.on_kv_resync()
                     if unknown and not self.draining:
                         self.registered.clear()
                         await self.send_gateway(Register(info=self.info()))
@@ -268,7 +282,11 @@ class NodeControl(ABC):
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval)
             load = self.load()
-            await self.send_gateway(Heartbeat(node_id=self.node_id, load=load))
+            await self.send_gateway(
+                Heartbeat(node_id=self.node_id, load=load, kv_seq=self.kv_seq())
+            )
+            if self.registered.is_set():
+                await self.publish()
             silent = time.monotonic() - self.last_reply
             if silent > self.cfg.heartbeat_timeout and not self.draining:
                 # the gateway is gone or restarted: keep knocking until it answers

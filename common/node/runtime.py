@@ -35,10 +35,18 @@ from pdserve.common.engine.sequence import Sequence
 from pdserve.common.kv_transfer.base import Local
 from pdserve.common.node.control import NodeControl
 from pdserve.common.node.host import host_identity
-from pdserve.common.protocol import DecodeTarget, Load, Preempted, TokenBatch
+from pdserve.common.protocol import (
+    DecodeTarget,
+    KvEvents,
+    Load,
+    Preempted,
+    RegisterAck,
+    TokenBatch,
+)
 from pdserve.common.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+MAX_HASHES = 4096  # per KvEvents message
 
 
 @dataclass
@@ -63,6 +71,8 @@ class NodeBase(NodeControl):
         self.aborted: set[str] = set()  # ids to drop once the running step is over
         self.work = asyncio.Event()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-engine")
+        self.events_seq = 0  # KvEvents sent since start
+        self.snapshot_due = True  # the gateway knows nothing of our prefix cache yet
 
     def scheduler_config(self) -> SchedulerConfig:
         engine = self.engine
@@ -84,6 +94,48 @@ class NodeBase(NodeControl):
             ports={"tcp": cfg.kv_tcp_port},
             forced=cfg.kv_backend,
         )
+
+    # -- the prefix cache, as the gateway's index sees it ------------------------------------
+    def on_registered(self, ack: RegisterAck) -> None:
+        self.snapshot_due = True  # a new gateway, or one that dropped us
+
+    def on_kv_resync(self) -> None:
+        self.snapshot_due = True
+
+    def kv_seq(self) -> int:
+        return self.events_seq - 1
+
+    async def publish(self) -> None:
+        """Stored and evicted prefix blocks since the last call, as KvEvents of at most
+        `MAX_HASHES` hashes; the whole cache when the gateway needs a snapshot."""
+        if not self.scheduler.cfg.prefix_caching:
+            return
+        events, lost = self.blocks.take_events()
+        if lost or self.snapshot_due:
+            self.snapshot_due = False
+            hashes = self.blocks.cached_hashes()
+            await self._send_events(hashes[:MAX_HASHES], [], snapshot=True)
+            for i in range(MAX_HASHES, len(hashes), MAX_HASHES):
+                await self._send_events(hashes[i : i + MAX_HASHES], [])
+            return
+        final = {h: stored for stored, h in events}  # a hash's last event in the batch counts
+        stored = [h for h, s in final.items() if s]
+        evicted = [h for h, s in final.items() if not s]
+        for i in range(0, max(len(stored), len(evicted)), MAX_HASHES):
+            await self._send_events(stored[i : i + MAX_HASHES], evicted[i : i + MAX_HASHES])
+
+    async def _send_events(
+        self, stored: list[bytes], evicted: list[bytes], snapshot: bool = False
+    ) -> None:
+        msg = KvEvents(
+            node_id=self.node_id,
+            seq=self.events_seq,
+            stored=stored,
+            evicted=evicted,
+            snapshot=snapshot,
+        )
+        self.events_seq += 1
+        await self.send_gateway(msg)
 
     # -- hooks of the role -----------------------------------------------------------------
     async def before_step(self, out: SchedulerOutput) -> None:

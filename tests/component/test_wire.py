@@ -40,6 +40,7 @@ from pdserve.common.protocol import (
     HeartbeatReply,
     KvAck,
     KvDone,
+    KvEvents,
     KvHeader,
     KvLayer,
     KvRefuse,
@@ -257,8 +258,15 @@ SAMPLES: list[Msg] = [
     ),
     Preempted(node_id="d-1", request_id="a.0", reason="out of KV blocks"),
     KvTransferred(
-        request_id="r.0", backend="shm", bytes=4096, layerwise=True, start_ms=1.0, end_ms=2.5
+        request_id="r.0",
+        backend="shm",
+        bytes=4096,
+        layerwise=True,
+        start_ms=1.0,
+        end_ms=2.5,
+        overlap_ms=0.4,
     ),
+    KvEvents(node_id="p-1", seq=3, stored=[b"\x01" * 16], evicted=[b"\x02" * 16]),
 ]
 CHANNELS = [
     (NODE_DECODER, NodeToGateway),
@@ -728,3 +736,53 @@ async def test_failed_prefill_is_placed_again(tokenizer):
         # the reservation the failed attempt made on the decode node is aborted
         await until(all_free(prefill, decode), 1.0, "all KV freed")
         assert not decode.intake.incoming and not decode.requests
+
+
+# -- 6. the prefix index -------------------------------------------------------------------
+async def test_the_gateway_prefix_index_follows_the_nodes_caches(tokenizer):
+    """After shared-prefix traffic, evictions, a lost event batch and a node restart, the
+    gateway's index of every node equals what that node's cache holds."""
+    tiny = EngineConfig(engine="sim", sim_time_scale=0.01, num_kv_blocks=24, max_batch=8)
+    async with Cluster(tokenizer) as c:
+        prefill = await c.add(c.node(PrefillNode, "prefill-0", ecfg=tiny))
+        decode = await c.add(c.node(DecodeNode, "decode-0", ecfg=tiny))
+
+        def consistent() -> bool:
+            index = c.gw.index
+            return all(
+                not index.needs_snapshot(n.node_id)
+                and index.nodes[n.node_id].blocks == set(n.blocks.cached_hashes())
+                for n in (prefill, decode)
+            )
+
+        async def serve(*prompts: list[int]) -> None:
+            reqs = [c.request(f"q{i}-{len(p)}-{p[0]}", p) for i, p in enumerate(prompts)]
+            await asyncio.wait_for(asyncio.gather(*(c.gw.run(r) for r in reqs)), TIMEOUT)
+            assert all([await outcome(r) == Done("length") for r in reqs])
+
+        shared = prompt(64, 2000)
+        await serve(shared + prompt(10, 9000), shared + prompt(20, 9100))
+        await until(consistent, what="the index to match the caches")
+        assert c.gw.index.cached_blocks("prefill-0", prefill.blocks.hashes(shared)) == 4
+        await serve(prompt(360, 5000))  # 23 of the 24 blocks: evicts the shared prefix
+        await until(consistent, what="evictions to reach the index")
+        assert c.gw.index.cached_blocks("prefill-0", prefill.blocks.hashes(shared)) < 4
+
+        send, dropped = prefill.send_gateway, []
+
+        async def losing(msg):  # the next KvEvents never arrives
+            if isinstance(msg, KvEvents) and not dropped:
+                dropped.append(msg.seq)
+                return
+            await send(msg)
+
+        prefill.send_gateway = losing  # type: ignore[method-assign]
+        await serve(shared + prompt(5, 7000))
+        await serve(prompt(40, 3000))
+        await until(lambda: dropped and consistent(), what="a resync after the lost batch")
+
+        await c.stop(prefill, next(t for n, t in c.tasks.values() if n is prefill))
+        fresh = await c.add(c.node(PrefillNode, "prefill-0", ecfg=tiny))
+        prefill = fresh
+        await until(consistent, what="the restarted node's empty cache in the index")
+        assert c.gw.index.nodes["prefill-0"].blocks == set()
