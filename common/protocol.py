@@ -181,6 +181,9 @@ class PrefillOffer(Msg):
     prompt_ids: list[int]  # prompt, or prompt + generated tokens when re-placed
     params: SamplingParams
     decode: DecodeTarget
+    # tokens of the prompt whose KV the decode node already holds (a conversation's earlier
+    # turns, by the gateway's prefix index): only the rest is sent
+    decode_cached: int = 0
 
 
 class Redirect(Msg):
@@ -214,6 +217,9 @@ class KvHeader(Msg):
     prefill_node: str
     backend: str = "zmq"  # the connector carrying the frames (common/kv_transfer)
     location: str = ""  # connector-specific (shm: the segment with layer i at i * frame_bytes)
+    # whole blocks of the prompt whose KV the decode node holds already (its prefix cache):
+    # the frames carry tokens skip_tokens.. only
+    skip_tokens: int = 0
 
 
 class KvLayer(Msg):
@@ -234,6 +240,9 @@ class KvDone(Msg):
 
 class KvAck(Msg):
     request_id: str  # every layer is in the decode node's cache
+
+
+PREFIX_GONE = "prefix no longer cached"  # a KvRefuse reason: send the whole prompt's KV
 
 
 class KvRefuse(Msg):

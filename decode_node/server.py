@@ -29,7 +29,7 @@ from pdserve.common.kv_transfer import listen_all, receivers_for
 from pdserve.common.kv_transfer.base import Intake
 from pdserve.common.kv_transfer.intake import KvIntake
 from pdserve.common.node import NodeBase, NodeRequest
-from pdserve.common.protocol import Abort, Drain, KvHeader, Preempted
+from pdserve.common.protocol import PREFIX_GONE, Abort, Drain, KvHeader, Preempted
 from pdserve.common.tokenizer import Tokenizer
 from pdserve.common.transport import TOKENS_MAX_MSG, bound_address, make_socket
 
@@ -109,17 +109,30 @@ class DecodeNode(NodeBase):
 
     # -- intake ----------------------------------------------------------------------------
     def _reserve(self, h: KvHeader) -> list[int] | str:
-        """Blocks for the prompt and the first token, keeping the watermark free."""
+        """Blocks for the prompt and the first token, keeping the watermark free. With
+        `skip_tokens`, the prefill node sends only the KV after a prefix the gateway saw in
+        our cache: those blocks are taken from the cache (or, gone meanwhile, the header is
+        refused so that the whole prompt's KV comes)."""
+        bm, n, skip = self.blocks, len(h.prompt_ids), h.skip_tokens
         if self.draining:
             return "draining"
         if h.request_id in self.requests:
             return "duplicate request id"
-        if h.frame_bytes != self.engine.kv_frame_bytes(len(h.prompt_ids)):
+        if (
+            skip % bm.block_size
+            or skip >= n
+            or h.frame_bytes != self.engine.kv_frame_bytes(n - skip)
+        ):
             return "KV layout mismatch"
-        need = self.blocks.blocks_needed(len(h.prompt_ids) + 1)
-        if not self.blocks.can_allocate(need, reserve=self.scheduler.cfg.watermark_blocks):
-            return f"needs {need} KV blocks, {self.blocks.num_free_blocks} free"
-        return self.blocks.allocate(need)
+        hits = bm.match(bm.hashes(h.prompt_ids[:skip])) if skip else []
+        if len(hits) * bm.block_size < skip:
+            return f"{PREFIX_GONE}: {len(hits) * bm.block_size} of {skip} tokens here"
+        need = bm.blocks_needed(n + 1) - len(hits)
+        idle = sum(1 for b in hits if bm.ref_counts[b] == 0)  # cached: in the free queue
+        if not bm.can_allocate(need + idle, reserve=self.scheduler.cfg.watermark_blocks):
+            return f"needs {need} KV blocks, {bm.num_free_blocks} free"
+        bm.take(hits)
+        return [*hits, *bm.allocate(need)]
 
     async def _admit(self, intake: Intake, first_token: int) -> None:
         h = intake.header

@@ -67,6 +67,7 @@ class Gateway(NodeMessages):
             self.table,
             self.policy,
             self._send_offer,
+            self.index,
             cfg.placement_timeout,
             cfg.offer_timeout,
             on_answer=self._count_answer,

@@ -197,8 +197,8 @@ class NodeMessages:
         if attempt is None or attempt.req.finished:
             await self._reply(identity, Redirect(request_id=msg.request_id, decode=None))
             return
-        need = Need(attempt.prompt_len, exclude_decode=frozenset({msg.refused_by}))
-        target = redirect(self.policy, self.cluster, self.table, need)
+        need = Need(attempt.prompt_len, frozenset({msg.refused_by}), attempt.hashes)
+        target = redirect(self.policy, self.cluster, self.table, need, self.index)
         if target is None:
             await self._reply(identity, Redirect(request_id=msg.request_id, decode=None))
             # spawned, not awaited: the re-placement waits for an Accept this loop reads

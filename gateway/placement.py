@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from pdserve.common.protocol import PrefillOffer
 from pdserve.common.sampling import SamplingParams
 from pdserve.gateway.cluster import ClusterView, NodeState
-from pdserve.gateway.plan import plan
+from pdserve.gateway.plan import plan, request_hashes
 from pdserve.gateway.policies import Need, NodeView, Policy
+from pdserve.gateway.prefix_index import PrefixIndex
 from pdserve.gateway.requests import GatewayRequest
 from pdserve.gateway.table import Attempt, RequestTable
 
@@ -62,6 +63,7 @@ class Placer:
         table: RequestTable,
         policy: Policy,
         send_offer: SendOffer,
+        index: PrefixIndex,
         placement_timeout: float,
         offer_timeout: float,
         on_answer: Callable[[NodeState, bool | None], None] | None = None,
@@ -69,6 +71,7 @@ class Placer:
         self.cluster = cluster
         self.table = table
         self.policy = policy
+        self.index = index
         self.send_offer = send_offer
         self.placement_timeout = placement_timeout
         self.offer_timeout = offer_timeout
@@ -98,12 +101,13 @@ class Placer:
         """Returns once a prefill node accepted (the table holds the placement); raises
         PlacementTimeout."""
         deadline = time.monotonic() + self.placement_timeout
+        need = Need(len(prompt_ids), hashes=request_hashes(self.cluster, prompt_ids))
         self.waiting.append(req)
         try:
             while True:
                 if self.waiting[0] is req:
                     self.capacity.clear()
-                    if await self._one_pass(req, prompt_ids, params):
+                    if await self._one_pass(req, prompt_ids, params, need):
                         return
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -117,9 +121,9 @@ class Placer:
             self.capacity.set()  # let the next oldest try at once
 
     async def _one_pass(
-        self, req: GatewayRequest, prompt_ids: list[int], params: SamplingParams
+        self, req: GatewayRequest, prompt_ids: list[int], params: SamplingParams, need: Need
     ) -> bool:
-        pairs = plan(self.policy, self.cluster, self.table, Need(len(prompt_ids)))
+        pairs = plan(self.policy, self.cluster, self.table, need, self.index)
         if log.isEnabledFor(logging.DEBUG):  # every decision with the numbers it used
             log.debug(
                 "%s %s (%d tokens): offers %s",
@@ -132,8 +136,10 @@ class Placer:
                         "in_prefill": len(p.in_prefill),
                         "queued": p.queued,
                         "accepts": p.node.accepts,
+                        "cached_blocks": p.cached,
                         "decode": d.node_id,
                         "decode_free_blocks": d.free_blocks,
+                        "decode_cached_blocks": d.cached,
                     }
                     for p, d in pairs
                 ],
@@ -142,11 +148,16 @@ class Placer:
             attempt = self.table.current(req)
             if req.finished or attempt is None:
                 return True  # cancelled while waiting
+            attempt.hashes = need.hashes
+            # the decode node's cache holds this much of the prompt: its KV need not travel
+            # (at least one token always does; the node checks, and asks for all if it lost it)
+            skip = min(decode.cached, (len(prompt_ids) - 1) // decode.block_size)
             offer = PrefillOffer(
                 request_id=attempt.wire_id,
                 prompt_ids=prompt_ids,
                 params=params,
                 decode=decode.node.target(),
+                decode_cached=skip * decode.block_size,
             )
             pending = self.offers[attempt.wire_id] = _Offer(attempt, node, decode)
             answer: bool | None = None  # None: no answer in time

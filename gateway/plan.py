@@ -10,14 +10,18 @@ promised since its report. A colocated node is its own decode node.
 
 from __future__ import annotations
 
+from pdserve.common.prefix import hash_salt, prefix_hashes
 from pdserve.gateway.cluster import ClusterView, NodeState
 from pdserve.gateway.policies import Need, NodeView, Policy
+from pdserve.gateway.prefix_index import PrefixIndex
 from pdserve.gateway.table import RequestTable
 
 Pair = tuple[NodeView, NodeView]
 
 
-def view(node: NodeState, table: RequestTable) -> NodeView:
+def view(
+    node: NodeState, table: RequestTable, index: PrefixIndex | None = None, need: Need | None = None
+) -> NodeView:
     node_id = node.node_id
     load = node.load
     promised = table.promised_since(node_id, node.load_at)
@@ -29,25 +33,53 @@ def view(node: NodeState, table: RequestTable) -> NodeView:
         in_prefill=tuple(a.prompt_len for a in table.in_prefill(node_id)),
         decoding=len(table.headed_to(node_id)),
         free_blocks=free,
+        cached=index.cached_blocks(node_id, need.hashes) if index and need else 0,
     )
 
 
-def views(cluster: ClusterView, table: RequestTable, role: str) -> list[NodeView]:
-    return [view(n, table) for n in cluster.alive(role)]
+def views(
+    cluster: ClusterView,
+    table: RequestTable,
+    role: str,
+    index: PrefixIndex | None = None,
+    need: Need | None = None,
+) -> list[NodeView]:
+    return [view(n, table, index, need) for n in cluster.alive(role)]
 
 
-def plan(policy: Policy, cluster: ClusterView, table: RequestTable, need: Need) -> list[Pair]:
-    colocated = views(cluster, table, "colocated")
+def plan(
+    policy: Policy,
+    cluster: ClusterView,
+    table: RequestTable,
+    need: Need,
+    index: PrefixIndex | None = None,
+) -> list[Pair]:
+    colocated = views(cluster, table, "colocated", index, need)
     if colocated:  # the colocated baseline: one engine runs both phases of a request
         return [(n, n) for n in policy.prefill_order(colocated, need)]
-    decode = policy.pick_decode(views(cluster, table, "decode"), need)
+    decode = policy.pick_decode(views(cluster, table, "decode", index, need), need)
     if decode is None:
         return []
-    return [(n, decode) for n in policy.prefill_order(views(cluster, table, "prefill"), need)]
+    prefill = views(cluster, table, "prefill", index, need)
+    return [(n, decode) for n in policy.prefill_order(prefill, need)]
 
 
 def redirect(
-    policy: Policy, cluster: ClusterView, table: RequestTable, need: Need
+    policy: Policy,
+    cluster: ClusterView,
+    table: RequestTable,
+    need: Need,
+    index: PrefixIndex | None = None,
 ) -> NodeView | None:
     """Another decode node for KV its decode node refused (the prefill node stays)."""
-    return policy.pick_decode(views(cluster, table, "decode"), need)
+    return policy.pick_decode(views(cluster, table, "decode", index, need), need)
+
+
+def request_hashes(cluster: ClusterView, prompt_ids: list[int]) -> tuple[bytes, ...]:
+    """The chained hashes of a prompt's full blocks, as the nodes' caches key them (the
+    cluster's model, dtype and block size salt them)."""
+    ref = cluster.reference
+    if ref is None:
+        return ()
+    salt = hash_salt(ref.model_id, ref.dtype, ref.block_size)
+    return tuple(prefix_hashes(prompt_ids, ref.block_size, salt))

@@ -41,6 +41,7 @@ class Attempt:
     blocks: int = 0  # KV blocks promised on the decode node (prompt + first token)
     placed_at: float = 0.0  # when the decode node was promised them
     phase: Phase = Phase.OFFERED
+    hashes: tuple[bytes, ...] = ()  # its prompt's block hashes (where its prefix is cached)
 
     def nodes(self) -> set[str]:
         return {n for n in (self.prefill, self.decode) if n is not None}
@@ -115,7 +116,9 @@ class RequestTable:
         req.attempt += 1
         if placing is not None:
             req.timeline[f"placing.{req.attempt}"] = placing
-        return self.open(req, old.prompt_len if old is not None else len(req.prompt_ids))
+        fresh = self.open(req, old.prompt_len if old is not None else len(req.prompt_ids))
+        fresh.hashes = old.hashes if old is not None else ()
+        return fresh
 
     # -- what is on a node (derived) --------------------------------------------------------
     def on_node(self, node_id: str) -> list[Attempt]:

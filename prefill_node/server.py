@@ -30,6 +30,7 @@ from pdserve.common.kv_transfer.base import Transfer
 from pdserve.common.kv_transfer.sender import KvSender
 from pdserve.common.node import NodeBase, NodeRequest
 from pdserve.common.protocol import (
+    PREFIX_GONE,
     Abort,
     Accept,
     DecodeTarget,
@@ -108,7 +109,7 @@ class PrefillNode(NodeBase):
             return
         seq = Sequence.new(rid, offer.prompt_ids, offer.params)
         self.scheduler.add(seq)
-        self.requests[rid] = NodeRequest(seq, target=offer.decode)
+        self.requests[rid] = NodeRequest(seq, target=offer.decode, skip=offer.decode_cached)
         await self.send_gateway(Accept(request_id=rid))
         self.work.set()
 
@@ -128,6 +129,7 @@ class PrefillNode(NodeBase):
                     seq.num_prompt_tokens,
                     seq.params,
                     seq.block_table,
+                    skip=req.skip,
                 )
 
     def engine_step(
@@ -208,20 +210,25 @@ class PrefillNode(NodeBase):
 
     async def _on_refuse(self, rid: str, peer: str, why: str) -> None:
         log.info("%s refused KV of %s: %s", peer, rid, why)
+        req = self.requests.get(rid)
+        if why.startswith(PREFIX_GONE) and req is not None and req.target is not None:
+            self.spawn(self._on_redirect(rid, req.target))  # the same node, the whole KV
+            return
         await self.send_gateway(NeedDecode(request_id=rid, refused_by=peer, reason=why))
 
     async def _on_redirect(self, rid: str, target: DecodeTarget | None) -> None:
+        """Send the KV again, whole, to `target` (None: nobody can take it)."""
         await self.out_of_step(rid)  # the pass still sends to the old peer: resend after it
         req = self.requests.get(rid)
         if req is None or rid not in self.scheduler.parked:
             return
         self.sender.release(rid)
-        if target is None:  # nobody can take it: the gateway re-places the request
+        if target is None:  # the gateway re-places the request
             self.requests.pop(rid)
             self.scheduler.release(rid)
             self.work.set()
             return
-        req.target = target
+        req.target, req.skip = target, 0
         seq = req.seq
         prompt = seq.token_ids[:-1]  # the first token is sent with KvDone, not as KV
         t = self.sender.begin(

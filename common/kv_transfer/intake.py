@@ -157,8 +157,15 @@ class KvIntake:
             got = -1 if frame is None else memoryview(frame).nbytes
         if intake.dropped or got != h.frame_bytes or not 0 <= layer < h.num_layers:
             return
-        self.engine.import_kv(layer, intake.block_table, len(h.prompt_ids), frame)
+        self.engine.import_kv(layer, *self._frame_target(intake), frame)
         self._landed(intake, layer)
+
+    def _frame_target(self, intake: Intake) -> tuple[list[int], int]:
+        """Where the frames go: the blocks after those the node already held (a prefix its
+        cache kept, `skip_tokens`), and how many tokens they carry."""
+        h = intake.header
+        skip_blocks = h.skip_tokens // self.engine.block_size
+        return intake.block_table[skip_blocks:], len(h.prompt_ids) - h.skip_tokens
 
     def _landed(self, intake: Intake, layer: int) -> None:
         intake.layers.add(layer)
@@ -187,7 +194,7 @@ class KvIntake:
         if nbytes != h.frame_bytes or not 0 <= layer < h.num_layers or layer in intake.layers:
             return None
         intake.receiving = True
-        views = self.engine.kv_targets(layer, intake.block_table, len(h.prompt_ids))
+        views = self.engine.kv_targets(layer, *self._frame_target(intake))
         if views is not None:
             return views
         if intake.state is None or len(intake.state) < nbytes:
@@ -210,7 +217,7 @@ class KvIntake:
         h = intake.header
         if intake.state is not None:
             frame = memoryview(intake.state)[: h.frame_bytes]
-            self.engine.import_kv(layer, intake.block_table, len(h.prompt_ids), frame)
+            self.engine.import_kv(layer, *self._frame_target(intake), frame)
         self._landed(intake, layer)
         if intake.complete:
             await self._complete(intake)

@@ -90,18 +90,23 @@ class KvSender:
         num_prompt_tokens: int,
         params: SamplingParams,
         block_table: list[int],
+        skip: int = 0,
     ) -> Transfer:
+        """Start a transfer; with `skip` (whole blocks) the decode node holds the first
+        `skip` tokens' KV already and only the rest travels."""
         name = choose(
             self.local.forced, lambda b, ep: self.connector(b).usable(ep), target.kv_endpoints
         )
-        n = len(prompt_ids)
+        n = len(prompt_ids) - skip
+        engine = self.local.engine
+        assert skip % engine.block_size == 0 and n > 0, (skip, n)
         t = Transfer(
             request_id,
             target,
             name,
-            block_table,
+            block_table[skip // engine.block_size :],  # the frames cover the rest only
             n,
-            self.local.engine.kv_frame_bytes(n),
+            engine.kv_frame_bytes(n),
             self.num_layers,
         )
         self.connector(name).begin(t)
@@ -116,6 +121,7 @@ class KvSender:
             prefill_node=self.local.node_id,
             backend=name,
             location=t.location,
+            skip_tokens=skip,
         )
         self._post(target, _Item([encode(header)]))
         return t

@@ -54,6 +54,7 @@ class NodeRequest:
     seq: Sequence
     accepted_at: float = field(default_factory=time.monotonic)
     target: DecodeTarget | None = None  # prefill: the decode node its KV goes to
+    skip: int = 0  # prefill: leading tokens whose KV that node holds (not sent)
 
 
 class NodeBase(NodeControl):

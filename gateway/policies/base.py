@@ -31,6 +31,7 @@ class NodeView:
     # prefill here (what it sent since the node's report counts too)
     decoding: int = 0  # requests whose KV is on, or headed to, this node
     free_blocks: int = 0  # reported free + cached, minus what was promised since
+    cached: int = 0  # of this request's leading blocks, how many its cache holds (the index)
 
     @property
     def node_id(self) -> str:
@@ -39,6 +40,10 @@ class NodeView:
     @property
     def block_size(self) -> int:
         return self.node.info.block_size
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.cached * self.block_size
 
     @property
     def queued(self) -> int:
@@ -58,6 +63,7 @@ class NodeView:
 class Need:
     prompt_len: int  # tokens to prefill (prompt, or prompt + output kept when re-placed)
     exclude_decode: frozenset[str] = field(default_factory=frozenset)  # refused the KV
+    hashes: tuple[bytes, ...] = ()  # chained hashes of its full blocks (common/prefix.py)
 
 
 class Policy:
@@ -71,8 +77,14 @@ class Policy:
         raise NotImplementedError
 
     def pick_decode(self, nodes: Sequence[NodeView], need: Need) -> NodeView | None:
-        """Default: the node with the most free KV blocks that can hold the request."""
-        return most_free(nodes, need)
+        """Default: among nodes that can hold the request, the one whose cache holds the most
+        of its prefix (a conversation's earlier turns: their KV need not travel again), then
+        the one with the most free KV blocks."""
+        return max(
+            fits(nodes, need),
+            key=lambda n: (n.cached, n.free_blocks, -n.decoding, n.node_id),
+            default=None,
+        )
 
 
 def fits(nodes: Iterable[NodeView], need: Need) -> list[NodeView]:
@@ -83,10 +95,3 @@ def fits(nodes: Iterable[NodeView], need: Need) -> list[NodeView]:
         if n.node_id not in need.exclude_decode
         and n.free_blocks >= n.blocks_for(need.prompt_len + 1)
     ]
-
-
-def most_free(nodes: Iterable[NodeView], need: Need) -> NodeView | None:
-    """Most free KV blocks; ties to the node with the fewest requests headed to it."""
-    return max(
-        fits(nodes, need), key=lambda n: (n.free_blocks, -n.decoding, n.node_id), default=None
-    )

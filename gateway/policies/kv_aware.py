@@ -1,12 +1,12 @@
 """KV-aware (Mooncake-style baseline): the least estimated TTFT per prefill node,
 
     TTFT = queue wait    (modelled prefill time of the prompts the node already has)
-         + prefill time  of this prompt's tokens not cached there
+         + prefill time  of this prompt's tokens not cached there (the prefix index)
          + KV transfer   time of the prompt's KV
 
-with the cost model of `--cost-profile`. Without a prefix index of the nodes' caches the
-estimate is cache-blind (nothing counts as cached). Decode: the most free KV blocks. Prefill
-nodes queue locally. Every decision is logged at DEBUG with its numbers.
+with the cost model of `--cost-profile`. Decode: the node holding most of the prefix, then
+the most free KV blocks. Prefill nodes queue locally. Every decision is logged at DEBUG with
+its numbers.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class KvAware(Policy):
     queueing = True
 
     def estimate(self, node: NodeView, prompt_len: int, cached: int = 0) -> dict[str, float]:
+        cached = min(cached, prompt_len - 1)  # the last token is always computed
         wait = sum(self.cost.prefill_seconds(n) for n in node.in_prefill)
         prefill = self.cost.prefill_seconds(prompt_len - cached, cached)
         transfer = self.cost.transfer_seconds(prompt_len)
@@ -38,7 +39,7 @@ class KvAware(Policy):
         }
 
     def prefill_order(self, nodes: Sequence[NodeView], need: Need) -> list[NodeView]:
-        scored = [(self.estimate(n, need.prompt_len), n) for n in nodes]
+        scored = [(self.estimate(n, need.prompt_len, n.cached_tokens), n) for n in nodes]
         scored.sort(key=lambda pair: (pair[0]["ttft_s"], pair[1].node_id))
         if scored and log.isEnabledFor(logging.DEBUG):
             log.debug(

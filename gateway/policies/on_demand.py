@@ -1,10 +1,12 @@
 """On-demand forwarding (P/D-Serve), the default: no queue at the gateway or the nodes.
 
-Prefill candidates are offered the request in order of the requests the gateway currently has
-in prefill on each (its "active connections"); each node accepts only while its batch has
-room, so no queue forms anywhere. Ties (every node idle, say) go to the node that accepted
-least so far, so a trickle of requests still spreads over the pool instead of always hitting
-one. Decode: the node with the most free KV blocks that can hold the request.
+Prefill candidates are offered the request by how much of its prefix their cache holds (the
+gateway's prefix index), then in order of the requests the gateway currently has in prefill
+on each (its "active connections"); each node accepts only while its batch has room, so the
+request goes where its prefix is unless that node is saturated, and no queue forms anywhere.
+Ties (every node idle, nothing cached) go to the node that accepted least so far, so a
+trickle of requests still spreads over the pool instead of always hitting one. Decode: the
+node holding most of the prefix, then the most free KV blocks, that can hold the request.
 """
 
 from __future__ import annotations
@@ -21,4 +23,6 @@ class OnDemand(Policy):
     queueing = False
 
     def prefill_order(self, nodes: Sequence[NodeView], need: Need) -> list[NodeView]:
-        return sorted(nodes, key=lambda n: (len(n.in_prefill), n.node.accepts, n.node_id))
+        return sorted(
+            nodes, key=lambda n: (-n.cached, len(n.in_prefill), n.node.accepts, n.node_id)
+        )

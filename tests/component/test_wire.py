@@ -24,6 +24,7 @@ from pdserve.common.node import NodeBase, NodeRequest, RegistrationRefused
 from pdserve.common.protocol import (
     GATEWAY_DECODER,
     NODE_DECODER,
+    PREFIX_GONE,
     TO_DECODE_DECODER,
     TO_PREFILL_DECODER,
     TOKENS_DECODER,
@@ -786,3 +787,38 @@ async def test_the_gateway_prefix_index_follows_the_nodes_caches(tokenizer):
         prefill = fresh
         await until(consistent, what="the restarted node's empty cache in the index")
         assert c.gw.index.nodes["prefill-0"].blocks == set()
+
+
+async def test_kv_the_decode_node_no_longer_holds_is_sent_whole_after_all(tokenizer):
+    """The index said the decode node holds the conversation (a stale view: its evictions
+    were not published yet); it refuses the header, and the prefill node sends everything."""
+    async with Cluster(tokenizer) as c:
+        prefill = await c.add(c.node(PrefillNode, "prefill-0"))
+        decode = await c.add(c.node(DecodeNode, "decode-0"))
+        first = c.request("turn1", prompt(70, 4000))
+        await asyncio.wait_for(c.gw.run(first), TIMEOUT)
+        assert await outcome(first) == Done("length")
+        history = first.prompt_ids + first.output_ids
+        hashes = decode.blocks.hashes(history)
+        await until(lambda: c.gw.index.cached_blocks("decode-0", hashes) == 4, what="indexed")
+
+        async def silent() -> None:  # its evictions stay unpublished
+            return None
+
+        decode.publish = silent  # type: ignore[method-assign]
+        everything = decode.blocks.allocate(decode.blocks.num_free_blocks)  # evicts it all
+        decode.blocks.free(everything)
+        refusals: list[str] = []
+        refuse = decode.intake.refuse
+
+        async def recording(peer: bytes, rid: str, reason: str) -> None:
+            refusals.append(reason)
+            await refuse(peer, rid, reason)
+
+        decode.intake.refuse = recording  # type: ignore[method-assign]
+        second = c.request("turn2", history + prompt(9, 8000))
+        await asyncio.wait_for(c.gw.run(second), TIMEOUT)
+        assert await outcome(second) == Done("length")
+        assert len(refusals) == 1 and refusals[0].startswith(PREFIX_GONE)
+        assert second.attempt == 0  # resent by the prefill node, no re-placement
+        await until(lambda: not prefill.requests and not decode.requests, what="idle")

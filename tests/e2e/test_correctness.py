@@ -105,3 +105,33 @@ def test_colocated_node_through_the_gateway_matches_single_process(make_cluster,
     assert wait_for(
         lambda: cluster.metric("pdserve:kv_blocks", role="colocated", state="in_use") == 0
     )
+
+
+def test_a_conversation_reuses_its_kv_on_the_decode_node_and_matches_single_process(
+    make_cluster, smol_runner, tokenizer
+):
+    """Each turn's prompt is the last one plus its answer plus a new question. The gateway's
+    index sees the conversation on the decode node that served it, routes the next turn there,
+    and only the KV after that prefix travels; the text equals the single process's."""
+    questions = ["Name a planet.", "Why is it red?", "How far is it from the sun?"]
+    engine = make_engine(smol_runner, tokenizer, prefix_caching="off")
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    cluster = make_cluster(prefill=1, decode=2)
+    history: list[int] = []
+    for turn, q in enumerate(questions):
+        ask = tokenizer.encode(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n", False)
+        if history:
+            ask = tokenizer.encode("<|im_end|>\n", False) + ask
+        prompt = history + ask
+        expected = engine.generate([prompt], greedy)[0]
+        before = cluster.metric("pdserve:kv_transfer_bytes_total")
+        got = complete(cluster, prompt, max_tokens=12, ignore_eos=True)
+        assert got["choices"][0]["text"] == expected.text, f"turn {turn} diverged"
+        assert wait_for(lambda b=before: cluster.metric("pdserve:kv_transfer_bytes_total") > b)
+        sent = cluster.metric("pdserve:kv_transfer_bytes_total") - before
+        full = smol_runner.kv_frame_bytes(len(prompt)) * smol_runner.model_config.num_layers
+        if turn:  # the earlier turns' KV stayed on the decode node: only the rest travelled
+            held = (len(history) - 1) // 16 * 16  # its full blocks with KV (not the last token)
+            kept = smol_runner.kv_frame_bytes(held) * smol_runner.model_config.num_layers
+            assert sent == full - kept, (sent, full, kept)
+        history = prompt + expected.token_ids

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from msgspec.structs import replace
 
 from pdserve.common.protocol import Load, NodeInfo
 from pdserve.gateway.cluster import ClusterView
@@ -208,3 +209,31 @@ def test_a_policy_is_one_module_registered_by_name():
             register(type("Other", (Policy,), {"name": "test_fewest_id"}))
     finally:
         REGISTRY.pop("test_fewest_id", None)
+
+
+def test_cache_aware_order_sends_a_request_where_its_prefix_is():
+    from pdserve.common.protocol import KvEvents
+    from pdserve.gateway.prefix_index import PrefixIndex
+
+    placed = Placed(cluster_with({"p0": (0, 0), "p1": (0, 0)}, {"d0": 40, "d1": 50}))
+    hashes = tuple(i.to_bytes(16, "big") for i in range(200))  # a 3,200-token prompt
+    index = PrefixIndex()
+    index.apply(KvEvents(node_id="p1", seq=0, stored=list(hashes[:180]), snapshot=True))
+    index.apply(KvEvents(node_id="d0", seq=0, stored=list(hashes[:3]), snapshot=True))
+    placed.in_prefill("p1", 10)  # busier, but it holds the prefix
+    need = Need(3200, hashes=hashes)
+    for node in ("d0", "d1"):  # room for it on both decode nodes
+        load = placed.view.nodes[node].load
+        placed.view.heartbeat(node, node.encode(), replace(load, blocks_free=400), 0.0)
+    pairs = plan(make_policy("on_demand"), placed.view, placed.table, need, index)
+    assert [(p.node_id, p.cached, d.node_id, d.cached) for p, d in pairs] == [
+        ("p1", 180, "d0", 3),  # d0 holds the conversation although d1 has as much room
+        ("p0", 0, "d0", 3),
+    ]
+    kv = make_policy("kv_aware")
+    assert (
+        kv.prefill_order(views(placed.view, placed.table, "prefill", index, need), need)[0].node_id
+        == "p1"
+    )
+    plain = plan(make_policy("on_demand"), placed.view, placed.table, Need(3200))
+    assert [(p.node_id, d.node_id) for p, d in plain] == [("p0", "d1"), ("p1", "d1")]
