@@ -29,3 +29,5 @@ class CacheOnlyEngine:
         self.kv_targets = self.cache.kv_targets
         self.export_into = self.cache.export_into
         self.import_kv = self.cache.import_kv
+        self.read_block = self.cache.read_block
+        self.write_block = self.cache.write_block

@@ -47,6 +47,15 @@ class EngineConfig:
     prefix_caching: Literal["on", "off"] = flag(
         "on", "reuse the KV of cached prompt prefixes (full blocks, LRU among unused ones)"
     )
+    kv_host_cache_gb: float = flag(
+        0.0, "prefix cache tier: GiB of host memory for blocks evicted from the KV cache"
+    )
+    kv_disk_cache_gb: float = flag(
+        0.0, "prefix cache tier: GiB on disk for what the host tier evicts"
+    )
+    kv_disk_cache_dir: str = flag(
+        "", "prefix cache tier: its directory (default: a per-process one in the pdserve cache)"
+    )
     sim_profile: str = flag("h100-llama3.1-8b", "sim engine: GPU x model profile (costmodel)")
     sim_kv_scale: float = flag(1 / 16, "sim engine: KV payload size relative to the real model")
     sim_time_scale: float = flag(1.0, "sim engine: stretch modelled time by this factor")
@@ -62,6 +71,8 @@ class EngineConfig:
             )
         if self.chunk_size < 0 or self.num_kv_blocks < 0 or self.max_model_len < 0:
             raise ConfigError("--chunk-size, --num-kv-blocks and --max-model-len must be >= 0")
+        if self.kv_host_cache_gb < 0 or self.kv_disk_cache_gb < 0:
+            raise ConfigError("--kv-host-cache-gb and --kv-disk-cache-gb must be >= 0")
         if self.kv_cache_gb <= 0:
             raise ConfigError(f"--kv-cache-gb must be positive, got {self.kv_cache_gb}")
         if not 0 <= self.watermark < 0.5:

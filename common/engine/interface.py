@@ -92,6 +92,14 @@ class Engine(Protocol):
         self, layer: int, block_table: Sequence[int], num_tokens: int, frame: Any
     ) -> None: ...
 
+    def read_block(self, block: int) -> bytes:
+        """Every layer's KV of one block as host bytes (the prefix cache's lower tiers)."""
+        ...
+
+    def write_block(self, block: int, data: bytes) -> None:
+        """Put bytes from read_block back into a block (of this or an equal engine)."""
+        ...
+
 
 def sample_positions(prefills: Sequence[PrefillWork], decodes: Sequence[DecodeWork]) -> list[int]:
     """Sequence position of each token to be sampled (the key of its random draw)."""

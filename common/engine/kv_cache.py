@@ -123,6 +123,22 @@ class KVCache:
         out = torch.frombuffer(buf, dtype=self.data.dtype).view(2, num_tokens, heads, dim)
         self.export_kv(layer, block_table, num_tokens, out=out)
 
+    def block_bytes(self) -> int:
+        return self.num_layers * self.block_size * self.bytes_per_token_per_layer()
+
+    def read_block(self, block: int) -> bytes:
+        """Every layer's K and V of one block, as host bytes (a copy, from any device)."""
+        bs = self.block_size
+        kv = self.data[:, :, block * bs : (block + 1) * bs].contiguous().to("cpu")
+        return kv.view(-1).view(torch.uint8).numpy().tobytes()
+
+    def write_block(self, block: int, data: bytes) -> None:
+        """The inverse of read_block, into any block of this cache."""
+        bs = self.block_size
+        shape = self.data[:, :, block * bs : (block + 1) * bs].shape
+        kv = torch.frombuffer(bytearray(data), dtype=self.data.dtype).view(shape)
+        self.data[:, :, block * bs : (block + 1) * bs].copy_(kv.to(self.data.device))
+
     def token_runs(self, block_table: Sequence[int], num_tokens: int) -> list[tuple[int, int]]:
         """(first slot, tokens) of each stretch of consecutive cache slots that holds tokens
         [0, num_tokens): one run when the blocks are consecutive, one per block at worst."""

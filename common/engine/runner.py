@@ -129,6 +129,13 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta, self.kv_cache, on_layer)
         return self.model.logits(hidden if all_rows else hidden[rows]).cpu()
 
+    # -- whole blocks, for the prefix cache's lower tiers ---------------------------------
+    def read_block(self, block: int) -> bytes:
+        return self.kv_cache.read_block(block)
+
+    def write_block(self, block: int, data: bytes) -> None:
+        self.kv_cache.write_block(block, data)
+
     # -- KV frames: the cache implements them ------------------------------------------
     def kv_frame_bytes(self, num_tokens: int) -> int:
         return self.kv_cache.frame_bytes(num_tokens)

@@ -32,6 +32,7 @@ Modes (one scheduler for every role, so a node could serve either):
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -39,6 +40,7 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.engine.block_manager import BlockManager, hash_salt, prefix_hashes
 from pdserve.common.engine.interface import DecodeWork, PrefillWork
 from pdserve.common.engine.sequence import SeqStatus, Sequence
+from pdserve.common.engine.tiers import TierStore
 
 Mode = Literal["colocated", "prefill", "decode"]
 
@@ -104,7 +106,9 @@ class Scheduler:
             cfg.num_blocks, cfg.block_size, cfg.hash_salt, cfg.record_events and cfg.prefix_caching
         )
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
-        self.prefix_hits = 0  # of those, found cached
+        self.prefix_hits = 0  # of those, found cached (here or in a lower tier)
+        self.tiers: TierStore | None = None
+        self._write_block: Callable[[int, bytes], None] | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order; the last is the newest
         self.parked: dict[str, Sequence] = {}  # prefill mode: prefilled, KV held for handoff
@@ -112,6 +116,17 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def attach_tiers(
+        self,
+        tiers: TierStore,
+        read_block: Callable[[int], bytes],
+        write_block: Callable[[int, bytes], None],
+    ) -> None:
+        """Blocks about to be overwritten go to `tiers`; a prefix that continues there is
+        loaded back when that is cheaper than recomputing it."""
+        self.tiers, self._write_block = tiers, write_block
+        self.block_manager.on_evict = lambda block, digest: tiers.put(digest, read_block(block))
 
     # -- admission ----------------------------------------------------------------------
     def can_take(self, num_tokens: int, queueing: bool) -> str | None:
@@ -183,8 +198,9 @@ class Scheduler:
         candidates = [s for s in self.running if s.is_prefilling] + list(self.waiting)
         for seq in candidates:
             waiting = seq.status is SeqStatus.WAITING
-            hits = self._cached_prefix(seq) if waiting else []
-            remaining = seq.num_tokens - seq.num_computed_tokens - len(hits) * self.cfg.block_size
+            hits, loads = self._cached_prefix(seq) if waiting else ([], [])
+            cached = (len(hits) + len(loads)) * self.cfg.block_size
+            remaining = seq.num_tokens - seq.num_computed_tokens - cached
             if self.cfg.chunk_size:
                 n = min(remaining, budget)
             else:
@@ -193,7 +209,7 @@ class Scheduler:
                     break
             if n <= 0:
                 break
-            if waiting and not self._admit(seq, hits):
+            if waiting and not self._admit(seq, hits, loads):
                 break
             out.prefills.append((seq, n))
             budget -= n
@@ -223,17 +239,26 @@ class Scheduler:
         return grew
 
     # -- internals ----------------------------------------------------------------------
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Blocks holding the longest cached prefix of a waiting sequence's tokens, short of
-        its last token (computed anyway: its logits are needed). Not taken yet."""
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
+        """The longest cached prefix of a waiting sequence's tokens, short of its last token
+        (computed anyway: its logits are needed): blocks of this cache (not taken yet), then
+        hashes a lower tier holds and would load faster than they recompute."""
         if not self.cfg.prefix_caching or seq.block_table:
-            return []
+            return [], []
         self._extend_hashes(seq)
-        return self.block_manager.match(seq.block_hashes)[
-            : (seq.num_tokens - 1) // self.cfg.block_size
-        ]
+        usable = seq.block_hashes[: (seq.num_tokens - 1) // self.cfg.block_size]
+        hits = self.block_manager.match(usable)
+        loads: list[bytes] = []
+        tiers = self.tiers
+        if tiers is not None and tiers.enabled:
+            for digest in usable[len(hits) :]:
+                tier = tiers.where(digest)
+                if tier is None or not tiers.worth_loading(tier, self.cfg.block_size):
+                    break
+                loads.append(digest)
+        return hits, loads
 
-    def _admit(self, seq: Sequence, hits: list[int]) -> bool:
+    def _admit(self, seq: Sequence, hits: list[int], loads: list[bytes]) -> bool:
         if len(self.running) >= self.cfg.max_num_seqs:
             return False
         bm = self.block_manager
@@ -242,8 +267,11 @@ class Scheduler:
         if not bm.can_allocate(need + idle_hits, reserve=self.cfg.watermark_blocks):
             return False
         bm.take(hits)
-        seq.block_table = [*hits, *bm.allocate(need)]
-        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.cfg.block_size
+        fresh = bm.allocate(need)
+        loaded = self._load(fresh, loads)
+        seq.block_table = [*hits, *fresh]
+        cached = len(hits) + loaded
+        seq.num_computed_tokens = seq.num_cached_tokens = cached * self.cfg.block_size
         seq.num_registered_blocks = len(hits)
         if self.cfg.prefix_caching:
             self.prefix_queries += seq.num_tokens
@@ -252,6 +280,18 @@ class Scheduler:
         self.running.append(seq)
         seq.status = SeqStatus.RUNNING
         return True
+
+    def _load(self, blocks: list[int], hashes: list[bytes]) -> int:
+        """Fill the first blocks with the tiers' copies of `hashes`; how many it loaded (a
+        block that is gone or corrupt ends the run: the rest is computed)."""
+        if not hashes or self.tiers is None or self._write_block is None:
+            return 0
+        for i, digest in enumerate(hashes):
+            data = self.tiers.take(digest)
+            if data is None:
+                return i
+            self._write_block(blocks[i], data)
+        return len(hashes)
 
     def _extend_hashes(self, seq: Sequence, upto: int | None = None) -> None:
         """Hash the sequence's full blocks (up to `upto` blocks) it has not hashed yet."""

@@ -74,6 +74,13 @@ class SimEngine:
     def _token(seed: int | None, position: int) -> int:
         return FIRST_ORDINARY_TOKEN + counter_int(seed or 0, position, ORDINARY_TOKEN_SPAN)
 
+    def read_block(self, block: int) -> bytes:
+        """A block's worth of (simulated) KV: every layer's frame bytes for block_size tokens."""
+        return bytes(self.kv_frame_bytes(self.block_size) * self.model_config.num_layers)
+
+    def write_block(self, block: int, data: bytes) -> None:
+        self.import_kv(0, [block], len(data) // self.frame_bytes_per_token, data)
+
     def kv_frame_bytes(self, num_tokens: int) -> int:
         return num_tokens * self.frame_bytes_per_token
 

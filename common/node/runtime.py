@@ -22,16 +22,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.common.cache import cache_dir
 from pdserve.common.config import EngineConfig, NodeConfig
 from pdserve.common.engine.interface import Engine
 from pdserve.common.engine.scheduler import Mode, Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.common.engine.sequence import Sequence
+from pdserve.common.engine.tiers import TierStore
 from pdserve.common.kv_transfer.base import Local
 from pdserve.common.node.control import NodeControl
 from pdserve.common.node.host import host_identity
@@ -72,6 +75,12 @@ class NodeBase(NodeControl):
         self.aborted: set[str] = set()  # ids to drop once the running step is over
         self.work = asyncio.Event()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-engine")
+        self.tiers = make_tiers(ecfg, self.node_id)
+        if self.tiers is not None:
+            self.scheduler.attach_tiers(self.tiers, engine.read_block, engine.write_block)
+        self.tiers = make_tiers(ecfg, self.node_id)
+        if self.tiers is not None:
+            self.scheduler.attach_tiers(self.tiers, engine.read_block, engine.write_block)
         self.events_seq = 0  # KvEvents sent since start
         self.snapshot_due = True  # the gateway knows nothing of our prefix cache yet
 
@@ -241,6 +250,10 @@ class NodeBase(NodeControl):
 
     async def close_role(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
+        if self.tiers is not None:
+            self.tiers.close()
+        if self.tiers is not None:
+            self.tiers.close()
 
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -264,10 +277,21 @@ class NodeBase(NodeControl):
                 finally:
                     self.in_step = set()
                     self.step_over.set_result(None)
-                self.metrics.step_time.observe(time.monotonic() - started)
+                seconds = time.monotonic() - started
+                self.metrics.step_time.observe(seconds)
+                if self.tiers is not None and out.prefills and not out.decodes:
+                    self.tiers.observe_prefill(sum(n for _, n in out.prefills), seconds)
                 tokens = result[0] if isinstance(result, tuple) else result
                 grew = self.scheduler.on_step_done(out, tokens)
                 aborted, self.aborted = self.aborted, set()
                 await self.after_step(out, [s for s in grew if s.seq_id not in aborted], result)
                 for rid in aborted:
                     self._drop(rid)
+
+
+def make_tiers(ecfg: EngineConfig, node_id: str) -> TierStore | None:
+    """The prefix cache's host and disk tiers, when sized (common/engine/tiers.py)."""
+    if not (ecfg.kv_host_cache_gb or ecfg.kv_disk_cache_gb) or ecfg.prefix_caching != "on":
+        return None
+    folder = ecfg.kv_disk_cache_dir or str(cache_dir() / "kv-tier" / f"{node_id}-{os.getpid()}")
+    return TierStore(int(ecfg.kv_host_cache_gb * 2**30), int(ecfg.kv_disk_cache_gb * 2**30), folder)

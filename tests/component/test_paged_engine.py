@@ -156,3 +156,44 @@ def test_prefix_caching_changes_no_output(smol_runner, tokenizer):
     assert sched.prefix_hits >= 32  # the diverged and longer prompts did reuse blocks
     events, lost = sched.block_manager.take_events()
     assert not lost and any(not stored for stored, _ in events)  # and blocks were evicted
+
+
+def test_blocks_evicted_to_the_host_and_disk_tiers_load_back_with_the_same_output(
+    smol_runner, tokenizer, tmp_path
+):
+    """The story's blocks leave a tiny KV cache for the host pool and, overflowing it, the
+    disk; the next prompts sharing that prefix load them back instead of recomputing, and
+    the text equals the text with no cache at all."""
+    import dataclasses
+
+    from pdserve.common.engine.scheduler import Scheduler
+    from pdserve.common.engine.tiers import TierStore
+
+    story = chat_ids(tokenizer, "Tell me a long story about a lighthouse keeper and a storm.")
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    numbers = [tokenizer.encode(" ".join(str(i) for i in range(k)), False) for k in range(200)]
+    filler = next(f for f in numbers if len(f) + 6 > 23 * 16)  # needs every one of 24 blocks
+    order = [story, filler, story + tokenizer.encode(" Then dawn came.", False)]
+    off = make_engine(smol_runner, tokenizer, prefix_caching="off")
+    expected = [off.generate([p], greedy)[0].token_ids for p in order]
+
+    on = make_engine(smol_runner, tokenizer)
+    on.scheduler = Scheduler(
+        dataclasses.replace(on.scheduler.cfg, num_blocks=24, watermark_blocks=0)
+    )
+    block = smol_runner.kv_cache.block_bytes()
+    tiers = TierStore(host_bytes=block, disk_bytes=64 * block, disk_dir=tmp_path)
+    on.scheduler.attach_tiers(tiers, smol_runner.read_block, smol_runner.write_block)
+    got = [on.generate([p], greedy)[0].token_ids for p in order]
+    assert got == expected
+    # the story's two full blocks came back, spilled to disk by then (the host pool holds
+    # one block, and the filler's blocks followed the story's out of the cache)
+    assert tiers.stats["host_hits"] + tiers.stats["disk_hits"] == 2
+    assert tiers.stats["disk_hits"] >= 1 and tiers.stats["spilled"] >= 2
+    assert on.scheduler.prefix_hits >= 2 * 16
+
+
+def test_a_block_read_from_one_cache_writes_into_another_byte_exact(smol_runner):
+    data = smol_runner.read_block(3)
+    smol_runner.write_block(9, data)
+    assert smol_runner.read_block(9) == data and len(data) == smol_runner.kv_cache.block_bytes()

@@ -1,0 +1,154 @@
+"""Lower tiers of the prefix cache: KV blocks evicted from the engine's cache, kept by their
+chained hash in a host-memory pool, and what overflows that pool in a disk directory. Pure
+Python over bytes: the engine reads and writes whole blocks (`Engine.read_block`,
+`write_block`), on CPU or GPU alike, so this code does not know where the cache lives.
+
+Both tiers are capped in bytes and least recently used first out: the host pool spills its
+oldest blocks to disk, the disk drops its oldest files. Each disk file holds a checksum of
+its bytes; a block that does not match (a torn write, a full disk, tampering) is a miss and
+is deleted, never loaded. A block comes back up (`take`) when a request's prefix continues in
+a tier and loading it is cheaper than recomputing it: `worth_loading` compares the measured
+time to load a block (bytes / the tier's observed bandwidth) with the measured time to
+prefill its tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+MAGIC = b"PDKVBLK1"
+CHECK = 16  # bytes of blake2b
+
+
+class TierStore:
+    def __init__(self, host_bytes: int, disk_bytes: int = 0, disk_dir: str | Path = "") -> None:
+        self.host_cap = host_bytes
+        self.disk_cap = disk_bytes if disk_dir else 0
+        self.dir = Path(disk_dir) if disk_dir else None
+        if self.dir is not None and self.disk_cap:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        self.host: OrderedDict[bytes, bytes] = OrderedDict()
+        self.host_used = 0
+        self.disk: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size
+        self.disk_used = 0
+        # observed seconds per byte of a load, per tier (starts from conservative guesses:
+        # host memory 2 GB/s, a disk 200 MB/s), and seconds per prefilled token
+        self.load_cost = {"host": 1 / 2e9, "disk": 1 / 2e8}
+        self.token_cost = 0.0  # unknown until the node reports a prefill
+        self.block_nbytes = 0
+        self.stats = {"put": 0, "spilled": 0, "host_hits": 0, "disk_hits": 0, "corrupt": 0}
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_cap > 0 or self.disk_cap > 0
+
+    # -- in ----------------------------------------------------------------------------------
+    def put(self, digest: bytes, data: bytes) -> None:
+        """A block leaves the engine's cache: keep it (host first, spilling to disk)."""
+        if digest in self.host or digest in self.disk:
+            return
+        self.stats["put"] += 1
+        self.block_nbytes = len(data)
+        if self.host_cap >= len(data):
+            self.host[digest] = data
+            self.host_used += len(data)
+            while self.host_used > self.host_cap:
+                old, old_data = self.host.popitem(last=False)
+                self.host_used -= len(old_data)
+                self._to_disk(old, old_data)
+        else:
+            self._to_disk(digest, data)
+
+    def _to_disk(self, digest: bytes, data: bytes) -> None:
+        if self.dir is None or self.disk_cap < len(data):
+            return
+        path = self.dir / (digest.hex() + ".kv")
+        body = MAGIC + hashlib.blake2b(data, digest_size=CHECK).digest() + data
+        try:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(body)
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("KV disk tier: cannot write %s: %s", path, exc)
+            return
+        self.disk[digest] = len(body)
+        self.disk_used += len(body)
+        self.stats["spilled"] += 1
+        while self.disk_used > self.disk_cap:
+            old, size = self.disk.popitem(last=False)
+            self.disk_used -= size
+            self._unlink(old)
+
+    # -- out ---------------------------------------------------------------------------------
+    def where(self, digest: bytes) -> str | None:
+        if digest in self.host:
+            return "host"
+        if digest in self.disk:
+            return "disk"
+        return None
+
+    def worth_loading(self, tier: str, tokens: int) -> bool:
+        """Loading a block from `tier` costs less than prefilling its `tokens` (measured)."""
+        if not self.token_cost:
+            return True  # nothing measured yet: loading is the better bet on every device
+        return self.block_nbytes * self.load_cost[tier] < tokens * self.token_cost
+
+    def take(self, digest: bytes) -> bytes | None:
+        """The block's bytes, checked, from whichever tier holds it (it stays there)."""
+        started = time.monotonic()
+        data = self.host.get(digest)
+        if data is not None:
+            self.host.move_to_end(digest)
+            self.stats["host_hits"] += 1
+            self._observe("host", len(data), started)
+            return data
+        if digest not in self.disk or self.dir is None:
+            return None
+        path = self.dir / (digest.hex() + ".kv")
+        try:
+            body = path.read_bytes()
+        except OSError:
+            body = b""
+        data = body[len(MAGIC) + CHECK :]
+        check = body[len(MAGIC) : len(MAGIC) + CHECK]
+        if not body.startswith(MAGIC) or hashlib.blake2b(data, digest_size=CHECK).digest() != check:
+            log.warning("KV disk tier: %s is corrupt; dropping it", path)
+            self.stats["corrupt"] += 1
+            self.disk_used -= self.disk.pop(digest)
+            self._unlink(digest)
+            return None
+        self.disk.move_to_end(digest)
+        self.stats["disk_hits"] += 1
+        self._observe("disk", len(data), started)
+        return data
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The node computed `tokens` of prefill in `seconds`: the cost of recomputing."""
+        if tokens > 0 and seconds > 0:
+            per = seconds / tokens
+            self.token_cost = per if not self.token_cost else 0.8 * self.token_cost + 0.2 * per
+
+    def _observe(self, tier: str, nbytes: int, started: float) -> None:
+        seconds = time.monotonic() - started
+        if nbytes and seconds > 0:
+            self.load_cost[tier] = 0.8 * self.load_cost[tier] + 0.2 * (seconds / nbytes)
+
+    def _unlink(self, digest: bytes) -> None:
+        if self.dir is not None:
+            try:
+                (self.dir / (digest.hex() + ".kv")).unlink()
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        """Drop the disk tier's files (they belong to this process's cache)."""
+        for digest in list(self.disk):
+            self._unlink(digest)
+        self.disk.clear()
+        self.disk_used = 0

@@ -1,0 +1,53 @@
+"""The prefix cache's lower tiers: host pool, spill to disk, LRU caps, checksums, and the
+load-or-recompute decision from measured costs."""
+
+from __future__ import annotations
+
+import os
+
+from pdserve.common.engine.tiers import TierStore
+
+
+def block(i: int, size: int = 1000) -> bytes:
+    return bytes((i * 7 + j) % 256 for j in range(size))
+
+
+def test_blocks_spill_from_host_to_disk_and_come_back_byte_exact(tmp_path):
+    store = TierStore(host_bytes=2500, disk_bytes=10_000, disk_dir=tmp_path)
+    for i in range(5):
+        store.put(bytes([i]) * 16, block(i))
+    assert [store.where(bytes([i]) * 16) for i in range(5)] == ["disk"] * 3 + ["host"] * 2
+    for i in range(5):
+        assert store.take(bytes([i]) * 16) == block(i)
+    assert store.stats["disk_hits"] == 3 and store.stats["host_hits"] == 2
+
+
+def test_both_tiers_are_capped_least_recently_used_first(tmp_path):
+    store = TierStore(host_bytes=1000, disk_bytes=2100, disk_dir=tmp_path)  # 1 + 2 blocks
+    for i in range(5):
+        store.put(bytes([i]) * 16, block(i))
+    assert [store.where(bytes([i]) * 16) for i in range(5)] == [None, None, "disk", "disk", "host"]
+    assert len(os.listdir(tmp_path)) == 2 and store.disk_used <= 2100
+    store.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_corrupt_disk_block_is_a_miss_and_is_dropped(tmp_path):
+    store = TierStore(host_bytes=0, disk_bytes=10_000, disk_dir=tmp_path)
+    store.put(b"a" * 16, block(1))
+    (path,) = tmp_path.iterdir()
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert store.take(b"a" * 16) is None
+    assert store.where(b"a" * 16) is None and store.stats["corrupt"] == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_loading_is_chosen_only_when_it_is_cheaper_than_recomputing():
+    store = TierStore(host_bytes=10_000)
+    store.put(b"x" * 16, block(0, 4000))
+    assert store.worth_loading("host", 16)  # nothing measured yet: load
+    store.observe_prefill(tokens=1000, seconds=0.001)  # a very fast prefill: 1 us per token
+    store.load_cost["disk"] = 1e-6  # and a slow disk: 4 ms for this block
+    assert store.worth_loading("host", 16) and not store.worth_loading("disk", 16)
