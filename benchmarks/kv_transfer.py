@@ -83,7 +83,7 @@ def decode_main(num_tokens: int, ucx: bool, layout: str, ready: Any, digest_q: A
 async def _decode(num_tokens: int, ucx: bool, layout: str, ready: Any, digest_q: Any) -> None:
     engine = CacheEngine(num_tokens)
     ctx = zmq.asyncio.Context()
-    sock = make_socket(ctx, "decode.data", "tcp://127.0.0.1:0", max_msg=1 << 31)
+    sock = make_socket(ctx, "node.data", "tcp://127.0.0.1:0", max_msg=1 << 31)
     dest = table(num_tokens, layout)
 
     checked = False

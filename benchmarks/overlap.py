@@ -65,7 +65,7 @@ def decode_main(ready: Any) -> None:
 async def _decode(ready: Any) -> None:
     layout = load_model_config(resolve_model(None))
     engine = CacheOnlyEngine(layout, MAX_TOKENS, BLOCK, torch.float32)
-    sock = make_socket(zmq.asyncio.Context(), "decode.data", "tcp://127.0.0.1:0", max_msg=1 << 30)
+    sock = make_socket(zmq.asyncio.Context(), "node.data", "tcp://127.0.0.1:0", max_msg=1 << 30)
     blocks = list(range(engine.cache.num_blocks))[::-1]  # other block ids than the sender's
 
     async def admit(intake: Intake, first_token: int) -> None:

@@ -34,9 +34,6 @@ class ColocatedNode(NodeBase):
     mode = "colocated"
     pushes_tokens = True
 
-    def data_address(self) -> str:
-        return ""
-
     async def on_gateway_message(self, msg: Any) -> None:
         match msg:
             case PrefillOffer():

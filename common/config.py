@@ -175,6 +175,11 @@ class GatewayConfig:
         "on_demand", "placement policy (gateway/schedulers.py)"
     )
     cost_profile: str = flag("h100-llama3.1-8b", "kv_aware: GPU x model profile of its estimates")
+    cache_aware_routing: Literal["on", "off"] = flag(
+        "on",
+        "place by the cluster prefix index (cached overlap, fetch hints, the decode node "
+        "holding a conversation); off: cache-blind placement, the nodes' caches still work",
+    )
     placement_timeout: float = flag(30.0, "seconds to find a prefill node before 503")
     offer_timeout: float = flag(2.0, "seconds a prefill node has to answer an offer")
     heartbeat_timeout: float = flag(2.0, "seconds of silence before a node is dropped")
@@ -206,7 +211,7 @@ class NodeConfig:
     )
     metrics_port: int = flag(0, "HTTP port serving this node's /metrics and /health; 0 = off")
     metrics_host: str = flag("127.0.0.1", "listen address of --metrics-port (containers: 0.0.0.0)")
-    data_port: int = flag(0, "decode node: KV receive port; 0 = any free port")
+    data_port: int = flag(0, "KV data socket port (KV and prefix fetches arrive); 0 = any free")
     heartbeat_interval: float = flag(0.5, "seconds between heartbeats")
     heartbeat_timeout: float = flag(2.0, "seconds without a gateway reply before re-registering")
     kv_transfer_timeout: float = flag(
@@ -219,6 +224,11 @@ class NodeConfig:
         "shm, ucx, or any in common/kv_transfer BACKENDS)",
     )
     kv_tcp_port: int = flag(0, "decode: port of the in-place TCP KV listener; 0 = any free")
+    kv_fetch: Literal["on", "off"] = flag(
+        "on",
+        "prefill: fetch prefix blocks another node's cache holds (the gateway's hint) when "
+        "that is estimated faster than computing them",
+    )
     layerwise_min_tokens: int = flag(
         768, "prefill: send KV layer by layer from this prompt length on (below: at the end)"
     )

@@ -106,10 +106,16 @@ def prefix_counters(loads: list[tuple[list[str], Load]]) -> Iterator[Metric]:
         "pdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache",
         labels=["node", "role"],
     )  # fmt: skip
+    fetched = CounterMetricFamily(
+        "pdserve:prefix_cache_fetched_tokens",
+        "Of the hits, prompt tokens whose KV was fetched from another node's cache",
+        labels=["node", "role"],
+    )
     for key, load in loads:
         queries.add_metric(key, load.prefix_queries)
         hits.add_metric(key, load.prefix_hits)
-    yield from (queries, hits)
+        fetched.add_metric(key, load.prefix_fetched)
+    yield from (queries, hits, fetched)
 
 
 class NodeMetrics:
@@ -149,7 +155,15 @@ class NodeMetrics:
             "Of the KV transfer, the part that ran while the prefill pass still computed",
             ("backend",),
         )
+        self._fetches = counter(
+            "pdserve:kv_fetches",
+            "Prefix fetches between nodes: fetched, fell_back (recomputed), served (to a peer)",
+            ("result",),
+        )
         r.register(_LoadCollector(node, role, load, num_blocks))
+
+    def fetch(self, result: str) -> None:
+        self._fetches.labels(**self.labels, result=result).inc()
 
     def offer(self, accepted: bool) -> None:
         self._offers.labels(**self.labels, decision="accept" if accepted else "reject").inc()

@@ -11,6 +11,8 @@ Channels:
     gateway -> node     (ROUTER -> DEALER)  GatewayToNode
     prefill -> decode   (DEALER -> ROUTER)  PrefillToDecode  (+ raw KV frames)
     decode -> prefill   (ROUTER -> DEALER)  DecodeToPrefill
+    node -> node        the same two, for prefix blocks one node fetches from another
+                        (KvFetch to the holder's data socket; the holder sends KV back)
     decode -> gateway   (PUSH -> PULL)      DecodeToGateway
 """
 
@@ -59,6 +61,7 @@ class Load(msgspec.Struct, kw_only=True, frozen=True):
     draining: bool = False
     prefix_queries: int = 0  # prompt tokens looked up in its prefix cache, since it started
     prefix_hits: int = 0  # of those, found cached
+    prefix_fetched: int = 0  # of those hits, tokens whose KV was fetched from another node
 
 
 class Register(Msg):
@@ -184,6 +187,10 @@ class PrefillOffer(Msg):
     # tokens of the prompt whose KV the decode node already holds (a conversation's earlier
     # turns, by the gateway's prefix index): only the rest is sent
     decode_cached: int = 0
+    # a node whose cache holds `fetch_tokens` leading tokens of the prompt, more than this
+    # node does (the index): the prefill node may fetch those blocks rather than compute them
+    fetch_from: DecodeTarget | None = None
+    fetch_tokens: int = 0
 
 
 class Redirect(Msg):
@@ -220,6 +227,7 @@ class KvHeader(Msg):
     # whole blocks of the prompt whose KV the decode node holds already (its prefix cache):
     # the frames carry tokens skip_tokens.. only
     skip_tokens: int = 0
+    fetch: bool = False  # prefix blocks a node fetched (KvFetch), not a request to decode
 
 
 class KvLayer(Msg):
@@ -242,6 +250,18 @@ class KvAck(Msg):
     request_id: str  # every layer is in the decode node's cache
 
 
+class KvFetch(Msg):
+    """To a node whose cache holds a prefix: send the KV of `prompt_ids` (whole blocks) from
+    token `skip_tokens` on (the asker holds the rest) to `reply_to`, as a transfer with
+    `KvHeader.fetch` set and `KvDone.first_token_id` -1. Answered by that transfer, or by a
+    `KvRefuse` when the blocks are gone."""
+
+    request_id: str  # the fetch's own id
+    prompt_ids: list[int]
+    skip_tokens: int
+    reply_to: DecodeTarget
+
+
 PREFIX_GONE = "prefix no longer cached"  # a KvRefuse reason: send the whole prompt's KV
 
 
@@ -250,7 +270,7 @@ class KvRefuse(Msg):
     reason: str
 
 
-PrefillToDecode = KvHeader | KvLayer | KvDone | Abort
+PrefillToDecode = KvHeader | KvLayer | KvDone | Abort | KvFetch
 DecodeToPrefill = KvAck | KvRefuse
 
 

@@ -4,7 +4,8 @@ sockets and what travels on them: docs/architecture.md, section 1).
     socket            type    side      peer
     gateway.control   ROUTER  bind      node.control (DEALER, connects, identity = node id)
     gateway.tokens    PULL    bind      decode.tokens (PUSH, connects)
-    decode.data       ROUTER  bind      prefill.data (DEALER, connects, one per decode peer)
+    node.data         ROUTER  bind      node.data_out (DEALER, connects, one per peer whose
+                                        data socket this node sends KV or a KvFetch to)
 
 Every socket that accepts network input has a maximum message size, and linger 0 so that
 closing never blocks shutdown. A socket is used from its event loop's thread only.
@@ -28,8 +29,8 @@ SOCKETS: dict[str, tuple[int, bool]] = {
     "gateway.control": (zmq.ROUTER, True),
     "gateway.tokens": (zmq.PULL, True),
     "node.control": (zmq.DEALER, False),
-    "decode.data": (zmq.ROUTER, True),
-    "prefill.data": (zmq.DEALER, False),
+    "node.data": (zmq.ROUTER, True),
+    "node.data_out": (zmq.DEALER, False),
     "decode.tokens": (zmq.PUSH, False),
 }
 

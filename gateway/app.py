@@ -131,6 +131,7 @@ async def _generate(
         stream=parsed.stream,
         include_usage=parsed.include_usage,
         tokenizer=gw.tokenizer,
+        return_token_ids=parsed.return_token_ids,
     )
     placing = asyncio.create_task(_place(gw, req))
     try:
@@ -186,6 +187,9 @@ async def _collect(req: GatewayRequest, rid: str, echo_id: str) -> web.Response:
                 body = final_response(
                     req.kind, rid, req.model, req.created, "".join(parts), reason, use
                 )
+                if req.return_token_ids:  # vLLM's fields
+                    body["choices"][0]["prompt_token_ids"] = req.prompt_ids
+                    body["choices"][0]["token_ids"] = req.output_ids
                 body["timings"] = req.phases()  # pdserve's own view, as llama.cpp reports one
                 return json_response(body, headers={"x-request-id": echo_id})
             case Failed(status=status, message=message, code=code):
@@ -212,12 +216,20 @@ async def _stream(
     async def sse(obj: Any) -> None:
         await resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
 
+    sent = 0  # output tokens whose ids went out (return_token_ids)
+
     if req.kind == "chat":
         await sse(chunk("chat", rid, req.model, req.created, "", role=True))
     async for event in _events(first, req):
         match event:
-            case Delta(text=text):
-                await sse(chunk(req.kind, rid, req.model, req.created, text))
+            case Delta(text=text, token_ids=ids):
+                piece = chunk(req.kind, rid, req.model, req.created, text)
+                if req.return_token_ids:
+                    piece["choices"][0]["token_ids"] = ids
+                    if sent == 0:
+                        piece["choices"][0]["prompt_token_ids"] = req.prompt_ids
+                    sent += len(ids)
+                await sse(piece)
             case Done(finish_reason=reason):
                 last = chunk(
                     req.kind,
@@ -230,6 +242,10 @@ async def _stream(
                 # the server's own timings (ms: ttft, prefill, KV transfer, ...), as llama.cpp's
                 # server reports them, so a client can tell its own delays from the server's
                 last["timings"] = req.phases()
+                if req.return_token_ids:  # tokens whose text never showed (a stop string)
+                    last["choices"][0]["token_ids"] = req.output_ids[sent:]
+                    if sent == 0:
+                        last["choices"][0]["prompt_token_ids"] = req.prompt_ids
                 await sse(last)
                 if req.include_usage:
                     use = usage(len(req.prompt_ids), len(req.output_ids))

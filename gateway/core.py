@@ -67,7 +67,7 @@ class Gateway(NodeMessages):
             self.table,
             self.policy,
             self._send_offer,
-            self.index,
+            self.index if cfg.cache_aware_routing == "on" else None,
             cfg.placement_timeout,
             cfg.offer_timeout,
             on_answer=self._count_answer,

@@ -101,9 +101,14 @@ class ClusterCollector(Collector):
         total_h = CounterMetricFamily(
             "pdserve:cluster_prefix_cache_hits", "Prompt tokens found cached, every node"
         )
+        total_f = CounterMetricFamily(
+            "pdserve:cluster_prefix_cache_fetched_tokens",
+            "Of the hits, tokens fetched from another node's cache, every node",
+        )
         total_q.add_metric([], sum(load.prefix_queries for _, load in loads))
         total_h.add_metric([], sum(load.prefix_hits for _, load in loads))
-        yield from (total_q, total_h)
+        total_f.add_metric([], sum(load.prefix_fetched for _, load in loads))
+        yield from (total_q, total_h, total_f)
 
 
 class GatewayMetrics:

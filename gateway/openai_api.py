@@ -52,6 +52,7 @@ class ParsedRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    return_token_ids: bool = False
 
 
 def _get(
@@ -171,7 +172,8 @@ def parse_request(
     stream = _get(body, "stream", bool, False)
     options = _get(body, "stream_options", dict, {})
     include_usage = bool(options.get("include_usage", False)) if stream else False
-    return ParsedRequest(kind, model, prompt_ids, params, stream, include_usage)
+    return_ids = _get(body, "return_token_ids", bool, False)
+    return ParsedRequest(kind, model, prompt_ids, params, stream, include_usage, return_ids)
 
 
 def _completion_prompt(prompt: Any, tokenizer: Tokenizer) -> list[int]:

@@ -63,7 +63,7 @@ class Placer:
         table: RequestTable,
         policy: Policy,
         send_offer: SendOffer,
-        index: PrefixIndex,
+        index: PrefixIndex | None,
         placement_timeout: float,
         offer_timeout: float,
         on_answer: Callable[[NodeState, bool | None], None] | None = None,
@@ -101,7 +101,8 @@ class Placer:
         """Returns once a prefill node accepted (the table holds the placement); raises
         PlacementTimeout."""
         deadline = time.monotonic() + self.placement_timeout
-        need = Need(len(prompt_ids), hashes=request_hashes(self.cluster, prompt_ids))
+        hashes = request_hashes(self.cluster, prompt_ids) if self.index is not None else ()
+        need = Need(len(prompt_ids), hashes=hashes)
         self.waiting.append(req)
         try:
             while True:
@@ -137,6 +138,7 @@ class Placer:
                         "queued": p.queued,
                         "accepts": p.node.accepts,
                         "cached_blocks": p.cached,
+                        "fetchable_blocks": p.holder_blocks - p.cached if p.holder else 0,
                         "decode": d.node_id,
                         "decode_free_blocks": d.free_blocks,
                         "decode_cached_blocks": d.cached,
@@ -152,12 +154,16 @@ class Placer:
             # the decode node's cache holds this much of the prompt: its KV need not travel
             # (at least one token always does; the node checks, and asks for all if it lost it)
             skip = min(decode.cached, (len(prompt_ids) - 1) // decode.block_size)
+            holder = node.holder
             offer = PrefillOffer(
                 request_id=attempt.wire_id,
                 prompt_ids=prompt_ids,
                 params=params,
                 decode=decode.node.target(),
                 decode_cached=skip * decode.block_size,
+                # another node's cache holds more of the prompt: the node may fetch it
+                fetch_from=holder.target() if holder is not None else None,
+                fetch_tokens=node.holder_blocks * node.block_size,
             )
             pending = self.offers[attempt.wire_id] = _Offer(attempt, node, decode)
             answer: bool | None = None  # None: no answer in time

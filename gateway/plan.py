@@ -20,7 +20,11 @@ Pair = tuple[NodeView, NodeView]
 
 
 def view(
-    node: NodeState, table: RequestTable, index: PrefixIndex | None = None, need: Need | None = None
+    node: NodeState,
+    table: RequestTable,
+    index: PrefixIndex | None = None,
+    need: Need | None = None,
+    holders: list[tuple[int, NodeState]] | None = None,
 ) -> NodeView:
     node_id = node.node_id
     load = node.load
@@ -28,12 +32,17 @@ def view(
     free = load.blocks_free + load.blocks_cached - promised
     if node.refused_at >= node.load_at:
         free = 0  # it refused KV since its report: that report overstates its room
+    cached = index.cached_blocks(node_id, need.hashes) if index and need else 0
+    # the node holding most of the prefix, other than this one (a fetch hint if > cached)
+    best = next(((b, h) for b, h in holders or () if h.node_id != node_id), (0, None))
     return NodeView(
         node=node,
         in_prefill=tuple(a.prompt_len for a in table.in_prefill(node_id)),
         decoding=len(table.headed_to(node_id)),
         free_blocks=free,
-        cached=index.cached_blocks(node_id, need.hashes) if index and need else 0,
+        cached=cached,
+        holder=best[1] if best[0] > cached else None,
+        holder_blocks=best[0] if best[0] > cached else 0,
     )
 
 
@@ -43,8 +52,24 @@ def views(
     role: str,
     index: PrefixIndex | None = None,
     need: Need | None = None,
+    holders: list[tuple[int, NodeState]] | None = None,
 ) -> list[NodeView]:
-    return [view(n, table, index, need) for n in cluster.alive(role)]
+    return [view(n, table, index, need, holders) for n in cluster.alive(role)]
+
+
+def fetch_holders(
+    cluster: ClusterView, index: PrefixIndex | None, need: Need
+) -> list[tuple[int, NodeState]]:
+    """Nodes whose caches hold a leading part of the request and can send it (a data
+    socket), most blocks first."""
+    if index is None or not need.hashes:
+        return []
+    found = [
+        (blocks, node)
+        for node_id, blocks in index.holders(need.hashes).items()
+        if (node := cluster.nodes.get(node_id)) is not None and node.info.data_address
+    ]
+    return sorted(found, key=lambda pair: (-pair[0], pair[1].node_id))
 
 
 def plan(
@@ -60,7 +85,7 @@ def plan(
     decode = policy.pick_decode(views(cluster, table, "decode", index, need), need)
     if decode is None:
         return []
-    prefill = views(cluster, table, "prefill", index, need)
+    prefill = views(cluster, table, "prefill", index, need, fetch_holders(cluster, index, need))
     return [(n, decode) for n in policy.prefill_order(prefill, need)]
 
 

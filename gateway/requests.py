@@ -26,7 +26,7 @@ from pdserve.common.tokenizer import IncrementalDetokenizer, StopStringMatcher, 
 @dataclass
 class Delta:
     text: str
-    num_tokens: int
+    token_ids: list[int]  # the tokens this text completes (held-back ones included)
 
 
 @dataclass
@@ -59,6 +59,7 @@ class GatewayRequest:
     stream: bool
     include_usage: bool
     tokenizer: Tokenizer
+    return_token_ids: bool = False  # vLLM's: token ids beside the text
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
@@ -72,6 +73,7 @@ class GatewayRequest:
     first_token_at: float | None = None
     last_token_at: float | None = None
     timeline: dict[str, float] = field(default_factory=dict)
+    unsent: list[int] = field(default_factory=list)  # tokens whose text is held back
     outcome: str = "unfinished"  # stop, length, or the error code
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
 
@@ -126,6 +128,7 @@ class GatewayRequest:
             self.mark("first_token")
         self.last_token_at = now
         self.output_ids.append(token_id)
+        self.unsent.append(token_id)
         if len(self.output_ids) == 2:
             self.mark("decode_start")  # the first token from the decode side
         text = self.stops.feed(self.detok.add(token_id))
@@ -134,7 +137,8 @@ class GatewayRequest:
         elif finish_reason is not None:
             text += self.stops.flush()
         if text:  # a token whose text is held back (partial UTF-8, stop prefix) sends nothing
-            self.events.put_nowait(Delta(text, 1))
+            self.events.put_nowait(Delta(text, self.unsent))
+            self.unsent = []
         if finish_reason is not None:
             self.finish(Done("stop" if finish_reason == "stop" else "length"))
             return True

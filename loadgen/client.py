@@ -29,7 +29,10 @@ async def send(
     ignore_eos: bool,
     timeout: float,
     endpoint: str = "completions",
+    token_ids: bool = False,
 ) -> RequestRecord:
+    """One streamed request; with `token_ids`, the output's token ids are asked for (vLLM's
+    `return_token_ids`) and kept, so that a conversation continues from exact tokens."""
     body: dict = {
         "max_tokens": spec.max_tokens,
         "stream": True,
@@ -44,6 +47,8 @@ async def send(
         body["prompt"] = spec.prompt
     if model:
         body["model"] = model
+    if token_ids:
+        body["return_token_ids"] = True
     record = RequestRecord(index=index, sent=time.monotonic(), prompt_tokens=spec.prompt_len)
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     try:
@@ -91,5 +96,6 @@ def _on_event(record: RequestRecord, event: bytes, now: float) -> None:
     if isinstance(timings, dict) and isinstance(timings.get("ttft_ms"), (int, float)):
         record.server_ttft = timings["ttft_ms"] / 1000
     for choice in obj.get("choices", []):
+        record.token_ids += choice.get("token_ids") or []
         if choice.get("text") or (choice.get("delta") or {}).get("content"):
             record.chunk_times.append(now)

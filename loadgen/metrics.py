@@ -31,6 +31,7 @@ class RequestRecord:
     error: str = ""
     status: int = 0
     server_ttft: float | None = None  # the server's own TTFT (its `timings`), if it reports one
+    token_ids: list[int] = field(default_factory=list)  # the output's, when asked for
 
     @property
     def ok(self) -> bool:

@@ -12,6 +12,8 @@ the first token goes straight to the gateway (`FirstToken`), `KvDone` to the dec
 the blocks stay held (the scheduler parks the sequence) until `KvAck`. A request finished at
 its first token is not handed off (the decode node gets `Abort`). On `KvRefuse` we ask the
 gateway for another decode node (`NeedDecode` -> `Redirect`) and resend from the cache.
+An offer whose prefix another node's cache holds (the gateway's hint) may first fetch those
+blocks from it (common/node/fetch.py); the request is scheduled once they have landed.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from pdserve.common.engine.interface import Engine
 from pdserve.common.engine.scheduler import SchedulerConfig, SchedulerOutput, step_work
 from pdserve.common.engine.sequence import Sequence, check_stop
 from pdserve.common.kv_transfer.base import Transfer
-from pdserve.common.kv_transfer.sender import KvSender
 from pdserve.common.node import NodeBase, NodeRequest
+from pdserve.common.node.fetch import PrefixFetches
 from pdserve.common.protocol import (
     PREFIX_GONE,
     Abort,
@@ -52,31 +54,22 @@ log = logging.getLogger(__name__)
 class PrefillNode(NodeBase):
     role = "prefill"
     mode = "prefill"
+    has_data_plane = True  # sends KV; receives prefix blocks it fetches
 
     def __init__(
         self, cfg: NodeConfig, ecfg: EngineConfig, engine: Engine, tokenizer: Tokenizer
     ) -> None:
         super().__init__(cfg, ecfg, engine, tokenizer)
         self.queueing = False  # until the gateway says otherwise at registration
-        self.sender = KvSender(
-            self.ctx, self.kv_local(), on_ack=self._on_ack, on_refuse=self._on_refuse
-        )
 
     def scheduler_config(self) -> SchedulerConfig:
         # whole prompts (a chunk's KV would stream before the prompt is done) and no
         # watermark: nothing grows here
         return dataclasses.replace(super().scheduler_config(), chunk_size=0, watermark_blocks=0)
 
-    def data_address(self) -> str:
-        return ""
-
     def on_registered(self, ack: RegisterAck) -> None:
         super().on_registered(ack)
         self.queueing = ack.queueing  # the gateway's policy decides
-
-    async def close_role(self) -> None:
-        await self.sender.close()
-        await super().close_role()
 
     # -- gateway messages ------------------------------------------------------------------
     async def on_gateway_message(self, msg: Any) -> None:
@@ -102,16 +95,18 @@ class PrefillNode(NodeBase):
             # the same request offered again: the first acceptance stands (one per id)
             reason = "duplicate request id"
         else:
-            reason = self.scheduler.can_take(len(offer.prompt_ids), self.queueing)
+            fetching = [f.seq for f in self.fetches.fetching.values()]
+            reason = self.scheduler.can_take(len(offer.prompt_ids), self.queueing, fetching)
         self.metrics.offer(reason is None)
         if reason is not None:
             await self.send_gateway(Reject(request_id=rid, reason=reason))
             return
         seq = Sequence.new(rid, offer.prompt_ids, offer.params)
-        self.scheduler.add(seq)
         self.requests[rid] = NodeRequest(seq, target=offer.decode, skip=offer.decode_cached)
         await self.send_gateway(Accept(request_id=rid))
-        self.work.set()
+        if not self.fetches.start(seq, offer):  # else scheduled once its prefix is here
+            self.scheduler.add(seq)
+            self.work.set()
 
     def on_dropped(self, rid: str, req: NodeRequest | None) -> None:
         self.sender.abort(rid)  # the decode node drops its reservation
@@ -189,7 +184,12 @@ class PrefillNode(NodeBase):
             await self.send_gateway(PrefillFailed(request_id=seq.seq_id, reason=repr(exc)))
 
     # -- KV transfer callbacks -------------------------------------------------------------
-    def _on_ack(self, t: Transfer) -> None:
+    @property
+    def fetches(self) -> PrefixFetches:
+        assert self.kv is not None
+        return self.kv.fetches
+
+    def kv_acked(self, t: Transfer) -> None:
         req = self.requests.pop(t.request_id, None)
         if req is None:
             return
@@ -208,7 +208,7 @@ class PrefillNode(NodeBase):
         )
         self.spawn(self.send_gateway(record))
 
-    async def _on_refuse(self, rid: str, peer: str, why: str) -> None:
+    async def kv_refused(self, rid: str, peer: str, why: str) -> None:
         log.info("%s refused KV of %s: %s", peer, rid, why)
         req = self.requests.get(rid)
         if why.startswith(PREFIX_GONE) and req is not None and req.target is not None:

@@ -32,7 +32,7 @@ Modes (one scheduler for every role, so a node could serve either):
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -129,21 +129,26 @@ class Scheduler:
         self.block_manager.on_evict = lambda block, digest: tiers.put(digest, read_block(block))
 
     # -- admission ----------------------------------------------------------------------
-    def can_take(self, num_tokens: int, queueing: bool) -> str | None:
-        """Prefill mode: None to accept a prompt of `num_tokens` now, else the reason not to."""
+    def can_take(
+        self, num_tokens: int, queueing: bool, pending: Iterable[Sequence] = ()
+    ) -> str | None:
+        """Prefill mode: None to accept a prompt of `num_tokens` now, else the reason not to.
+        `pending`: accepted sequences the node has not handed to the scheduler yet (their
+        prefix is being fetched); they count as waiting."""
         bm = self.block_manager
         need = bm.blocks_needed(num_tokens)
         if need > self.cfg.num_blocks:
             return f"prompt of {num_tokens} tokens exceeds this node's KV cache"
         if queueing:
             return None
-        batch = [*self.running, *self.waiting]
+        pending = list(pending)
+        batch = [*self.running, *self.waiting, *pending]
         if len(batch) >= self.cfg.max_num_seqs:
             return f"batch full ({len(batch)}/{self.cfg.max_num_seqs})"
         tokens = sum(s.num_tokens for s in batch)
         if batch and tokens + num_tokens > self.cfg.max_batch_tokens:
             return f"token budget ({tokens} + {num_tokens} > {self.cfg.max_batch_tokens})"
-        promised = sum(bm.blocks_needed(s.num_tokens) for s in self.waiting)
+        promised = sum(bm.blocks_needed(s.num_tokens) for s in [*self.waiting, *pending])
         if need > bm.num_free_blocks - promised:
             return "KV cache full (transfers in flight)"
         return None

@@ -36,6 +36,7 @@ from pdserve.common.protocol import (
     Abort,
     KvAck,
     KvDone,
+    KvFetch,
     KvHeader,
     KvLayer,
     KvRefuse,
@@ -60,6 +61,7 @@ class KvIntake:
         admit: Callable[[Intake, int], Awaitable[None]],
         receivers: dict[str, ReceiveConnector],
         timeout: float = 10.0,
+        on_fetch: Callable[[bytes, KvFetch], Awaitable[None]] | None = None,
     ) -> None:
         self.sock = sock
         self.engine = engine
@@ -68,6 +70,7 @@ class KvIntake:
         self.admit = admit
         self.receivers = receivers  # the backends this node offers, by name
         self.timeout = timeout
+        self.on_fetch = on_fetch  # a peer asks for prefix blocks of ours (common/node/fetch.py)
         self.incoming: dict[str, Intake] = {}
         self.closed: OrderedDict[str, None] = OrderedDict()
         self.arrivals: dict[str, asyncio.Event] = {}  # stream frames waiting for their header
@@ -110,6 +113,8 @@ class KvIntake:
                 if intake is not None and intake.peer == peer:
                     self.drop(rid)
                     self._forget(rid)  # nothing more comes for it
+            case KvFetch() if self.on_fetch is not None:
+                await self.on_fetch(peer, msg)
             case _:
                 log.warning("dropping malformed data message")
 

@@ -32,6 +32,7 @@ from pdserve.common.protocol import (
     KvHeader,
     KvLayer,
     KvRefuse,
+    Msg,
     encode,
 )
 from pdserve.common.sampling import SamplingParams
@@ -66,11 +67,14 @@ class KvSender:
         local: Local,
         on_ack: Callable[[Transfer], None],
         on_refuse: Callable[[str, str, str], Any],
+        on_stray_refuse: Callable[[str, str, str], Any] | None = None,
     ) -> None:
         self.ctx = ctx
         self.local = local
         self.on_ack = on_ack
         self.on_refuse = on_refuse
+        # a KvRefuse naming no transfer of ours: the answer to a KvFetch we sent (node/fetch.py)
+        self.on_stray_refuse = on_stray_refuse
         self.num_layers = local.engine.model_config.num_layers
         self.connectors: dict[str, SendConnector] = {}
         self.peers: dict[str, Peer] = {}
@@ -91,6 +95,7 @@ class KvSender:
         params: SamplingParams,
         block_table: list[int],
         skip: int = 0,
+        fetch: bool = False,
     ) -> Transfer:
         """Start a transfer; with `skip` (whole blocks) the decode node holds the first
         `skip` tokens' KV already and only the rest travels."""
@@ -122,6 +127,7 @@ class KvSender:
             backend=name,
             location=t.location,
             skip_tokens=skip,
+            fetch=fetch,
         )
         self._post(target, _Item([encode(header)]))
         return t
@@ -146,6 +152,10 @@ class KvSender:
         for layer, payload in enumerate(payloads):
             self.push(t, layer, payload)
 
+    def send_message(self, target: DecodeTarget, msg: Msg) -> None:
+        """A message to `target`'s data socket, in order with everything sent there."""
+        self._post(target, _Item([encode(msg)]))
+
     def done(self, t: Transfer, first_token: int) -> None:
         done = KvDone(request_id=t.request_id, first_token_id=first_token)
         self._post(t.target, _Item([encode(done)]))
@@ -169,7 +179,7 @@ class KvSender:
         if peer is None:
             sock = make_socket(
                 self.ctx,
-                "prefill.data",
+                "node.data_out",
                 target.data_address,
                 identity=self.local.node_id,
                 max_msg=ACK_MAX_MSG,
@@ -216,6 +226,8 @@ class KvSender:
                 t = self.transfers.get(rid)
                 if t is not None and t.target.node_id == peer.node_id:
                     await self.on_refuse(rid, peer.node_id, why)
+                elif t is None and self.on_stray_refuse is not None:
+                    await self.on_stray_refuse(rid, peer.node_id, why)
             case _:
                 log.warning("dropping malformed message from %s", peer.node_id)
 

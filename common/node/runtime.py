@@ -29,19 +29,26 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from pdserve.common.cache import cache_dir
 from pdserve.common.config import EngineConfig, NodeConfig
 from pdserve.common.engine.interface import Engine
 from pdserve.common.engine.scheduler import Mode, Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.engine.tiers import TierStore
-from pdserve.common.kv_transfer.base import Local
+from pdserve.common.kv_transfer.base import Intake, Local, Transfer
+from pdserve.common.kv_transfer.intake import KvIntake
+from pdserve.common.kv_transfer.sender import KvSender
 from pdserve.common.node.control import NodeControl
 from pdserve.common.node.host import host_identity
+from pdserve.common.node.kv import NodeKv
 from pdserve.common.protocol import (
     DecodeTarget,
     KvEvents,
+    KvHeader,
     Load,
+    NodeInfo,
     Preempted,
     RegisterAck,
     TokenBatch,
@@ -62,6 +69,7 @@ class NodeRequest:
 
 class NodeBase(NodeControl):
     mode: Mode = "colocated"
+    has_data_plane = False  # KV arrives or leaves over the KV connectors
 
     def __init__(
         self, cfg: NodeConfig, ecfg: EngineConfig, engine: Engine, tokenizer: Tokenizer
@@ -78,11 +86,11 @@ class NodeBase(NodeControl):
         self.tiers = make_tiers(ecfg, self.node_id)
         if self.tiers is not None:
             self.scheduler.attach_tiers(self.tiers, engine.read_block, engine.write_block)
-        self.tiers = make_tiers(ecfg, self.node_id)
-        if self.tiers is not None:
-            self.scheduler.attach_tiers(self.tiers, engine.read_block, engine.write_block)
         self.events_seq = 0  # KvEvents sent since start
         self.snapshot_due = True  # the gateway knows nothing of our prefix cache yet
+        self.token_cost = 0.0  # measured seconds per prefilled token (0: none measured yet)
+        # the KV data plane (common/node/kv.py): prefill and decode nodes
+        self.kv = NodeKv(self) if self.has_data_plane else None
 
     def scheduler_config(self) -> SchedulerConfig:
         engine = self.engine
@@ -171,6 +179,46 @@ class NodeBase(NodeControl):
         """Ids the role holds outside `requests` (a decode node's incoming transfers)."""
         return []
 
+    def reserve_kv(self, h: KvHeader) -> list[int] | str:
+        """A request's KV is announced (decode): the blocks it lands in, or why not."""
+        return f"a {self.role} node takes no request KV"
+
+    async def admit_kv(self, intake: Intake, first_token: int) -> None:
+        """A request's KV has landed (decode)."""
+
+    def kv_acked(self, t: Transfer) -> None:
+        """A request's KV we sent was acknowledged (prefill)."""
+
+    async def kv_refused(self, rid: str, peer: str, why: str) -> None:
+        """A request's KV we sent was refused (prefill)."""
+
+    # -- the data plane ----------------------------------------------------------------------
+    @property
+    def intake(self) -> KvIntake:
+        assert self.kv is not None
+        return self.kv.intake
+
+    @property
+    def sender(self) -> KvSender:
+        assert self.kv is not None
+        return self.kv.sender
+
+    def data_address(self) -> str:
+        return self.kv.address if self.kv is not None else ""
+
+    def info(self) -> NodeInfo:
+        endpoints = self.kv.endpoints if self.kv is not None else {}
+        return msgspec.structs.replace(super().info(), kv_endpoints=endpoints)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A step that only prefilled `tokens` took `seconds`: what recomputing costs."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        per = seconds / tokens
+        self.token_cost = per if not self.token_cost else 0.8 * self.token_cost + 0.2 * per
+        if self.tiers is not None:
+            self.tiers.observe_prefill(tokens, seconds)
+
     async def step_failed(self, out: SchedulerOutput, exc: Exception) -> None:
         """The engine raised: by default the node stops (a supervisor restarts it)."""
         raise exc
@@ -180,9 +228,10 @@ class NodeBase(NodeControl):
         sched, bm = self.scheduler, self.blocks
         cached = bm.num_cached_blocks
         extra = self.extra_held()
+        fetching = len(self.kv.fetches.fetching) if self.kv is not None else 0
         return Load(
             running=len(sched.running),
-            waiting=len(sched.waiting) + len(extra),
+            waiting=len(sched.waiting) + len(extra) + fetching,
             # blocks held back by the watermark are not offered: work needing them waits
             blocks_free=max(0, bm.num_free_blocks - cached - sched.cfg.watermark_blocks),
             blocks_cached=cached,
@@ -191,6 +240,7 @@ class NodeBase(NodeControl):
             draining=self.draining,
             prefix_queries=sched.prefix_queries,
             prefix_hits=sched.prefix_hits,
+            prefix_fetched=self.kv.fetches.fetched_tokens if self.kv is not None else 0,
         )
 
     def idle(self) -> bool:
@@ -213,6 +263,8 @@ class NodeBase(NodeControl):
         if req is not None:
             self.scheduler.finish(req.seq, "abort")
             self.work.set()  # blocks freed: waiting work may fit now
+        if self.kv is not None:
+            self.kv.fetches.cancel(rid)
         self.on_dropped(rid, req)
 
     async def out_of_step(self, rid: str) -> None:
@@ -245,13 +297,15 @@ class NodeBase(NodeControl):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     async def serve(self) -> None:
+        if self.kv is not None:
+            self.tasks += await self.kv.start()
         self.tasks.append(asyncio.create_task(self._step_loop()))
         await super().serve()
 
     async def close_role(self) -> None:
+        if self.kv is not None:
+            await self.kv.close()
         self.executor.shutdown(wait=True, cancel_futures=True)
-        if self.tiers is not None:
-            self.tiers.close()
         if self.tiers is not None:
             self.tiers.close()
 
@@ -266,6 +320,9 @@ class NodeBase(NodeControl):
                     await self.on_preempted(out.preempted)
                 if out.empty:
                     break  # nothing fits now (KV full): wait for blocks to free
+                if self.kv is not None:
+                    for seq, _ in out.prefills:  # admission took its fetched blocks itself
+                        self.kv.fetches.unpin(seq.seq_id)
                 await self.before_step(out)
                 self.in_step, self.step_over = out.seq_ids, loop.create_future()
                 started = time.monotonic()
@@ -279,8 +336,8 @@ class NodeBase(NodeControl):
                     self.step_over.set_result(None)
                 seconds = time.monotonic() - started
                 self.metrics.step_time.observe(seconds)
-                if self.tiers is not None and out.prefills and not out.decodes:
-                    self.tiers.observe_prefill(sum(n for _, n in out.prefills), seconds)
+                if out.prefills and not out.decodes:
+                    self.observe_prefill(sum(n for _, n in out.prefills), seconds)
                 tokens = result[0] if isinstance(result, tuple) else result
                 grew = self.scheduler.on_step_done(out, tokens)
                 aborted, self.aborted = self.aborted, set()

@@ -32,6 +32,9 @@ class NodeView:
     decoding: int = 0  # requests whose KV is on, or headed to, this node
     free_blocks: int = 0  # reported free + cached, minus what was promised since
     cached: int = 0  # of this request's leading blocks, how many its cache holds (the index)
+    # prefill: another node holding more of them (`holder_blocks`), which this node may fetch
+    holder: NodeState | None = None
+    holder_blocks: int = 0
 
     @property
     def node_id(self) -> str:
@@ -44,6 +47,11 @@ class NodeView:
     @property
     def cached_tokens(self) -> int:
         return self.cached * self.block_size
+
+    @property
+    def fetchable_tokens(self) -> int:
+        """Tokens beyond its own cached prefix this node could fetch from `holder`."""
+        return max(0, self.holder_blocks - self.cached) * self.block_size
 
     @property
     def queued(self) -> int:

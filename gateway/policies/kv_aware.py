@@ -1,7 +1,9 @@
 """KV-aware (Mooncake-style baseline): the least estimated TTFT per prefill node,
 
     TTFT = queue wait    (modelled prefill time of the prompts the node already has)
-         + prefill time  of this prompt's tokens not cached there (the prefix index)
+         + fetch time    of the tokens another node holds beyond this one's cache, when
+                         fetching them is faster than computing them (else 0)
+         + prefill time  of this prompt's tokens neither cached there nor fetched
          + KV transfer   time of the prompt's KV
 
 with the cost model of `--cost-profile`. Decode: the node holding most of the prefix, then
@@ -25,21 +27,33 @@ class KvAware(Policy):
     name = "kv_aware"
     queueing = True
 
-    def estimate(self, node: NodeView, prompt_len: int, cached: int = 0) -> dict[str, float]:
+    def estimate(
+        self, node: NodeView, prompt_len: int, cached: int = 0, fetchable: int = 0
+    ) -> dict[str, float]:
         cached = min(cached, prompt_len - 1)  # the last token is always computed
+        fetched = min(fetchable, prompt_len - 1 - cached)
         wait = sum(self.cost.prefill_seconds(n) for n in node.in_prefill)
-        prefill = self.cost.prefill_seconds(prompt_len - cached, cached)
+        fetch = self.cost.transfer_seconds(fetched) if fetched > 0 else 0.0
+        computed = self.cost.prefill_seconds(prompt_len - cached, cached)
+        prefill = self.cost.prefill_seconds(prompt_len - cached - fetched, cached + fetched)
+        if fetched <= 0 or fetch + prefill >= computed:  # the node would compute it all
+            fetched, fetch, prefill = 0, 0.0, computed
         transfer = self.cost.transfer_seconds(prompt_len)
         return {
             "queue_s": wait,
+            "fetch_s": fetch,
             "prefill_s": prefill,
             "transfer_s": transfer,
-            "ttft_s": wait + prefill + transfer,
+            "ttft_s": wait + fetch + prefill + transfer,
             "cached_tokens": cached,
+            "fetched_tokens": fetched,
         }
 
     def prefill_order(self, nodes: Sequence[NodeView], need: Need) -> list[NodeView]:
-        scored = [(self.estimate(n, need.prompt_len, n.cached_tokens), n) for n in nodes]
+        scored = [
+            (self.estimate(n, need.prompt_len, n.cached_tokens, n.fetchable_tokens), n)
+            for n in nodes
+        ]
         scored.sort(key=lambda pair: (pair[0]["ttft_s"], pair[1].node_id))
         if scored and log.isEnabledFor(logging.DEBUG):
             log.debug(

@@ -50,7 +50,7 @@ class Pair:
         self.admitted: asyncio.Queue[Intake] = asyncio.Queue()
         self.acked: asyncio.Queue[Transfer] = asyncio.Queue()
         self.refusals: list[str] = []
-        self.sock = make_socket(self.ctx, "decode.data", "tcp://127.0.0.1:0", max_msg=1 << 30)
+        self.sock = make_socket(self.ctx, "node.data", "tcp://127.0.0.1:0", max_msg=1 << 30)
         address = bound_address(self.sock, "127.0.0.1")
         forced = backend if backend in REGISTERED else "auto"
         local = Local("d", host_identity(), "127.0.0.1", self.dst, address, 5.0, forced=forced)  # type: ignore[arg-type]
@@ -242,7 +242,7 @@ async def test_tcp_frames_before_their_header_unknown_frames_and_a_stalled_peer(
     host, port = pair.tcp_address.rsplit(":", 1)
     ghost = socket.create_connection((host, int(port)))
     early = socket.create_connection((host, int(port)))
-    dealer = make_socket(pair.ctx, "prefill.data", pair.target.data_address, identity="p2")
+    dealer = make_socket(pair.ctx, "node.data_out", pair.target.data_address, identity="p2")
     try:
         n, table = 40, [0, 1, 2]
         size = pair.src.kv_frame_bytes(n)
@@ -319,7 +319,7 @@ async def test_a_transfer_ended_while_its_frame_lands_frees_its_blocks_once_land
     total = len(pair.free)
     host, port = pair.tcp_address.rsplit(":", 1)
     raw = socket.create_connection((host, int(port)))
-    dealer = make_socket(pair.ctx, "prefill.data", pair.target.data_address, identity="p3")
+    dealer = make_socket(pair.ctx, "node.data_out", pair.target.data_address, identity="p3")
     try:
         n = 40
         size = pair.src.kv_frame_bytes(n)

@@ -5,9 +5,7 @@ for byte-exact KV transfer)."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
-import hashlib
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -17,10 +15,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig
+from pdserve.common.config import EngineConfig
 from pdserve.common.engine.sequence import Sequence
-from pdserve.common.engine.sim import SimEngine
-from pdserve.common.node import NodeBase, NodeRequest, RegistrationRefused
+from pdserve.common.node import NodeRequest, RegistrationRefused
 from pdserve.common.protocol import (
     GATEWAY_DECODER,
     NODE_DECODER,
@@ -42,6 +39,7 @@ from pdserve.common.protocol import (
     KvAck,
     KvDone,
     KvEvents,
+    KvFetch,
     KvHeader,
     KvLayer,
     KvRefuse,
@@ -64,125 +62,20 @@ from pdserve.common.protocol import (
     encode,
 )
 from pdserve.common.sampling import SamplingParams
-from pdserve.common.transport import decode_or_none, free_port, make_socket, send
+from pdserve.common.transport import decode_or_none, make_socket, send
 from pdserve.decode_node.server import DecodeNode
-from pdserve.gateway.core import Gateway
-from pdserve.gateway.requests import Done, Failed, GatewayRequest
+from pdserve.gateway.requests import Done, Failed
 from pdserve.prefill_node.server import PrefillNode
-
-PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-SIM = EngineConfig(engine="sim", sim_time_scale=0.01, num_kv_blocks=256, max_batch=8)
-TIMEOUT = 10.0
-
-
-# -- helpers -------------------------------------------------------------------------------
-async def until(pred: Callable[[], bool], timeout: float = TIMEOUT, what: str = "") -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what or pred}")
-        await asyncio.sleep(0.005)
-
-
-async def outcome(req: GatewayRequest, timeout: float = TIMEOUT) -> Done | Failed:
-    """The request's final event (Done or Failed); fails the test instead of hanging."""
-
-    async def last() -> Done | Failed:
-        while True:
-            event = await req.events.get()
-            if isinstance(event, Done | Failed):
-                return event
-
-    return await asyncio.wait_for(last(), timeout)
-
-
-class Cluster:
-    """A gateway on free ports and the nodes started on it; leaving the `async with` stops
-    the nodes (each deregisters and closes its sockets), then the gateway."""
-
-    def __init__(self, tokenizer: Any, **gateway: Any) -> None:
-        self.tokenizer = tokenizer
-        ports: set[int] = set()
-        while len(ports) < 3:  # the HTTP port is unused here, but must differ
-            ports.add(free_port())
-        http, control, tokens = sorted(ports)
-        cfg = GatewayConfig(port=http, control_port=control, tokens_port=tokens, **gateway)
-        self.gw = Gateway(cfg, tokenizer)
-        self.address = f"tcp://127.0.0.1:{control}"
-        self.tasks: dict[str, tuple[NodeBase, asyncio.Task]] = {}
-        self.count = 0
-
-    async def __aenter__(self) -> Cluster:
-        await self.gw.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        for node, task in list(self.tasks.values()):
-            await self.stop(node, task)
-        await self.gw.stop()
-
-    def node(
-        self,
-        cls: type[NodeBase],
-        node_id: str,
-        ecfg: EngineConfig = SIM,
-        engine: Any = None,
-        **cfg: Any,
-    ) -> Any:
-        ncfg = NodeConfig(gateway=self.address, node_id=node_id, heartbeat_interval=0.1, **cfg)
-        return cls(ncfg, ecfg, engine if engine is not None else SimEngine(ecfg), self.tokenizer)
-
-    def start(self, node: NodeBase) -> asyncio.Task:
-        task = asyncio.create_task(node.serve())
-        self.count += 1
-        self.tasks[f"{node.node_id}#{self.count}"] = (node, task)
-        return task
-
-    async def add(self, node: NodeBase) -> Any:
-        """Start the node and wait until the gateway acknowledged it."""
-        task = self.start(node)
-        await asyncio.wait_for(node.registered.wait(), TIMEOUT)
-        assert not task.done()
-        return node
-
-    async def stop(self, node: NodeBase, task: asyncio.Task) -> None:
-        node.stopped.set()
-        try:
-            await asyncio.wait_for(task, TIMEOUT)
-        except RegistrationRefused:
-            pass
-        self.tasks = {k: v for k, v in self.tasks.items() if v[1] is not task}
-        # a stopped node leaves no loop of its own running (on closed sockets)
-        await until(lambda: not tasks_of(node), 1.0, f"{node.node_id}'s tasks to end")
-
-    def request(
-        self, rid: str, prompt_ids: list[int], params: SamplingParams = PARAMS
-    ) -> GatewayRequest:
-        return GatewayRequest(
-            request_id=rid,
-            kind="completion",
-            model="m",
-            prompt_ids=prompt_ids,
-            params=params,
-            stream=True,
-            include_usage=False,
-            tokenizer=self.tokenizer,
-        )
-
-
-def tasks_of(obj: object) -> list[str]:
-    """Names of the pending tasks running a method of `obj`."""
-    names = []
-    for task in asyncio.all_tasks():
-        frame = getattr(task.get_coro(), "cr_frame", None)
-        if not task.done() and frame is not None and frame.f_locals.get("self") is obj:
-            names.append(task.get_coro().__qualname__)
-    return names
-
-
-def prompt(n: int, start: int = 1000) -> list[int]:
-    return list(range(start, start + n))
-
+from tests.component.cluster import (
+    PARAMS,
+    SIM,
+    TIMEOUT,
+    Cluster,
+    digest,
+    outcome,
+    prompt,
+    until,
+)
 
 # -- 1. protocol ---------------------------------------------------------------------------
 INFO = NodeInfo(
@@ -268,6 +161,7 @@ SAMPLES: list[Msg] = [
         overlap_ms=0.4,
     ),
     KvEvents(node_id="p-1", seq=3, stored=[b"\x01" * 16], evicted=[b"\x02" * 16]),
+    KvFetch(request_id="r.0/fetch", prompt_ids=list(range(32)), skip_tokens=16, reply_to=TARGET),
 ]
 CHANNELS = [
     (NODE_DECODER, NodeToGateway),
@@ -425,8 +319,8 @@ async def test_full_prefill_node_rejects_and_every_request_completes(tokenizer):
         peak = {"held": 0, "batch": 0}
         can_take, schedule = sched.can_take, sched.schedule
 
-        def counting_can_take(n, queueing):
-            reason = can_take(n, queueing)
+        def counting_can_take(n, queueing, pending=()):
+            reason = can_take(n, queueing, pending)
             held = len(sched.waiting) + len(sched.running) + (reason is None)
             peak["held"] = max(peak["held"], held)
             return reason
@@ -503,34 +397,14 @@ async def test_kv_reaches_the_decode_node_and_both_sides_free_it(tokenizer):
         assert not prefill.requests and not decode.requests and not decode.intake.incoming
 
 
-@pytest.fixture(scope="module")
-def torch_runners():
-    """Two engines on the real SmolLM2 model: the same weights, separate KV caches."""
-    from pdserve.common.engine.kv_cache import KVCache
-    from pdserve.common.engine.runner import ModelRunner
-
-    ecfg = EngineConfig(num_kv_blocks=256, num_threads=1)
-    first = ModelRunner(ecfg)
-    second = copy.copy(first)
-    mc = first.model_config
-    second.kv_cache = KVCache(
-        mc.num_layers, first.num_blocks, first.block_size, mc.num_kv_heads, mc.head_dim, first.dtype
-    )
-    return ecfg, first, second
-
-
-def _digest(tensor: Any) -> str:
-    return hashlib.sha256(tensor.contiguous().view(-1).numpy().tobytes()).hexdigest()
-
-
 async def test_torch_kv_arrives_byte_exact(tokenizer, torch_runners):
-    ecfg, prefill_runner, decode_runner = torch_runners
+    ecfg, prefill_runner, decode_runner, _ = torch_runners
     async with Cluster(tokenizer) as c:
         prefill = await c.add(c.node(PrefillNode, "prefill-0", ecfg=ecfg, engine=prefill_runner))
         decode = await c.add(c.node(DecodeNode, "decode-0", ecfg=ecfg, engine=decode_runner))
         held = decode.blocks.allocate(3)  # so the decode side's block table differs
         snapshots: dict[str, tuple[list[str], list[str]]] = {}
-        admit = decode._admit
+        admit = decode.admit_kv
 
         async def snapshotting_admit(intake, token):
             rid = intake.header.request_id
@@ -539,12 +413,11 @@ async def test_torch_kv_arrives_byte_exact(tokenizer, torch_runners):
             assert intake.block_table != table
             layers = range(decode_runner.model_config.num_layers)
             snapshots[rid] = (
-                [_digest(prefill_runner.export_kv(i, table, n)) for i in layers],
-                [_digest(decode_runner.export_kv(i, intake.block_table, n)) for i in layers],
+                [digest(prefill_runner.export_kv(i, table, n)) for i in layers],
+                [digest(decode_runner.export_kv(i, intake.block_table, n)) for i in layers],
             )
             await admit(intake, token)
 
-        decode._admit = snapshotting_admit
         decode.intake.admit = snapshotting_admit
         ids = tokenizer.encode("The quick brown fox jumps over the lazy dog, then it rests.")
         assert len(ids) % prefill_runner.block_size != 0

@@ -407,6 +407,36 @@ def test_sse_wire_format(cluster: Cluster, path: str) -> None:
     assert events[-2]["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_token_ids_gives_the_prompt_and_every_output_token(
+    cluster: Cluster, stream: bool
+) -> None:
+    """vLLM's `return_token_ids`: a client (a multi-turn benchmark) continues from the exact
+    tokens, not a re-tokenization of the text. A stop string cuts the text, not the ids."""
+    prompt = [1000 + i for i in range(20)]
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
+    status, _, data = post_json(cluster, COMPLETIONS, {**body, "return_token_ids": True})
+    assert status == 200, data
+    full = json.loads(data)["choices"][0]
+    assert full["prompt_token_ids"] == prompt and len(full["token_ids"]) == 8
+    cut = full["text"].split()[2]
+    body |= {"return_token_ids": True, "stream": stream, "stop": [cut]}
+    status, _, data = post_json(cluster, COMPLETIONS, body)
+    assert status == 200, data
+    if stream:
+        chunks = [json.loads(p)["choices"][0] for p in sse_payloads(data)[:-1]]
+        assert chunks[0]["prompt_token_ids"] == prompt
+        ids = [t for c in chunks for t in c["token_ids"]]
+        text = "".join(c["text"] for c in chunks)
+    else:
+        choice = json.loads(data)["choices"][0]
+        ids, text = choice["token_ids"], choice["text"]
+    assert text == full["text"][: full["text"].index(cut)]
+    assert ids == full["token_ids"][: len(ids)] and len(text) < len(full["text"])
+    status, _, data = post_json(cluster, COMPLETIONS, {"prompt": prompt, "return_token_ids": 1})
+    assert status == 400 and "return_token_ids" in data.decode()
+
+
 def test_sse_error_before_stream_is_plain_json(cluster: Cluster) -> None:
     status, headers, data = post_json(cluster, CHAT, _chat(stream=True, temperature="hot"))
     assert status == 400

@@ -237,3 +237,56 @@ def test_cache_aware_order_sends_a_request_where_its_prefix_is():
     )
     plain = plan(make_policy("on_demand"), placed.view, placed.table, Need(3200))
     assert [(p.node_id, d.node_id) for p, d in plain] == [("p0", "d1"), ("p1", "d1")]
+
+
+def test_a_node_missing_the_prefix_is_told_who_holds_it_and_kv_aware_counts_the_fetch():
+    from pdserve.common.costmodel import CostModel
+    from pdserve.common.protocol import KvEvents
+    from pdserve.gateway.plan import fetch_holders
+    from pdserve.gateway.prefix_index import PrefixIndex
+
+    placed = Placed(cluster_with({"p0": (0, 0)}, {"d0": 4000}))
+    placed.view.register(make_info("p1", data_address="tcp://p1:1"), b"p1", 0.0, "t")
+    placed.view.register(make_info("p2"), b"p2", 0.0, "t")  # no data socket: cannot send KV
+    hashes = tuple(i.to_bytes(16, "big") for i in range(200))  # a 3,200-token prompt
+    index = PrefixIndex()
+    index.apply(KvEvents(node_id="p1", seq=0, stored=list(hashes[:180]), snapshot=True))
+    index.apply(KvEvents(node_id="p2", seq=0, stored=list(hashes), snapshot=True))
+    index.apply(KvEvents(node_id="p0", seq=0, stored=list(hashes[:20]), snapshot=True))
+    need = Need(3200, hashes=hashes)
+    assert [(b, n.node_id) for b, n in fetch_holders(placed.view, index, need)] == [(180, "p1")]
+    placed.in_prefill("p1", 3000, 3000, 3000, 3000)  # the holder is busy
+    nodes = {
+        n.node_id: n
+        for n in views(
+            placed.view,
+            placed.table,
+            "prefill",
+            index,
+            need,
+            fetch_holders(placed.view, index, need),
+        )
+    }
+    p0, p1 = nodes["p0"], nodes["p1"]
+    assert (p0.holder.node_id, p0.holder_blocks, p0.fetchable_tokens) == ("p1", 180, 160 * 16)
+    assert p1.holder is None and p1.cached == 180  # nobody holds more than it does
+    policy = make_policy("kv_aware", "h100-llama3.1-8b")
+    cost = CostModel.named("h100-llama3.1-8b")
+    est = policy.estimate(p0, 3200, p0.cached_tokens, p0.fetchable_tokens)  # type: ignore[attr-defined]
+    assert est["fetched_tokens"] == 2560 and est["fetch_s"] == cost.transfer_seconds(2560)
+    assert est["ttft_s"] == pytest.approx(
+        cost.transfer_seconds(2560)
+        + cost.prefill_seconds(3200 - 320 - 2560, 320 + 2560)
+        + cost.transfer_seconds(3200)
+    )
+    blind = policy.estimate(p0, 3200, p0.cached_tokens)  # type: ignore[attr-defined]
+    assert blind["fetched_tokens"] == 0 and blind["ttft_s"] > est["ttft_s"]
+    order = policy.prefill_order(list(nodes.values()), need)
+    # p2 holds it all itself; fetching at p0 beats waiting behind 12,000 queued tokens at p1
+    assert [n.node_id for n in order] == ["p2", "p0", "p1"]
+    offer_pairs = plan(policy, placed.view, placed.table, need, index)
+    assert [(p.node_id, p.holder and p.holder.node_id) for p, _ in offer_pairs] == [
+        ("p2", None),
+        ("p0", "p1"),
+        ("p1", None),
+    ]

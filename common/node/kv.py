@@ -1,0 +1,120 @@
+"""A node's KV data plane (prefill and decode nodes): one ZeroMQ data socket (ROUTER) with
+the intake of KV that arrives, and one sender of KV that leaves.
+
+What arrives: a decode node's requests from prefill nodes, and, on any node, prefix blocks it
+fetched from a peer (`KvHeader.fetch`). What leaves: a prefill node's requests to decode
+nodes, and prefix blocks a peer fetches from this node (`KvFetch`). The role handles its own
+transfers through the node's hooks (`reserve_kv`, `admit_kv`, `kv_acked`, `kv_refused`);
+fetches, either way, are `PrefixFetches`' (fetch.py), the same for every role.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from pdserve.common.engine.block_manager import BlockManager
+from pdserve.common.kv_transfer import listen_all, receivers_for
+from pdserve.common.kv_transfer.base import Intake, Transfer
+from pdserve.common.kv_transfer.intake import KvIntake
+from pdserve.common.kv_transfer.sender import KvSender
+from pdserve.common.node.fetch import PrefixFetches
+from pdserve.common.protocol import PREFIX_GONE, DecodeTarget, KvHeader
+from pdserve.common.transport import TOKENS_MAX_MSG, bound_address, make_socket
+
+if TYPE_CHECKING:
+    from pdserve.common.node.runtime import NodeBase
+
+
+class NodeKv:
+    def __init__(self, node: NodeBase) -> None:
+        cfg, engine = node.cfg, node.engine
+        self.node = node
+        max_frame = engine.kv_frame_bytes(engine.max_model_len) + 4096
+        self.data = make_socket(
+            node.ctx,
+            "node.data",
+            f"tcp://*:{cfg.data_port}",
+            max_msg=max(max_frame, TOKENS_MAX_MSG),
+        )
+        self.address = bound_address(self.data, cfg.advertise_host)
+        local = node.kv_local(self.address)
+        self.fetches = PrefixFetches(node, self)
+        self.intake = KvIntake(
+            self.data,
+            engine,
+            self._reserve,
+            node.blocks.free,
+            self._admit,
+            receivers_for(local),
+            timeout=cfg.kv_transfer_timeout,
+            on_fetch=self.fetches.serve,
+        )
+        self.sender = KvSender(
+            node.ctx,
+            local,
+            on_ack=self._on_ack,
+            on_refuse=self._on_refuse,
+            on_stray_refuse=self.fetches.refused,
+        )
+        self.endpoints: dict[str, str] = {}
+
+    def target(self) -> DecodeTarget:
+        """How peers send KV here."""
+        node = self.node
+        return DecodeTarget(
+            node_id=node.node_id,
+            data_address=self.address,
+            host_id=node.kv_local().host_id,
+            kv_endpoints=self.endpoints,
+        )
+
+    async def start(self) -> list[asyncio.Task]:
+        self.endpoints = await listen_all(self.intake.receivers, self.intake)
+        return [asyncio.create_task(self.intake.run()), asyncio.create_task(self._expiry())]
+
+    async def close(self) -> None:
+        self.fetches.close()
+        await self.sender.close()
+        await self.intake.close()
+        self.data.close()
+
+    async def _expiry(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            await self.intake.expire(time.monotonic())
+
+    # -- dispatch: fetches here, the role's own transfers to the node ---------------------
+    def _reserve(self, h: KvHeader) -> list[int] | str:
+        return self.fetches.reserve(h) if h.fetch else self.node.reserve_kv(h)
+
+    async def _admit(self, intake: Intake, first_token: int) -> None:
+        if intake.header.fetch:
+            self.fetches.landed(intake)
+        else:
+            await self.node.admit_kv(intake, first_token)
+
+    def _on_ack(self, t: Transfer) -> None:
+        if not self.fetches.served(t.request_id, acked=True):
+            self.node.kv_acked(t)
+
+    async def _on_refuse(self, rid: str, peer: str, why: str) -> None:
+        if not self.fetches.served(rid, acked=False):
+            await self.node.kv_refused(rid, peer, why)
+
+
+def reserve_blocks(
+    bm: BlockManager, prompt_ids: list[int], skip: int, num_tokens: int, keep_free: int
+) -> list[int] | str:
+    """Blocks for KV arriving for `num_tokens` tokens of which this node holds the first
+    `skip` (whole blocks of its prefix cache, taken here): the block table, or why not."""
+    hits = bm.match(bm.hashes(prompt_ids[:skip])) if skip else []
+    if len(hits) * bm.block_size < skip:
+        return f"{PREFIX_GONE}: {len(hits) * bm.block_size} of {skip} tokens here"
+    need = bm.blocks_needed(num_tokens) - len(hits)
+    idle = sum(1 for b in hits if bm.ref_counts[b] == 0)  # cached: in the free queue
+    if not bm.can_allocate(need + idle, reserve=keep_free):
+        return f"needs {need} KV blocks, {bm.num_free_blocks} free"
+    bm.take(hits)
+    return [*hits, *bm.allocate(need)]

@@ -1,0 +1,202 @@
+"""Cross-node prefix reuse (common/node/fetch.py): a prefill node that misses a prefix another
+node's cache holds fetches those blocks over the KV connectors instead of computing them;
+byte-exact on the real model, falling back to computing when the holder dies mid-fetch, and
+at hundreds of concurrent streams on the sim engine."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import zmq
+
+from pdserve.common.config import EngineConfig
+from pdserve.common.engine.sim import SimEngine
+from pdserve.common.protocol import (
+    TO_PREFILL_DECODER,
+    DecodeTarget,
+    KvFetch,
+    KvRefuse,
+    encode,
+)
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.transport import make_socket
+from pdserve.decode_node.server import DecodeNode
+from pdserve.gateway.requests import Done
+from pdserve.prefill_node.server import PrefillNode
+from tests.component.cluster import SIM, TIMEOUT, Cluster, digest, outcome, own_cache, until
+from tests.conftest import make_engine
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def fetched(node: Any, result: str = "fetched") -> float:
+    value = node.metrics.registry.get_sample_value(
+        "pdserve:kv_fetches_total", {**node.metrics.labels, "result": result}
+    )
+    return value or 0.0
+
+
+def idle(*nodes: Any) -> bool:
+    return all(
+        not n.requests
+        and n.blocks.num_in_use_blocks == 0
+        and not n.kv.fetches.fetching
+        and not n.kv.fetches.pins
+        and not n.kv.fetches.serving
+        and not n.intake.incoming
+        for n in nodes
+    )
+
+
+async def holder_and_decode(c: Cluster, ecfg: EngineConfig, runners: list[Any]) -> Any:
+    """prefill-0 and a decode node that keeps no prefix cache: after a first request, the
+    index sees the prefix on prefill-0 alone, so that is the hint for any other node."""
+    off = dataclasses.replace(ecfg, prefix_caching="off")
+    holder = await c.add(c.node(PrefillNode, "prefill-0", ecfg=ecfg, engine=runners[0]))
+    await c.add(c.node(DecodeNode, "decode-0", ecfg=off, engine=runners[1]))
+    return holder
+
+
+async def test_a_prefix_another_node_holds_is_fetched_byte_exact(tokenizer, torch_runners):
+    ecfg, r0, r1, r2 = torch_runners
+    shared = tokenizer.encode("Summarise the following report. " * 80)[:320]
+    second_prompt = shared + tokenizer.encode(" In one sentence:")
+    assert len(shared) == 320
+    expected = make_engine(own_cache(r0), tokenizer, prefix_caching="off").generate(
+        [second_prompt], GREEDY
+    )[0]
+    async with Cluster(tokenizer) as c:
+        holder = await holder_and_decode(c, ecfg, [r0, r1])
+        first = c.request("first", shared + tokenizer.encode(" Briefly:"), GREEDY)
+        await asyncio.wait_for(c.gw.run(first), 60)
+        assert await outcome(first, 60) == Done("length")
+        hashes = holder.blocks.hashes(shared)
+        await until(lambda: c.gw.index.cached_blocks("prefill-0", hashes) == 20, what="indexed")
+        fetcher = await c.add(c.node(PrefillNode, "prefill-1", ecfg=ecfg, engine=r2))
+        holder.scheduler.can_take = lambda *a: "batch full"  # type: ignore[method-assign]
+
+        seen: dict[str, tuple[list[str], list[str]]] = {}
+        landed = fetcher.kv.fetches.landed
+
+        def comparing(intake: Any) -> None:  # while the holder still pins its blocks
+            n = len(intake.header.prompt_ids)
+            theirs = holder.blocks.match(holder.blocks.hashes(intake.header.prompt_ids))
+            layers = range(r0.model_config.num_layers)
+            seen["kv"] = (
+                [digest(r0.export_kv(i, theirs, n)) for i in layers],
+                [digest(r2.export_kv(i, intake.block_table, n)) for i in layers],
+            )
+            landed(intake)
+
+        fetcher.kv.fetches.landed = comparing  # type: ignore[method-assign]
+        second = c.request("second", second_prompt, GREEDY)
+        await asyncio.wait_for(c.gw.run(second), 60)
+        assert await outcome(second, 60) == Done("length")
+        assert second.output_ids == expected.token_ids  # equal to one process computing all
+        theirs, ours = seen["kv"]
+        assert len(set(theirs)) == len(theirs) and ours == theirs  # real layers, byte-exact
+        assert fetched(fetcher) == 1 and fetched(holder, "served") == 1
+        # the fetched 320 tokens were not computed: admission found them cached
+        assert fetcher.scheduler.prefix_hits == 320 == fetcher.load().prefix_fetched
+        await until(lambda: idle(holder, fetcher), 5, "every block freed")
+
+
+async def test_a_fetch_whose_holder_dies_midway_is_computed_instead(tokenizer, torch_runners):
+    ecfg, r0, r1, r2 = torch_runners
+    shared = tokenizer.encode("A long shared system prompt about ships. " * 80)[:320]
+    second_prompt = shared + tokenizer.encode(" Name one:")
+    expected = make_engine(own_cache(r0), tokenizer, prefix_caching="off").generate(
+        [second_prompt], GREEDY
+    )[0]
+    async with Cluster(tokenizer) as c:
+        holder = await holder_and_decode(c, ecfg, [r0, r1])
+        first = c.request("first", shared + tokenizer.encode(" Go:"), GREEDY)
+        await asyncio.wait_for(c.gw.run(first), 60)
+        assert await outcome(first, 60) == Done("length")
+        hashes = holder.blocks.hashes(shared)
+        await until(lambda: c.gw.index.cached_blocks("prefill-0", hashes) == 20, what="indexed")
+        fetcher = await c.add(
+            c.node(PrefillNode, "prefill-1", ecfg=ecfg, engine=r2, kv_transfer_timeout=1.0)
+        )
+        holder.scheduler.can_take = lambda *a: "batch full"  # type: ignore[method-assign]
+        push_all = holder.sender.push_all
+
+        def half_then_die(t: Any, payloads: list[Any]) -> None:
+            push_all(t, payloads[: len(payloads) // 2])  # half the layers, then it is gone
+            holder.stopped.set()
+
+        holder.sender.push_all = half_then_die  # type: ignore[method-assign]
+        second = c.request("second", second_prompt, GREEDY)
+        await asyncio.wait_for(c.gw.run(second), 60)
+        assert await outcome(second, 60) == Done("length")
+        assert second.output_ids == expected.token_ids
+        assert fetched(fetcher, "fell_back") == 1 and fetched(fetcher) == 0
+        assert fetcher.scheduler.prefix_hits == 0 == fetcher.load().prefix_fetched
+        await until(lambda: idle(fetcher), 5, "the abandoned fetch's blocks freed")
+
+
+async def test_a_malformed_or_unanswerable_fetch_is_refused_and_the_node_goes_on(tokenizer):
+    async with Cluster(tokenizer) as c:
+        node = await c.add(c.node(PrefillNode, "prefill-0"))
+        await c.add(c.node(DecodeNode, "decode-0"))
+        dealer = make_socket(c.gw.ctx, "node.data_out", node.data_address(), identity="peer-x")
+        me = DecodeTarget(node_id="peer-x", data_address="tcp://127.0.0.1:1", host_id="h")
+        someone = DecodeTarget(
+            node_id="someone-else", data_address="tcp://127.0.0.1:1", host_id="h"
+        )
+        asks = [
+            KvFetch(request_id="a", prompt_ids=list(range(32)), skip_tokens=0, reply_to=someone),
+            KvFetch(request_id="b", prompt_ids=list(range(30)), skip_tokens=0, reply_to=me),
+            KvFetch(request_id="c", prompt_ids=list(range(32)), skip_tokens=32, reply_to=me),
+            KvFetch(request_id="d", prompt_ids=list(range(32)), skip_tokens=0, reply_to=me),
+        ]
+        try:
+            for ask in asks:
+                await dealer.send(encode(ask))
+            await dealer.send(b"\xc1 not msgpack")
+            replies = []
+            for _ in asks:
+                assert await dealer.poll(int(TIMEOUT * 1000), zmq.POLLIN)
+                replies.append(TO_PREFILL_DECODER.decode(await dealer.recv()))
+        finally:
+            dealer.close()
+        assert all(isinstance(r, KvRefuse) for r in replies)
+        assert [r.request_id for r in replies] == ["a", "b", "c", "d"]
+        assert "no longer cached" in replies[-1].reason  # well formed, but nothing held
+        assert not node.kv.fetches.serving and node.blocks.num_in_use_blocks == 0
+        req = c.request("after", list(range(1000, 1040)))
+        await asyncio.wait_for(c.gw.run(req), TIMEOUT)
+        assert await outcome(req) == Done("length")
+
+
+async def test_hundreds_of_streams_fetch_shared_prefixes_and_free_everything(tokenizer):
+    """Two small prefill nodes: on-demand offers each request to the one holding its prefix,
+    which is often full, so the other fetches the prefix from it (or from the decode node)."""
+    # prefill caches of 6,400 tokens for 40 prefixes of 256: they evict, and fetch again
+    small = dataclasses.replace(SIM, sim_time_scale=1.0, max_batch=4, num_kv_blocks=400)
+    big = dataclasses.replace(SIM, num_kv_blocks=8192)
+    async with Cluster(tokenizer, placement_timeout=60.0) as c:
+        prefills = [
+            await c.add(c.node(PrefillNode, f"prefill-{i}", ecfg=small, engine=SimEngine(small)))
+            for i in range(2)
+        ]
+        decode = await c.add(c.node(DecodeNode, "decode-0", ecfg=big, engine=SimEngine(big)))
+        prefixes = [list(range(1000 + 300 * g, 1000 + 300 * g + 256)) for g in range(40)]
+        # a first pass puts every prefix in one cache, then the load arrives
+        warm = [c.request(f"warm{g}", [*p, 7]) for g, p in enumerate(prefixes)]
+        await asyncio.wait_for(asyncio.gather(*(c.gw.run(r) for r in warm)), 30)
+        assert [await outcome(r, 30) for r in warm] == [Done("length")] * len(warm)
+        reqs = [
+            c.request(f"r{i}", prefixes[i % 40] + list(range(500 + i * 20, 516 + i * 20)))
+            for i in range(240)
+        ]
+        await asyncio.wait_for(asyncio.gather(*(c.gw.run(r) for r in reqs)), 60)
+        results = [await outcome(r, 30) for r in reqs]
+        assert results == [Done("length")] * len(reqs)
+        assert all(len(r.output_ids) == 5 for r in reqs)
+        assert sum(fetched(p) for p in prefills) > 0
+        await until(lambda: idle(*prefills, decode), 10, "every node idle with every block freed")
+        nodes = [*prefills, decode]  # each fetch landed once and its holder saw the ack
+        assert sum(fetched(n) for n in nodes) == sum(fetched(n, "served") for n in nodes)
