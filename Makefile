@@ -35,9 +35,9 @@ lint: setup
 bench: setup
 	$(BIN)/python benchmarks/engine.py
 
-# The committed comparison report (docs/results): three studies, ~20 minutes on 2 cores.
+# The committed comparison report (docs/results): every study it shows, ~50 minutes on 2 cores.
 results: setup
-	for study in sim-4p4d smollm2 mooncake-replay; do \
+	for study in sim-4p4d smollm2 mooncake-replay sim-8p8d sim-decode-fit; do \
 		$(BIN)/pdserve compare --config docs/results/$$study.yaml --out docs/results/$$study || exit 1; \
 	done
 

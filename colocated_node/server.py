@@ -61,7 +61,8 @@ class ColocatedNode(NodeBase):
                 reason = str(exc)
         self.metrics.offer(reason is None)
         if reason is not None:
-            await self.send_gateway(Reject(request_id=rid, reason=reason))
+            room = 0 if self.draining else -1  # it queues: room is only its cache
+            await self.send_gateway(Reject(request_id=rid, reason=reason, room=room))
             return
         self.requests[rid] = NodeRequest(seq)
         self.metrics.prompt_tokens.inc(len(offer.prompt_ids))

@@ -172,13 +172,33 @@ class GatewayConfig:
         "", "host name nodes use for the tokens port; empty = the host they registered through"
     )
     scheduler: Literal["on_demand", "round_robin", "jsq", "kv_aware"] = flag(
-        "on_demand", "placement policy (gateway/schedulers.py)"
+        "on_demand", "placement policy (gateway/policies/)"
+    )
+    decode_placement: Literal["spread", "best_fit", "length_aware"] = flag(
+        "spread",
+        "decode node for a request (on_demand, kv_aware): the most free KV, the tightest fit "
+        "for its final KV (prompt + max_tokens), or long requests together then best fit",
     )
     cost_profile: str = flag("h100-llama3.1-8b", "kv_aware: GPU x model profile of its estimates")
     cache_aware_routing: Literal["on", "off"] = flag(
         "on",
         "place by the cluster prefix index (cached overlap, fetch hints, the decode node "
         "holding a conversation); off: cache-blind placement, the nodes' caches still work",
+    )
+    admission: Literal["fifo", "spf", "deadline"] = flag(
+        "spf",
+        "order in which waiting requests make offers: arrival, shortest prefill first (aged), "
+        "or earliest TTFT deadline first among those that can still meet it",
+    )
+    admission_max_wait: float = flag(
+        3.0, "seconds after which a waiting request goes first whatever the order (no starving)"
+    )
+    admission_aging: float = flag(0.5, "spf: seconds of prefill forgiven per second waited")
+    ttft_slo: float = flag(0.0, "seconds to the first token (deadline order); 0: none")
+    reject_ttft: float = flag(
+        0.0,
+        "answer 503 + Retry-After at once when a new request's predicted TTFT (its prefill + "
+        "the prefill work waiting, per prefill node) exceeds this many seconds; 0: off",
     )
     placement_timeout: float = flag(30.0, "seconds to find a prefill node before 503")
     offer_timeout: float = flag(2.0, "seconds a prefill node has to answer an offer")
@@ -196,6 +216,9 @@ class GatewayConfig:
         for name in timeouts:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+        for name in ("admission_max_wait", "admission_aging", "ttft_slo", "reject_ttft"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
         if len({self.port, self.control_port, self.tokens_port}) != 3:
             raise ConfigError("--port, --control-port and --tokens-port must differ")
 

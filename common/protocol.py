@@ -62,6 +62,7 @@ class Load(msgspec.Struct, kw_only=True, frozen=True):
     prefix_queries: int = 0  # prompt tokens looked up in its prefix cache, since it started
     prefix_hits: int = 0  # of those, found cached
     prefix_fetched: int = 0  # of those hits, tokens whose KV was fetched from another node
+    token_cost: float = 0.0  # measured prefill seconds per token (0: none measured yet)
 
 
 class Register(Msg):
@@ -81,6 +82,7 @@ class Accept(Msg):
 class Reject(Msg):
     request_id: str
     reason: str
+    room: int = -1  # the longest prompt (tokens) it would accept now; -1: not known
 
 
 class FirstToken(Msg):

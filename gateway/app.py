@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -45,6 +46,13 @@ def json_response(
     return web.Response(
         body=orjson.dumps(body), status=status, content_type="application/json", headers=headers
     )
+
+
+def retry_after(failed: Failed) -> dict[str, str] | None:
+    """503s say when to come back: the gateway's estimate, else a second."""
+    if failed.status != 503:
+        return None
+    return {"Retry-After": str(max(1, math.ceil(failed.retry_after or 1)))}
 
 
 def error_response(err: ApiError, headers: dict[str, str] | None = None) -> web.Response:
@@ -193,8 +201,7 @@ async def _collect(req: GatewayRequest, rid: str, echo_id: str) -> web.Response:
                 body["timings"] = req.phases()  # pdserve's own view, as llama.cpp reports one
                 return json_response(body, headers={"x-request-id": echo_id})
             case Failed(status=status, message=message, code=code):
-                headers = {"Retry-After": "1"} if status == 503 else None
-                return error_response(ApiError(status, message, code=code), headers)
+                return error_response(ApiError(status, message, code=code), retry_after(event))
 
 
 async def _stream(
@@ -202,7 +209,7 @@ async def _stream(
 ) -> web.StreamResponse:
     first = await req.events.get()
     if isinstance(first, Failed):  # nothing sent yet: a proper HTTP error
-        headers = {"Retry-After": "1"} if first.status == 503 else None
+        headers = retry_after(first)
         return error_response(ApiError(first.status, first.message, code=first.code), headers)
     resp = web.StreamResponse(
         headers={

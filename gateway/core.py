@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,7 @@ from pdserve.common.transport import CONTROL_MAX_MSG, TOKENS_MAX_MSG, make_socke
 from pdserve.gateway.cluster import ClusterView, NodeState
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.node_messages import NodeMessages
-from pdserve.gateway.placement import PlacementTimeout, Placer
+from pdserve.gateway.placement import Admission, PlacementTimeout, Placer
 from pdserve.gateway.policies import make_policy
 from pdserve.gateway.prefix_index import PrefixIndex
 from pdserve.gateway.requests import Failed, GatewayRequest, StreamGap
@@ -46,7 +47,7 @@ class Gateway(NodeMessages):
         self.cluster = ClusterView(cfg.heartbeat_timeout)
         self.table = RequestTable()
         self.index = PrefixIndex()  # which prefix blocks each node holds
-        self.policy = make_policy(cfg.scheduler, cfg.cost_profile)
+        self.policy = make_policy(cfg.scheduler, cfg.cost_profile, cfg.decode_placement)
         self.ctx = zmq.asyncio.Context()
         self.control = make_socket(
             self.ctx,
@@ -71,6 +72,12 @@ class Gateway(NodeMessages):
             cfg.placement_timeout,
             cfg.offer_timeout,
             on_answer=self._count_answer,
+            admission=Admission(
+                cfg.admission,
+                cfg.admission_max_wait or math.inf,
+                cfg.admission_aging,
+                cfg.ttft_slo or math.inf,
+            ),
         )
         self.metrics = GatewayMetrics(self.cluster, self.table, self.placer.waiting)
         self.tasks: list[asyncio.Task] = []
@@ -84,6 +91,7 @@ class Gateway(NodeMessages):
         ]
 
     async def stop(self) -> None:
+        await self.placer.stop()
         for task in self.tasks:
             task.cancel()
         for task in self.tasks:
@@ -107,7 +115,30 @@ class Gateway(NodeMessages):
     async def run(self, req: GatewayRequest) -> None:
         """Place the request; tokens then arrive through the loops into req.events."""
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+        if self.cfg.reject_ttft and (wait := self._overloaded(req)) is not None:
+            req.finish(
+                Failed(
+                    503,
+                    f"overloaded: the predicted time to first token exceeds "
+                    f"{self.cfg.reject_ttft:g} s; retry later",
+                    "service_unavailable",
+                    retry_after=wait,
+                )
+            )
+            self.metrics.requests.labels("overloaded").inc()
+            return
         await self._place(req, req.prompt_ids, req.params)
+
+    def _overloaded(self, req: GatewayRequest) -> float | None:
+        """Early rejection: when requests already wait for prefill capacity and this one's
+        predicted TTFT (its own prefill + the waiting prefill work, spread over the prefill
+        nodes) exceeds `--reject-ttft`, the seconds after which to retry; else None. An idle
+        cluster serves even a prompt longer than the limit."""
+        queued = self.placer.queued_seconds()
+        if queued <= 0:
+            return None
+        predicted = queued + self.placer.prefill_seconds(len(req.prompt_ids))
+        return queued if predicted > self.cfg.reject_ttft else None
 
     async def _place(self, req: GatewayRequest, prompt_ids: list[int], params: Any) -> None:
         self.table.open(req, len(prompt_ids))

@@ -151,7 +151,8 @@ class NodeMessages:
 
     async def _on_answer(self, identity: bytes, msg: Accept | Reject) -> None:
         accepted = isinstance(msg, Accept)
-        if not self.placer.answer(msg.request_id, identity, accepted) and accepted:
+        room = msg.room if isinstance(msg, Reject) else -1
+        if not self.placer.answer(msg.request_id, identity, accepted, room) and accepted:
             # too late: that offer timed out and the request moved on under a new wire id,
             # so this aborts exactly the stale acceptance
             await self._reply(identity, Abort(request_id=msg.request_id))
@@ -197,7 +198,12 @@ class NodeMessages:
         if attempt is None or attempt.req.finished:
             await self._reply(identity, Redirect(request_id=msg.request_id, decode=None))
             return
-        need = Need(attempt.prompt_len, frozenset({msg.refused_by}), attempt.hashes)
+        need = Need(
+            attempt.prompt_len,
+            frozenset({msg.refused_by}),
+            attempt.hashes,
+            max(0, attempt.final_len - attempt.prompt_len),
+        )
         target = redirect(self.policy, self.cluster, self.table, need, self.index)
         if target is None:
             await self._reply(identity, Redirect(request_id=msg.request_id, decode=None))

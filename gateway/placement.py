@@ -2,10 +2,16 @@
 
 There is no queue at the gateway or at the nodes. The placer asks `plan()` (gateway/plan.py)
 for the (prefill, decode) pairs to try and offers the request to each in turn; each node
-answers Accept or Reject at once. After a full pass of rejects it backs off until capacity may
-have freed (a first token came back, a node registered) or a short delay passes, and tries
-again, until `placement_timeout`. Requests waiting for capacity take turns in arrival order:
-only the oldest waiting request makes offers, so none starves behind newer ones.
+answers Accept or Reject at once.
+
+Waiting requests are placed in rounds, one at a time, by one task: a round runs when capacity
+may have freed (a first token came back, a node reported or registered), when a request
+arrives, or after a short back-off. Each round lets every waiting request try, in the order of
+the admission policy (gateway/admission.py: fifo, shortest prefill first, deadline first),
+so any request may take capacity that fits it: a long prompt no node can take yet does not
+hold back a short one. A node that rejects says how long a prompt it would still take now
+(`Reject.room`); for the rest of the round it is offered nothing longer, and the round ends
+early once no node has room, so a full cluster costs one offer per node per round.
 
 An offer is answered by the node it went to, or not at all within `offer_timeout`: then its
 wire id is spent (the node may accept later, and that acceptance must be told apart from the
@@ -17,14 +23,17 @@ step that reads the Accept, so the node's next message finds the request placed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
+import math
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from pdserve.common.protocol import PrefillOffer
 from pdserve.common.sampling import SamplingParams
+from pdserve.gateway.admission import Waiting, order, urgent
 from pdserve.gateway.cluster import ClusterView, NodeState
 from pdserve.gateway.plan import plan, request_hashes
 from pdserve.gateway.policies import Need, NodeView, Policy
@@ -50,10 +59,35 @@ class _Offer:
     answer: asyncio.Future[bool] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+    room: int = -1  # with a Reject: the longest prompt the node would take now
 
     def commit(self, table: RequestTable) -> None:
         blocks = self.decode.blocks_for(self.attempt.prompt_len + 1)
         table.commit(self.attempt, self.node.node_id, self.decode.node_id, blocks, time.monotonic())
+
+
+@dataclass(eq=False)
+class _Waiting:
+    req: GatewayRequest
+    prompt_ids: list[int]
+    params: SamplingParams
+    need: Need
+    entry: Waiting
+    until: float  # its placement deadline (monotonic)
+    reserved: str | None = None  # the node kept free for it once it waited too long
+    done: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+@dataclass(frozen=True)
+class Admission:
+    """How waiting requests take turns (gateway/admission.py)."""
+
+    order: str = "spf"
+    max_wait: float = 3.0  # seconds after which a request goes first, oldest first
+    aging: float = 0.5  # spf: seconds of prefill forgiven per second waited
+    ttft_slo: float = math.inf  # deadline: seconds from arrival to the first token
 
 
 class Placer:
@@ -67,6 +101,7 @@ class Placer:
         placement_timeout: float,
         offer_timeout: float,
         on_answer: Callable[[NodeState, bool | None], None] | None = None,
+        admission: Admission = Admission(),
     ) -> None:
         self.cluster = cluster
         self.table = table
@@ -76,14 +111,25 @@ class Placer:
         self.placement_timeout = placement_timeout
         self.offer_timeout = offer_timeout
         self.on_answer = on_answer  # (node, True | False | None for no answer)
-        self.waiting: deque[GatewayRequest] = deque()
+        self.admission = admission
+        self.waiting: dict[int, _Waiting] = {}  # by id() of the request
         self.offers: dict[str, _Offer] = {}  # the offer in flight, per wire id
         self.capacity = asyncio.Event()
+        self._arrivals = itertools.count()
+        self._rounds: asyncio.Task[None] | None = None
 
     def capacity_changed(self) -> None:
         self.capacity.set()
 
-    def answer(self, wire_id: str, identity: bytes, accepted: bool) -> bool:
+    async def stop(self) -> None:
+        if self._rounds is not None:
+            self._rounds.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._rounds
+        for w in self.waiting.values():
+            w.done.cancel()
+
+    def answer(self, wire_id: str, identity: bytes, accepted: bool, room: int = -1) -> bool:
         """An Accept or Reject arrived from the node with `identity`; False if it answers no
         offer in flight (a late answer to an offer that timed out)."""
         offer = self.offers.get(wire_id)
@@ -92,39 +138,129 @@ class Placer:
         del self.offers[wire_id]
         if accepted:
             offer.commit(self.table)
+        offer.room = room
         offer.answer.set_result(accepted)
         return True
+
+    def prefill_seconds(self, tokens: int) -> float:
+        """Estimated prefill time: the prefill nodes' measured seconds per token (median),
+        else the cost model's."""
+        costs = sorted(
+            n.load.token_cost
+            for role in ("prefill", "colocated")
+            for n in self.cluster.alive(role)
+            if n.load.token_cost > 0
+        )
+        if costs:
+            return tokens * costs[len(costs) // 2]
+        return self.policy.cost.prefill_seconds(tokens)
+
+    def uncached(self, need: Need) -> int:
+        """Tokens of the request no node's cache holds (the index's best holder)."""
+        if self.index is None or not need.hashes:
+            return need.prompt_len
+        best = max(self.index.holders(need.hashes).values(), default=0)
+        ref = self.cluster.reference
+        return need.prompt_len - best * (ref.block_size if ref else 0)
+
+    def queued_seconds(self) -> float:
+        """Estimated prefill work waiting at the gateway, per prefill node."""
+        nodes = len(self.cluster.alive("prefill")) + len(self.cluster.alive("colocated"))
+        work = sum(w.entry.prefill_s for w in self.waiting.values())
+        return work / max(1, nodes)
 
     async def place(
         self, req: GatewayRequest, prompt_ids: list[int], params: SamplingParams
     ) -> None:
         """Returns once a prefill node accepted (the table holds the placement); raises
         PlacementTimeout."""
-        deadline = time.monotonic() + self.placement_timeout
+        now = time.monotonic()
         hashes = request_hashes(self.cluster, prompt_ids) if self.index is not None else ()
-        need = Need(len(prompt_ids), hashes=hashes)
-        self.waiting.append(req)
+        final = len(req.prompt_ids) + req.params.max_tokens  # prompt_ids: + output so far
+        need = Need(len(prompt_ids), hashes=hashes, output_len=max(0, final - len(prompt_ids)))
+        adm = self.admission
+        entry = Waiting(
+            key=next(self._arrivals),
+            arrived=req.arrival,
+            prefill_s=self.prefill_seconds(self.uncached(need)),
+            deadline=req.arrival + adm.ttft_slo,
+            resumed=bool(req.output_ids),
+        )
+        waiting = self.waiting[id(req)] = _Waiting(
+            req, prompt_ids, params, need, entry, now + self.placement_timeout
+        )
+        if self._rounds is None or self._rounds.done():
+            self._rounds = asyncio.create_task(self._run_rounds())
+        self.capacity.set()  # a round at once: this request may fit now
         try:
-            while True:
-                if self.waiting[0] is req:
-                    self.capacity.clear()
-                    if await self._one_pass(req, prompt_ids, params, need):
-                        return
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise PlacementTimeout
-                try:
-                    await asyncio.wait_for(self.capacity.wait(), min(BACKOFF_S, remaining))
-                except asyncio.TimeoutError:
-                    pass
+            await waiting.done
         finally:
-            self.waiting.remove(req)
-            self.capacity.set()  # let the next oldest try at once
+            self.waiting.pop(id(req), None)
 
-    async def _one_pass(
-        self, req: GatewayRequest, prompt_ids: list[int], params: SamplingParams, need: Need
-    ) -> bool:
+    async def _run_rounds(self) -> None:
+        while True:
+            self.capacity.clear()
+            try:
+                await self._round()
+            except Exception:  # never end placement; the requests still waiting stay so
+                log.exception("placement round failed")
+            if not self.waiting:
+                await self.capacity.wait()
+                continue
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.capacity.wait(), BACKOFF_S)
+
+    async def _round(self) -> None:
+        now = time.monotonic()
+        by_key = {w.entry.key: w for w in self.waiting.values()}
+        adm = self.admission
+        ordered = order(adm.order, [w.entry for w in by_key.values()], now, adm.max_wait, adm.aging)
+        room: dict[str, int] = {}  # node id -> the longest prompt it takes this round
+        nodes = {n.node_id for r in ("prefill", "colocated") for n in self.cluster.alive(r)}
+        for entry in ordered:
+            w = by_key[entry.key]
+            if self.waiting.get(id(w.req)) is not w or w.done.done():
+                continue  # gone (cancelled) meanwhile
+            if time.monotonic() >= w.until:
+                w.done.set_exception(PlacementTimeout())
+                continue
+            if nodes and all(room.get(n, 1) <= 0 for n in nodes):
+                continue  # no node takes anything more this round: only deadlines now
+            try:
+                placed = await self._one_pass(w, room)
+            except Exception as exc:  # the request answers 500 rather than wait forever
+                if not w.done.done():
+                    w.done.set_exception(exc)
+                continue
+            if placed and not w.done.done():
+                w.done.set_result(None)
+            elif not placed and urgent(entry, now, adm.max_wait):
+                self._reserve(w, room, nodes)
+
+    def _reserve(self, w: _Waiting, room: dict[str, int], nodes: set[str]) -> None:
+        """A request that waited `max_wait` and still found no room keeps one node from
+        taking anything else (this round and every round after, until it is placed): that
+        node's batch drains and the request fits. Without this, requests that fit would take
+        every freed slot first and a long prompt could wait forever. The node is the one that
+        said it had most room (closest to taking it), among those whose cache could ever hold
+        the prompt; the same node for as long as it lives."""
+        if w.reserved not in nodes:
+            size = w.need.prompt_len
+            able = [
+                n
+                for n in nodes
+                if (node := self.cluster.nodes.get(n)) is not None
+                and node.info.num_blocks * node.info.block_size >= size
+            ]
+            w.reserved = max(able, key=lambda n: (room.get(n, 0), n), default=None)
+        if w.reserved is not None:
+            room[w.reserved] = 0
+
+    async def _one_pass(self, w: _Waiting, room: dict[str, int]) -> bool:
+        req, prompt_ids, need = w.req, w.prompt_ids, w.need
         pairs = plan(self.policy, self.cluster, self.table, need, self.index)
+        n = need.prompt_len
+        pairs = [(p, d) for p, d in pairs if room.get(p.node_id, n) >= n]  # else: rejects it
         if log.isEnabledFor(logging.DEBUG):  # every decision with the numbers it used
             log.debug(
                 "%s %s (%d tokens): offers %s",
@@ -158,7 +294,7 @@ class Placer:
             offer = PrefillOffer(
                 request_id=attempt.wire_id,
                 prompt_ids=prompt_ids,
-                params=params,
+                params=w.params,
                 decode=decode.node.target(),
                 decode_cached=skip * decode.block_size,
                 # another node's cache holds more of the prompt: the node may fetch it
@@ -182,5 +318,10 @@ class Placer:
             if self.on_answer is not None:
                 self.on_answer(node.node, answer)
             if answer:
+                if node.node_id in room:
+                    room[node.node_id] -= need.prompt_len
                 return True
+            # rejected: it said what it still takes (else: less than this); no answer: nothing
+            took = pending.room if pending.room >= 0 else need.prompt_len - 1
+            room[node.node_id] = took if answer is False else 0
         return False

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pdserve.common.prefix import hash_salt, prefix_hashes
 from pdserve.gateway.cluster import ClusterView, NodeState
 from pdserve.gateway.policies import Need, NodeView, Policy
+from pdserve.gateway.policies.base import LONG_SHARE
 from pdserve.gateway.prefix_index import PrefixIndex
 from pdserve.gateway.table import RequestTable
 
@@ -35,10 +36,13 @@ def view(
     cached = index.cached_blocks(node_id, need.hashes) if index and need else 0
     # the node holding most of the prefix, other than this one (a fetch hint if > cached)
     best = next(((b, h) for b, h in holders or () if h.node_id != node_id), (0, None))
+    headed = table.headed_to(node_id)
+    capacity = node.info.num_blocks * node.info.block_size
     return NodeView(
         node=node,
         in_prefill=tuple(a.prompt_len for a in table.in_prefill(node_id)),
-        decoding=len(table.headed_to(node_id)),
+        decoding=len(headed),
+        long_decoding=sum(1 for a in headed if a.final_len * LONG_SHARE >= capacity),
         free_blocks=free,
         cached=cached,
         holder=best[1] if best[0] > cached else None,

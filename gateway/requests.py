@@ -39,6 +39,7 @@ class Failed:
     status: int
     message: str
     code: str = "server_error"
+    retry_after: float | None = None  # 503: seconds after which a retry may succeed
 
 
 Event = Delta | Done | Failed

@@ -43,6 +43,11 @@ class Attempt:
     phase: Phase = Phase.OFFERED
     hashes: tuple[bytes, ...] = ()  # its prompt's block hashes (where its prefix is cached)
 
+    @property
+    def final_len(self) -> int:
+        """Its KV size once done, at most (prompt + max_tokens)."""
+        return len(self.req.prompt_ids) + self.req.params.max_tokens
+
     def nodes(self) -> set[str]:
         return {n for n in (self.prefill, self.decode) if n is not None}
 

@@ -95,6 +95,10 @@ def _on_event(record: RequestRecord, event: bytes, now: float) -> None:
     timings = obj.get("timings")
     if isinstance(timings, dict) and isinstance(timings.get("ttft_ms"), (int, float)):
         record.server_ttft = timings["ttft_ms"] / 1000
+    if isinstance(timings, dict):
+        waits = [timings.get(k) for k in ("gateway_wait_ms", "prefill_queue_ms")]
+        if any(isinstance(w, (int, float)) for w in waits):
+            record.server_wait = sum(w for w in waits if isinstance(w, (int, float))) / 1000
     for choice in obj.get("choices", []):
         record.token_ids += choice.get("token_ids") or []
         if choice.get("text") or (choice.get("delta") or {}).get("content"):

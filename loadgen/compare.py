@@ -15,10 +15,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +99,19 @@ def start_cluster(up_args: list[str], timeout: float) -> tuple[subprocess.Popen,
     raise RuntimeError(f"cluster {' '.join(up_args)} did not come up")
 
 
+def gateway_counts(url: str) -> dict[str, float]:
+    """Re-placements by kind (`replaced_preempted`: a decode node ran out of KV and gave the
+    request back) and requests shed by early rejection, from the gateway's /metrics (the
+    warm-up requests included)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    found = re.findall(r'^pdserve:request_replacements_total\{kind="(\w+)"\} (\S+)$', text, re.M)
+    counts = {f"replaced_{kind}": float(value) for kind, value in found}
+    shed = re.search(r'^pdserve:requests_total\{outcome="overloaded"\} (\S+)$', text, re.M)
+    counts["shed"] = float(shed.group(1)) if shed else 0.0
+    return counts
+
+
 def stop_cluster(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGINT)
     try:
@@ -129,9 +144,10 @@ def main(args: argparse.Namespace) -> int:
                     progress=False,
                 )
                 recs = asyncio.run(run(specs, bench))
+                counts = gateway_counts(url)
             finally:
                 stop_cluster(proc)
-            summary = summarize(recs, slo)
+            summary = summarize(recs, slo) | counts
             meta = {"configuration": cfg["name"], "rate": rate}
             write_results(out / cfg["name"] / f"rate-{rate}", recs, summary, meta)
             results.append({**meta, **summary})
@@ -147,10 +163,14 @@ def main(args: argparse.Namespace) -> int:
                                 "ttft_ms_p99",
                                 "itl_ms_p50",
                                 "itl_ms_p99",
+                                "wait_ms_max",
                                 "goodput",
                                 "completed",
                                 "failed",
+                                "replaced_preempted",
+                                "shed",
                             )
+                            if k in summary
                         },
                     }
                 ),
@@ -181,8 +201,11 @@ def write_report(
         "request_throughput",
         "output_throughput",
         "goodput",
+        "wait_ms_max",
         "completed",
         "failed",
+        "replaced_preempted",
+        "shed",
     ]
     lines = [
         "# pdserve comparison",

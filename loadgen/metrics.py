@@ -31,6 +31,9 @@ class RequestRecord:
     error: str = ""
     status: int = 0
     server_ttft: float | None = None  # the server's own TTFT (its `timings`), if it reports one
+    # the server's wait before the request's prefill began: at the gateway for a node to
+    # accept it, plus in that node's queue (its `timings`: gateway_wait + prefill_queue)
+    server_wait: float | None = None
     token_ids: list[int] = field(default_factory=list)  # the output's, when asked for
 
     @property
@@ -67,6 +70,9 @@ class RequestRecord:
             "ttft_ms": round(self.ttft * 1000, 3) if self.ok else None,
             "server_ttft_ms": (
                 round(self.server_ttft * 1000, 3) if self.server_ttft is not None else None
+            ),
+            "server_wait_ms": (
+                round(self.server_wait * 1000, 3) if self.server_wait is not None else None
             ),
             "tpot_ms": round(self.tpot * 1000, 3) if self.ok and self.tpot is not None else None,
             "e2e_ms": round(self.e2e * 1000, 3) if self.ok else None,
@@ -116,6 +122,8 @@ def summarize(records: list[RequestRecord], slo: dict[str, float] | None = None)
     # the server's own view (arrival at its front end -> first token out): the difference to
     # the client's TTFT is client, network and queueing in front of the server
     summary.update(_stats("server_ttft_ms", [t for r in ok if (t := r.server_ttft) is not None]))
+    # the wait bound: the longest any request waited for its prefill to begin
+    summary.update(_stats("wait_ms", [t for r in ok if (t := r.server_wait) is not None]))
     summary.update(_stats("tpot_ms", [t for r in ok if (t := r.tpot) is not None]))
     summary.update(_stats("itl_ms", [x for r in ok for x in r.itls]))
     summary.update(_stats("e2e_ms", [r.e2e for r in ok]))

@@ -89,17 +89,21 @@ class PrefillNode(NodeBase):
 
     async def _on_offer(self, offer: PrefillOffer) -> None:
         rid = offer.request_id
+        fetching = [f.seq for f in self.fetches.fetching.values()]
+        room = -1  # with a reject: the longest prompt we would take now (-1: not known)
         if self.draining:
             reason: str | None = "draining"
+            room = 0
         elif rid in self.requests:
             # the same request offered again: the first acceptance stands (one per id)
             reason = "duplicate request id"
         else:
-            fetching = [f.seq for f in self.fetches.fetching.values()]
             reason = self.scheduler.can_take(len(offer.prompt_ids), self.queueing, fetching)
+            if reason is not None:
+                room = self.scheduler.room(self.queueing, fetching)
         self.metrics.offer(reason is None)
         if reason is not None:
-            await self.send_gateway(Reject(request_id=rid, reason=reason))
+            await self.send_gateway(Reject(request_id=rid, reason=reason, room=room))
             return
         seq = Sequence.new(rid, offer.prompt_ids, offer.params)
         self.requests[rid] = NodeRequest(seq, target=offer.decode, skip=offer.decode_cached)

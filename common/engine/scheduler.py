@@ -137,7 +137,7 @@ class Scheduler:
         prefix is being fetched); they count as waiting."""
         bm = self.block_manager
         need = bm.blocks_needed(num_tokens)
-        if need > self.cfg.num_blocks:
+        if num_tokens > self.largest_prompt:  # what `add` refuses
             return f"prompt of {num_tokens} tokens exceeds this node's KV cache"
         if queueing:
             return None
@@ -152,6 +152,30 @@ class Scheduler:
         if need > bm.num_free_blocks - promised:
             return "KV cache full (transfers in flight)"
         return None
+
+    @property
+    def largest_prompt(self) -> int:
+        """The longest prompt `add` takes: its KV and the first token's, within the cache
+        less the watermark."""
+        usable = self.cfg.num_blocks - self.cfg.watermark_blocks
+        return max(0, usable * self.block_manager.block_size - 1)
+
+    def room(self, queueing: bool, pending: Iterable[Sequence] = ()) -> int:
+        """Prefill mode: the longest prompt (tokens) `can_take` accepts now: 0 when the batch
+        is full. The gateway skips offering longer prompts to this node until it next has
+        news of it (gateway/placement.py)."""
+        bm = self.block_manager
+        most = self.largest_prompt
+        if queueing:
+            return most
+        pending = list(pending)
+        batch = [*self.running, *self.waiting, *pending]
+        if len(batch) >= self.cfg.max_num_seqs:
+            return 0
+        if batch:
+            most = min(most, self.cfg.max_batch_tokens - sum(s.num_tokens for s in batch))
+        promised = sum(bm.blocks_needed(s.num_tokens) for s in [*self.waiting, *pending])
+        return max(0, min(most, (bm.num_free_blocks - promised) * bm.block_size))
 
     def add(self, seq: Sequence) -> None:
         needed = self.block_manager.blocks_needed(seq.num_tokens + 1)

@@ -241,6 +241,7 @@ class NodeBase(NodeControl):
             prefix_queries=sched.prefix_queries,
             prefix_hits=sched.prefix_hits,
             prefix_fetched=self.kv.fetches.fetched_tokens if self.kv is not None else 0,
+            token_cost=self.token_cost,
         )
 
     def idle(self) -> bool:

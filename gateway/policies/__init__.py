@@ -32,10 +32,12 @@ def names() -> list[str]:
     return sorted(REGISTRY)
 
 
-def make_policy(name: str, cost_profile: str = "h100-llama3.1-8b") -> Policy:
+def make_policy(
+    name: str, cost_profile: str = "h100-llama3.1-8b", decode_fit: str = "spread"
+) -> Policy:
     if name not in REGISTRY:
         raise ValueError(f"unknown scheduler {name!r}: choose one of {names()}")
-    return REGISTRY[name](CostModel.named(cost_profile))
+    return REGISTRY[name](CostModel.named(cost_profile), decode_fit)
 
 
 for _module in pkgutil.iter_modules(__path__):

@@ -35,6 +35,7 @@ class NodeView:
     # prefill: another node holding more of them (`holder_blocks`), which this node may fetch
     holder: NodeState | None = None
     holder_blocks: int = 0
+    long_decoding: int = 0  # decode: of `decoding`, requests whose final KV is long here
 
     @property
     def node_id(self) -> str:
@@ -66,20 +67,41 @@ class NodeView:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    @property
+    def capacity_tokens(self) -> int:
+        return self.node.info.num_blocks * self.block_size
+
+    def is_long(self, final_tokens: int) -> bool:
+        """A request whose KV will take an eighth of this node's cache or more."""
+        return final_tokens * LONG_SHARE >= self.capacity_tokens
+
 
 @dataclass(frozen=True)
 class Need:
     prompt_len: int  # tokens to prefill (prompt, or prompt + output kept when re-placed)
     exclude_decode: frozenset[str] = field(default_factory=frozenset)  # refused the KV
     hashes: tuple[bytes, ...] = ()  # chained hashes of its full blocks (common/prefix.py)
+    output_len: int = 0  # tokens it may still generate (its max_tokens, less what it has)
+
+    @property
+    def final_len(self) -> int:
+        """Its KV size once done, at most: what memory-aware decode placement plans for."""
+        return self.prompt_len + self.output_len
+
+
+DECODE_FITS = ("spread", "best_fit", "length_aware")
+LONG_SHARE = 8  # a request is long on a node when its final KV takes 1/8 of the cache
 
 
 class Policy:
     name: ClassVar[str]
     queueing: ClassVar[bool] = False  # do its prefill nodes queue locally?
 
-    def __init__(self, cost: CostModel) -> None:
+    def __init__(self, cost: CostModel, decode_fit: str = "spread") -> None:
+        if decode_fit not in DECODE_FITS:
+            raise ValueError(f"unknown decode placement {decode_fit!r}: one of {DECODE_FITS}")
         self.cost = cost  # the cost model of --cost-profile, for policies that estimate
+        self.decode_fit = decode_fit  # --decode-placement, for policies using pick_decode
 
     def prefill_order(self, nodes: Sequence[NodeView], need: Need) -> list[NodeView]:
         raise NotImplementedError
@@ -87,12 +109,31 @@ class Policy:
     def pick_decode(self, nodes: Sequence[NodeView], need: Need) -> NodeView | None:
         """Default: among nodes that can hold the request, the one whose cache holds the most
         of its prefix (a conversation's earlier turns: their KV need not travel again), then
-        the one with the most free KV blocks."""
+        by `decode_fit` (`decode_key`)."""
         return max(
             fits(nodes, need),
-            key=lambda n: (n.cached, n.free_blocks, -n.decoding, n.node_id),
+            key=lambda n: (n.cached, *decode_key(self.decode_fit, n, need), n.node_id),
             default=None,
         )
+
+
+def decode_key(fit: str, n: NodeView, need: Need) -> tuple[int, ...]:
+    """Larger is better. `spread`: the most free KV blocks (then the fewest requests).
+    `best_fit` (LoongServe's memory-aware placement): a node with room for the request's
+    final KV (prompt + its remaining max_tokens), the tightest such fit, so large free
+    regions stay whole for long requests and a long output is not preempted half way; when
+    none has room for it all, spread. `length_aware`: long requests (final KV >= 1/8 of a
+    node's cache) go with other long ones, short ones away from them, then best fit: a node
+    with few long requests stays able to take many short ones."""
+    spread = (n.free_blocks, -n.decoding)
+    if fit == "spread":
+        return spread
+    whole = n.free_blocks >= n.blocks_for(need.final_len)
+    tight = (int(whole), -n.free_blocks if whole else n.free_blocks, -n.decoding)
+    if fit == "best_fit":
+        return tight
+    together = n.long_decoding if n.is_long(need.final_len) else -n.long_decoding
+    return (int(whole), together, *tight[1:])
 
 
 def fits(nodes: Iterable[NodeView], need: Need) -> list[NodeView]:

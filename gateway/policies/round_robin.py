@@ -16,8 +16,8 @@ class RoundRobin(Policy):
     name = "round_robin"
     queueing = True
 
-    def __init__(self, cost: CostModel) -> None:
-        super().__init__(cost)
+    def __init__(self, cost: CostModel, decode_fit: str = "spread") -> None:
+        super().__init__(cost, decode_fit)
         self.next_prefill = 0
         self.next_decode = 0
 

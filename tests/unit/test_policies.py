@@ -290,3 +290,25 @@ def test_a_node_missing_the_prefix_is_told_who_holds_it_and_kv_aware_counts_the_
         ("p0", "p1"),
         ("p1", None),
     ]
+
+
+def test_decode_placement_variants_spread_best_fit_and_length_aware():
+    # decode nodes of 100 blocks x 16 tokens: a request is long there from 200 final tokens
+    placed = Placed(cluster_with({"p0": (0, 0)}, {"d0": 60, "d1": 20, "d2": 35}))
+
+    def pick(fit: str, prompt: int, output: int) -> str:
+        policy = make_policy("on_demand", decode_fit=fit)
+        return policy.pick_decode(placed.nodes("decode"), Need(prompt, output_len=output)).node_id
+
+    assert pick("spread", 100, 300) == "d0"  # the most free blocks
+    assert pick("best_fit", 100, 300) == "d2"  # 25 blocks: the tightest node that holds it all
+    assert pick("best_fit", 100, 500) == "d0"  # 38 blocks: only d0 holds it all
+    assert pick("best_fit", 100, 3000) == "d0"  # nobody holds it all: spread
+    assert pick("best_fit", 10, 10) == "d1"
+    placed.in_prefill("p0", 300, decode="d0")  # a long request (316 final tokens) on d0
+    assert placed.nodes("decode")[0].long_decoding == 1
+    assert pick("length_aware", 100, 300) == "d0"  # long: with the other long one
+    assert pick("best_fit", 100, 300) == "d2"
+    assert pick("length_aware", 10, 10) == "d1"  # short: away from it, then the tightest fit
+    with pytest.raises(ValueError, match="unknown decode placement"):
+        make_policy("on_demand", decode_fit="random")

@@ -1,3 +1,6 @@
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from pdserve.common.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.sampling import SamplingParams
@@ -230,3 +233,25 @@ def test_hashes_are_salted_by_model_and_precision():
     assert len({fp32[0], bf16[0], other[0]}) == 3
     tail = prefix_hashes(toks, 16, hash_salt("m", "float32", 16), start=1, parent=fp32[0])
     assert tail == fp32[1:]  # a chain extends without rehashing its prefix
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.integers(1, 300), max_size=8),
+    st.integers(1, 400),
+    st.integers(1, 6),
+    st.booleans(),
+)
+def test_room_is_exactly_the_longest_prompt_can_take_accepts(taken, n, max_seqs, steps):
+    """The gateway skips offering a node prompts longer than the room its Reject reported:
+    that is only sound if `can_take(m)` accepts exactly the prompts of room or fewer tokens."""
+    sched = prefill_scheduler(max_num_seqs=max_seqs, max_batch_tokens=500, num_blocks=40)
+    for i, m in enumerate(taken):
+        offer(sched, f"r{i}", m)
+        if steps and i % 3 == 2:
+            run_step(sched)
+    room = sched.room(False)
+    assert (sched.can_take(n, False) is None) == (n <= room)
+    assert sched.can_take(room, False) is None or room == 0
+    assert sched.room(True) == sched.largest_prompt  # queueing: only the cache bounds it
+    assert sched.can_take(sched.largest_prompt + 1, True) is not None

@@ -1,0 +1,164 @@
+"""Admission at the gateway over real sockets (sim engine): any waiting request may take
+capacity that fits it, a request that waited too long gets a node kept free for it, and early
+rejection answers 503 with Retry-After."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+from aiohttp import web
+
+from pdserve.common.config import EngineConfig, GatewayConfig
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.transport import free_port
+from pdserve.decode_node.server import DecodeNode
+from pdserve.gateway.app import CONFIG, GATEWAY, completions, errors_middleware
+from pdserve.gateway.requests import Done, Failed
+from pdserve.prefill_node.server import PrefillNode
+from tests.component.cluster import Cluster, outcome, prompt, until
+
+# modelled prefill time x60: a 900-token batch takes ~2 s of wall time
+SLOW = EngineConfig(
+    engine="sim", sim_time_scale=60, num_kv_blocks=64, max_batch=8, max_batch_tokens=1000
+)
+
+
+async def test_a_request_no_node_can_take_yet_does_not_hold_back_one_that_fits(tokenizer):
+    async with Cluster(tokenizer, placement_timeout=4.0) as c:
+        prefill = await c.add(c.node(PrefillNode, "prefill-0", ecfg=SLOW))
+        await c.add(c.node(DecodeNode, "decode-0"))
+        first = c.request("first", prompt(900))
+        await asyncio.wait_for(c.gw.run(first), 5)  # placed: its ~2 s pass starts
+        # arriving in this order: one longer than the node's whole cache (64 x 16 tokens,
+        # never fits), one that needs an empty batch, one that fits beside `first`
+        never = c.request("never", prompt(1100, 3000))
+        later = c.request("later", prompt(1000, 5000))
+        short = c.request("short", prompt(50, 7000))
+        runs = []
+        for req in (never, later, short):
+            runs.append(asyncio.create_task(c.gw.run(req)))
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(runs[2], 1.5)
+        # the short one was placed while `first` was still prefilling: nothing held it back
+        assert not first.output_ids and short.attempt == 0
+        assert {id(w.req) for w in c.gw.placer.waiting.values()} == {id(never), id(later)}
+        assert await outcome(short) == Done("length")
+        assert await outcome(first) == Done("length")
+        assert await outcome(later) == Done("length")
+        failed = await outcome(never, 6)
+        assert isinstance(failed, Failed) and failed.status == 503
+        await asyncio.gather(*runs)
+        await until(lambda: not prefill.requests, what="an idle prefill node")
+        assert prefill.blocks.num_in_use_blocks == 0 and not c.gw.table
+
+
+async def test_a_long_prompt_behind_a_stream_of_short_ones_waits_at_most_its_bound(tokenizer):
+    """Shortest-prefill-first puts the long prompt last, and short ones keep arriving faster
+    than the node serves them: without the bound it would wait until its placement timeout.
+    Once it has waited `admission_max_wait` it goes first and the node is kept for it."""
+    ecfg = EngineConfig(
+        engine="sim", sim_time_scale=15, num_kv_blocks=256, max_batch=8, max_batch_tokens=1000
+    )
+    max_wait = 1.0
+    async with Cluster(
+        tokenizer, admission="spf", admission_max_wait=max_wait, placement_timeout=30
+    ) as c:
+        prefill = await c.add(c.node(PrefillNode, "prefill-0", ecfg=ecfg))
+        await c.add(c.node(DecodeNode, "decode-0"))
+        batch_s = 0.0  # the longest prefill pass, measured
+        run_step = prefill.engine.step
+
+        def timed(*args, **kw):
+            nonlocal batch_s
+            t = time.monotonic()
+            try:
+                return run_step(*args, **kw)
+            finally:
+                batch_s = max(batch_s, time.monotonic() - t)
+
+        prefill.engine.step = timed
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        shorts, tasks = [], []
+
+        def send_short() -> None:
+            req = c.request(f"s{len(shorts)}", prompt(400, 10_000 + 500 * len(shorts)), params)
+            shorts.append(req)
+            tasks.append(asyncio.create_task(c.gw.run(req)))
+
+        for _ in range(3):
+            send_short()
+            await asyncio.sleep(0.1)
+        long = c.request("long", prompt(1000, 1000), params)
+        start = time.monotonic()
+        placed = asyncio.create_task(c.gw.run(long))
+        while not placed.done() and time.monotonic() - start < 10:
+            send_short()  # 10 per second; the node serves ~2 per pass
+            await asyncio.sleep(0.1)
+        await asyncio.wait_for(placed, 1)
+        waited = time.monotonic() - start
+        # it did go after the short ones (spf), and not longer than the bound
+        assert waited >= max_wait * 0.9, waited
+        assert waited <= max_wait + 2 * batch_s + 0.5, (waited, batch_s)
+        await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        events = [await outcome(r, 30) for r in [long, *shorts]]
+        assert all(e == Done("length") for e in events), events
+        await until(lambda: not prefill.requests, what="an idle prefill node")
+
+
+async def _serve(gw) -> tuple[web.AppRunner, str]:
+    app = web.Application(middlewares=[errors_middleware])
+    app[CONFIG], app[GATEWAY] = gw.cfg, gw
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}/v1/completions"
+
+
+async def test_early_rejection_answers_503_with_retry_after_when_the_queue_is_too_long(
+    tokenizer,
+):
+    assert GatewayConfig().reject_ttft == 0  # off by default
+    one = EngineConfig(engine="sim", sim_time_scale=30, num_kv_blocks=256, max_batch=1)
+    async with Cluster(tokenizer, reject_ttft=1.0) as c:
+        await c.add(c.node(PrefillNode, "prefill-0", ecfg=one))
+        await c.add(c.node(DecodeNode, "decode-0"))
+        runner, url = await _serve(c.gw)
+        try:
+            async with aiohttp.ClientSession() as session:
+
+                async def post(i: int) -> tuple[int, str | None, float, dict]:
+                    body = {"prompt": prompt(400, 2000 + 500 * i), "max_tokens": 2}
+                    t = time.monotonic()
+                    async with session.post(url, json=body) as resp:
+                        data = await resp.json()
+                        return (
+                            resp.status,
+                            resp.headers.get("Retry-After"),
+                            time.monotonic() - t,
+                            data,
+                        )
+
+                # the first request measures the node's prefill rate (reported by heartbeat)
+                assert (await post(0))[0] == 200
+                node = c.gw.cluster.nodes["prefill-0"]
+                await until(lambda: node.load.token_cost > 0, 2, "a measured prefill rate")
+                results = await asyncio.gather(*(post(i) for i in range(1, 13)))
+        finally:
+            await runner.cleanup()
+        ok = [r for r in results if r[0] == 200]
+        shed = [r for r in results if r[0] == 503]
+        assert len(ok) + len(shed) == len(results), [r[0] for r in results]
+        # a ~0.4 s prefill and one batch slot: a few fit under 1 s, the rest are shed at once
+        assert 1 <= len(ok) <= 4 and len(shed) >= 8, [r[0] for r in results]
+        for _, retry, seconds, data in shed:
+            assert retry is not None and int(retry) >= 1
+            assert data["error"]["code"] == "service_unavailable"
+            assert "overloaded" in data["error"]["message"]
+            assert seconds < 0.5  # answered at once, not after waiting
+        assert all(len(r[3]["choices"][0]["text"]) > 0 for r in ok)
+        assert c.gw.metrics.requests.labels("overloaded")._value.get() == len(shed)
+        await until(lambda: not c.gw.table, what="every request finished")
