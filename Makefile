@@ -35,11 +35,16 @@ lint: setup
 bench: setup
 	$(BIN)/python benchmarks/engine.py
 
-# The committed comparison report (docs/results): every study it shows, ~50 minutes on 2 cores.
+# The committed comparison report (docs/results): every study it shows, ~2.5 hours on 2
+# cores (the KV-reuse torch study alone ~50 minutes).
 results: setup
 	for study in sim-4p4d smollm2 mooncake-replay sim-8p8d sim-decode-fit; do \
 		$(BIN)/pdserve compare --config docs/results/$$study.yaml --out docs/results/$$study || exit 1; \
 	done
+	for study in sim torch; do \
+		$(BIN)/python -m benchmarks.kv_reuse $$study --out docs/results/kv-reuse || exit 1; \
+	done
+	$(BIN)/python -m benchmarks.kv_tiers --tokens 2048 --repeats 3 --cold --out docs/results/kv-reuse/tiers.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

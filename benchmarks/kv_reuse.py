@@ -1,7 +1,7 @@
 """KV cache reuse across the cluster, measured: prefix caching, the cluster index, cache-aware
 routing and cross-node fetch, each configuration against caching off in the same run.
 
-    python -m benchmarks.kv_reuse torch --out docs/results/kv-reuse   # about 60 min, 2 cores
+    python -m benchmarks.kv_reuse torch --out docs/results/kv-reuse   # about 50 min, 2 cores
     python -m benchmarks.kv_reuse sim --out docs/results/kv-reuse     # about 5 min
 
 torch: SmolLM2-135M in float32 on this CPU, 1P1D and 2P2D, two workloads:
@@ -21,7 +21,7 @@ simulated 4P4D H100 x Llama-3.1-8B cluster at a rate that loads it, every policy
 on, with cross-node fetch and without (and on_demand with caching off for reference): hit
 rate, fetched tokens and goodput.
 
-Writes `summary.json` and `README.md` (the tables) into `--out`.
+Writes `STUDY.json` (the rows) and `STUDY.md` (their table) into `--out`, STUDY = torch or sim.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cold", action="store_true", help="drop the page cache before disk loads")
+    p.add_argument("--out", default="", help="also write the result (JSON) to this file")
     args = p.parse_args()
     runner = ModelRunner(
         EngineConfig(num_kv_blocks=args.tokens // 16 + 8, num_threads=args.threads)
@@ -101,6 +102,8 @@ def main() -> None:
         "recompute_over_disk_load": round(med(recompute) / med(disk_load), 1),
     }
     print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

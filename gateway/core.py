@@ -34,7 +34,7 @@ from pdserve.gateway.placement import Admission, PlacementTimeout, Placer
 from pdserve.gateway.policies import make_policy
 from pdserve.gateway.prefix_index import PrefixIndex
 from pdserve.gateway.requests import Failed, GatewayRequest, StreamGap
-from pdserve.gateway.table import RequestTable
+from pdserve.gateway.table import Attempt, RequestTable
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,8 @@ class Gateway(NodeMessages):
         try:
             done = req.add_token(index, token, finish_reason)
         except StreamGap as gap:
-            self._spawn(self.replace(req, f"token stream broken: {gap}"))
+            if (attempt := self.table.current(req)) is not None:
+                self._spawn(self.replace(attempt, f"token stream broken: {gap}"))
             return
         if len(req.output_ids) == count:
             return  # held back behind a gap, or a duplicate
@@ -207,13 +208,20 @@ class Gateway(NodeMessages):
             # a stop string (no finish reason from the node) leaves KV on the nodes: abort it
             self._complete(req, abort_nodes=finish_reason is None)
 
-    async def replace(self, req: GatewayRequest, reason: str, kind: str = "lost") -> None:
-        """Re-place a request as a prefill of prompt + generated tokens on the same stream.
+    async def replace(self, attempt: Attempt, reason: str, kind: str = "lost") -> None:
+        """Re-place the request of `attempt` as a prefill of prompt + generated tokens on the
+        same stream.
 
         kind "lost": a node died or failed; these count against `max_replacements`.
         kind "preempted" / "no_room": a decode node gave it back; the request makes progress
-        as others finish, so these do not count."""
-        if req.finished:
+        as others finish, so these do not count.
+
+        Triggers spawn this and several may name the same attempt (a refusal and a
+        preemption, two NeedDecodes) before the first runs: only the first re-places it; the
+        rest find a newer attempt (or none) and do nothing. Two placements of one request
+        would each open an attempt and close the other's."""
+        req = attempt.req
+        if req.finished or self.table.current(req) is not attempt:
             return
         self._release(req, notify=True)
         if kind == "lost":
@@ -269,7 +277,8 @@ class Gateway(NodeMessages):
                 # the attempt is broken, never shown as text with a hole in it
                 if req.gap_since is not None and now - req.gap_since > self.cfg.stream_gap_timeout:
                     req.gap_since = None
-                    self._spawn(self.replace(req, f"token {len(req.output_ids)} never arrived"))
+                    why = f"token {len(req.output_ids)} never arrived"
+                    self._spawn(self.replace(attempt, why))
 
     async def _drop_node(self, node_id: str, why: str) -> None:
         node = self.cluster.remove(node_id)
@@ -278,7 +287,7 @@ class Gateway(NodeMessages):
             return
         log.warning("dropped node %s: %s", node_id, why)
         for attempt in self.table.on_node(node_id):
-            self._spawn(self.replace(attempt.req, f"{node.info.role} node {node_id}: {why}"))
+            self._spawn(self.replace(attempt, f"{node.info.role} node {node_id}: {why}"))
         self.placer.capacity_changed()
 
 

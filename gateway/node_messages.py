@@ -73,7 +73,7 @@ class NodeMessages:
     def _on_token(
         self, req: GatewayRequest, index: int, token: int, reason: str | None
     ) -> None: ...
-    async def replace(self, req: GatewayRequest, reason: str, kind: str = "lost") -> None: ...
+    async def replace(self, attempt: Attempt, reason: str, kind: str = "lost") -> None: ...
     async def _drop_node(self, node_id: str, why: str) -> None: ...
 
     # -- loops -----------------------------------------------------------------------------
@@ -209,7 +209,7 @@ class NodeMessages:
             await self._reply(identity, Redirect(request_id=msg.request_id, decode=None))
             # spawned, not awaited: the re-placement waits for an Accept this loop reads
             why = f"{msg.refused_by} refused and no decode node had room"
-            self._spawn(self.replace(attempt.req, why, "no_room"))
+            self._spawn(self.replace(attempt, why, "no_room"))
             return
         blocks = target.blocks_for(attempt.prompt_len + 1)
         self.table.redirect(attempt, target.node_id, blocks, time.monotonic())
@@ -221,7 +221,7 @@ class NodeMessages:
         attempt = self._held_by(identity, msg.request_id, "prefill")
         if attempt is not None:
             # spawned, not awaited: the re-placement waits for an Accept this loop reads
-            self._spawn(self.replace(attempt.req, f"prefill failed: {msg.reason}"))
+            self._spawn(self.replace(attempt, f"prefill failed: {msg.reason}"))
 
     async def _on_kv_events(self, identity: bytes, msg: KvEvents) -> None:
         node = self.cluster.nodes.get(msg.node_id)
@@ -252,7 +252,7 @@ class NodeMessages:
     async def _on_preempted(self, _: bytes, msg: Preempted) -> None:
         attempt = self.table.get(msg.request_id)
         if attempt is not None and attempt.decode == msg.node_id:
-            self._spawn(self.replace(attempt.req, msg.reason, "preempted"))
+            self._spawn(self.replace(attempt, msg.reason, "preempted"))
 
 
 CONTROL: dict[type, Handler] = {

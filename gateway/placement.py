@@ -39,7 +39,7 @@ from pdserve.gateway.plan import plan, request_hashes
 from pdserve.gateway.policies import Need, NodeView, Policy
 from pdserve.gateway.prefix_index import PrefixIndex
 from pdserve.gateway.requests import GatewayRequest
-from pdserve.gateway.table import Attempt, RequestTable
+from pdserve.gateway.table import Attempt, Phase, RequestTable
 
 log = logging.getLogger(__name__)
 BACKOFF_S = 0.02
@@ -186,6 +186,11 @@ class Placer:
             deadline=req.arrival + adm.ttft_slo,
             resumed=bool(req.output_ids),
         )
+        superseded = self.waiting.get(id(req))
+        if superseded is not None and not superseded.done.done():
+            # placed again while waiting (its attempt was closed meanwhile): the newer call
+            # owns the request now; the older one returns without placing anything
+            superseded.done.set_result(None)
         waiting = self.waiting[id(req)] = _Waiting(
             req, prompt_ids, params, need, entry, now + self.placement_timeout
         )
@@ -195,7 +200,8 @@ class Placer:
         try:
             await waiting.done
         finally:
-            self.waiting.pop(id(req), None)
+            if self.waiting.get(id(req)) is waiting:
+                del self.waiting[id(req)]
 
     async def _run_rounds(self) -> None:
         while True:
@@ -284,8 +290,8 @@ class Placer:
             )
         for node, decode in pairs:
             attempt = self.table.current(req)
-            if req.finished or attempt is None:
-                return True  # cancelled while waiting
+            if req.finished or attempt is None or attempt.phase is not Phase.OFFERED:
+                return True  # cancelled or placed otherwise while waiting: nothing to offer
             attempt.hashes = need.hashes
             # the decode node's cache holds this much of the prompt: its KV need not travel
             # (at least one token always does; the node checks, and asks for all if it lost it)

@@ -162,3 +162,28 @@ async def test_early_rejection_answers_503_with_retry_after_when_the_queue_is_to
         assert all(len(r[3]["choices"][0]["text"]) > 0 for r in ok)
         assert c.gw.metrics.requests.labels("overloaded")._value.get() == len(shed)
         await until(lambda: not c.gw.table, what="every request finished")
+
+
+async def test_two_triggers_for_one_attempt_re_place_the_request_once(tokenizer):
+    """A refusal and a preemption (or two NeedDecodes) may both name an attempt before the
+    first re-placement runs: the request is placed once more, not twice (two placements of
+    one request closed each other's attempts and one of them waited forever)."""
+    ecfg = EngineConfig(engine="sim", sim_time_scale=10, num_kv_blocks=256, max_batch=8)
+    async with Cluster(tokenizer) as c:
+        prefill = await c.add(c.node(PrefillNode, "prefill-0", ecfg=ecfg))
+        decode = await c.add(c.node(DecodeNode, "decode-0", ecfg=ecfg))  # ~90 ms a step
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        reqs = [c.request(f"r{i}", prompt(100, 1000 + 200 * i), params) for i in range(6)]
+        await asyncio.gather(*(c.gw.run(r) for r in reqs))
+        await until(lambda: all(len(r.output_ids) >= 2 for r in reqs), what="streams")
+        for r in reqs:  # each attempt named three times at once
+            attempt = c.gw.table.current(r)
+            for kind in ("preempted", "no_room", "lost"):
+                c.gw._spawn(c.gw.replace(attempt, "test", kind))
+        events = [await outcome(r, 20) for r in reqs]
+        assert all(e == Done("length") for e in events), events
+        assert all(r.attempt == 1 and len(r.output_ids) == 40 for r in reqs)
+        assert c.gw.metrics.replacements.labels("preempted")._value.get() == len(reqs)
+        assert not c.gw.placer.waiting and not c.gw.table
+        await until(lambda: not prefill.requests and not decode.requests, what="idle nodes")
+        assert decode.blocks.num_in_use_blocks == 0
