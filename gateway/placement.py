@@ -75,6 +75,7 @@ class _Waiting:
     entry: Waiting
     until: float  # its placement deadline (monotonic)
     reserved: str | None = None  # the node kept free for it once it waited too long
+    rejected_by: set[str] = field(default_factory=set)  # nodes that said no in this round
     done: asyncio.Future[None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -232,6 +233,7 @@ class Placer:
                 continue
             if nodes and all(room.get(n, 1) <= 0 for n in nodes):
                 continue  # no node takes anything more this round: only deadlines now
+            w.rejected_by.clear()
             try:
                 placed = await self._one_pass(w, room)
             except Exception as exc:  # the request answers 500 rather than wait forever
@@ -249,12 +251,14 @@ class Placer:
         node's batch drains and the request fits. Without this, requests that fit would take
         every freed slot first and a long prompt could wait forever. The node is the one that
         said it had most room (closest to taking it), among those whose cache could ever hold
-        the prompt; the same node for as long as it lives."""
-        if w.reserved not in nodes:
+        the prompt; the same node for as long as it lives. Only a node that rejected it now
+        is kept: a request with nothing to offer (no decode node has room for it) or whose
+        offers went unanswered keeps nothing from the others."""
+        if w.reserved not in nodes or w.reserved not in w.rejected_by:
             size = w.need.prompt_len
             able = [
                 n
-                for n in nodes
+                for n in w.rejected_by & nodes
                 if (node := self.cluster.nodes.get(n)) is not None
                 and node.info.num_blocks * node.info.block_size >= size
             ]
@@ -330,4 +334,6 @@ class Placer:
             # rejected: it said what it still takes (else: less than this); no answer: nothing
             took = pending.room if pending.room >= 0 else need.prompt_len - 1
             room[node.node_id] = took if answer is False else 0
+            if answer is False:
+                w.rejected_by.add(node.node_id)
         return False
