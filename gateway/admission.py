@@ -14,10 +14,10 @@ busy) never blocks the short ones behind it.
 
 Two rules come before any order, so nothing starves: a request re-placed mid-stream (its
 node died or preempted it; its user watches a stalled stream) goes first, and so does any
-request that has waited `max_wait` seconds or more, oldest first. Such a request, if nothing
-has room for it, has a node kept free for it until it fits (the placer's `_reserve`), so its
-wait is bounded by `max_wait` plus the time that node takes to finish its batch and place the
-urgent requests before it.
+request that has waited `max_wait` seconds or more, oldest first. Such a request, if the
+nodes reject it for lack of room, has one of them kept free until it fits (the placer's
+`_reserve`), so its wait is bounded by `max_wait` plus the time that node takes to finish its
+batch and place the urgent requests before it.
 """
 
 from __future__ import annotations
