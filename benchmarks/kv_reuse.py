@@ -31,6 +31,7 @@ import asyncio
 import json
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -115,55 +116,74 @@ def measured(
     }
 
 
+def one_run(
+    up: list[str],
+    startup: float,
+    row: dict[str, Any],
+    slo: dict[str, float],
+    load: Callable[[str], list[RequestRecord]],
+) -> dict[str, Any]:
+    """A fresh cluster, `load(url)` against it, the row with what it measured."""
+    proc, url, _ = start_cluster(up, startup)
+    try:
+        before = cache_counters(url)
+        row = row | measured(url, load(url), before, slo)
+    finally:
+        stop_cluster(proc)
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def torch_study(args: argparse.Namespace) -> list[dict[str, Any]]:
-    slo = parse_slo("")
-    rows = []
-    for topo in args.topologies:
-        for workload in args.workloads:
-            for name in args.configs:
-                up = [*TORCH, *TOPOLOGIES[topo], *CONFIGS[name]]
-                proc, url, _ = start_cluster(up, 600)
-                try:
-                    before = cache_counters(url)
-                    if workload == "shared-prefix":
-                        specs = shared_prefix(
-                            args.seed, args.requests, args.rate, 1.0, 16, 2000, 100, 16
-                        )
-                        bench = BenchConfig(url=url, progress=False, timeout=900)
-                        records = asyncio.run(run(specs, bench))
-                    else:
-                        records = asyncio.run(
-                            conversations(url, 8, 4, 512, 64, 32, args.gap, args.seed)
-                        )
-                    row = {"topology": topo, "workload": workload, "config": name}
-                    row |= measured(url, records, before, slo)
-                finally:
-                    stop_cluster(proc)
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-    return rows
+    def shared(url: str) -> list[RequestRecord]:
+        specs = shared_prefix(args.seed, args.requests, args.rate, 1.0, 16, 2000, 100, 16)
+        return asyncio.run(run(specs, BenchConfig(url=url, progress=False, timeout=900)))
+
+    def turns(url: str) -> list[RequestRecord]:
+        return asyncio.run(conversations(url, 8, 4, 512, 64, 32, args.gap, args.seed))
+
+    return [
+        one_run(
+            [*TORCH, *TOPOLOGIES[topo], *CONFIGS[name]],
+            600,
+            {"topology": topo, "workload": workload, "config": name},
+            parse_slo(""),
+            shared if workload == "shared-prefix" else turns,
+        )
+        for topo in args.topologies
+        for workload in args.workloads
+        for name in args.configs
+    ]
 
 
 def sim_study(args: argparse.Namespace) -> list[dict[str, Any]]:
-    slo = parse_slo("ttft=2000,tpot=100")
     specs = mooncake(
         Path(args.trace), 3, args.sim_requests, time_scale=args.time_scale, length_scale=0.125
     )
-    rows = []
+
+    def replay(url: str) -> list[RequestRecord]:
+        return asyncio.run(run(specs, BenchConfig(url=url, progress=False, timeout=300)))
+
+    # (policy, caching, fetch): fetch "-" where caching is off (the flag stays at its default)
     runs = [(p, "on", f) for f in ("on", "off") for p in SIM_POLICIES] + [("on_demand", "off", "-")]
-    for policy, caching, fetch in runs:
-        up = [*SIM, "--scheduler", policy, "--prefix-caching", caching]
-        proc, url, _ = start_cluster([*up, "--kv-fetch", "off" if fetch == "off" else "on"], 120)
-        try:
-            before = cache_counters(url)
-            records = asyncio.run(run(specs, BenchConfig(url=url, progress=False, timeout=300)))
-            row = {"policy": policy, "caching": caching, "fetch": fetch}
-            row |= measured(url, records, before, slo)
-        finally:
-            stop_cluster(proc)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-    return rows
+    return [
+        one_run(
+            [
+                *SIM,
+                "--scheduler",
+                policy,
+                "--prefix-caching",
+                caching,
+                "--kv-fetch",
+                fetch.strip("-") or "on",
+            ],
+            120,
+            {"policy": policy, "caching": caching, "fetch": fetch},
+            parse_slo("ttft=2000,tpot=100"),
+            replay,
+        )
+        for policy, caching, fetch in runs
+    ]
 
 
 def table(rows: list[dict[str, Any]], keys: list[str]) -> str:

@@ -111,8 +111,9 @@ class KVCache:
         return out
 
     def export_frame(self, layer: int, block_table: Sequence[int], num_tokens: int) -> memoryview:
-        """The frame as raw bytes for the wire (a new contiguous buffer)."""
-        frame = self.export_kv(layer, block_table, num_tokens)
+        """The frame as raw bytes for the wire (a new contiguous host buffer; from a GPU cache
+        one device-to-host copy, never the buffer protocol on a device tensor)."""
+        frame = self.export_kv(layer, block_table, num_tokens).to("cpu")
         return memoryview(frame.view(-1).view(torch.uint8).numpy().data)
 
     def export_into(
@@ -254,6 +255,8 @@ class KVCache:
     def _bytes_view(self) -> np.ndarray:
         """The cache as (layers, 2, num_blocks, block bytes) uint8, sharing memory (CPU)."""
         if self._np_bytes is None:
+            if self.data.device.type != "cpu":  # callers take their GPU branch before this
+                raise RuntimeError("a byte view of the cache exists only on CPU")
             raw = self.data.view(-1).view(torch.uint8).numpy()
             self._np_bytes = raw.reshape(self.num_layers, 2, self.num_blocks, -1)
         return self._np_bytes
