@@ -5,7 +5,8 @@ policy is one new file and nothing else.
     on_demand    P/D-Serve (default): offers by requests in prefill, nodes accept by batch room
     round_robin  prefill and decode nodes in turn; prefill nodes queue
     jsq          the shortest prefill queue; the decode node with the fewest blocks in use
-    kv_aware     Mooncake-style least estimated TTFT (queue + prefill + transfer), cost model
+    kv_aware     Mooncake-style least estimated TTFT (queue + fetch + prefill + transfer), cost
+                 model; offered to the nodes near the best estimate, which accept by batch room
 """
 
 from __future__ import annotations

@@ -7,8 +7,17 @@
          + KV transfer   time of the prompt's KV
 
 with the cost model of `--cost-profile`. Decode: the node holding most of the prefix, then
-the most free KV blocks. Prefill nodes queue locally. Every decision is logged at DEBUG with
-its numbers.
+the most free KV blocks. Every decision is logged at DEBUG with its numbers.
+
+Prefill nodes do not queue (they answer offers by batch room, as on-demand's do): a request
+is offered only to the nodes whose estimate is within `SLACK` of the best one. When the best
+is busy (its batch is full) the request waits at the gateway for it rather than going to a
+node that would compute the whole prompt cold, and the gateway's admission rounds re-plan
+with fresh estimates whenever capacity frees, so a wait the estimate got wrong is corrected
+at the next round instead of being locked into a node's FIFO queue. Measured against the
+node-queue version on 1P1D shared prefixes (docs/results/README.md, KV reuse): a node queue
+batched several cold 2,000-token prompts ahead of the cached ones; admission at the gateway
+lets the cheap cached ones go first (spf on uncached tokens).
 """
 
 from __future__ import annotations
@@ -21,11 +30,16 @@ from pdserve.gateway.policies.base import Need, NodeView, Policy
 
 log = logging.getLogger(__name__)
 
+# Offer a request to the nodes whose estimated TTFT is at most this many times the best's:
+# equal nodes (idle, nothing cached) all get the offer and the load spreads; a node worse by
+# more than the estimate's error is not worth going to while the best one is only busy.
+SLACK = 1.1
+
 
 @register
 class KvAware(Policy):
     name = "kv_aware"
-    queueing = True
+    queueing = False
 
     def estimate(
         self, node: NodeView, prompt_len: int, cached: int = 0, fetchable: int = 0
@@ -61,4 +75,7 @@ class KvAware(Policy):
                 need.prompt_len,
                 {n.node_id: {k: round(v, 4) for k, v in e.items()} for e, n in scored},
             )
-        return [n for _, n in scored]
+        if not scored:
+            return []
+        bound = scored[0][0]["ttft_s"] * SLACK
+        return [n for e, n in scored if e["ttft_s"] <= bound]

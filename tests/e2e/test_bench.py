@@ -68,7 +68,7 @@ def test_bench_smoke_through_a_real_cluster(make_cluster, tmp_path):
     assert summary["server_ttft_ms_p50"] is not None
 
 
-@pytest.mark.parametrize("scheduler", ["round_robin", "jsq", "kv_aware"])
+@pytest.mark.parametrize("scheduler", ["round_robin", "jsq"])
 def test_baseline_schedulers_queue_on_prefill_nodes_and_complete(make_cluster, scheduler):
     cluster = make_cluster(
         engine="sim",

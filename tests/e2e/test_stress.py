@@ -23,16 +23,23 @@ def sim_text(tokenizer, prompt: list[int], seed: int, n: int) -> str:
     return "".join(detok.add(t) for t in ids)
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm"])
+@pytest.mark.parametrize(
+    ("backend", "scheduler"),
+    [("tcp", "on_demand"), ("shm", "kv_aware")],
+    ids=["tcp-on_demand", "shm-kv_aware"],
+)
 def test_hundreds_of_streams_in_identical_groups_return_identical_exact_text(
-    make_cluster, tokenizer, backend
+    make_cluster, tokenizer, backend, scheduler
 ):
     """Tokens of one request come from the prefill node (the first) and the decode node (the
-    rest) over two sockets; whichever the gateway reads first, the text is in token order."""
+    rest) over two sockets; whichever the gateway reads first, the text is in token order.
+    kv_aware sends each group where its prefix is cached and holds the rest at the gateway
+    while that node is busy: the same exact text."""
     cluster = make_cluster(
         prefill=2,
         decode=2,
         engine="sim",
+        gateway_flags=("--scheduler", scheduler),
         node_flags=("--sim-time-scale", "0.02", "--kv-backend", backend),
     )
     groups, per_group, max_tokens = 40, 8, 12

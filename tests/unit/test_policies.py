@@ -11,6 +11,7 @@ from pdserve.common.protocol import Load, NodeInfo
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.plan import plan, views
 from pdserve.gateway.policies import REGISTRY, Need, NodeView, Policy, make_policy, names, register
+from pdserve.gateway.policies.kv_aware import SLACK
 from pdserve.gateway.policies.on_demand import OnDemand
 from pdserve.gateway.table import RequestTable
 from tests.conftest import gateway_request
@@ -180,8 +181,33 @@ def test_kv_aware_minimises_estimated_ttft_with_the_cost_formula(caplog):
     )
     with caplog.at_level("DEBUG", logger="pdserve.gateway.policies.kv_aware"):
         order = policy.prefill_order(placed.nodes("prefill"), Need(1000))
-    assert [n.node_id for n in order] == ["p1", "p0"]  # 3 x 100 queued beats 1 x 4000
+    # 3 x 100 queued beats 1 x 4000, by far more than SLACK: p0 is not offered at all
+    assert [n.node_id for n in order] == ["p1"]
     assert "ttft_s" in caplog.text and "queue_s" in caplog.text
+    assert not policy.queueing  # nodes answer by batch room; the wait is at the gateway
+
+
+def test_kv_aware_offers_every_node_near_the_best_and_waits_for_the_holder():
+    from pdserve.common.protocol import KvEvents
+    from pdserve.gateway.prefix_index import PrefixIndex
+
+    policy = make_policy("kv_aware", "h100-llama3.1-8b")
+    idle = Placed(cluster_with({"p0": (0, 0), "p1": (0, 0), "p2": (0, 0)}, {"d0": 50}))
+    order = policy.prefill_order(idle.nodes("prefill"), Need(1000))
+    assert sorted(n.node_id for n in order) == ["p0", "p1", "p2"]  # equal: all offered
+    # p1 holds 1,920 of a 2,000-token prompt and is busy with a short batch: the request
+    # goes to p1 only (its batch full, it waits at the gateway), not cold to p0 or p2
+    hashes = tuple(i.to_bytes(16, "big") for i in range(125))
+    index = PrefixIndex()
+    index.apply(KvEvents(node_id="p1", seq=0, stored=list(hashes[:120]), snapshot=True))
+    idle.in_prefill("p1", 100, 100)
+    need = Need(2000, hashes=hashes)
+    order = policy.prefill_order(views(idle.view, idle.table, "prefill", index, need), need)
+    assert [n.node_id for n in order] == ["p1"]
+    # once its queued work costs more than computing the prompt cold, the others get it
+    idle.in_prefill("p1", *[4000] * 8)
+    order = policy.prefill_order(views(idle.view, idle.table, "prefill", index, need), need)
+    assert order[0].node_id in {"p0", "p2"} and "p1" not in [n.node_id for n in order]
 
 
 def test_plan_pairs_every_prefill_candidate_with_one_decode_node():
@@ -281,15 +307,24 @@ def test_a_node_missing_the_prefix_is_told_who_holds_it_and_kv_aware_counts_the_
     )
     blind = policy.estimate(p0, 3200, p0.cached_tokens)  # type: ignore[attr-defined]
     assert blind["fetched_tokens"] == 0 and blind["ttft_s"] > est["ttft_s"]
-    order = policy.prefill_order(list(nodes.values()), need)
+    estimates = {
+        n.node_id: policy.estimate(n, 3200, n.cached_tokens, n.fetchable_tokens)["ttft_s"]  # type: ignore[attr-defined]
+        for n in nodes.values()
+    }
     # p2 holds it all itself; fetching at p0 beats waiting behind 12,000 queued tokens at p1
-    assert [n.node_id for n in order] == ["p2", "p0", "p1"]
-    offer_pairs = plan(policy, placed.view, placed.table, need, index)
-    assert [(p.node_id, p.holder and p.holder.node_id) for p, _ in offer_pairs] == [
-        ("p2", None),
-        ("p0", "p1"),
-        ("p1", None),
+    assert estimates["p2"] < estimates["p0"] < estimates["p1"]
+    order = policy.prefill_order(list(nodes.values()), need)
+    # offered only to the nodes within SLACK of the best estimate, best first
+    assert [n.node_id for n in order] == [
+        k for k in ("p2", "p0", "p1") if estimates[k] <= estimates["p2"] * SLACK
     ]
+    assert order[0].node_id == "p2"
+    offer_pairs = plan(policy, placed.view, placed.table, need, index)
+    assert [p.node_id for p, _ in offer_pairs] == [n.node_id for n in order]
+    # the holder busy, nobody holding the prefix whole: fetching at p0 is the only offer
+    del nodes["p2"]
+    assert [n.node_id for n in policy.prefill_order(list(nodes.values()), need)] == ["p0"]
+    assert policy.prefill_order(list(nodes.values()), need)[0].holder.node_id == "p1"
 
 
 def test_decode_placement_variants_spread_best_fit_and_length_aware():
