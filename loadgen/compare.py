@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.loadgen.bench import build_workload
-from pdserve.loadgen.metrics import RequestRecord, parse_slo, summarize
+from pdserve.loadgen.metrics import parse_slo, summarize
 from pdserve.loadgen.runner import BenchConfig, run, write_results
 
 WORKLOAD_DEFAULTS: dict[str, Any] = {
@@ -51,6 +51,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", required=True, help="YAML or JSON file")
     p.add_argument("--out", required=True, help="report folder")
     p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument(
+        "--only",
+        nargs="+",
+        metavar="NAME",
+        help="re-run these configurations only, merged into --out's earlier full run (its "
+        "summary.json and each run's requests.jsonl): after a change to one policy",
+    )
     p.set_defaults(func=main)
 
 
@@ -128,9 +135,21 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     slo = parse_slo(workload["slo"])
     results: list[dict[str, Any]] = []
-    records: dict[tuple[str, float], list[RequestRecord]] = {}
+    records: dict[tuple[str, float], list[Any]] = {}
     commands: list[str] = []
+    only = set(args.only or ())
+    names = [cfg["name"] for cfg in data["configurations"]]
+    if only - set(names):
+        raise ValueError(f"--only {sorted(only - set(names))}: not in {args.config} ({names})")
+    kept = earlier(out, data, only) if only else {}
     for cfg in data["configurations"]:
+        if only and cfg["name"] not in only:  # from the earlier run
+            for rate in cfg["rates"]:
+                row, recs = kept[(cfg["name"], float(rate))]
+                results.append(row)
+                records[(cfg["name"], float(rate))] = recs
+            commands.append(" ".join(["pdserve", "up", *map(str, cfg["up"])]) + "  # earlier")
+            continue
         for rate in cfg["rates"]:
             wl = argparse.Namespace(**{**workload, "rate": float(rate)})
             specs = build_workload(wl)
@@ -182,6 +201,37 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def earlier(
+    out: Path, data: dict[str, Any], only: set[str]
+) -> dict[tuple[str, float], tuple[dict[str, Any], list[Any]]]:
+    """The rows and request records of an earlier run in `out`, for the configurations not
+    re-run (`--only`)."""
+    path = out / "summary.json"
+    if not path.exists():
+        raise ValueError(f"--only merges into an earlier full run: {path} is missing")
+    rows = {(r["configuration"], float(r["rate"])): r for r in json.loads(path.read_text())}
+    kept = {}
+    for cfg in data["configurations"]:
+        if cfg["name"] in only:
+            continue
+        for rate in cfg["rates"]:
+            key = (cfg["name"], float(rate))
+            if key not in rows:
+                raise ValueError(f"--only: {path} has no run of {key[0]} at rate {rate}")
+            lines = (out / cfg["name"] / f"rate-{rate}" / "requests.jsonl").read_text()
+            kept[key] = (rows[key], [Recorded(json.loads(x)) for x in lines.splitlines() if x])
+    return kept
+
+
+class Recorded:
+    """A request as an earlier run wrote it (requests.jsonl): what the plots need."""
+
+    def __init__(self, row: dict[str, Any]) -> None:
+        self.ok = bool(row["ok"])
+        self.ttft = (row["ttft_ms"] or 0.0) / 1000
+        self.itls = [x / 1000 for x in row["itl_ms"]]
+
+
 def write_report(
     out: Path,
     data: dict[str, Any],
@@ -230,8 +280,9 @@ def write_report(
 
 
 def plot(
-    out: Path, records: dict[tuple[str, float], list[RequestRecord]], results: list[dict[str, Any]]
+    out: Path, records: dict[tuple[str, float], list[Any]], results: list[dict[str, Any]]
 ) -> None:
+    """`records`: RequestRecords, or `Recorded` ones from an earlier run."""
     import matplotlib
 
     matplotlib.use("Agg")

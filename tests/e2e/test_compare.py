@@ -73,3 +73,23 @@ def test_compare_runs_every_configuration_and_writes_the_report(tmp_path):
     for name in ("cdf.png", "vs_rate.png"):
         assert (out / name).stat().st_size > 10_000
     assert len((out / "colocated" / "rate-8" / "requests.jsonl").read_text().splitlines()) == 8
+    # --only re-runs one configuration and keeps the other's rows and records as they were
+    before = {(r["configuration"], r["rate"]): r for r in summary}
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "compare", "--config", str(path), "--out",
+         str(out), "--only", "colocated"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    merged = json.loads((out / "summary.json").read_text())
+    assert [(r["configuration"], r["rate"]) for r in merged] == list(before)
+    assert [r for r in merged if r["configuration"] == "disagg-1P1D"] == [
+        before[("disagg-1P1D", 4)],
+        before[("disagg-1P1D", 8)],
+    ]
+    rerun = [r for r in merged if r["configuration"] == "colocated"]
+    assert all(r["completed"] == 8 for r in rerun)
+    assert rerun != [before[("colocated", 4)], before[("colocated", 8)]]  # measured anew
+    assert "# earlier" in (out / "report.md").read_text()
