@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup run test lint bench results clean
+.PHONY: setup run test lint bench chaos results clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,11 @@ lint: setup
 
 bench: setup
 	$(BIN)/python benchmarks/engine.py
+
+# The chaos suite's long form (tests/chaos: 10x the fuzz cases and the loads); its short
+# form runs in `make test`. Prints its figures.
+chaos: setup
+	$(BIN)/python -m pytest -q -s --chaos-long tests/chaos
 
 # The committed comparison report (docs/results): every study it shows, ~2.5 hours on 2
 # cores (the KV-reuse torch study alone ~50 minutes).

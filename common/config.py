@@ -201,21 +201,40 @@ class GatewayConfig:
         "the prefill work waiting, per prefill node) exceeds this many seconds; 0: off",
     )
     placement_timeout: float = flag(30.0, "seconds to find a prefill node before 503")
+    max_waiting: int = flag(
+        4096, "requests waiting at the gateway for a prefill node at most; more get 429"
+    )
     offer_timeout: float = flag(2.0, "seconds a prefill node has to answer an offer")
     heartbeat_timeout: float = flag(2.0, "seconds of silence before a node is dropped")
+    progress_timeout: float = flag(
+        120.0,
+        "seconds a node holding work may go without a token before it is dropped as hung "
+        "(longer than the longest prefill pass)",
+    )
     max_replacements: int = flag(3, "re-placements of one request (preemption, node death)")
     stream_gap_timeout: float = flag(
         10.0, "seconds a token may wait for an earlier one before the attempt is re-placed"
     )
     api_key: str = flag("", "require 'Authorization: Bearer KEY' when set")
+    cluster_key: str = flag(
+        "", "key file (pdserve keygen) authenticating node traffic (CurveZMQ); empty: none"
+    )
     max_body_bytes: int = flag(8 * 2**20, "largest accepted request body")
     served_model_name: str = flag("", "model name clients use; default: the nodes' model id")
 
     def __post_init__(self) -> None:
-        timeouts = ("placement_timeout", "offer_timeout", "heartbeat_timeout", "stream_gap_timeout")
+        timeouts = (
+            "placement_timeout",
+            "offer_timeout",
+            "heartbeat_timeout",
+            "stream_gap_timeout",
+            "progress_timeout",
+        )
         for name in timeouts:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+        if self.max_waiting < 1:
+            raise ConfigError(f"--max-waiting must be at least 1, got {self.max_waiting}")
         for name in ("admission_max_wait", "admission_aging", "ttft_slo", "reject_ttft"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
@@ -241,12 +260,20 @@ class NodeConfig:
         10.0, "decode: free a transfer whose frames make no progress this long (once they flow)"
     )
     drain_timeout: float = flag(30.0, "seconds a draining node finishes work before handing back")
+    drain_migrate: Literal["on", "off"] = flag(
+        "on",
+        "decode: a draining node moves its running sequences with their KV to other decode "
+        "nodes (live migration); off: it finishes them, handing back at --drain-timeout",
+    )
     kv_backend: str = flag(
         "auto",
         "KV transfer: auto (shm on one host, else tcp), or a backend by name (zmq, tcp, "
         "shm, ucx, or any in common/kv_transfer BACKENDS)",
     )
     kv_tcp_port: int = flag(0, "decode: port of the in-place TCP KV listener; 0 = any free")
+    cluster_key: str = flag(
+        "", "key file (pdserve keygen) authenticating node traffic (CurveZMQ); empty: none"
+    )
     kv_fetch: Literal["on", "off"] = flag(
         "on",
         "prefill: fetch prefix blocks another node's cache holds (the gateway's hint) when "

@@ -137,6 +137,9 @@ class NodeMetrics:
         self.prompt_tokens = counter("pdserve:prompt_tokens", "Prompt tokens prefilled")
         self.generation_tokens = counter("pdserve:generation_tokens", "Tokens generated")
         self.preemptions = counter("pdserve:num_preemptions", "Sequences preempted")
+        self.migrations = counter(
+            "pdserve:kv_migrations", "Running sequences moved off this node with their KV"
+        )
         self.queue_time = histogram(
             "pdserve:request_queue_time_seconds", "Accepted until its prefill started"
         )

@@ -104,6 +104,16 @@ class NeedDecode(Msg):
     reason: str
 
 
+class Migrate(Msg):
+    """A draining decode node asks where a running sequence's KV should go. The gateway
+    answers `Redirect` (another decode node, or None: re-placed by recompute); the node then
+    sends the KV as a prefill node would (KvHeader, frames, KvDone with the newest token) and
+    the sequence decodes on there under the same wire id, its output indices continuing."""
+
+    request_id: str
+    reason: str
+
+
 class PrefillFailed(Msg):
     request_id: str
     reason: str
@@ -149,6 +159,7 @@ NodeToGateway = (
     | Reject
     | FirstToken
     | NeedDecode
+    | Migrate
     | PrefillFailed
     | Deregister
 )

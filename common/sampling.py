@@ -13,7 +13,10 @@ is declared here and applied where the engine samples (common/engine/sampler.py)
 
 from __future__ import annotations
 
+from typing import Annotated, Any, get_args, get_origin
+
 import msgspec
+from msgspec import Meta
 
 MASK64 = (1 << 64) - 1
 
@@ -26,29 +29,34 @@ class InvalidSampling(ValueError):
         self.field = field
 
 
+# Each field's range, declared once: msgspec checks it wherever a struct is decoded (the
+# gateway's request body, the wire, `pdserve generate`), `__post_init__` where one is built
+# in code, and the gateway's /openapi.json publishes it.
+MaxTokens = Annotated[int, Meta(ge=1, description="tokens to generate at most")]
+Temperature = Annotated[float, Meta(ge=0, le=2, description="0: greedy")]
+TopP = Annotated[float, Meta(gt=0, le=1, description="nucleus sampling mass")]
+TopK = Annotated[int, Meta(ge=-1, description="0 or -1: no top-k")]
+MinP = Annotated[float, Meta(ge=0, le=1, description="drop tokens below min_p x the top one")]
+Seed = Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1, description="a signed 64-bit seed")]
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: no top-k
-    min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest one's probability
-    seed: int | None = None
+    max_tokens: MaxTokens = 16
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    min_p: MinP = 0.0
+    seed: Seed | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        checks = (
-            ("max_tokens", self.max_tokens >= 1, "at least 1"),
-            ("temperature", 0 <= self.temperature <= 2, "in [0, 2]"),
-            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-            ("top_k", self.top_k >= -1, "-1, 0 or positive"),
-            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
-            ("seed", self.seed is None or -(1 << 63) <= self.seed < (1 << 64), "a 64-bit integer"),
-        )
-        for name, ok, what in checks:
-            if not ok:
-                raise InvalidSampling(name, f"{name} must be {what}, got {getattr(self, name)}")
+        for f in msgspec.structs.fields(self):
+            value = getattr(self, f.name)
+            meta = bounds(f.type)
+            if meta is not None and value is not None and not in_bounds(value, meta):
+                raise InvalidSampling(f.name, f"{f.name} must be {describe(meta)}, got {value}")
 
     @property
     def greedy(self) -> bool:
@@ -74,3 +82,28 @@ def counter_uniform(seed: int, position: int) -> float:
 def counter_int(seed: int, position: int, modulo: int) -> int:
     """An integer in [0, modulo) that depends only on (seed, position)."""
     return int(counter_uniform(seed, position) * modulo)
+
+
+def bounds(annotation: Any) -> Meta | None:
+    """The `Meta` of an `Annotated[...]` field type (also inside `... | None`), if any."""
+    if get_origin(annotation) is Annotated:
+        return next((m for m in get_args(annotation)[1:] if isinstance(m, Meta)), None)
+    return next((b for a in get_args(annotation) if (b := bounds(a)) is not None), None)
+
+
+def in_bounds(value: float, meta: Meta) -> bool:
+    return (
+        (meta.ge is None or value >= meta.ge)
+        and (meta.gt is None or value > meta.gt)
+        and (meta.le is None or value <= meta.le)
+        and (meta.lt is None or value < meta.lt)
+    )
+
+
+def describe(meta: Meta) -> str:
+    parts = [
+        f"{op} {bound}"
+        for op, bound in ((">=", meta.ge), (">", meta.gt), ("<=", meta.le), ("<", meta.lt))
+        if bound is not None
+    ]
+    return " and ".join(parts)

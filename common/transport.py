@@ -8,7 +8,9 @@ sockets and what travels on them: docs/architecture.md, section 1).
                                         data socket this node sends KV or a KvFetch to)
 
 Every socket that accepts network input has a maximum message size, and linger 0 so that
-closing never blocks shutdown. A socket is used from its event loop's thread only.
+closing never blocks shutdown. A context made with a cluster key (common/security.py) gives
+every socket CurveZMQ: binding sides are servers, connecting sides clients. A socket is used
+from its event loop's thread only.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.common.protocol import Msg, encode
+from pdserve.common.security import key_of, secure_socket
 
 CONTROL_MAX_MSG = 64 * 2**20  # prompts up to a few hundred thousand tokens
 TOKENS_MAX_MSG = 16 * 2**20
@@ -54,6 +57,9 @@ def make_socket(
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: raise, don't drop silently
     if kind in (zmq.PUSH, zmq.DEALER):
         sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow peer's backlog
+    key = key_of(ctx)
+    if key is not None:  # --cluster-key: CurveZMQ, the binding side the server
+        secure_socket(sock, key, server=binds)
     if binds:
         sock.bind(address)
     else:

@@ -9,6 +9,12 @@ Decoding runs on the node runtime's step loop (common/node/runtime.py): after ea
 `TokenBatch` to the gateway with the new token of every sequence. When blocks run out, the
 scheduler (decode mode) preempts the newest sequence, which goes back to the gateway
 (`Preempted`) to be re-placed.
+Draining (SIGTERM, `Drain`) with `--drain-migrate on` moves every running sequence to another
+decode node with its KV (live migration): after the step that computes it, the sequence is
+parked (off the batch, blocks held), the gateway names a target (`Migrate` -> `Redirect`), and
+the KV goes there as a prefill node sends it (common/node/handoff.py), the newest token in
+`KvDone`; the target decodes on under the same wire id, so the client's stream continues with
+no token lost, repeated or recomputed. No target: the gateway re-places it by recompute.
 """
 
 from __future__ import annotations
@@ -20,18 +26,23 @@ from typing import Any
 from pdserve.common.engine.scheduler import SchedulerConfig, SchedulerOutput
 from pdserve.common.engine.sequence import SeqStatus, Sequence, check_stop
 from pdserve.common.kv_transfer.base import Intake
-from pdserve.common.node import NodeBase, NodeRequest
+from pdserve.common.node import NodeRequest
+from pdserve.common.node.handoff import KvHandoff
 from pdserve.common.node.kv import reserve_blocks
-from pdserve.common.protocol import Abort, Drain, KvHeader, Preempted
+from pdserve.common.protocol import Abort, Drain, KvHeader, Migrate, Preempted, Redirect
 
 log = logging.getLogger(__name__)
 
 
-class DecodeNode(NodeBase):
+class DecodeNode(KvHandoff):
     role = "decode"
     mode = "decode"
     pushes_tokens = True
     has_data_plane = True  # receives request KV; serves prefix blocks peers fetch
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.to_park: dict[str, str] = {}  # migrating, in the running step: id -> reason
 
     def scheduler_config(self) -> SchedulerConfig:
         # every sequence that arrived decodes at each step: the KV it holds is its admission
@@ -48,11 +59,38 @@ class DecodeNode(NodeBase):
                 self.abort(rid)
             case Drain():
                 self.begin_drain()
+            case Redirect(request_id=rid, decode=target):  # where a migrating sequence goes
+                self.spawn(self.send_kv(rid, target))
             case _:
                 log.warning("unexpected gateway message %s", type(msg).__name__)
 
     def on_dropped(self, rid: str, req: NodeRequest | None) -> None:
         self.intake.drop(rid)  # still arriving: release the reservation
+        self.sender.abort(rid)  # migrating: the target drops its reservation
+
+    # -- live migration --------------------------------------------------------------------
+    def begin_drain(self) -> None:
+        first = not self.draining
+        super().begin_drain()
+        if first and self.cfg.drain_migrate == "on":
+            for rid in list(self.requests):
+                self.spawn(self.migrate(rid, "draining"))
+
+    async def migrate(self, rid: str, reason: str) -> None:
+        """Park the sequence and ask the gateway where it goes. One the running step computes
+        is parked right after that step (`after_step`): the step loop never leaves a gap
+        for a waiter while sequences run."""
+        if rid in self.in_step:
+            self.to_park[rid] = reason
+        else:
+            self._park(rid, reason)
+
+    def _park(self, rid: str, reason: str) -> None:
+        req = self.requests.get(rid)
+        if req is None or not self.scheduler.park(req.seq):
+            return  # finished, aborted or already moving
+        self.metrics.migrations.inc()
+        self.spawn(self.send_gateway(Migrate(request_id=rid, reason=reason)))
 
     async def on_drain_timeout(self) -> None:
         await self.hand_back("draining")
@@ -92,6 +130,8 @@ class DecodeNode(NodeBase):
         self.metrics.kv_received(h.backend, intake.bytes_in)
         self.scheduler.admit_prefilled(seq)
         self.work.set()
+        if self.draining and self.cfg.drain_migrate == "on":  # it was on its way: move it on
+            self.spawn(self.migrate(h.request_id, "draining"))
 
     # -- decoding --------------------------------------------------------------------------
     async def on_preempted(self, seqs: list[Sequence]) -> None:
@@ -111,4 +151,7 @@ class DecodeNode(NodeBase):
             if reason is not None:
                 self.requests.pop(seq.seq_id, None)
                 self.scheduler.finish(seq, reason)
+        parking, self.to_park = self.to_park, {}
+        for rid, why in parking.items():  # before the next step is scheduled
+            self._park(rid, why)
         await self.push_step(batch)

@@ -9,9 +9,11 @@ request on every node that holds it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import secrets
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
@@ -31,11 +33,18 @@ from pdserve.gateway.openai_api import (
     usage,
     usage_chunk,
 )
+from pdserve.gateway.openapi import spec
 from pdserve.gateway.requests import Delta, Done, Failed, GatewayRequest
 
 log = logging.getLogger(__name__)
 timeline_log = logging.getLogger("pdserve.timeline")
 GATEWAY = web.AppKey("gateway", Gateway)
+# Kernel send buffer of a streaming response. Linux grows it up to 4 MB per connection, so a
+# client that reads slowly would park megabytes in the kernel, one chunk per token, before
+# the handler felt any back-pressure; at 64 KiB (a few hundred chunks) the handler's write
+# waits soon, and the tokens arriving meanwhile join one chunk (gateway/requests.py). Token
+# streams need ~20 KB/s: this is far above that even at 100 ms of round trip.
+STREAM_SNDBUF = 64 * 1024
 CONFIG = web.AppKey("config", GatewayConfig)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -49,8 +58,8 @@ def json_response(
 
 
 def retry_after(failed: Failed) -> dict[str, str] | None:
-    """503s say when to come back: the gateway's estimate, else a second."""
-    if failed.status != 503:
+    """503s and 429s say when to come back: the gateway's estimate, else a second."""
+    if failed.status not in (429, 503):
         return None
     return {"Retry-After": str(max(1, math.ceil(failed.retry_after or 1)))}
 
@@ -219,6 +228,10 @@ async def _stream(
         }
     )
     await resp.prepare(request)
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    if sock is not None:  # a slow reader backs up into the handler soon (see STREAM_SNDBUF)
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
 
     async def sse(obj: Any) -> None:
         await resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
@@ -303,6 +316,10 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
+async def openapi(request: web.Request) -> web.Response:
+    return json_response(spec(request.app[GATEWAY].model_id))
+
+
 async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     gw = Gateway(cfg, Tokenizer.load(cfg.model))
@@ -323,6 +340,7 @@ def create_app(cfg: GatewayConfig) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     return app
 
 

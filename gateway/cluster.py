@@ -25,6 +25,7 @@ class NodeState:
     load: Load = EMPTY_LOAD
     load_at: float = 0.0  # when `load` was reported
     refused_at: float = -1.0  # when it last refused KV: its report is stale until a newer one
+    progress_at: float = 0.0  # when it last produced a token (the progress lease)
     accepts: int = 0  # offers accepted so far (on-demand spreads ties by it)
     rejects: int = 0
 
@@ -76,7 +77,9 @@ class ClusterView:
                     )
         else:
             self.reference = info
-        self.nodes[info.node_id] = NodeState(info=info, identity=identity, last_seen=now)
+        self.nodes[info.node_id] = NodeState(
+            info=info, identity=identity, last_seen=now, progress_at=now
+        )
         return None
 
     def heartbeat(self, node_id: str, identity: bytes, load: Load, now: float) -> bool:

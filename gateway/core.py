@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from pdserve.common.config import GatewayConfig
 from pdserve.common.protocol import Abort, Msg, PrefillOffer
+from pdserve.common.security import ClusterKey, close_context, make_context, watch_handshakes
 from pdserve.common.tokenizer import Tokenizer
 from pdserve.common.transport import CONTROL_MAX_MSG, TOKENS_MAX_MSG, make_socket, send
 from pdserve.gateway.cluster import ClusterView, NodeState
@@ -48,7 +49,7 @@ class Gateway(NodeMessages):
         self.table = RequestTable()
         self.index = PrefixIndex()  # which prefix blocks each node holds
         self.policy = make_policy(cfg.scheduler, cfg.cost_profile, cfg.decode_placement)
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = make_context(ClusterKey.load(cfg.cluster_key) if cfg.cluster_key else None)
         self.control = make_socket(
             self.ctx,
             "gateway.control",
@@ -85,10 +86,17 @@ class Gateway(NodeMessages):
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        self.tasks = [
-            asyncio.create_task(c)
-            for c in (self._control_loop(), self._tokens_loop(), self._liveness_loop())
+        loops: list[Coroutine[Any, Any, None]] = [
+            self._control_loop(),
+            self._tokens_loop(),
+            self._liveness_loop(),
         ]
+        if self.cfg.cluster_key:  # peers refused by CurveZMQ show only in the socket monitor
+            loops += [
+                watch_handshakes(self.control, "gateway.control"),
+                watch_handshakes(self.tokens, "gateway.tokens"),
+            ]
+        self.tasks = [asyncio.create_task(c) for c in loops]
 
     async def stop(self) -> None:
         await self.placer.stop()
@@ -102,7 +110,7 @@ class Gateway(NodeMessages):
         self.parser.shutdown(wait=False, cancel_futures=True)
         self.control.close()
         self.tokens.close()
-        self.ctx.term()
+        close_context(self.ctx)
 
     @property
     def model_id(self) -> str:
@@ -115,6 +123,18 @@ class Gateway(NodeMessages):
     async def run(self, req: GatewayRequest) -> None:
         """Place the request; tokens then arrive through the loops into req.events."""
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+        if len(self.placer.waiting) >= self.cfg.max_waiting:  # bounded, whatever the load
+            req.finish(
+                Failed(
+                    429,
+                    f"{len(self.placer.waiting)} requests are waiting for a prefill node "
+                    f"(--max-waiting); retry later",
+                    "rate_limit_exceeded",
+                    retry_after=max(1.0, self.placer.queued_seconds()),
+                )
+            )
+            self.metrics.requests.labels("overloaded").inc()
+            return
         if self.cfg.reject_ttft and (wait := self._overloaded(req)) is not None:
             req.finish(
                 Failed(
@@ -271,6 +291,14 @@ class Gateway(NodeMessages):
             now = time.monotonic()
             for node_id in self.cluster.expired(now):
                 await self._drop_node(node_id, "heartbeat timeout")
+            for node in list(self.cluster.nodes.values()):
+                # the progress lease: a node that heartbeats but holds work and produces no
+                # token (a hung engine) is as good as dead: its requests go elsewhere
+                since = self.table.work_since(node.node_id)
+                if since is not None and now - max(since, node.progress_at) > (
+                    limit := self.cfg.progress_timeout
+                ):
+                    await self._drop_node(node.node_id, f"no token in {limit:g} s while busy")
             for attempt in self.table:
                 req = attempt.req
                 # a token that waits this long for an earlier one waits for a lost message:

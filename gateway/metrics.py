@@ -92,7 +92,12 @@ class ClusterCollector(Collector):
             "pdserve:gateway_requests_waiting", "Requests waiting at the gateway for a prefill node"
         )
         gw_waiting.add_metric([], len(self.waiting))  # type: ignore[arg-type]
-        yield from (running, waiting, prefill, usage, blocks, gw_waiting)
+        in_flight = GaugeMetricFamily(
+            "pdserve:gateway_attempts_in_flight",
+            "Placement attempts in the gateway's request table (placed, in prefill or decoding)",
+        )
+        in_flight.add_metric([], len(self.table))
+        yield from (running, waiting, prefill, usage, blocks, gw_waiting, in_flight)
         loads = [([n.node_id, n.info.role], n.load) for n in self.cluster.nodes.values()]
         yield from prefix_counters(loads)  # per node, from heartbeats
         total_q = CounterMetricFamily(
@@ -129,6 +134,12 @@ class GatewayMetrics:
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter(
             "pdserve:generation_tokens", "Generated tokens", registry=r
+        )
+        self.migrations = Counter(
+            "pdserve:kv_migrations",
+            "Sequences of draining decode nodes: moved with their KV, or re-placed by recompute",
+            ["result"],
+            registry=r,
         )
         self.replacements = Counter(
             "pdserve:request_replacements", "Re-placements", ["kind"], registry=r

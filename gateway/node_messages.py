@@ -27,6 +27,7 @@ from pdserve.common.protocol import (
     HeartbeatReply,
     KvEvents,
     KvTransferred,
+    Migrate,
     NeedDecode,
     Preempted,
     PrefillFailed,
@@ -167,8 +168,11 @@ class NodeMessages:
         req.mark(f"prefilled.{req.attempt}")
         req.timeline[f"prefill_ms.{req.attempt}"] = round(msg.prefill_ms, 3)
         req.timeline[f"queue_ms.{req.attempt}"] = round(msg.queue_ms, 3)
+        now = time.monotonic()
+        if (node := self.cluster.nodes.get(attempt.prefill or "")) is not None:
+            node.progress_at = now
         if msg.finish_reason is not None:
-            self.table.delivered(attempt)  # it ended here: the node kept no KV for it
+            self.table.delivered(attempt, now)  # it ended here: the node kept no KV for it
         self._on_token(req, msg.index, msg.token_id, msg.finish_reason)
 
     async def _on_kv_transferred(self, identity: bytes, msg: KvTransferred) -> None:
@@ -179,7 +183,7 @@ class NodeMessages:
         attempt = self._held_by(identity, msg.request_id, "prefill")
         if attempt is None:
             return
-        self.table.delivered(attempt)
+        self.table.delivered(attempt, time.monotonic())
         req = attempt.req
         req.timeline[f"kv_transfer.{req.attempt}"] = {  # type: ignore[assignment]
             "backend": msg.backend,
@@ -200,7 +204,8 @@ class NodeMessages:
             return
         need = Need(
             attempt.prompt_len,
-            frozenset({msg.refused_by}),
+            # not the asker either: a draining decode node moving its sequence (live migration)
+            frozenset({msg.refused_by, attempt.prefill or ""}),
             attempt.hashes,
             max(0, attempt.final_len - attempt.prompt_len),
         )
@@ -213,6 +218,37 @@ class NodeMessages:
             return
         blocks = target.blocks_for(attempt.prompt_len + 1)
         self.table.redirect(attempt, target.node_id, blocks, time.monotonic())
+        await self._reply(
+            identity, Redirect(request_id=msg.request_id, decode=target.node.target())
+        )
+
+    async def _on_migrate(self, identity: bytes, msg: Migrate) -> None:
+        """A draining decode node moves a running sequence: pick another decode node for
+        its KV (as for a refused transfer), or re-place the request by recompute."""
+        attempt = self._held_by(identity, msg.request_id, "decode")
+        if attempt is None or attempt.req.finished:
+            await self._reply(identity, Redirect(request_id=msg.request_id, decode=None))
+            return
+        req = attempt.req
+        tokens = attempt.prompt_len + max(0, len(req.output_ids) - req.base - 1)
+        need = Need(
+            tokens,
+            frozenset({attempt.decode or ""}),
+            attempt.hashes,
+            max(0, attempt.final_len - tokens),
+        )
+        target = redirect(self.policy, self.cluster, self.table, need, self.index)
+        if target is None:
+            self.metrics.migrations.labels("recomputed").inc()
+            await self._reply(identity, Redirect(request_id=msg.request_id, decode=None))
+            why = f"{attempt.decode} drains ({msg.reason}) and no decode node had room"
+            self._spawn(self.replace(attempt, why, "no_room"))
+            return
+        self.metrics.migrations.labels("moved").inc()
+        log.info("migrating %s: %s -> %s", msg.request_id, attempt.decode, target.node_id)
+        blocks = target.blocks_for(tokens + 1)
+        self.table.migrate(attempt, target.node_id, blocks, time.monotonic())
+        req.ran_on["decode"] = target.node_id
         await self._reply(
             identity, Redirect(request_id=msg.request_id, decode=target.node.target())
         )
@@ -240,13 +276,19 @@ class NodeMessages:
         if not msg.well_formed():
             log.warning("dropping a token batch of unequal lists from %s", msg.node_id)
             return
+        node = self.cluster.nodes.get(msg.node_id)
+        if node is not None:
+            node.progress_at = time.monotonic()
         for rid, token, index, reason in zip(
             msg.request_ids, msg.token_ids, msg.indices, msg.finish_reasons, strict=True
         ):
             attempt = self.table.get(rid)
             # only from the node the KV went to (None: not placed yet as far as this side
-            # knows; the wire id alone is this attempt's)
-            if attempt is not None and attempt.decode in (None, msg.node_id):
+            # knows; the wire id alone is this attempt's), or the decode node it migrates
+            # from (its last step's tokens may come after the gateway chose the new node)
+            if attempt is not None and (
+                attempt.decode is None or msg.node_id in (attempt.decode, attempt.prefill)
+            ):
                 self._on_token(attempt.req, index, token, reason)
 
     async def _on_preempted(self, _: bytes, msg: Preempted) -> None:
@@ -264,6 +306,7 @@ CONTROL: dict[type, Handler] = {
     KvTransferred: NodeMessages._on_kv_transferred,
     KvEvents: NodeMessages._on_kv_events,
     NeedDecode: NodeMessages._on_need_decode,
+    Migrate: NodeMessages._on_migrate,
     PrefillFailed: NodeMessages._on_prefill_failed,
     Deregister: NodeMessages._on_deregister,
 }

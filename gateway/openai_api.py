@@ -14,6 +14,7 @@ import msgspec
 
 from pdserve.common.sampling import InvalidSampling, SamplingParams
 from pdserve.common.tokenizer import Tokenizer
+from pdserve.gateway.api_schema import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -21,6 +22,7 @@ ERROR_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    429: "rate_limit_exceeded",
     499: "cancelled",
     503: "service_unavailable",
 }
@@ -55,63 +57,42 @@ class ParsedRequest:
     return_token_ids: bool = False
 
 
-def _get(
-    body: dict[str, Any], name: str, types: type | tuple[type, ...], default: Any = None
-) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise ApiError(400, f"'{name}' must be {_type_name(types)}, got a boolean", name)
-    if not isinstance(value, types):
-        raise ApiError(
-            400, f"'{name}' must be {_type_name(types)}, got {type(value).__name__}", name
-        )
-    return value
+def _param(exc: msgspec.ValidationError) -> str | None:
+    """The top-level field a msgspec error is about: "... - at `$.messages[0].role`" ->
+    messages; "Object missing required field `prompt`" -> prompt."""
+    text = str(exc)
+    if " - at `$." in text:
+        where = text.partition(" - at `$.")[2]
+        return where.split("`")[0].split(".")[0].split("[")[0] or None
+    if "missing required field `" in text and " - at `" not in text:
+        return text.partition("missing required field `")[2].split("`")[0]
+    return None
 
 
-def _type_name(types: type | tuple[type, ...]) -> str:
-    seq = types if isinstance(types, tuple) else (types,)
-    return " or ".join(
-        {
-            int: "an integer",
-            float: "a number",
-            str: "a string",
-            bool: "a boolean",
-            list: "a list",
-            dict: "an object",
-        }.get(t, t.__name__)
-        for t in seq
-    )
+def _decode(kind: Literal["chat", "completion"], body: Any) -> Any:
+    """The body as its request struct (gateway/api_schema.py): types and ranges checked."""
+    schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    try:
+        return msgspec.convert(body, schema)
+    except msgspec.ValidationError as exc:
+        param = _param(exc)
+        message = str(exc).partition(" - at `$")[0]
+        if isinstance(exc.__cause__, InvalidSampling):  # a range check in __post_init__
+            param, message = exc.__cause__.field, str(exc.__cause__)
+        raise ApiError(400, f"'{param}': {message}" if param else message, param) from exc
 
 
-def _message_text(msg: Any, i: int) -> dict[str, str]:
-    if not isinstance(msg, dict):
-        raise ApiError(400, f"messages[{i}] must be an object", "messages")
-    role = msg.get("role")
-    if role not in ("system", "user", "assistant", "tool", "developer"):
-        raise ApiError(
-            400, f"messages[{i}].role must be system, user, assistant or tool", "messages"
-        )
-    content = msg.get("content")
+def _message_text(msg: ChatMessage, i: int) -> dict[str, str]:
+    content = msg.content
     if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        parts = []
-        for part in content:
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise ApiError(400, f"messages[{i}].content parts must be text parts", "messages")
-            parts.append(part["text"])
-        content = "".join(parts)
-    if content is None and role == "assistant":
+        content = "".join(part.text for part in content)
+    if content is None:
+        if msg.role != "assistant":
+            raise ApiError(
+                400, f"messages[{i}].content must be a string or a list of text parts", "messages"
+            )
         content = ""
-    if not isinstance(content, str):
-        raise ApiError(
-            400, f"messages[{i}].content must be a string or a list of text parts", "messages"
-        )
-    return {"role": "system" if role == "developer" else role, "content": content}
+    return {"role": "system" if msg.role == "developer" else msg.role, "content": content}
 
 
 def parse_request(
@@ -123,7 +104,8 @@ def parse_request(
 ) -> ParsedRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    model = _get(body, "model", str, served_model)
+    req = _decode(kind, body)
+    model = served_model if req.model is None else req.model
     if model != served_model:
         raise ApiError(
             404,
@@ -132,31 +114,24 @@ def parse_request(
             "model_not_found",
         )
     if kind == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "'messages' must be a non-empty list", "messages")
-        chat = [_message_text(m, i) for i, m in enumerate(messages)]
+        chat = [_message_text(m, i) for i, m in enumerate(req.messages)]
         try:
             text = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
         except ValueError as exc:
             raise ApiError(400, str(exc), "messages") from exc
         prompt_ids = tokenizer.encode(text, add_special_tokens=False)
     else:
-        prompt_ids = _completion_prompt(body.get("prompt"), tokenizer)
-    if body.get("n", 1) != 1:
-        raise ApiError(400, "only n = 1 is supported", "n")
+        prompt_ids = _completion_prompt(req.prompt, tokenizer)
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", "prompt" if kind == "completion" else "messages")
     if any(not 0 <= t < tokenizer.vocab_size for t in prompt_ids):
         raise ApiError(400, f"prompt token ids must be in [0, {tokenizer.vocab_size})", "prompt")
     limit = max_model_len - len(prompt_ids)
-    max_tokens = _get(body, "max_completion_tokens", int)
+    max_tokens = req.max_completion_tokens
     if max_tokens is None:
-        max_tokens = _get(body, "max_tokens", int)
+        max_tokens = req.max_tokens
     if max_tokens is None:
         max_tokens = 16 if kind == "completion" else max(1, limit)
-    if max_tokens < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
     if len(prompt_ids) + max_tokens > max_model_len:
         raise ApiError(
             400,
@@ -168,12 +143,12 @@ def parse_request(
             "max_tokens",
             "context_length_exceeded",
         )
-    params = _sampling(body, max_tokens)
-    stream = _get(body, "stream", bool, False)
-    options = _get(body, "stream_options", dict, {})
-    include_usage = bool(options.get("include_usage", False)) if stream else False
-    return_ids = _get(body, "return_token_ids", bool, False)
-    return ParsedRequest(kind, model, prompt_ids, params, stream, include_usage, return_ids)
+    params = _sampling(req, max_tokens)
+    stream = bool(req.stream)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage) and stream
+    return ParsedRequest(
+        kind, model, prompt_ids, params, stream, include_usage, bool(req.return_token_ids)
+    )
 
 
 def _completion_prompt(prompt: Any, tokenizer: Tokenizer) -> list[int]:
@@ -190,28 +165,22 @@ def _completion_prompt(prompt: Any, tokenizer: Tokenizer) -> list[int]:
     )
 
 
-def _sampling(body: dict[str, Any], max_tokens: int) -> SamplingParams:
-    """Every `SamplingParams` field the body names, by its name and type (the struct is the
-    one definition of sampling fields: common/sampling.py); OpenAI's own shapes first."""
+def _sampling(req: Any, max_tokens: int) -> SamplingParams:
+    """The body's sampling fields (already type- and range-checked against SamplingParams'
+    own declarations by `_decode`) as the struct nodes receive."""
     fields = {
-        name: body[name]
+        name: value
         for name in SamplingParams.__struct_fields__
-        if name != "max_tokens" and body.get(name) is not None
+        if name != "max_tokens" and (value := getattr(req, name)) is not None
     }
     stop = fields.get("stop")
     if isinstance(stop, str):  # OpenAI: a string or a list of strings
-        fields["stop"] = [stop]
-    if isinstance(fields.get("stop"), list):
-        fields["stop"] = [s for s in fields["stop"] if s != ""]
-    try:
-        params = msgspec.convert({**fields, "max_tokens": max_tokens}, SamplingParams)
-    except msgspec.ValidationError as exc:
-        if isinstance(exc.__cause__, InvalidSampling):  # a range check (wrapped by msgspec)
-            raise ApiError(400, str(exc.__cause__), exc.__cause__.field) from exc
-        # a type: "Expected `int`, got `str` - at `$.top_k`"
-        message, _, where = str(exc).partition(" - at `$.")
-        param = where.split("`")[0].split("[")[0] or None
-        raise ApiError(400, f"'{param}': {message}" if param else message, param) from exc
+        stop = [stop]
+    if stop is not None:
+        fields["stop"] = tuple(s for s in stop if s != "")
+    if "stop_token_ids" in fields:
+        fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
+    params = SamplingParams(**fields, max_tokens=max_tokens)
     if params.seed is None and not params.greedy:
         # fixed now so every node of every attempt draws alike
         params = params.with_seed(secrets.randbits(63))

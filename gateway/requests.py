@@ -5,9 +5,11 @@ sockets, so they can arrive out of order; each carries its index among the attem
 tokens and `add_token` places it by index: duplicates are dropped, a token ahead of a gap
 waits in `pending` until the gap fills (the gateway treats a gap that stays open as a lost
 attempt), and only the contiguous prefix is detokenized and checked for stop strings. The HTTP
-handler reads `events`: a `Delta` per token step that produced text, then one `Done` or
-`Failed`. A request re-placed after preemption or a node's death keeps its stream: only its
-wire id (`request_id.attempt`) changes, so late messages for an old attempt are ignored.
+handler reads `events`: a `Delta` of the text produced since it last read (tokens that
+arrive while it writes join the waiting Delta: a slow client gets bigger chunks, the queue
+never grows past one Delta), then one `Done` or `Failed`. A request re-placed after
+preemption or a node's death keeps its stream: only its wire id (`request_id.attempt`)
+changes, so late messages for an old attempt are ignored.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class Failed:
     status: int
     message: str
     code: str = "server_error"
-    retry_after: float | None = None  # 503: seconds after which a retry may succeed
+    retry_after: float | None = None  # 503, 429: seconds after which a retry may succeed
 
 
 Event = Delta | Done | Failed
@@ -77,6 +79,7 @@ class GatewayRequest:
     unsent: list[int] = field(default_factory=list)  # tokens whose text is held back
     outcome: str = "unfinished"  # stop, length, or the error code
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    last_delta: Delta | None = None  # the last Delta queued (see `_send`)
 
     def __post_init__(self) -> None:
         self.detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
@@ -138,12 +141,24 @@ class GatewayRequest:
         elif finish_reason is not None:
             text += self.stops.flush()
         if text:  # a token whose text is held back (partial UTF-8, stop prefix) sends nothing
-            self.events.put_nowait(Delta(text, self.unsent))
-            self.unsent = []
+            self._send(text)
         if finish_reason is not None:
             self.finish(Done("stop" if finish_reason == "stop" else "length"))
             return True
         return False
+
+    def _send(self, text: str) -> None:
+        """Queue the text for the client. While the handler has not taken the last Delta
+        (the queue is not empty, so the last one put is still in it) the text joins that
+        Delta: a client that reads slowly gets several tokens per SSE chunk, and a stream
+        holds at most one unsent Delta, never one per token."""
+        if self.events.qsize() and self.last_delta is not None:
+            self.last_delta.text += text
+            self.last_delta.token_ids += self.unsent
+        else:
+            self.last_delta = Delta(text, self.unsent)
+            self.events.put_nowait(self.last_delta)
+        self.unsent = []
 
     def phases(self) -> dict[str, float]:
         """Where the time went, in ms: the timeline's marks turned into durations of the

@@ -40,6 +40,7 @@ class Attempt:
     decode: str | None = None
     blocks: int = 0  # KV blocks promised on the decode node (prompt + first token)
     placed_at: float = 0.0  # when the decode node was promised them
+    delivered_at: float = 0.0  # when the decode node had its KV (its decode work began)
     phase: Phase = Phase.OFFERED
     hashes: tuple[bytes, ...] = ()  # its prompt's block hashes (where its prefix is cached)
 
@@ -95,13 +96,26 @@ class RequestTable:
         self._place(attempt, decode, blocks, now)
         attempt.req.ran_on["decode"] = decode
 
+    def migrate(self, attempt: Attempt, decode: str, blocks: int, now: float) -> None:
+        """Its decode node drains and sends the KV on to `decode`: until that node has it,
+        the old one holds the attempt as a prefill node would (its death re-places the
+        request; its `KvTransferred` lets go). The attempt stays in DECODE: tokens go on
+        from the new node under the same wire id."""
+        old = attempt.decode
+        if attempt.prefill is not None and attempt.prefill != old:
+            self._unlink(attempt, attempt.prefill)  # acknowledged already: it holds nothing
+        attempt.prefill = old
+        attempt.delivered_at = 0.0  # the new node's decode work starts when the KV lands
+        self._place(attempt, decode, blocks, now)
+
     def prefilled(self, attempt: Attempt) -> None:
         """The first token arrived: prefill is over. The prefill node keeps the KV (and the
         attempt stays on it: its death loses the request) until the decode node has it."""
         attempt.phase = Phase.DECODE
 
-    def delivered(self, attempt: Attempt) -> None:
+    def delivered(self, attempt: Attempt, now: float) -> None:
         """The decode node acknowledged the KV: the prefill node holds nothing of it."""
+        attempt.delivered_at = now
         if attempt.prefill is not None and attempt.prefill != attempt.decode:
             self._unlink(attempt, attempt.prefill)
             attempt.prefill = None
@@ -126,6 +140,19 @@ class RequestTable:
         return fresh
 
     # -- what is on a node (derived) --------------------------------------------------------
+    def work_since(self, node_id: str) -> float | None:
+        """Since when the node has held work that must produce tokens: a prompt it accepted
+        (its first token is due) or KV it acknowledged (its decode steps are due); None when
+        it holds none. The gateway's progress lease (core.py) runs from here or from the
+        node's last token, whichever is later."""
+        starts = [
+            a.placed_at if a.phase is Phase.PREFILL else a.delivered_at
+            for a in self.on_node(node_id)
+            if (a.phase is Phase.PREFILL and a.prefill == node_id)
+            or (a.phase is Phase.DECODE and a.decode == node_id and a.delivered_at)
+        ]
+        return min(starts) if starts else None
+
     def on_node(self, node_id: str) -> list[Attempt]:
         return [self.attempts[w] for w in self._on_node.get(node_id, ())]
 

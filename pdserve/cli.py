@@ -59,6 +59,11 @@ def _add_sampling_flags(p: argparse.ArgumentParser, **defaults: Any) -> None:
         flag = "--" + f.name.replace("_", "-")
         default = defaults.get(f.name, f.default)
         origin, args = typing.get_origin(f.type), typing.get_args(f.type)
+        if origin is typing.Annotated:  # a range (Meta): msgspec.convert checks it below
+            origin, args = typing.get_origin(args[0]), (args[0],)
+        args = tuple(
+            typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a for a in args
+        )
         if f.type is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         elif origin is tuple:  # stop, stop_token_ids: repeatable
@@ -66,6 +71,15 @@ def _add_sampling_flags(p: argparse.ArgumentParser, **defaults: Any) -> None:
         else:
             kind = next((a for a in args if a is not type(None)), f.type)  # int | None -> int
             p.add_argument(flag, type=kind, default=default)
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from pdserve.common.security import ClusterKey
+
+    key = ClusterKey.generate()
+    key.save(args.path)
+    print(f"wrote {args.path} (public key {key.public.decode()}); give it to every process")
+    return 0
 
 
 def _add_serving(sub: argparse._SubParsersAction) -> None:
@@ -111,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    keygen = sub.add_parser(
+        "keygen", help="write a cluster key file for --cluster-key (CurveZMQ, mode 0600)"
+    )
+    keygen.add_argument("path", help="file to write (e.g. cluster.key)")
+    keygen.set_defaults(func=_keygen)
     _add_serving(sub)
     from pdserve.loadgen.bench import add_parser as add_bench
     from pdserve.loadgen.compare import add_parser as add_compare

@@ -11,7 +11,8 @@ layer computes); prompts shorter than `layerwise_min_tokens` are staged after th
 the first token goes straight to the gateway (`FirstToken`), `KvDone` to the decode node, and
 the blocks stay held (the scheduler parks the sequence) until `KvAck`. A request finished at
 its first token is not handed off (the decode node gets `Abort`). On `KvRefuse` we ask the
-gateway for another decode node (`NeedDecode` -> `Redirect`) and resend from the cache.
+gateway for another decode node (`NeedDecode` -> `Redirect`) and resend from the cache
+(common/node/handoff.py, shared with a draining decode node's live migration).
 An offer whose prefix another node's cache holds (the gateway's hint) may first fetch those
 blocks from it (common/node/fetch.py); the request is scheduled once they have landed.
 """
@@ -28,18 +29,14 @@ from pdserve.common.config import EngineConfig, NodeConfig
 from pdserve.common.engine.interface import Engine
 from pdserve.common.engine.scheduler import SchedulerConfig, SchedulerOutput, step_work
 from pdserve.common.engine.sequence import Sequence, check_stop
-from pdserve.common.kv_transfer.base import Transfer
-from pdserve.common.node import NodeBase, NodeRequest
+from pdserve.common.node import NodeRequest
 from pdserve.common.node.fetch import PrefixFetches
+from pdserve.common.node.handoff import KvHandoff
 from pdserve.common.protocol import (
-    PREFIX_GONE,
     Abort,
     Accept,
-    DecodeTarget,
     Drain,
     FirstToken,
-    KvTransferred,
-    NeedDecode,
     PrefillFailed,
     PrefillOffer,
     Redirect,
@@ -51,7 +48,7 @@ from pdserve.common.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
-class PrefillNode(NodeBase):
+class PrefillNode(KvHandoff):
     role = "prefill"
     mode = "prefill"
     has_data_plane = True  # sends KV; receives prefix blocks it fetches
@@ -79,7 +76,7 @@ class PrefillNode(NodeBase):
             case Redirect(request_id=rid, decode=target):
                 # spawned: it waits for the running pass, and this loop must keep answering
                 # offers meanwhile (an offer unanswered for --offer-timeout is lost)
-                self.spawn(self._on_redirect(rid, target))
+                self.spawn(self.send_kv(rid, target))
             case Abort(request_id=rid):
                 self.abort(rid)
             case Drain():
@@ -192,56 +189,3 @@ class PrefillNode(NodeBase):
     def fetches(self) -> PrefixFetches:
         assert self.kv is not None
         return self.kv.fetches
-
-    def kv_acked(self, t: Transfer) -> None:
-        req = self.requests.pop(t.request_id, None)
-        if req is None:
-            return
-        self.scheduler.release(t.request_id)
-        self.work.set()  # blocks freed: a waiting batch may fit now
-        self.metrics.kv_sent(t.backend, t.total_bytes, t.seconds, t.overlap)
-        base = req.accepted_at
-        record = KvTransferred(
-            request_id=t.request_id,
-            backend=t.backend,
-            bytes=t.total_bytes,
-            layerwise=t.num_tokens >= self.cfg.layerwise_min_tokens,
-            start_ms=((t.first_byte or t.started) - base) * 1000,
-            end_ms=(t.finished - base) * 1000,
-            overlap_ms=t.overlap * 1000,
-        )
-        self.spawn(self.send_gateway(record))
-
-    async def kv_refused(self, rid: str, peer: str, why: str) -> None:
-        log.info("%s refused KV of %s: %s", peer, rid, why)
-        req = self.requests.get(rid)
-        if why.startswith(PREFIX_GONE) and req is not None and req.target is not None:
-            self.spawn(self._on_redirect(rid, req.target))  # the same node, the whole KV
-            return
-        await self.send_gateway(NeedDecode(request_id=rid, refused_by=peer, reason=why))
-
-    async def _on_redirect(self, rid: str, target: DecodeTarget | None) -> None:
-        """Send the KV again, whole, to `target` (None: nobody can take it)."""
-        await self.out_of_step(rid)  # the pass still sends to the old peer: resend after it
-        req = self.requests.get(rid)
-        if req is None or rid not in self.scheduler.parked:
-            return
-        self.sender.release(rid)
-        if target is None:  # the gateway re-places the request
-            self.requests.pop(rid)
-            self.scheduler.release(rid)
-            self.work.set()
-            return
-        req.target, req.skip = target, 0
-        seq = req.seq
-        prompt = seq.token_ids[:-1]  # the first token is sent with KvDone, not as KV
-        t = self.sender.begin(
-            rid, target, prompt, seq.num_prompt_tokens, seq.params, seq.block_table
-        )
-        # staging reads only this request's blocks: it need not wait behind the next forward
-        # pass in the engine thread
-        payloads = await asyncio.to_thread(self.sender.stage_all, t)
-        if self.requests.get(rid) is not req:  # aborted meanwhile
-            return
-        self.sender.push_all(t, payloads)
-        self.sender.done(t, seq.token_ids[-1])

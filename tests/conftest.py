@@ -20,6 +20,20 @@ CHAT_PROMPTS = [
 ]
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--chaos-long",
+        action="store_true",
+        help="the chaos suite's long form (tests/chaos/): 10x the fuzz cases, longer loads",
+    )
+
+
+@pytest.fixture(scope="session")
+def chaos_scale(request: pytest.FixtureRequest) -> int:
+    """How much longer the chaos suite runs: 1 in `make test`, 10 with --chaos-long."""
+    return 10 if request.config.getoption("--chaos-long") else 1
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from pdserve.common.tokenizer import Tokenizer

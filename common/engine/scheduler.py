@@ -205,6 +205,15 @@ class Scheduler:
         self.parked.pop(seq.seq_id, None)
         self._release(seq)
 
+    def park(self, seq: Sequence) -> bool:
+        """Decode mode: take a running sequence off the batch, its blocks held, to hand its
+        KV to another decode node (live migration; `release` once it is acknowledged)."""
+        if seq not in self.running:
+            return False
+        self.running.remove(seq)
+        self.parked[seq.seq_id] = seq
+        return True
+
     def release(self, seq_id: str) -> Sequence | None:
         """Prefill mode: the parked sequence's KV was handed off; free its blocks."""
         seq = self.parked.pop(seq_id, None)

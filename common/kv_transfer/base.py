@@ -29,6 +29,7 @@ from typing import Any
 
 from pdserve.common.engine.interface import Engine
 from pdserve.common.protocol import DecodeTarget, KvHeader
+from pdserve.common.security import ClusterKey
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Local:
     ports: dict[str, int] = field(default_factory=dict)  # decode: listener port per backend
     # (missing or 0: any free one)
     forced: str = "auto"  # the --kv-backend choice (a backend may listen only when chosen)
+    key: ClusterKey | None = None  # --cluster-key: backends authenticate their peers with it
 
 
 @dataclass

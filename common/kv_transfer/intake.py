@@ -189,6 +189,8 @@ class KvIntake:
                 await asyncio.wait_for(event.wait(), self.timeout)
             except asyncio.TimeoutError:
                 log.warning("KV frame of %s from %s came without a header", request_id, peer)
+                if request_id not in self.incoming:  # its other layers: discarded at once,
+                    self._remember_closed(request_id)  # not another wait each
             finally:
                 if self.arrivals.get(request_id) is event:
                     del self.arrivals[request_id]

@@ -56,8 +56,11 @@ class _Item:
 class Peer:
     node_id: str
     sock: zmq.asyncio.Socket
+    address: str  # its data socket: a restarted node has a new one
     outbox: asyncio.Queue[_Item] = field(default_factory=asyncio.Queue)
     tasks: list[asyncio.Task] = field(default_factory=list)
+    failed: int = 0  # frames that failed since the last warning (logged at most every 5 s)
+    warned_at: float = -1e9
 
 
 class KvSender:
@@ -176,6 +179,12 @@ class KvSender:
     # -- peers -----------------------------------------------------------------------------
     def _post(self, target: DecodeTarget, item: _Item) -> None:
         peer = self.peers.get(target.node_id)
+        if peer is not None and peer.address != target.data_address:
+            # the node restarted under the same id, on new ports: what is queued for the old
+            # process can never arrive (the gateway re-placed it), and the new one needs a
+            # fresh channel, else every later transfer to it vanishes into the old address
+            self._retire(peer)
+            peer = None
         if peer is None:
             sock = make_socket(
                 self.ctx,
@@ -184,7 +193,7 @@ class KvSender:
                 identity=self.local.node_id,
                 max_msg=ACK_MAX_MSG,
             )
-            peer = Peer(target.node_id, sock)
+            peer = Peer(target.node_id, sock, target.data_address)
             peer.tasks = [
                 asyncio.create_task(self._sender(peer)),
                 asyncio.create_task(self._receiver(peer)),
@@ -202,7 +211,16 @@ class KvSender:
                 if t is not None:
                     await self.connector(t.backend).send(t, item.layer, item.payload)
             except OSError as exc:  # the decode side sees the broken channel and refuses
-                log.warning("KV frame to %s failed: %s", peer.node_id, exc)
+                peer.failed += 1
+                now = time.monotonic()
+                if now - peer.warned_at >= 5.0:  # a dead peer fails every queued frame
+                    log.warning(
+                        "KV frame to %s failed: %s (%d failures since the last warning)",
+                        peer.node_id,
+                        exc,
+                        peer.failed,
+                    )
+                    peer.warned_at, peer.failed = now, 0
             except Exception:  # one failed send must not stop this peer's channel
                 log.exception("KV send to %s failed", peer.node_id)
 
@@ -231,10 +249,15 @@ class KvSender:
             case _:
                 log.warning("dropping malformed message from %s", peer.node_id)
 
+    def _retire(self, peer: Peer) -> None:
+        log.info("%s has a new data address (restarted): reconnecting", peer.node_id)
+        self.peers.pop(peer.node_id, None)
+        for task in peer.tasks:
+            task.cancel()
+        peer.sock.close()
+
     async def close(self) -> None:
-        for peer in self.peers.values():
-            for task in peer.tasks:
-                task.cancel()
-            peer.sock.close()
+        for peer in list(self.peers.values()):
+            self._retire(peer)
         for connector in self.connectors.values():
             await connector.close()

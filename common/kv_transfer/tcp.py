@@ -9,7 +9,9 @@ into the request's reserved blocks (one view per run of consecutive slots, see
 KVCache.export_parts), and the prefill node sends views of its cache.
 
 The stream is self-describing: a prefill node opens one connection per decode peer, sends its
-node id (64 bytes, space padded), then frames, each behind a head naming its request, layer
+node id (64 bytes, space padded; with --cluster-key the decode node first sends a nonce and
+the id is followed by HMAC(key, nonce + id), checked before anything else is read), then
+frames, each behind a head naming its request, layer
 and length (`HEAD` + the request id). The decode node reads every connection in its own task
 and asks a `FrameSink` where each frame goes: into reserved blocks, or (unknown, refused or
 dropped transfers) nowhere, in which case the bytes are read and discarded. So the stream can
@@ -35,6 +37,7 @@ from pdserve.common.kv_transfer.base import (
     SendConnector,
     Transfer,
 )
+from pdserve.common.security import MAC_BYTES, NONCE_BYTES, REFUSALS, ClusterKey, new_nonce
 
 ID_BYTES = 64
 MAGIC = b"PDKV"
@@ -78,8 +81,14 @@ class TcpListener:
     """Decode side: accepts prefill connections and reads each one in its own task."""
 
     def __init__(
-        self, advertise_host: str, port: int = 0, timeout: float = 10.0, max_frame: int = 1 << 40
+        self,
+        advertise_host: str,
+        port: int = 0,
+        timeout: float = 10.0,
+        max_frame: int = 1 << 40,
+        key: ClusterKey | None = None,
     ) -> None:
+        self.key = key
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("0.0.0.0", port))
@@ -106,23 +115,32 @@ class TcpListener:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                conn, _ = await loop.sock_accept(self.sock)
+                conn, addr = await loop.sock_accept(self.sock)
             except OSError as exc:  # out of file descriptors, say: try again shortly
                 log.warning("KV listener cannot accept: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._spawn(self._serve(conn))
+            self._spawn(self._serve(conn, addr))
 
-    async def _serve(self, conn: socket.socket) -> None:
-        ident = bytearray(ID_BYTES)
+    async def _serve(self, conn: socket.socket, addr: Any = None) -> None:
+        ident = bytearray(ID_BYTES + (MAC_BYTES if self.key else 0))
         try:
+            if self.key is not None:
+                nonce = new_nonce()
+                await asyncio.get_running_loop().sock_sendall(conn, nonce)
             await _fill(conn, memoryview(ident), self.timeout)
         except (OSError, asyncio.TimeoutError):
             conn.close()
             return
-        peer = ident.decode(errors="replace").strip()
+        if self.key is not None and not self.key.check(
+            bytes(ident[ID_BYTES:]), nonce, bytes(ident[:ID_BYTES])
+        ):
+            REFUSALS.refuse("a tcp KV connection from %s without the cluster key", addr)
+            conn.close()
+            return
+        peer = ident[:ID_BYTES].decode(errors="replace").strip()
         old = self.conns.pop(peer, None)
         if old is not None:
             old.close()  # the peer reconnected: its old stream is over
@@ -180,10 +198,15 @@ class TcpStream:
     """Prefill side: one connection to a decode peer, opened on first use, reopened after
     an error."""
 
-    def __init__(self, address: str, node_id: str) -> None:
+    def __init__(
+        self, address: str, node_id: str, key: ClusterKey | None = None, timeout: float = 10.0
+    ) -> None:
         host, _, port = address.rpartition(":")
+        self.address = address
         self.endpoint = (host, int(port))
         self.node_id = node_id
+        self.key = key
+        self.timeout = timeout
         self.sock: socket.socket | None = None
 
     async def send(self, request_id: str, layer: int, parts: Sequence[Any]) -> None:
@@ -194,15 +217,21 @@ class TcpStream:
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 sock.setblocking(False)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self.sock = sock  # closed by the handler below if anything fails
                 await loop.sock_connect(sock, self.endpoint)
-                self.sock = sock
                 ident = self.node_id.encode()[:ID_BYTES].ljust(ID_BYTES)
+                if self.key is not None:  # answer the decode node's challenge
+                    nonce = bytearray(NONCE_BYTES)
+                    await _fill(sock, memoryview(nonce), self.timeout)
+                    ident += self.key.mac(bytes(nonce), ident)
                 await loop.sock_sendall(sock, ident)
             await loop.sock_sendall(self.sock, frame_head(request_id, layer, nbytes))
             for part in parts:
                 await loop.sock_sendall(self.sock, part)
-        except OSError:
+        except (OSError, asyncio.TimeoutError) as exc:
             self.close()  # the next frame starts a fresh stream
+            if isinstance(exc, asyncio.TimeoutError):
+                raise ConnectionError("the decode node sent no challenge") from exc
             raise
 
     def close(self) -> None:
@@ -220,10 +249,15 @@ class TcpSend(SendConnector):
         return None  # the stream is self-describing: no KvLayer messages
 
     async def send(self, t: Transfer, layer: int, payload: Any) -> None:
+        endpoint = t.target.kv_endpoints["tcp"]
         stream = self.streams.get(t.target.node_id)
+        if stream is not None and stream.address != endpoint:  # restarted, new port
+            stream.close()
+            stream = None
         if stream is None:
-            endpoint = t.target.kv_endpoints["tcp"]
-            stream = self.streams[t.target.node_id] = TcpStream(endpoint, self.local.node_id)
+            stream = self.streams[t.target.node_id] = TcpStream(
+                endpoint, self.local.node_id, self.local.key, self.local.timeout
+            )
         await stream.send(t.request_id, layer, payload)
 
     async def close(self) -> None:
@@ -237,7 +271,7 @@ class TcpReceive(ReceiveConnector):
         engine = local.engine
         max_frame = engine.kv_frame_bytes(engine.max_model_len) + 4096
         port = local.ports.get("tcp", 0)
-        self.listener = TcpListener(local.advertise_host, port, local.timeout, max_frame)
+        self.listener = TcpListener(local.advertise_host, port, local.timeout, max_frame, local.key)
 
     async def listen(self, sink: Any) -> str:
         self.listener.start(sink)  # the intake lands the frames (FrameSink)

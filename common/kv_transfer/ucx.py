@@ -84,20 +84,23 @@ class UcxListener:
 class UcxSend(SendConnector):
     def __init__(self, local: Local) -> None:
         super().__init__(local)
-        self.endpoints: dict[str, Any] = {}  # by decode node id
+        self.endpoints: dict[str, tuple[str, Any]] = {}  # by decode node id: address, ep
 
     def stage(self, t: Transfer, layer: int) -> Any:
         return self.local.engine.export_frame(layer, t.block_table, t.num_tokens)
 
     async def send(self, t: Transfer, layer: int, payload: Any) -> None:
-        ep = self.endpoints.get(t.target.node_id)
-        if ep is None:
-            ep = await connect(t.target.kv_endpoints["ucx"], self.local.node_id)
-            self.endpoints[t.target.node_id] = ep
+        address = t.target.kv_endpoints["ucx"]
+        known = self.endpoints.get(t.target.node_id)
+        if known is None or known[0] != address:  # first use, or the node restarted
+            ep = await connect(address, self.local.node_id)
+            self.endpoints[t.target.node_id] = (address, ep)
+        else:
+            ep = known[1]
         await ep.send(payload)
 
     async def close(self) -> None:
-        for ep in self.endpoints.values():
+        for _, ep in self.endpoints.values():
             try:
                 await ep.close()
             except Exception:  # the peer may be gone already

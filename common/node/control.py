@@ -48,6 +48,7 @@ from pdserve.common.protocol import (
     Role,
     encode,
 )
+from pdserve.common.security import ClusterKey, close_context, make_context
 from pdserve.common.tokenizer import Tokenizer
 from pdserve.common.transport import CONTROL_MAX_MSG, decode_or_none, make_socket, send
 
@@ -72,7 +73,10 @@ class NodeControl(ABC):
         self.engine = engine
         self.tokenizer = tokenizer
         self.node_id = cfg.node_id or default_node_id(self.role)
-        self.ctx = zmq.asyncio.Context()
+        self.key = ClusterKey.load(cfg.cluster_key) if cfg.cluster_key else None
+        if self.key is not None and cfg.kv_backend == "ucx":
+            log.warning("--kv-backend ucx: KV over UCX is not authenticated by --cluster-key")
+        self.ctx = make_context(self.key)
         self.control = make_socket(
             self.ctx,
             "node.control",
@@ -220,7 +224,7 @@ class NodeControl(ABC):
         if self.tokens_sock is not None:
             self.tokens_sock.close()
         self.control.close()
-        self.ctx.term()
+        close_context(self.ctx)
 
     async def close_role(self) -> None:
         """Stop what the role runs beside the control plane (before the context ends)."""

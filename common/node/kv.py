@@ -21,6 +21,7 @@ from pdserve.common.kv_transfer.intake import KvIntake
 from pdserve.common.kv_transfer.sender import KvSender
 from pdserve.common.node.fetch import PrefixFetches
 from pdserve.common.protocol import PREFIX_GONE, DecodeTarget, KvHeader
+from pdserve.common.security import watch_handshakes
 from pdserve.common.transport import TOKENS_MAX_MSG, bound_address, make_socket
 
 if TYPE_CHECKING:
@@ -72,7 +73,10 @@ class NodeKv:
 
     async def start(self) -> list[asyncio.Task]:
         self.endpoints = await listen_all(self.intake.receivers, self.intake)
-        return [asyncio.create_task(self.intake.run()), asyncio.create_task(self._expiry())]
+        tasks = [asyncio.create_task(self.intake.run()), asyncio.create_task(self._expiry())]
+        if self.node.key is not None:  # refused CurveZMQ peers show in the socket monitor
+            tasks.append(asyncio.create_task(watch_handshakes(self.data, "node.data")))
+        return tasks
 
     async def close(self) -> None:
         self.fetches.close()

@@ -111,6 +111,7 @@ class NodeBase(NodeControl):
             timeout=cfg.kv_transfer_timeout,
             ports={"tcp": cfg.kv_tcp_port},
             forced=cfg.kv_backend,
+            key=self.key,
         )
 
     # -- the prefix cache, as the gateway's index sees it ------------------------------------

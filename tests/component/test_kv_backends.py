@@ -10,7 +10,6 @@ import socket
 
 import pytest
 import torch
-import zmq.asyncio
 
 from benchmarks.cache_engine import CacheOnlyEngine
 from pdserve.common.kv_transfer import BACKENDS as REGISTERED
@@ -24,6 +23,7 @@ from pdserve.common.model_config import load_model_config, resolve_model
 from pdserve.common.node import host_identity
 from pdserve.common.protocol import Abort, DecodeTarget, KvDone, KvHeader, encode
 from pdserve.common.sampling import SamplingParams
+from pdserve.common.security import ClusterKey, close_context, make_context
 from pdserve.common.transport import bound_address, make_socket
 
 BLOCK = 16
@@ -40,8 +40,8 @@ def digest(engine: CacheOnlyEngine, table: list[int], n: int) -> str:
 class Pair:
     """A sender and an intake over real sockets in this process."""
 
-    def __init__(self, backend: str, capacity: int) -> None:
-        self.ctx = zmq.asyncio.Context()
+    def __init__(self, backend: str, capacity: int, key: ClusterKey | None = None) -> None:
+        self.ctx = make_context(key)
         self.backend = backend
         self.src = CacheOnlyEngine(LAYOUT, capacity, BLOCK, torch.float32)
         self.dst = CacheOnlyEngine(LAYOUT, capacity, BLOCK, torch.float32)
@@ -53,7 +53,9 @@ class Pair:
         self.sock = make_socket(self.ctx, "node.data", "tcp://127.0.0.1:0", max_msg=1 << 30)
         address = bound_address(self.sock, "127.0.0.1")
         forced = backend if backend in REGISTERED else "auto"
-        local = Local("d", host_identity(), "127.0.0.1", self.dst, address, 5.0, forced=forced)  # type: ignore[arg-type]
+        local = Local(
+            "d", host_identity(), "127.0.0.1", self.dst, address, 5.0, forced=forced, key=key
+        )  # type: ignore[arg-type]
         self.receivers = receivers_for(local)
         self.intake = KvIntake(
             self.sock,
@@ -66,7 +68,7 @@ class Pair:
         self.task = asyncio.create_task(self.intake.run())
         self.sender = KvSender(
             self.ctx,
-            Local("p", host_identity(), "127.0.0.1", self.src, forced=forced),  # type: ignore[arg-type]
+            Local("p", host_identity(), "127.0.0.1", self.src, forced=forced, key=key),  # type: ignore[arg-type]
             on_ack=self.acked.put_nowait,
             on_refuse=self.on_refuse,
         )
@@ -118,7 +120,7 @@ class Pair:
         await self.sender.close()
         self.task.cancel()
         await self.intake.close()
-        self.ctx.destroy(linger=0)
+        close_context(self.ctx)
 
 
 BACKENDS = [

@@ -45,6 +45,7 @@ from pdserve.common.protocol import (
     KvRefuse,
     KvTransferred,
     Load,
+    Migrate,
     Msg,
     NeedDecode,
     NodeInfo,
@@ -121,6 +122,7 @@ SAMPLES: list[Msg] = [
     FirstToken(request_id="r.0", token_id=5, finish_reason="length", prefill_ms=1.5, queue_ms=2),
     NeedDecode(request_id="r.0", refused_by="d-1", reason="full"),
     PrefillFailed(request_id="r.0", reason="boom"),
+    Migrate(request_id="r.0", reason="draining"),
     Deregister(node_id="p-1"),
     RegisterAck(node_id="p-1", tokens_address="tcp://127.0.0.1:8002"),
     RegisterRefuse(node_id="p-1", reason="dtype"),
@@ -189,7 +191,7 @@ def test_every_message_round_trips_through_its_channel_only():
 
 @pytest.mark.parametrize("decoder", [d for d, _ in CHANNELS])
 def test_garbage_and_malformed_messages_are_rejected(decoder):
-    offer = msgspec.to_builtins(SAMPLES[11])
+    offer = msgspec.to_builtins(next(m for m in SAMPLES if isinstance(m, PrefillOffer)))
     bad_params = {**offer, "params": {**offer["params"], "max_tokens": 0}}
     garbage = [
         b"",
@@ -497,13 +499,13 @@ class StaleView:
 
 def record_redirects(prefill: PrefillNode) -> list[DecodeTarget | None]:
     redirects: list[DecodeTarget | None] = []
-    on_redirect = prefill._on_redirect
+    on_redirect = prefill.send_kv
 
     async def recording(rid: str, target: DecodeTarget | None) -> None:
         redirects.append(target)
         await on_redirect(rid, target)
 
-    prefill._on_redirect = recording  # type: ignore[method-assign]
+    prefill.send_kv = recording  # type: ignore[method-assign]
     return redirects
 
 

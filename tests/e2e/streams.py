@@ -86,14 +86,22 @@ def _on_event(result: StreamResult, event: bytes) -> None:
             result.finish_reason = choice["finish_reason"]
 
 
-async def _many(url: str, bodies: list[dict[str, Any]], timeout: float) -> list[StreamResult]:
+async def _many(
+    url: str, bodies: list[dict[str, Any]], timeout: float, spacing: float
+) -> list[StreamResult]:
     connector = aiohttp.TCPConnector(limit=0)
+
+    async def later(i: int, body: dict[str, Any]) -> StreamResult:
+        await asyncio.sleep(i * spacing)
+        return await _one(session, url, body, timeout)
+
     async with aiohttp.ClientSession(connector=connector) as session:
-        return list(await asyncio.gather(*(_one(session, url, b, timeout) for b in bodies)))
+        return list(await asyncio.gather(*(later(i, b) for i, b in enumerate(bodies))))
 
 
 def run_streams(
-    url: str, bodies: list[dict[str, Any]], timeout: float = 60.0
+    url: str, bodies: list[dict[str, Any]], timeout: float = 60.0, spacing: float = 0.0
 ) -> list[StreamResult]:
-    """Send every body at once and wait for all of them; each ends or times out."""
-    return asyncio.run(_many(url, bodies, timeout))
+    """Send every body (all at once, or one every `spacing` seconds: a steady load) and wait
+    for all of them; each ends or times out `timeout` seconds after it was sent."""
+    return asyncio.run(_many(url, bodies, timeout, spacing))

@@ -113,3 +113,13 @@ def test_readme_documents_the_variables_compose_reads():
     compose = (ROOT / "compose.yaml").read_text()
     for name in sorted(set(re.findall(r"\$\{(PDSERVE_[A-Z_]+)", compose))):
         assert name in section, f"{name} is not documented in README 'Run on a GPU box'"
+
+
+def test_the_secure_variant_gives_every_pdserve_process_the_cluster_key():
+    config = _config("compose.yaml", "compose.secure.yaml")
+    assert config["secrets"]["cluster_key"]["file"].endswith("cluster.key")
+    for name in ("gateway", "prefill", "decode"):
+        service = config["services"][name]
+        assert [s["source"] for s in service["secrets"]] == ["cluster_key"]
+        assert service["environment"]["PDSERVE_CLUSTER_KEY"] == "/run/secrets/cluster_key"
+        assert service["environment"]["PDSERVE_GATEWAY" if name != "gateway" else "PDSERVE_PORT"]

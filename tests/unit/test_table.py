@@ -23,7 +23,7 @@ def test_an_attempt_moves_from_offer_to_prefill_to_decode_and_nodes_see_it():
     assert req.ran_on == {"prefill": "p0", "decode": "d0"}
     table.prefilled(attempt)
     assert table.in_prefill("p0") == [] and table.on_node("p0") == [attempt]  # holds the KV
-    table.delivered(attempt)
+    table.delivered(attempt, 1.0)
     assert table.on_node("p0") == [] and attempt.prefill is None
     assert table.close("a.0") is attempt and len(table) == 0 and table.on_node("d0") == []
 
@@ -69,7 +69,7 @@ def test_the_per_node_index_always_matches_the_attempts(ops):
         elif op == "prefilled" and attempt.phase is Phase.PREFILL:
             table.prefilled(attempt)
         elif op == "delivered" and attempt.phase is Phase.DECODE:
-            table.delivered(attempt)
+            table.delivered(attempt, 1.0)
         elif op == "redirect" and attempt.phase is not Phase.OFFERED:
             table.redirect(attempt, f"d{(n + 1) % 3}", 2, 0.0)
         elif op == "close":
@@ -79,3 +79,22 @@ def test_the_per_node_index_always_matches_the_attempts(ops):
     for node in [f"{r}{k}" for r in "pd" for k in range(3)]:
         expected = {a.wire_id for a in table if node in a.nodes()}
         assert {a.wire_id for a in table.on_node(node)} == expected
+
+
+def test_a_migration_keeps_the_old_decode_node_holding_until_the_kv_lands_and_leases_follow():
+    table = RequestTable()
+    req = make_request("m", 40)
+    attempt = table.open(req, 40)
+    table.commit(attempt, "p0", "d0", blocks=3, now=1.0)
+    assert table.work_since("p0") == 1.0 and table.work_since("d0") is None  # prefill's turn
+    table.prefilled(attempt)
+    assert table.work_since("p0") is None  # first token out: nothing more due from it
+    table.delivered(attempt, 2.0)
+    assert table.work_since("d0") == 2.0  # decode steps are due from d0 now
+    table.migrate(attempt, "d1", blocks=4, now=3.0)  # d0 drains
+    assert attempt.phase is Phase.DECODE and (attempt.prefill, attempt.decode) == ("d0", "d1")
+    assert table.on_node("d0") == [attempt] and table.headed_to("d1") == [attempt]
+    assert table.work_since("d0") is None and table.work_since("d1") is None  # KV in flight
+    table.delivered(attempt, 4.0)  # d1 acknowledged: d0 lets go
+    assert table.on_node("d0") == [] and table.work_since("d1") == 4.0
+    assert table.close("m.0") is attempt and table.on_node("d1") == []

@@ -91,3 +91,22 @@ def test_a_new_attempt_counts_its_indices_from_the_tokens_kept(tokenizer):
     req.add_token(1, TOKENS[3], None)  # index 1 of the new attempt is output token 3
     req.add_token(0, TOKENS[2], None)
     assert req.output_ids == TOKENS[:4]
+
+
+def test_tokens_a_slow_reader_has_not_taken_join_one_delta(tokenizer):
+    """A client that reads slowly gets several tokens per chunk: the queue holds one Delta
+    with all the text it has not taken, never one per token; what it reads is still every
+    token's text in order, ids included."""
+    req = _request(tokenizer, max_tokens=len(TOKENS))
+    for i, t in enumerate(TOKENS[:5]):
+        req.add_token(i, t, None)
+    assert req.events.qsize() == 1  # five tokens, one waiting Delta
+    first = req.events.get_nowait()
+    assert isinstance(first, Delta) and first.token_ids == TOKENS[:5]
+    req.add_token(5, TOKENS[5], None)  # the reader took the last one: a new Delta
+    for i, t in enumerate(TOKENS[6:], start=6):
+        req.add_token(i, t, "length" if i == len(TOKENS) - 1 else None)
+    rest = [req.events.get_nowait() for _ in range(req.events.qsize())]
+    assert [type(e) for e in rest] == [Delta, Done]
+    assert first.token_ids + rest[0].token_ids == TOKENS
+    assert first.text + rest[0].text == _in_order_text(tokenizer)

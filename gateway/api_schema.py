@@ -1,0 +1,203 @@
+"""The gateway's HTTP contract as msgspec structs: the request bodies it decodes (the first
+step of validation in gateway/openai_api.py, so the published schema and the check are one
+definition) and the response shapes it sends (tests decode real responses into them).
+gateway/openapi.py turns them into `/openapi.json`.
+
+Sampling fields are not listed here: every `SamplingParams` field (common/sampling.py) is a
+request field of the same name, type and range, optional, so a new sampling field reaches
+the API and its schema by itself. Unknown fields are ignored, as OpenAI's clients send many.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from pdserve.common.sampling import SamplingParams
+
+Role = Literal["system", "user", "assistant", "tool", "developer"]
+
+
+class TextPart(msgspec.Struct):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(msgspec.Struct):
+    role: Role
+    content: str | list[TextPart] | None = None  # None only for an assistant turn
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+# `prompt`: checked by code (gateway/openai_api.py `_completion_prompt`), as msgspec cannot
+# express "a string, token ids, or a batch of one of either" as one type
+PROMPT_SCHEMA = {
+    "description": "a string or token ids; a list of one of either (a batch of one)",
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 1,
+            "items": {
+                "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]
+            },
+        },
+    ],
+}
+
+
+def _sampling_fields() -> list[tuple[str, Any, Any]]:
+    """Every SamplingParams field but max_tokens (common to both kinds), optional; `stop`
+    also as one string, as OpenAI's API takes it."""
+    out: list[tuple[str, Any, Any]] = []
+    for f in msgspec.structs.fields(SamplingParams):
+        if f.name == "max_tokens":
+            continue
+        kind = str | list[str] if f.name == "stop" else f.type
+        out.append((f.name, kind | None, None))
+    return out
+
+
+_COMMON: list[tuple[str, Any, Any]] = [
+    ("model", str | None, None),
+    ("max_tokens", Annotated[int, Meta(ge=1)] | None, None),
+    ("max_completion_tokens", Annotated[int, Meta(ge=1)] | None, None),
+    ("n", Literal[1] | None, None),
+    ("stream", bool | None, None),
+    ("stream_options", StreamOptions | None, None),
+    ("return_token_ids", bool | None, None),
+    *_sampling_fields(),
+]
+
+CompletionRequest = msgspec.defstruct(
+    "CompletionRequest",
+    [("prompt", Annotated[Any, Meta(extra_json_schema=PROMPT_SCHEMA)]), *_COMMON],
+    kw_only=True,
+)
+ChatCompletionRequest = msgspec.defstruct(
+    "ChatCompletionRequest",
+    [("messages", Annotated[list[ChatMessage], Meta(min_length=1)]), *_COMMON],
+    kw_only=True,
+)
+
+
+# -- responses -----------------------------------------------------------------------------
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(msgspec.Struct):
+    """Every 4xx/5xx body, and the last event of a stream that failed midway."""
+
+    error: ErrorDetail
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+FinishReason = Literal["stop", "length"] | None
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: FinishReason
+    token_ids: list[int] | None = None  # return_token_ids (vLLM's fields)
+    prompt_token_ids: list[int] | None = None
+
+
+class AssistantMessage(msgspec.Struct):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: FinishReason
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class ChunkDelta(msgspec.Struct, kw_only=True):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: ChunkDelta
+    logprobs: None
+    finish_reason: FinishReason
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+Timings = dict[str, float]  # the server's own phases in ms (ttft, prefill, kv transfer, ...)
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    timings: Timings | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    """One `data:` event of a chat stream (a completion stream's events are `Completion`s);
+    the stream ends with `data: [DONE]`."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+
+class Model(msgspec.Struct):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(msgspec.Struct):
+    object: Literal["list"]
+    data: list[Model]
+
+
+class Health(msgspec.Struct, kw_only=True):
+    status: Literal["ok", "unavailable"]
+    nodes: dict[str, str]  # node id -> role
+    reason: str | None = None

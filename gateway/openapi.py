@@ -1,0 +1,139 @@
+"""`/openapi.json`: the gateway's endpoints, request bodies and error shapes as OpenAPI 3.1,
+generated from the structs the gateway decodes requests into and builds responses from
+(gateway/api_schema.py), so the published contract cannot drift from the checks.
+
+Besides the schema, code checks what a schema cannot say; the spec lists those rules in each
+operation's description: the model must be the one served, the prompt non-empty with token
+ids below the vocabulary size, and prompt + max_tokens within the context length (400
+`context_length_exceeded`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pdserve.gateway import api_schema as s
+
+REF = "#/components/schemas/{name}"
+CHECKS = (
+    "Checked beyond the schema: `model`, when given, must be the served model (else 404 "
+    "`model_not_found`); the prompt must not be empty and its token ids must be below the "
+    "vocabulary size (400); prompt tokens + `max_tokens` must fit the context length (400 "
+    "`context_length_exceeded`); `stream_options` applies to streams only. Unknown fields are "
+    "ignored. With `stream: true` the 200 response is `text/event-stream`: `data: {json}` "
+    "events (chunks, then a usage chunk if asked, or an error object if the request fails "
+    "midway) and `data: [DONE]`."
+)
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": REF.format(name="ErrorResponse")}}},
+    }
+
+
+ERRORS = {
+    "400": _error("invalid request (OpenAI's error object; `param` names the field)"),
+    "401": _error("missing or wrong API key (when the gateway has one)"),
+    "404": _error("unknown model"),
+    "413": _error("request body too large"),
+    "429": _error("too many requests waiting for a prefill node (`--max-waiting`); `Retry-After`"),
+    "503": _error("no capacity or no nodes; `Retry-After` says when to come back"),
+}
+
+
+def _generate(summary: str, request: str, response: str, chunk: str) -> dict[str, Any]:
+    ref = {"$ref": REF.format(name=response)}
+    return {
+        "post": {
+            "summary": summary,
+            "description": CHECKS,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": REF.format(name=request)}}},
+            },
+            "responses": {
+                "200": {
+                    "description": "the completion, or its stream of chunks",
+                    "content": {
+                        "application/json": {"schema": ref},
+                        "text/event-stream": {
+                            "schema": {"type": "string"},
+                            "x-event-schema": {"$ref": REF.format(name=chunk)},
+                        },
+                    },
+                },
+                **ERRORS,
+            },
+            "security": [{}, {"bearer": []}],
+        }
+    }
+
+
+def _get(summary: str, schema: str | None, errors: dict[str, Any]) -> dict[str, Any]:
+    content = (
+        {"application/json": {"schema": {"$ref": REF.format(name=schema)}}}
+        if schema
+        else {"text/plain": {"schema": {"type": "string"}}}
+    )
+    return {
+        "get": {
+            "summary": summary,
+            "responses": {"200": {"description": summary, "content": content}, **errors},
+        }
+    }
+
+
+def spec(model_id: str = "") -> dict[str, Any]:
+    structs = [
+        s.CompletionRequest,
+        s.ChatCompletionRequest,
+        s.Completion,
+        s.ChatCompletion,
+        s.ChatCompletionChunk,
+        s.ErrorResponse,
+        s.ModelList,
+        s.Health,
+    ]
+    _, components = msgspec.json.schema_components(structs, ref_template=REF)
+    unhealthy = {
+        "503": {
+            "description": "the cluster cannot serve (no prefill or decode node)",
+            "content": {"application/json": {"schema": {"$ref": REF.format(name="Health")}}},
+        }
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "pdserve gateway",
+            "version": "0.1.0",
+            "description": "OpenAI-compatible API of a disaggregated prefill/decode cluster"
+            + (f", serving {model_id}" if model_id else ""),
+        },
+        "paths": {
+            "/v1/completions": _generate(
+                "text completion", "CompletionRequest", "Completion", "Completion"
+            ),
+            "/v1/chat/completions": _generate(
+                "chat completion", "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk"
+            ),
+            "/v1/models": _get("the served model", "ModelList", {"401": ERRORS["401"]}),
+            "/health": _get("cluster health", "Health", unhealthy),
+            "/metrics": _get("Prometheus metrics", None, {}),
+            "/openapi.json": {
+                "get": {
+                    "summary": "this document",
+                    "responses": {
+                        "200": {"description": "OpenAPI 3.1", "content": {"application/json": {}}}
+                    },
+                }
+            },
+        },
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }

@@ -1,0 +1,127 @@
+"""Network faults between "hosts": a decode node in its own network namespace, joined to this
+one by a veth pair, while streams run. The link first turns slow and lossy (a token-bucket
+qdisc whose small queue drops what overflows: TCP sees loss and delay), then is cut for 3 s
+(the node is dropped, its requests re-placed), then comes back (the node registers again and
+frees what the gateway forgot). No request hangs, every text is exact, no KV is left.
+
+Needs root and `ip`/`tc` (iproute2); addresses are ones this test creates, nothing else."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.e2e.streams import run_streams
+from tests.e2e.test_stress import sim_text
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+    reason="network namespaces need root and iproute2",
+)
+NS = f"pdchaos{os.getpid()}"
+HOST_IF, NS_IF = f"pdh{os.getpid() % 100000}", f"pdn{os.getpid() % 100000}"
+HOST_IP, NS_IP = "10.213.7.1", "10.213.7.2"
+
+
+def sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def namespace():
+    sh("ip", "netns", "add", NS)
+    try:
+        sh("ip", "link", "add", HOST_IF, "type", "veth", "peer", "name", NS_IF)
+        sh("ip", "link", "set", NS_IF, "netns", NS)
+        sh("ip", "addr", "add", f"{HOST_IP}/30", "dev", HOST_IF)
+        sh("ip", "link", "set", HOST_IF, "up")
+        for cmd in (
+            ("ip", "addr", "add", f"{NS_IP}/30", "dev", NS_IF),
+            ("ip", "link", "set", NS_IF, "up"),
+            ("ip", "link", "set", "lo", "up"),
+        ):
+            sh("ip", "netns", "exec", NS, *cmd)
+        yield
+    finally:
+        subprocess.run(["ip", "link", "del", HOST_IF], capture_output=True, timeout=30)
+        subprocess.run(["ip", "netns", "del", NS], capture_output=True, timeout=30)
+
+
+def _lossy(on: bool) -> None:
+    """A 4 Mbit/s link whose 16 KiB queue drops what overflows, both directions."""
+    for prefix in ((), ("ip", "netns", "exec", NS)):
+        dev = NS_IF if prefix else HOST_IF
+        if on:
+            sh(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", "4mbit",
+               "burst", "16kb", "limit", "16kb")  # fmt: skip
+        else:
+            subprocess.run([*prefix, "tc", "qdisc", "del", "dev", dev, "root"], timeout=30)
+
+
+def test_a_slow_lossy_then_cut_link_to_a_decode_node_changes_no_text(
+    namespace, make_cluster, tokenizer
+):
+    cluster = make_cluster(
+        prefill=1,
+        decode=1,
+        engine="sim",
+        gateway_flags=("--host", "0.0.0.0", "--heartbeat-timeout", "1.0"),
+        node_flags=("--sim-time-scale", "0.1", "--kv-backend", "tcp"),
+        extra={"prefill-0": ("--advertise-host", HOST_IP)},
+    )
+    control_port = cluster.control.rsplit(":", 1)[1]
+    remote = subprocess.Popen(
+        ["ip", "netns", "exec", NS, sys.executable, "-m", "pdserve.cli", "--log-level",
+         "WARNING", "decode", "--gateway", f"tcp://{HOST_IP}:{control_port}", "--node-id",
+         "decode-remote", "--advertise-host", NS_IP, *cluster.node_flags]
+    )  # fmt: skip
+    cluster.procs.append(remote)
+    from tests.chaos.test_node_faults import _nodes
+
+    deadline = time.monotonic() + 60
+    while "decode-remote" not in _nodes(cluster):
+        assert time.monotonic() < deadline and remote.poll() is None, "the remote node never came"
+        time.sleep(0.2)
+    bodies = [
+        {"prompt": list(range(1000 + 9 * i, 1300 + 9 * i)), "max_tokens": 40, "seed": i,
+         "temperature": 1.0, "ignore_eos": True, "stream": True}
+        for i in range(160)
+    ]  # fmt: skip
+    results: list = []
+    load = threading.Thread(
+        target=lambda: results.extend(run_streams(cluster.url, bodies, 60, spacing=0.05))
+    )
+    load.start()
+    time.sleep(1.0)
+    _lossy(True)
+    time.sleep(3.0)
+    sh("ip", "link", "set", HOST_IF, "down")  # the cable is pulled
+    time.sleep(3.0)
+    sh("ip", "link", "set", HOST_IF, "up")
+    _lossy(False)
+    load.join(150)
+    assert not load.is_alive()
+    hung = [r for r in results if "TimeoutError" in r.error]
+    assert not hung, [r.error for r in hung[:3]]
+    failed = [r for r in results if not r.ok]
+    assert not failed, [r.error for r in failed[:3]]
+    for body, r in zip(bodies, results, strict=True):
+        assert r.text == sim_text(tokenizer, body["prompt"], body["seed"], 40)
+    print(
+        f"\nnetwork faults: {len(results)} streams, "
+        f"{cluster.metric('pdserve:request_replacements_total'):.0f} re-placed, "
+        f"remote decode accepted KV: {cluster.metric('pdserve:kv_transfer_bytes_total') > 0}"
+    )
+    assert cluster.metric("pdserve:request_replacements_total") > 0  # the cut did bite
+    deadline = time.monotonic() + 30  # the remote node is back and holds nothing
+    while "decode-remote" not in _nodes(cluster) or cluster.metric(
+        "pdserve:kv_blocks", state="in_use"
+    ):
+        assert time.monotonic() < deadline, "KV left in use or the remote node never came back"
+        time.sleep(0.2)

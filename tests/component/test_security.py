@@ -1,0 +1,113 @@
+"""--cluster-key: key files, CurveZMQ on the socket factory's sockets, and the tcp KV stream's
+challenge. A peer with the key gets through byte-exact; one without it (plain ZeroMQ, another
+key, a raw connection) gets nothing through and is logged."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import stat
+
+import pytest
+import zmq
+
+from pdserve.common import security
+from pdserve.common.security import (
+    BadKey,
+    ClusterKey,
+    close_context,
+    make_context,
+    watch_handshakes,
+)
+from pdserve.common.transport import bound_address, make_socket
+from tests.component.test_kv_backends import BLOCK, Pair, digest
+
+
+def test_key_files_round_trip_private_and_checked(tmp_path):
+    key = ClusterKey.generate()
+    path = tmp_path / "cluster.key"
+    key.save(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert ClusterKey.load(path) == key
+    other = ClusterKey.generate()
+    bad = tmp_path / "mixed.key"
+    bad.write_text(f"public = {other.public.decode()}\nsecret = {key.secret.decode()}\n")
+    with pytest.raises(BadKey, match="does not belong"):
+        ClusterKey.load(bad)
+    with pytest.raises(BadKey):
+        ClusterKey.load(tmp_path / "missing.key")
+    assert key.check(key.mac(b"nonce", b"id"), b"nonce", b"id")
+    assert not other.check(key.mac(b"nonce", b"id"), b"nonce", b"id")
+
+
+async def _received(server: zmq.asyncio.Socket, timeout: float) -> list[bytes] | None:
+    with contextlib.suppress(asyncio.TimeoutError):
+        return await asyncio.wait_for(server.recv_multipart(), timeout)
+    return None
+
+
+async def test_curve_admits_the_cluster_key_only_and_logs_the_rest(caplog):
+    key = ClusterKey.generate()
+    server_ctx = make_context(key)
+    server = make_socket(server_ctx, "node.data", "tcp://127.0.0.1:0")
+    address = bound_address(server, "127.0.0.1")
+    watcher = asyncio.create_task(watch_handshakes(server, "node.data"))
+    contexts = {
+        "member": make_context(key),
+        "no key": make_context(None),
+        "other key": make_context(ClusterKey.generate()),
+    }
+    before = security.REFUSALS.count
+    try:
+        got = {}
+        for name, ctx in contexts.items():
+            client = make_socket(ctx, "node.data_out", address, identity=name)
+            await client.send(b"hello from " + name.encode())
+            got[name] = await _received(server, 1.0)
+        assert got["member"] == [b"member", b"hello from member"]
+        assert got["no key"] is None and got["other key"] is None
+        assert security.REFUSALS.count >= before + 2  # both strangers were seen and refused
+        assert "refused an unauthenticated peer" in caplog.text
+    finally:
+        watcher.cancel()
+        for ctx in contexts.values():
+            close_context(ctx)
+        close_context(server_ctx)
+
+
+@pytest.mark.parametrize("backend", ["tcp", "zmq"])
+async def test_kv_moves_byte_exact_with_a_cluster_key(backend):
+    pair = await Pair(backend, capacity=600, key=ClusterKey.generate()).start()  # 37 blocks
+    try:
+        for i, n in enumerate([1, 17, 257]):
+            table = list(range(i * 10, i * 10 + 17))[: -(-n // BLOCK)]
+            intake = await pair.send(f"r{i}", n, table, layerwise=i % 2 == 0)
+            assert intake.header.backend == backend
+            assert digest(pair.dst, intake.block_table, n) == digest(pair.src, table, n)
+            pair.release(intake.block_table)
+    finally:
+        await pair.close()
+
+
+async def test_a_tcp_kv_connection_without_the_key_is_closed_unread(caplog):
+    pair = await Pair("tcp", capacity=600, key=ClusterKey.generate()).start()
+    host, port = pair.tcp_address.rsplit(":", 1)
+    before = security.REFUSALS.count
+    try:
+        loop = asyncio.get_running_loop()
+        for mac in (b"\0" * security.MAC_BYTES, ClusterKey.generate().mac(b"x")):
+            sock = socket.create_connection((host, int(port)), timeout=5)
+            sock.setblocking(False)
+            nonce = await loop.sock_recv(sock, security.NONCE_BYTES)  # the challenge comes first
+            assert len(nonce) == security.NONCE_BYTES
+            await loop.sock_sendall(sock, b"p".ljust(64) + mac)
+            assert await asyncio.wait_for(loop.sock_recv(sock, 10), 5) == b""  # closed
+            sock.close()
+        assert security.REFUSALS.count == before + 2
+        # the member still gets through afterwards
+        intake = await pair.send("after", 40, [0, 1, 2], layerwise=False)
+        assert digest(pair.dst, intake.block_table, 40) == digest(pair.src, [0, 1, 2], 40)
+    finally:
+        await pair.close()
