@@ -137,6 +137,11 @@ class Placer:
         if offer is None or offer.node.node.identity != identity or offer.answer.done():
             return False
         del self.offers[wire_id]
+        if self.table.get(wire_id) is not offer.attempt:
+            # its client left (or it moved on) while the offer was out: the attempt is closed,
+            # and an acceptance must not link nodes to it (the caller aborts it on the node)
+            offer.answer.set_result(False)
+            return False
         if accepted:
             offer.commit(self.table)
         offer.room = room

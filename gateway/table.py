@@ -84,6 +84,7 @@ class RequestTable:
     def commit(self, attempt: Attempt, prefill: str, decode: str, blocks: int, now: float) -> None:
         """A prefill node accepted: the attempt holds it, and KV blocks on the decode node."""
         assert attempt.phase is Phase.OFFERED, attempt
+        assert self.attempts.get(attempt.wire_id) is attempt, "commit of a closed attempt"
         attempt.prefill, attempt.phase = prefill, Phase.PREFILL
         self._place(attempt, decode, blocks, now)
         self._link(attempt, prefill)

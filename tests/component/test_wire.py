@@ -697,3 +697,34 @@ async def test_kv_the_decode_node_no_longer_holds_is_sent_whole_after_all(tokeni
         assert len(refusals) == 1 and refusals[0].startswith(PREFIX_GONE)
         assert second.attempt == 0  # resent by the prefill node, no re-placement
         await until(lambda: not prefill.requests and not decode.requests, what="idle")
+
+
+async def test_an_accept_for_a_request_whose_client_left_meanwhile_links_nothing(tokenizer):
+    """The client leaves while its offer is out; the node accepts after that. The closed
+    attempt must not be committed (a node linked to a wire id the table no longer has broke
+    every later placement with a KeyError): the node is told to abort, and nothing leaks."""
+    async with Cluster(tokenizer) as c:
+        prefill = await c.add(c.node(PrefillNode, "prefill-0"))
+        await c.add(c.node(DecodeNode, "decode-0"))
+        offered, release = asyncio.Event(), asyncio.Event()
+        on_offer = prefill._on_offer
+
+        async def slow_offer(offer):  # type: ignore[no-untyped-def]
+            offered.set()
+            await release.wait()
+            await on_offer(offer)
+
+        prefill._on_offer = slow_offer  # type: ignore[method-assign]
+        req = c.request("gone", prompt(30))
+        run = asyncio.create_task(c.gw.run(req))
+        await asyncio.wait_for(offered.wait(), TIMEOUT)
+        c.gw.abort(req)  # the client disconnects with the offer in flight
+        release.set()
+        await asyncio.wait_for(run, TIMEOUT)
+        await until(lambda: not prefill.requests, what="the node was told to abort")
+        assert not c.gw.table and all(not c.gw.table.on_node(n) for n in c.gw.cluster.nodes)
+        prefill._on_offer = on_offer  # type: ignore[method-assign]
+        after = c.request("after", prompt(30, 3000))
+        await asyncio.wait_for(c.gw.run(after), TIMEOUT)
+        assert await outcome(after) == Done("length")
+        await until(all_free(prefill), what="every block freed")
