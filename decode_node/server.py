@@ -14,7 +14,8 @@ decode node with its KV (live migration): after the step that computes it, the s
 parked (off the batch, blocks held), the gateway names a target (`Migrate` -> `Redirect`), and
 the KV goes there as a prefill node sends it (common/node/handoff.py), the newest token in
 `KvDone`; the target decodes on under the same wire id, so the client's stream continues with
-no token lost, repeated or recomputed. No target: the gateway re-places it by recompute.
+no token lost, repeated or recomputed. No target: the node decodes it on itself, as a drain
+without migration would (recompute elsewhere only at --drain-timeout).
 """
 
 from __future__ import annotations
@@ -84,6 +85,14 @@ class DecodeNode(KvHandoff):
             self.to_park[rid] = reason
         else:
             self._park(rid, reason)
+
+    def keep(self, rid: str) -> bool:
+        """No decode node can take a migrating sequence: finish it here (the drain waits
+        for it, up to --drain-timeout, then hands it back for recompute)."""
+        if not self.scheduler.resume(rid):
+            return False
+        self.work.set()
+        return True
 
     def _park(self, rid: str, reason: str) -> None:
         req = self.requests.get(rid)

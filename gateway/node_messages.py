@@ -210,6 +210,14 @@ class NodeMessages:
             max(0, attempt.final_len - attempt.prompt_len),
         )
         target = redirect(self.policy, self.cluster, self.table, need, self.index)
+        asker = self.cluster.by_identity(identity)
+        if target is None and asker is not None and asker.info.role == "decode":
+            # a migration whose target refused and no other can take it: the draining
+            # node still holds the KV and decodes it itself
+            self.table.stay(attempt, time.monotonic())
+            self.metrics.migrations.labels("stayed").inc()
+            await self._reply(identity, Redirect(request_id=msg.request_id, decode=None))
+            return
         if target is None:
             await self._reply(identity, Redirect(request_id=msg.request_id, decode=None))
             # spawned, not awaited: the re-placement waits for an Accept this loop reads
@@ -238,11 +246,9 @@ class NodeMessages:
             max(0, attempt.final_len - tokens),
         )
         target = redirect(self.policy, self.cluster, self.table, need, self.index)
-        if target is None:
-            self.metrics.migrations.labels("recomputed").inc()
+        if target is None:  # nowhere to go: the draining node finishes it itself
+            self.metrics.migrations.labels("stayed").inc()
             await self._reply(identity, Redirect(request_id=msg.request_id, decode=None))
-            why = f"{attempt.decode} drains ({msg.reason}) and no decode node had room"
-            self._spawn(self.replace(attempt, why, "no_room"))
             return
         self.metrics.migrations.labels("moved").inc()
         log.info("migrating %s: %s -> %s", msg.request_id, attempt.decode, target.node_id)

@@ -109,6 +109,16 @@ class RequestTable:
         attempt.delivered_at = 0.0  # the new node's decode work starts when the KV lands
         self._place(attempt, decode, blocks, now)
 
+    def stay(self, attempt: Attempt, now: float) -> None:
+        """A migration found no decode node to take it: the node it was moving from (held
+        as its prefill side) decodes it on."""
+        if attempt.decode is not None and attempt.decode != attempt.prefill:
+            self._unlink(attempt, attempt.decode)
+        attempt.decode, attempt.prefill = attempt.prefill, None
+        attempt.delivered_at = now
+        if attempt.decode is not None:
+            attempt.req.ran_on["decode"] = attempt.decode
+
     def prefilled(self, attempt: Attempt) -> None:
         """The first token arrived: prefill is over. The prefill node keeps the KV (and the
         attempt stays on it: its death loses the request) until the decode node has it."""

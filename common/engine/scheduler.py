@@ -214,6 +214,14 @@ class Scheduler:
         self.parked[seq.seq_id] = seq
         return True
 
+    def resume(self, seq_id: str) -> bool:
+        """Decode mode: a parked sequence that found nowhere to go decodes on here."""
+        seq = self.parked.pop(seq_id, None)
+        if seq is None:
+            return False
+        self.running.append(seq)
+        return True
+
     def release(self, seq_id: str) -> Sequence | None:
         """Prefill mode: the parked sequence's KV was handed off; free its blocks."""
         seq = self.parked.pop(seq_id, None)

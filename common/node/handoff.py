@@ -3,7 +3,7 @@ prefill node does after every prefill, and a draining decode node does to move a
 sequence (live migration). The sequence waits parked in the scheduler (its blocks held, not
 stepped) until `KvAck`; a refusal asks the gateway for another decode node (`NeedDecode` ->
 `Redirect`), and the KV is sent again from the cache; `Redirect` to nobody lets it go (the
-gateway re-places the request by recompute).
+gateway re-places the request by recompute), or, for a migration, keeps it where it is.
 """
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ class KvHandoff(NodeBase):
             return
         await self.send_gateway(NeedDecode(request_id=rid, refused_by=peer, reason=why))
 
+    def keep(self, rid: str) -> bool:
+        """Nobody can take the KV: keep the sequence here (a draining decode node decodes
+        it itself) instead of letting it go for the gateway to re-place."""
+        return False
+
     async def send_kv(self, rid: str, target: DecodeTarget | None) -> None:
         """Send the KV of a parked sequence, whole, to `target` (None: nobody can take it)."""
         await self.out_of_step(rid)  # a pass may still be sending to the old peer
@@ -53,6 +58,8 @@ class KvHandoff(NodeBase):
         if req is None or rid not in self.scheduler.parked:
             return
         self.sender.release(rid)
+        if target is None and self.keep(rid):
+            return
         if target is None:  # the gateway re-places the request
             self.requests.pop(rid)
             self.scheduler.release(rid)

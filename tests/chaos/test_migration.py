@@ -76,3 +76,20 @@ async def test_greedy_text_is_unchanged_by_a_migration_mid_stream(tokenizer, tor
         assert req.output_ids == expected.token_ids  # the same greedy text, token for token
         assert req.attempt == 0 and req.ran_on["decode"] != source.node_id
         await until(source.stopped.is_set, 10, "the drained node exits")
+
+
+async def test_with_no_other_decode_node_the_draining_one_finishes_its_sequences(tokenizer):
+    async with Cluster(tokenizer) as c:
+        await c.add(c.node(PrefillNode, "prefill-0", ecfg=STEADY))
+        only = await c.add(c.node(DecodeNode, "decode-0", ecfg=STEADY))
+        params = SamplingParams(max_tokens=80, temperature=1.0, seed=4, ignore_eos=True)
+        reqs = [c.request(f"s{i}", prompt(30, 5000 + 100 * i), params) for i in range(4)]
+        runs = [asyncio.create_task(c.gw.run(r)) for r in reqs]
+        await until(lambda: all(len(r.output_ids) >= 5 for r in reqs), 20, "decoding")
+        only.begin_drain()
+        assert [await outcome(r, 30) for r in reqs] == [Done("length")] * 4
+        await asyncio.gather(*runs)
+        for r in reqs:  # finished where they were: no recompute, exact tokens
+            assert r.output_ids == _sim_ids(r.prompt_ids, 4, 80) and r.attempt == 0
+        assert c.gw.metrics.migrations.labels("stayed")._value.get() == 4
+        await until(only.stopped.is_set, 10, "the drained node exits once idle")

@@ -98,3 +98,17 @@ def test_a_migration_keeps_the_old_decode_node_holding_until_the_kv_lands_and_le
     table.delivered(attempt, 4.0)  # d1 acknowledged: d0 lets go
     assert table.on_node("d0") == [] and table.work_since("d1") == 4.0
     assert table.close("m.0") is attempt and table.on_node("d1") == []
+
+
+def test_a_migration_with_no_taker_stays_on_the_old_node():
+    table = RequestTable()
+    req = make_request("s", 40)
+    attempt = table.open(req, 40)
+    table.commit(attempt, "p0", "d0", blocks=3, now=1.0)
+    table.prefilled(attempt)
+    table.delivered(attempt, 2.0)
+    table.migrate(attempt, "d1", blocks=4, now=3.0)
+    table.stay(attempt, 5.0)  # d1 refused, nobody else can take it
+    assert (attempt.prefill, attempt.decode) == (None, "d0") and req.ran_on["decode"] == "d0"
+    assert table.on_node("d1") == [] and table.on_node("d0") == [attempt]
+    assert table.work_since("d0") == 5.0
