@@ -20,9 +20,19 @@ import pytest
 from tests.e2e.streams import run_streams
 from tests.e2e.test_stress import sim_text
 
+
+def _netns_permitted() -> bool:
+    """Root with iproute2, and allowed to make a namespace (a container may not be)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        return False
+    probe = f"pdprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, timeout=30)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
+    return made.returncode == 0
+
+
 pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
-    reason="network namespaces need root and iproute2",
+    not _netns_permitted(), reason="network namespaces need root, iproute2 and CAP_NET_ADMIN"
 )
 NS = f"pdchaos{os.getpid()}"
 HOST_IF, NS_IF = f"pdh{os.getpid() % 100000}", f"pdn{os.getpid() % 100000}"
