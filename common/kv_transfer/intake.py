@@ -119,6 +119,14 @@ class KvIntake:
                 log.warning("dropping malformed data message")
 
     async def _on_header(self, peer: bytes, h: KvHeader) -> None:
+        try:
+            await self._header(peer, h)
+        finally:  # accepted or refused: a frame that came first waits no longer
+            event = self.arrivals.pop(h.request_id, None)
+            if event is not None:
+                event.set()
+
+    async def _header(self, peer: bytes, h: KvHeader) -> None:
         rid = h.request_id
         receiver = self.receivers.get(h.backend)
         if rid in self.incoming:  # never replace a live transfer's state
@@ -140,9 +148,6 @@ class KvIntake:
         if problem is not None:
             self.drop(rid)
             return await self.refuse(peer, rid, problem)
-        event = self.arrivals.pop(rid, None)
-        if event is not None:
-            event.set()
 
     async def _on_layer(self, peer: bytes, rid: str, layer: int, parts: list[Any]) -> None:
         intake = self.incoming.get(rid)

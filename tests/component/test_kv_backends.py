@@ -277,6 +277,42 @@ async def test_tcp_frames_before_their_header_unknown_frames_and_a_stalled_peer(
         await pair.close()
 
 
+async def test_a_tcp_frame_whose_header_is_refused_is_dropped_at_once_not_after_a_timeout():
+    """A frame may arrive before its header; if that header is then refused (no room), the
+    frame is discarded as soon as the refusal is known. It waited the whole transfer timeout
+    instead, the stream behind it stalled, and the sender's next header queued behind that."""
+    pair = await Pair("tcp", capacity=600).start()
+    host, port = pair.tcp_address.rsplit(":", 1)
+    early = socket.create_connection((host, int(port)))
+    dealer = make_socket(pair.ctx, "node.data_out", pair.target.data_address, identity="p3")
+    try:
+        n = 40
+        size = pair.src.kv_frame_bytes(n)
+        early.sendall(b"p3".ljust(ID_BYTES) + frame_head("full", 0, size) + b"z" * size)
+        for _ in range(100):  # the listener waits for the header
+            if "full" in pair.intake.arrivals:
+                break
+            await asyncio.sleep(0.01)
+        assert "full" in pair.intake.arrivals
+        pair.free = []  # no room: the header is refused
+        header = KvHeader(request_id="full", prompt_ids=list(range(n)), num_prompt_tokens=n,
+                          params=SamplingParams(), num_layers=LAYOUT.num_layers,
+                          frame_bytes=size, prefill_node="p3", backend="tcp")  # fmt: skip
+        started = asyncio.get_running_loop().time()
+        await dealer.send(encode(header))
+        for _ in range(100):
+            if "full" not in pair.intake.arrivals:
+                break
+            await asyncio.sleep(0.01)
+        waited = asyncio.get_running_loop().time() - started
+        assert "full" not in pair.intake.arrivals and waited < 1.0, waited  # the timeout is 5 s
+        assert "full" in pair.intake.closed
+    finally:
+        early.close()
+        dealer.close()
+        await pair.close()
+
+
 # -- a backend is one module plus one registry line ------------------------------------------
 class CopySend(SendConnector):
     """A toy backend: each frame staged as one bytes object, sent as one ZeroMQ part."""
