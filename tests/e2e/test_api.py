@@ -305,8 +305,9 @@ def test_openai_chat(client: openai.OpenAI, sampling: dict[str, Any]) -> None:
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert [f for f in finishes if f is not None] == ["length"]
     assert finishes[-1] == "length"  # nothing after the finish but the usage chunk
-    # sim tokens are ordinary words: every step sends one chunk
-    assert len(content) == n
+    # sim tokens are ordinary words: a chunk per step, unless tokens came while the handler
+    # was still writing the last chunk, which then travel together (gateway/requests.py)
+    assert 1 <= len(content) <= n
     assert "".join(content) == choice.message.content
     last = chunks[-1]
     assert last.choices == []
