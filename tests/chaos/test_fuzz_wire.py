@@ -19,30 +19,14 @@ from hypothesis import strategies as st
 
 from pdserve.common.kv_transfer.tcp import ID_BYTES, frame_head
 from pdserve.common.protocol import (
-    GATEWAY_DECODER,
-    NODE_DECODER,
-    TO_DECODE_DECODER,
-    TO_PREFILL_DECODER,
-    TOKENS_DECODER,
-    DecodeToGateway,
-    DecodeToPrefill,
-    GatewayToNode,
     Msg,
-    NodeToGateway,
-    PrefillToDecode,
 )
 from pdserve.common.transport import decode_or_none, free_port
+from tests.component.test_wire import CHANNELS
 from tests.e2e.conftest import wait_for
 from tests.e2e.streams import run_streams
 from tests.e2e.test_faults import _bodies, _check_texts, _tokens_port
 
-CHANNELS = [
-    (NODE_DECODER, NodeToGateway),
-    (GATEWAY_DECODER, GatewayToNode),
-    (TO_DECODE_DECODER, PrefillToDecode),
-    (TO_PREFILL_DECODER, DecodeToPrefill),
-    (TOKENS_DECODER, DecodeToGateway),
-]
 TYPES = [cls.__name__ for cls in Msg.__subclasses__()]
 FIELDS = sorted({f for cls in Msg.__subclasses__() for f in cls.__struct_fields__})
 
