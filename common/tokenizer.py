@@ -79,11 +79,48 @@ class Tokenizer:
         return int(self.backend.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = list(self.backend.encode(text, add_special_tokens=False).ids)
+        # the batch call releases the GIL while Rust works (a single `encode` holds it,
+        # ~0.1 s per 100k tokens, stalling the gateway's event loop thread the whole time);
+        # the _fast form skips character offsets nobody here reads
+        batch = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        ids = list(batch([text], add_special_tokens=False)[0].ids)
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids.insert(0, self.bos_token_id)
         return ids
+
+    def surely_longer_than(self, text: str, tokens: int) -> bool:
+        """True when `text` certainly encodes to more than `tokens` tokens, known without
+        encoding it: a multi-megabyte prompt is refused in microseconds instead of holding
+        a core (and, for the Python parts, the GIL the event loop needs) for seconds."""
+        bound = self._chars_per_token
+        return bound is not None and len(text) > (tokens + 1) * bound
+
+    @functools.cached_property
+    def _chars_per_token(self) -> int | None:
+        """Most characters of input text one token can stand for, where that is provable;
+        None where the pipeline may drop text (a whitespace-splitting pre-tokenizer, a
+        normalizer that strips): those prompts are counted only by encoding them.
+
+        Byte-level BPE maps each UTF-8 byte of the text to one character of a token, and
+        a character is at least one byte, so a token covers at most as many characters as
+        its longest vocabulary entry has. NFC composition shrinks text at most 3 to 1
+        (three Hangul jamo into one syllable), hence the factor."""
+        spec = json.loads(self.backend.to_str())
+        norm = spec.get("normalizer")
+        shrink = 1 if norm is None else {"NFC": 3}.get(norm.get("type"))
+        pre = spec.get("pre_tokenizer") or {}
+        steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+        kinds = [step.get("type") for step in steps]
+        keeps_text = all(
+            k in ("ByteLevel", "Digits")
+            or (k in ("Split", "Punctuation") and step.get("behavior") != "Removed")
+            for k, step in zip(kinds, steps, strict=True)
+        )
+        if shrink is None or "ByteLevel" not in kinds or not keeps_text:
+            return None
+        longest = max(len(t) for t in self.backend.get_vocab(with_added_tokens=True))
+        return longest * shrink
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.backend.decode(ids, skip_special_tokens=skip_special_tokens))

@@ -98,6 +98,12 @@ class ClusterView:
             self.reference = None  # an empty cluster may be re-formed with another model
         return node
 
+    def excuse(self, seconds: float) -> None:
+        """Moves every lease on by `seconds` the gateway itself could not run."""
+        for n in self.nodes.values():
+            n.last_seen += seconds
+            n.progress_at += seconds
+
     def expired(self, now: float) -> list[str]:
         return [
             n.node_id for n in self.nodes.values() if now - n.last_seen > self.heartbeat_timeout

@@ -45,6 +45,7 @@ class Gateway(NodeMessages):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.tokenizer_fingerprint = tokenizer.fingerprint()
+        tokenizer.surely_longer_than("", 0)  # computes its bound now, not in a request
         self.cluster = ClusterView(cfg.heartbeat_timeout)
         self.table = RequestTable()
         self.index = PrefixIndex()  # which prefix blocks each node holds
@@ -286,9 +287,19 @@ class Gateway(NodeMessages):
 
     # -- liveness --------------------------------------------------------------------------
     async def _liveness_loop(self) -> None:
+        tick = min(0.25, self.cfg.heartbeat_timeout / 4)
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(min(0.25, self.cfg.heartbeat_timeout / 4))
+            await asyncio.sleep(tick)
             now = time.monotonic()
+            late, last = now - last - tick, now
+            if late > tick:
+                # this process did not run (starved of CPU, a GC or swap pause): the nodes'
+                # heartbeats wait unread in the socket, so the silence is ours, not theirs.
+                # Dropping every node for it would fail every request in flight.
+                level = logging.WARNING if late > self.cfg.heartbeat_timeout / 2 else logging.DEBUG
+                log.log(level, "gateway stalled %.1f s; node leases extended by as much", late)
+                self.cluster.excuse(late)
             for node_id in self.cluster.expired(now):
                 await self._drop_node(node_id, "heartbeat timeout")
             for node in list(self.cluster.nodes.values()):

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
+import zmq
+
 from pdserve.common.config import GatewayConfig
 from pdserve.common.protocol import (
     NODE_DECODER,
@@ -116,7 +118,10 @@ class NodeMessages:
         return attempt
 
     async def _reply(self, identity: bytes, msg: Any) -> None:
-        await send(self.control, msg, to=identity)
+        try:
+            await send(self.control, msg, to=identity)
+        except zmq.ZMQError as exc:  # the peer is gone (ROUTER_MANDATORY): liveness drops it
+            log.info("no reply to a node that left (%s): %s", type(msg).__name__, exc)
 
     # -- control socket --------------------------------------------------------------------
     async def _on_register(self, identity: bytes, msg: Register) -> None:

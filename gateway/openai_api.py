@@ -119,13 +119,17 @@ def parse_request(
             text = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
         except ValueError as exc:
             raise ApiError(400, str(exc), "messages") from exc
+        _refuse_surely_too_long(tokenizer, text, max_model_len, "messages")
         prompt_ids = tokenizer.encode(text, add_special_tokens=False)
     else:
-        prompt_ids = _completion_prompt(req.prompt, tokenizer)
+        prompt_ids = _completion_prompt(req.prompt, tokenizer, max_model_len)
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", "prompt" if kind == "completion" else "messages")
-    if any(not 0 <= t < tokenizer.vocab_size for t in prompt_ids):
-        raise ApiError(400, f"prompt token ids must be in [0, {tokenizer.vocab_size})", "prompt")
+    # min/max run in C: a generator over a long prompt would hold the GIL the event loop
+    # thread needs for as long (this runs on a parser thread)
+    vocab = tokenizer.vocab_size
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+        raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
     limit = max_model_len - len(prompt_ids)
     max_tokens = req.max_completion_tokens
     if max_tokens is None:
@@ -151,11 +155,31 @@ def parse_request(
     )
 
 
-def _completion_prompt(prompt: Any, tokenizer: Tokenizer) -> list[int]:
+def _refuse_surely_too_long(tokenizer: Tokenizer, text: str, limit: int, param: str) -> None:
+    if tokenizer.surely_longer_than(text, limit):
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {limit} tokens; the prompt "
+            f"({len(text)} characters) is longer than that",
+            param,
+            "context_length_exceeded",
+        )
+
+
+def _completion_prompt(prompt: Any, tokenizer: Tokenizer, max_model_len: int) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
+        _refuse_surely_too_long(tokenizer, prompt, max_model_len, "prompt")
         return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and len(prompt) > max_model_len:
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {max_model_len} tokens; the prompt "
+            f"has {len(prompt)}",
+            "prompt",
+            "context_length_exceeded",
+        )
     if isinstance(prompt, list) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):

@@ -250,9 +250,16 @@ def test_twelve_hundred_malformed_or_unusual_requests_all_end_and_none_is_a_5xx(
     )
     rng = random.Random(11)
     requests = [_weird_body(rng) for _ in range(1200)]
+    # multi-megabyte prompts, refused unread (surely past the context), and prompts just
+    # short of that bound: a tenth of a second of tokenizing each, off the event loop
     big = json.dumps({"prompt": "lorem ipsum " * 400_000, "max_tokens": 1}).encode()
-    for i in range(100, 1200, 250):  # multi-megabyte prompts: seconds of tokenizing each
+    long = json.dumps({"prompt": "lorem ipsum " * 27_000, "max_tokens": 1}).encode()
+    chat = {"messages": [{"role": "user", "content": "lorem ipsum " * 400_000}]}
+    big_chat = json.dumps(chat).encode()
+    for i in range(100, 1200, 250):
         requests[i] = ("/v1/completions", big)
+        requests[i + 1] = ("/v1/chat/completions", big_chat)
+        requests[i + 2] = ("/v1/completions", long)
     import asyncio
 
     import aiohttp
