@@ -10,12 +10,12 @@ admission, only while `watermark_blocks` stay free for running sequences to grow
 watermark). When a decoding sequence cannot grow anyway, the newest running sequence is
 preempted: its blocks are freed.
 
-Prefix caching (`prefix_caching`): a sequence admitted with no KV yet takes the blocks that
-already hold the longest cached prefix of its tokens (chained block hashes, see
-block_manager.py) and computes only the rest, at least its last token (its logits are
-needed). Every full block whose KV is computed (or arrived, in decode mode) is registered,
-so it stays reusable after its sequence ends, until its block is taken for other tokens
-(least recently freed first).
+Prefix caching (`prefix_caching`, the mixin in prefix_caching.py): a sequence admitted
+with no KV yet takes the blocks that already hold the longest cached prefix of its tokens
+(chained block hashes, see block_manager.py) and computes only the rest, at least its last
+token (its logits are needed). Every full block whose KV is computed (or arrived, in decode
+mode) is registered, so it stays reusable after its sequence ends, until its block is taken
+for other tokens (least recently freed first).
 
 Modes (one scheduler for every role, so a node could serve either):
     colocated  both phases here; a preempted sequence goes back to the head of the queue,
@@ -37,8 +37,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pdserve.common.config import EngineConfig
-from pdserve.common.engine.block_manager import BlockManager, hash_salt, prefix_hashes
+from pdserve.common.engine.block_manager import BlockManager, hash_salt
 from pdserve.common.engine.interface import DecodeWork, PrefillWork
+from pdserve.common.engine.prefix_caching import PrefixCaching
 from pdserve.common.engine.sequence import SeqStatus, Sequence
 from pdserve.common.engine.tiers import TierStore
 
@@ -99,7 +100,7 @@ class SchedulerOutput:
         return {s.seq_id for s, _ in self.prefills} | {s.seq_id for s in self.decodes}
 
 
-class Scheduler:
+class Scheduler(PrefixCaching):
     def __init__(self, cfg: SchedulerConfig) -> None:
         self.cfg = cfg
         self.block_manager = BlockManager(
@@ -116,17 +117,6 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
-
-    def attach_tiers(
-        self,
-        tiers: TierStore,
-        read_block: Callable[[int], bytes],
-        write_block: Callable[[int, bytes], None],
-    ) -> None:
-        """Blocks about to be overwritten go to `tiers`; a prefix that continues there is
-        loaded back when that is cheaper than recomputing it."""
-        self.tiers, self._write_block = tiers, write_block
-        self.block_manager.on_evict = lambda block, digest: tiers.put(digest, read_block(block))
 
     # -- admission ----------------------------------------------------------------------
     def can_take(
@@ -285,25 +275,6 @@ class Scheduler:
         return grew
 
     # -- internals ----------------------------------------------------------------------
-    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
-        """The longest cached prefix of a waiting sequence's tokens, short of its last token
-        (computed anyway: its logits are needed): blocks of this cache (not taken yet), then
-        hashes a lower tier holds and would load faster than they recompute."""
-        if not self.cfg.prefix_caching or seq.block_table:
-            return [], []
-        self._extend_hashes(seq)
-        usable = seq.block_hashes[: (seq.num_tokens - 1) // self.cfg.block_size]
-        hits = self.block_manager.match(usable)
-        loads: list[bytes] = []
-        tiers = self.tiers
-        if tiers is not None and tiers.enabled:
-            for digest in usable[len(hits) :]:
-                tier = tiers.where(digest)
-                if tier is None or not tiers.worth_loading(tier, self.cfg.block_size):
-                    break
-                loads.append(digest)
-        return hits, loads
-
     def _admit(self, seq: Sequence, hits: list[int], loads: list[bytes]) -> bool:
         if len(self.running) >= self.cfg.max_num_seqs:
             return False
@@ -326,43 +297,6 @@ class Scheduler:
         self.running.append(seq)
         seq.status = SeqStatus.RUNNING
         return True
-
-    def _load(self, blocks: list[int], hashes: list[bytes]) -> int:
-        """Fill the first blocks with the tiers' copies of `hashes`; how many it loaded (a
-        block that is gone or corrupt ends the run: the rest is computed)."""
-        if not hashes or self.tiers is None or self._write_block is None:
-            return 0
-        for i, digest in enumerate(hashes):
-            data = self.tiers.take(digest)
-            if data is None:
-                return i
-            self._write_block(blocks[i], data)
-        return len(hashes)
-
-    def _extend_hashes(self, seq: Sequence, upto: int | None = None) -> None:
-        """Hash the sequence's full blocks (up to `upto` blocks) it has not hashed yet."""
-        full = min(len(seq.token_ids) // self.cfg.block_size, upto if upto is not None else 1 << 62)
-        have = len(seq.block_hashes)
-        if full > have:
-            parent = seq.block_hashes[-1] if have else None
-            seq.block_hashes += prefix_hashes(
-                seq.token_ids[: full * self.cfg.block_size],
-                self.cfg.block_size,
-                self.cfg.hash_salt,
-                start=have,
-                parent=parent,
-            )
-
-    def _register(self, seq: Sequence) -> None:
-        """Make the full blocks whose KV is computed reusable (prefix caching)."""
-        if not self.cfg.prefix_caching:
-            return
-        full = min(seq.num_computed_tokens // self.cfg.block_size, len(seq.block_table))
-        if full > seq.num_registered_blocks:
-            self._extend_hashes(seq, full)
-            first = seq.num_registered_blocks
-            self.block_manager.register(seq.block_table[first:full], seq.block_hashes[first:full])
-            seq.num_registered_blocks = full
 
     def _make_room(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Grow seq's blocks to hold its newest token, preempting the newest others if needed."""

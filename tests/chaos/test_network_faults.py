@@ -1,10 +1,12 @@
 """Network faults between "hosts": a decode node in its own network namespace, joined to this
 one by a veth pair, while streams run. The link first turns slow and lossy (a token-bucket
-qdisc whose small queue drops what overflows: TCP sees loss and delay), then is cut for 3 s
-(the node is dropped, its requests re-placed), then comes back (the node registers again and
-frees what the gateway forgot). No request hangs, every text is exact, no KV is left.
+qdisc whose small queue drops what overflows, and 3 % random loss: TCP sees loss and delay),
+then is cut for 3 s (the node is dropped, its requests re-placed), then comes back (the node
+registers again and frees what the gateway forgot). No request hangs, every text is exact,
+no KV is left.
 
-Needs root and `ip`/`tc` (iproute2); addresses are ones this test creates, nothing else."""
+Needs root, `ip`/`tc` (iproute2) and iptables; addresses are ones this test creates, nothing
+else."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from tests.e2e.test_stress import sim_text
 
 def _netns_permitted() -> bool:
     """Root with iproute2, and allowed to make a namespace (a container may not be)."""
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+    tools = ("ip", "tc", "iptables")
+    if os.geteuid() != 0 or any(shutil.which(t) is None for t in tools):
         return False
     probe = f"pdprobe{os.getpid()}"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, timeout=30)
@@ -64,7 +67,9 @@ def namespace():
 
 
 def _lossy(on: bool) -> None:
-    """A 4 Mbit/s link whose 16 KiB queue drops what overflows, both directions."""
+    """A 4 Mbit/s link whose 16 KiB queue drops what overflows (queueing delay up to 32 ms),
+    both directions, and 3 % of the namespace's packets dropped at random either way (an
+    iptables `statistic` rule inside the namespace: this kernel has no netem qdisc)."""
     for prefix in ((), ("ip", "netns", "exec", NS)):
         dev = NS_IF if prefix else HOST_IF
         if on:
@@ -72,6 +77,22 @@ def _lossy(on: bool) -> None:
                "burst", "16kb", "limit", "16kb")  # fmt: skip
         else:
             subprocess.run([*prefix, "tc", "qdisc", "del", "dev", dev, "root"], timeout=30)
+    ns = ("ip", "netns", "exec", NS, "iptables")
+    if on:
+        for chain, flag in (("INPUT", "-i"), ("OUTPUT", "-o")):
+            sh(*ns, "-A", chain, flag, NS_IF, "-m", "statistic", "--mode", "random",
+               "--probability", "0.03", "-j", "DROP")  # fmt: skip
+    else:
+        subprocess.run([*ns, "-F"], timeout=30)
+
+
+def _dropped() -> int:
+    """Packets the namespace's random-loss rules have dropped so far."""
+    out = subprocess.run(
+        ["ip", "netns", "exec", NS, "iptables", "-L", "-v", "-n", "-x"],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    return sum(int(line.split()[0]) for line in out.splitlines() if "statistic" in line)
 
 
 def test_a_slow_lossy_then_cut_link_to_a_decode_node_changes_no_text(
@@ -114,6 +135,7 @@ def test_a_slow_lossy_then_cut_link_to_a_decode_node_changes_no_text(
     sh("ip", "link", "set", HOST_IF, "down")  # the cable is pulled
     time.sleep(3.0)
     sh("ip", "link", "set", HOST_IF, "up")
+    lost = _dropped()
     _lossy(False)
     load.join(150)
     assert not load.is_alive()
@@ -126,8 +148,10 @@ def test_a_slow_lossy_then_cut_link_to_a_decode_node_changes_no_text(
     print(
         f"\nnetwork faults: {len(results)} streams, "
         f"{cluster.metric('pdserve:request_replacements_total'):.0f} re-placed, "
-        f"remote decode accepted KV: {cluster.metric('pdserve:kv_transfer_bytes_total') > 0}"
+        f"remote decode accepted KV: {cluster.metric('pdserve:kv_transfer_bytes_total') > 0}, "
+        f"{lost} packets dropped at random"
     )
+    assert lost > 0  # the loss did bite
     assert cluster.metric("pdserve:request_replacements_total") > 0  # the cut did bite
     deadline = time.monotonic() + 30  # the remote node is back and holds nothing
     while "decode-remote" not in _nodes(cluster) or cluster.metric(
