@@ -212,6 +212,11 @@ class GatewayConfig:
         "(longer than the longest prefill pass)",
     )
     max_replacements: int = flag(3, "re-placements of one request (preemption, node death)")
+    rebalance: float = flag(
+        0.0,
+        "move running sequences with their KV off a decode node whose cache is more than this "
+        "share in use (0.9, say) to one at least 0.25 emptier, before it must preempt; 0: off",
+    )
     stream_gap_timeout: float = flag(
         10.0, "seconds a token may wait for an earlier one before the attempt is re-placed"
     )
@@ -233,6 +238,10 @@ class GatewayConfig:
         for name in timeouts:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+        if not 0 <= self.rebalance < 1:
+            raise ConfigError(
+                f"--rebalance is a share of the KV cache in [0, 1), got {self.rebalance}"
+            )
         if self.max_waiting < 1:
             raise ConfigError(f"--max-waiting must be at least 1, got {self.max_waiting}")
         for name in ("admission_max_wait", "admission_aging", "ttft_slo", "reject_ttft"):

@@ -219,8 +219,23 @@ class Drain(Msg):
     pass
 
 
+class Rebalance(Msg):
+    """To a decode node that is filling up while another has room: move these running
+    sequences (wire ids) with their KV, as a drain would (`Migrate` for each), and go on
+    serving (gateway/rebalance.py)."""
+
+    request_ids: tuple[str, ...]
+
+
 GatewayToNode = (
-    RegisterAck | RegisterRefuse | HeartbeatReply | PrefillOffer | Redirect | Abort | Drain
+    RegisterAck
+    | RegisterRefuse
+    | HeartbeatReply
+    | PrefillOffer
+    | Redirect
+    | Abort
+    | Drain
+    | Rebalance
 )
 
 

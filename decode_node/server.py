@@ -16,6 +16,8 @@ the KV goes there as a prefill node sends it (common/node/handoff.py), the newes
 `KvDone`; the target decodes on under the same wire id, so the client's stream continues with
 no token lost, repeated or recomputed. No target: the node decodes it on itself, as a drain
 without migration would (recompute elsewhere only at --drain-timeout).
+The gateway may also ask a node that is filling up to move some sequences (`Rebalance`,
+`--rebalance`): the same path, while the node goes on serving.
 """
 
 from __future__ import annotations
@@ -30,7 +32,15 @@ from pdserve.common.kv_transfer.base import Intake
 from pdserve.common.node import NodeRequest
 from pdserve.common.node.handoff import KvHandoff
 from pdserve.common.node.kv import reserve_blocks
-from pdserve.common.protocol import Abort, Drain, KvHeader, Migrate, Preempted, Redirect
+from pdserve.common.protocol import (
+    Abort,
+    Drain,
+    KvHeader,
+    Migrate,
+    Preempted,
+    Rebalance,
+    Redirect,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +70,9 @@ class DecodeNode(KvHandoff):
                 self.abort(rid)
             case Drain():
                 self.begin_drain()
+            case Rebalance(request_ids=rids):
+                for rid in () if self.draining else rids:  # a drain moves them all anyway
+                    self.spawn(self.migrate(rid, "rebalance"))  # gone or moving: skipped
             case Redirect(request_id=rid, decode=target):  # where a migrating sequence goes
                 self.spawn(self.send_kv(rid, target))
             case _:

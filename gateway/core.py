@@ -24,14 +24,16 @@ import zmq
 import zmq.asyncio
 
 from pdserve.common.config import GatewayConfig
-from pdserve.common.protocol import Abort, Msg, PrefillOffer
+from pdserve.common.protocol import Abort, Msg, PrefillOffer, Rebalance
 from pdserve.common.security import ClusterKey, close_context, make_context, watch_handshakes
 from pdserve.common.tokenizer import Tokenizer
 from pdserve.common.transport import CONTROL_MAX_MSG, TOKENS_MAX_MSG, make_socket, send
+from pdserve.gateway import rebalance
 from pdserve.gateway.cluster import ClusterView, NodeState
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.node_messages import NodeMessages
 from pdserve.gateway.placement import Admission, PlacementTimeout, Placer
+from pdserve.gateway.plan import views
 from pdserve.gateway.policies import make_policy
 from pdserve.gateway.prefix_index import PrefixIndex
 from pdserve.gateway.requests import Failed, GatewayRequest, StreamGap
@@ -83,6 +85,7 @@ class Gateway(NodeMessages):
         )
         self.metrics = GatewayMetrics(self.cluster, self.table, self.placer.waiting)
         self.tasks: list[asyncio.Task] = []
+        self.rebalanced_at: dict[str, float] = {}  # decode node id -> its last rebalance
         self.parser = ThreadPoolExecutor(2, thread_name_prefix="parse")  # tokenizing requests
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -318,6 +321,22 @@ class Gateway(NodeMessages):
                     req.gap_since = None
                     why = f"token {len(req.output_ids)} never arrived"
                     self._spawn(self.replace(attempt, why))
+            if self.cfg.rebalance:
+                await self._rebalance(now)
+
+    async def _rebalance(self, now: float) -> None:
+        """Move running sequences off a decode node filling up (gateway/rebalance.py)."""
+        pool = views(self.cluster, self.table, "decode")
+        move = rebalance.choose(pool, self.table, self.cfg.rebalance, self.rebalanced_at, now)
+        node = self.cluster.nodes.get(move.source) if move is not None else None
+        if move is None or node is None:
+            return
+        self.rebalanced_at[move.source] = now
+        self.metrics.rebalances.inc(len(move.request_ids))
+        log.info(
+            "rebalancing: %d sequences %s -> %s", len(move.request_ids), move.source, move.target
+        )
+        await self._reply(node.identity, Rebalance(request_ids=move.request_ids))
 
     async def _drop_node(self, node_id: str, why: str) -> None:
         node = self.cluster.remove(node_id)

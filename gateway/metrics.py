@@ -137,8 +137,13 @@ class GatewayMetrics:
         )
         self.migrations = Counter(
             "pdserve:kv_migrations",
-            "Sequences of draining decode nodes: moved with their KV, or re-placed by recompute",
+            "Sequences leaving a decode node (drain, rebalance): moved with their KV, or stayed",
             ["result"],
+            registry=r,
+        )
+        self.rebalances = Counter(
+            "pdserve:decode_rebalance_moves",
+            "Running sequences the gateway asked a filling decode node to move (--rebalance)",
             registry=r,
         )
         self.replacements = Counter(

@@ -1,0 +1,81 @@
+"""Rebalancing the decode pool by live migration (`--rebalance U`). Pure: `now` passed in.
+
+A decode node whose KV cache is more than U in use will soon preempt: when a running
+sequence cannot grow, the newest one is handed back and recomputed elsewhere, its prefill
+and every decode step spent again. Placement cannot prevent this, because it only sees the
+prompt: sequences grow after they are placed, unevenly. So the gateway watches the pool
+and, when the fullest decode node is past U and the emptiest is at least `GAP` emptier,
+asks the fuller one to move some running sequences to the other with their KV (`Rebalance`
+-> the node's `Migrate` -> `Redirect`: the drain's path, decode_node/server.py), with no
+token lost, repeated or recomputed.
+
+Which ones: those with the most growth left (max_tokens not yet generated), since the ones
+about to finish free their blocks soon anyway; as many as bring the two nodes halfway
+together, at most `MOST` a round, only what fits in the target's free blocks. A node
+rebalanced less than `COOLDOWN` seconds ago is left alone: its load reports must show the
+moves before the rule looks again, or it would move twice as much (hysteresis).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.gateway.policies import NodeView
+from pdserve.gateway.table import Phase, RequestTable
+
+GAP = 0.25  # usage difference (share of blocks) worth moving KV across
+MOST = 4  # sequences moved per round
+COOLDOWN = 2.0  # seconds between rounds on one source node
+
+
+@dataclass(frozen=True)
+class Move:
+    source: str  # node id
+    target: str  # the emptiest node (the gateway's redirect makes the final choice)
+    request_ids: tuple[str, ...]  # wire ids
+
+
+def usage(view: NodeView) -> float:
+    total = view.node.info.num_blocks
+    return 1.0 - view.free_blocks / total if total else 0.0
+
+
+def choose(
+    decode: list[NodeView],
+    table: RequestTable,
+    high: float,
+    last: dict[str, float],
+    now: float,
+) -> Move | None:
+    """The sequences to move this round, or None. `last`: when each node was last a source."""
+    if high <= 0 or len(decode) < 2:
+        return None
+    source = max(decode, key=usage)
+    target = min(decode, key=usage)
+    u_src, u_dst = usage(source), usage(target)
+    if u_src < high or u_src - u_dst < GAP or now - last.get(source.node_id, -1e9) < COOLDOWN:
+        return None
+    block = source.block_size
+    running = []
+    for a in table.headed_to(source.node_id):
+        moving = a.prefill is not None  # a migration (or its first transfer) in flight
+        if moving or a.phase is not Phase.DECODE or not a.delivered_at or a.req.finished:
+            continue
+        size = a.prompt_len + max(0, len(a.req.output_ids) - a.req.base - 1) + 1
+        running.append((a.final_len - size, size, a.wire_id))
+    running.sort(reverse=True)  # most growth left first
+    want = (u_src - u_dst) / 2 * source.node.info.num_blocks  # blocks to bring them halfway
+    room = target.free_blocks
+    picked: list[str] = []
+    moved = 0
+    for _, size, wire_id in running:
+        blocks = -(-size // block)
+        if len(picked) >= MOST or moved >= want:
+            break
+        if blocks + 1 > room - moved:  # +1: its next token's block on the target
+            continue
+        picked.append(wire_id)
+        moved += blocks
+    if not picked:
+        return None
+    return Move(source.node_id, target.node_id, tuple(picked))

@@ -1,0 +1,63 @@
+"""The decode pool's rebalancing rule (gateway/rebalance.py): when, what and how much."""
+
+from __future__ import annotations
+
+from msgspec.structs import replace
+
+from pdserve.gateway.plan import views
+from pdserve.gateway.rebalance import COOLDOWN, MOST, choose
+from pdserve.gateway.table import RequestTable
+from tests.conftest import gateway_request
+from tests.unit.test_policies import cluster_with
+
+
+def _running(table: RequestTable, node: str, rid: str, prompt: int, max_tokens: int) -> None:
+    req = gateway_request(rid, prompt)
+    req.params = replace(req.params, max_tokens=max_tokens)
+    attempt = table.open(req, prompt)
+    table.commit(attempt, "p0", node, -(-prompt // 16), 0.0)
+    table.prefilled(attempt)
+    table.delivered(attempt, 1.0)  # its KV arrived: it decodes there
+
+
+def _setup(free0: int, free1: int, first_prompt: int = 32) -> tuple[list, RequestTable]:
+    table = RequestTable()
+    # growth left: 900, 100, 500, 700, 300, 800 tokens (prompts of 2 blocks, but the first)
+    for i, growth in enumerate([900, 100, 500, 700, 300, 800]):
+        _running(table, "d0", f"r{i}", first_prompt if i == 0 else 32, growth)
+    cluster = cluster_with({}, {"d0": free0, "d1": free1})
+    return views(cluster, table, "decode"), table
+
+
+def test_a_full_node_moves_the_sequences_with_most_growth_left_to_the_empty_one():
+    pool, table = _setup(free0=5, free1=95)  # 95 % and 5 % in use (100 blocks each)
+    move = choose(pool, table, 0.9, {}, now=10.0)
+    assert move is not None and (move.source, move.target) == ("d0", "d1")
+    assert move.request_ids == ("r0.0", "r5.0", "r3.0", "r2.0")[:MOST]
+
+
+def test_no_move_below_the_threshold_across_a_small_gap_or_within_the_cooldown():
+    pool, table = _setup(free0=15, free1=95)  # 85 % in use: under 0.9
+    assert choose(pool, table, 0.9, {}, 10.0) is None
+    pool, table = _setup(free0=5, free1=20)  # 95 % against 80 %: too close to bother
+    assert choose(pool, table, 0.9, {}, 10.0) is None
+    pool, table = _setup(free0=5, free1=95)
+    assert choose(pool, table, 0.9, {"d0": 10.0 - COOLDOWN / 2}, 10.0) is None
+    assert choose(pool, table, 0.9, {"d0": 10.0 - COOLDOWN}, 10.0) is not None
+    assert choose(pool, table, 0.0, {}, 10.0) is None  # off
+
+
+def test_only_what_fits_on_the_target_and_never_a_sequence_already_moving():
+    # the most growth is r0's, but its 60 blocks (960 tokens) do not fit in the 40 free
+    pool, table = _setup(free0=0, free1=40, first_prompt=959)
+    move = choose(pool, table, 0.9, {}, 10.0)
+    assert move is not None and move.request_ids[0] == "r5.0" and "r0.0" not in move.request_ids
+    pool, table = _setup(free0=0, free1=95)
+    move = choose(pool, table, 0.9, {}, 10.0)
+    assert move is not None and move.request_ids[0] == "r0.0"
+    moving = table.get("r0.0")
+    assert moving is not None
+    table.migrate(moving, "d1", 3, 10.0)  # in flight: the old node holds it as "prefill"
+    pool = views(cluster_with({}, {"d0": 0, "d1": 95}), table, "decode")
+    move = choose(pool, table, 0.9, {}, 11.0)
+    assert move is not None and "r0.0" not in move.request_ids
