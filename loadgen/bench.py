@@ -19,25 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model name to send (default: the server's)")
-    p.add_argument(
-        "--workload",
-        default="synthetic",
-        choices=["synthetic", "shared-prefix", "sharegpt", "mooncake"],
-    )
-    p.add_argument("--dataset", default=None, help="sharegpt JSON or mooncake JSONL file")
-    p.add_argument("--num-requests", type=int, default=50)
-    p.add_argument("--rate", type=float, default=0.0, help="requests/s (0: all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape k (1 = Poisson)")
+    add_workload_flags(p)
     p.add_argument("--concurrency", type=int, default=0, help="closed loop with N in flight")
-    p.add_argument("--input-len", default="128", help="128 (fixed), or e.g. lognormal:512:0.5")
-    p.add_argument("--output-len", default="64", help="as --input-len")
-    p.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix workload")
-    p.add_argument("--groups", type=int, default=4, help="shared-prefix workload")
-    p.add_argument("--time-scale", type=float, default=1.0, help="mooncake: stretch arrivals")
-    p.add_argument("--length-scale", type=float, default=1.0, help="mooncake: scale lengths")
     p.add_argument("--warmup", type=int, default=0)
-    p.add_argument("--slo", default="", help="ttft=MS,tpot=MS,e2e=MS for goodput")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for requests.jsonl / summary.*")
     p.add_argument("--no-ignore-eos", action="store_true", help="let EOS end requests early")
     p.add_argument(
@@ -57,8 +41,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
+def add_workload_flags(p: argparse.ArgumentParser) -> None:
+    """The workload and SLO flags, shared with `pdserve plan` (the same workload planned and
+    measured)."""
+    p.add_argument(
+        "--workload",
+        default="synthetic",
+        choices=["synthetic", "shared-prefix", "sharegpt", "mooncake"],
+    )
+    p.add_argument("--dataset", default=None, help="sharegpt JSON or mooncake JSONL file")
+    p.add_argument("--num-requests", type=int, default=50)
+    p.add_argument("--rate", type=float, default=0.0, help="requests/s (0: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape k (1 = Poisson)")
+    p.add_argument("--input-len", default="128", help="128 (fixed), or e.g. lognormal:512:0.5")
+    p.add_argument("--output-len", default="64", help="as --input-len")
+    p.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix workload")
+    p.add_argument("--groups", type=int, default=4, help="shared-prefix workload")
+    p.add_argument("--time-scale", type=float, default=1.0, help="mooncake: stretch arrivals")
+    p.add_argument("--length-scale", type=float, default=1.0, help="mooncake: scale lengths")
+    p.add_argument("--slo", default="", help="ttft=MS,tpot=MS,e2e=MS for goodput")
+    p.add_argument("--seed", type=int, default=0)
+
+
 def build_workload(args: argparse.Namespace) -> list[workloads.RequestSpec]:
-    n = args.num_requests + args.warmup
+    n = args.num_requests + getattr(args, "warmup", 0)
     if args.workload == "synthetic":
         return workloads.synthetic(
             args.seed,

@@ -133,9 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serving(sub)
     from pdserve.loadgen.bench import add_parser as add_bench
     from pdserve.loadgen.compare import add_parser as add_compare
+    from pdserve.planner.cli import add_parser as add_plan
 
     add_bench(sub)
     add_compare(sub)
+    add_plan(sub)
     return parser
 
 
