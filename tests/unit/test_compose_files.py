@@ -123,3 +123,12 @@ def test_the_secure_variant_gives_every_pdserve_process_the_cluster_key():
         assert [s["source"] for s in service["secrets"]] == ["cluster_key"]
         assert service["environment"]["PDSERVE_CLUSTER_KEY"] == "/run/secrets/cluster_key"
         assert service["environment"]["PDSERVE_GATEWAY" if name != "gateway" else "PDSERVE_PORT"]
+
+
+def test_the_image_copies_every_package_linked_into_pdserve():
+    """pdserve/ links the layer folders in; the Dockerfile copies each one by name, so a new
+    one it misses would be absent from the image (the gateway's CLI imports them all)."""
+    linked = {p.name for p in (ROOT / "pdserve").iterdir() if p.is_symlink()}
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    copied = set(re.findall(r"^COPY (\w+) /src/\1$", dockerfile, re.M))
+    assert linked and linked <= copied, sorted(linked - copied)
