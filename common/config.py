@@ -195,6 +195,12 @@ class GatewayConfig:
     )
     admission_aging: float = flag(0.5, "spf: seconds of prefill forgiven per second waited")
     ttft_slo: float = flag(0.0, "seconds to the first token (deadline order); 0: none")
+    tpot_slo: float = flag(
+        0.0, "seconds per output token the decode pool's desired size keeps to; 0: KV only"
+    )
+    sizing_window: float = flag(
+        60.0, "seconds of load the desired-replicas signal (pdserve:desired_replicas) weighs"
+    )
     reject_ttft: float = flag(
         0.0,
         "answer 503 + Retry-After at once when a new request's predicted TTFT (its prefill + "
@@ -244,7 +250,15 @@ class GatewayConfig:
             )
         if self.max_waiting < 1:
             raise ConfigError(f"--max-waiting must be at least 1, got {self.max_waiting}")
-        for name in ("admission_max_wait", "admission_aging", "ttft_slo", "reject_ttft"):
+        if self.sizing_window <= 0:
+            raise ConfigError("--sizing-window must be positive")
+        for name in (
+            "admission_max_wait",
+            "admission_aging",
+            "ttft_slo",
+            "tpot_slo",
+            "reject_ttft",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
         if len({self.port, self.control_port, self.tokens_port}) != 3:

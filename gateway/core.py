@@ -37,6 +37,7 @@ from pdserve.gateway.plan import views
 from pdserve.gateway.policies import make_policy
 from pdserve.gateway.prefix_index import PrefixIndex
 from pdserve.gateway.requests import Failed, GatewayRequest, StreamGap
+from pdserve.gateway.sizing import Sizing
 from pdserve.gateway.table import Attempt, RequestTable
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,10 @@ class Gateway(NodeMessages):
                 cfg.ttft_slo or math.inf,
             ),
         )
-        self.metrics = GatewayMetrics(self.cluster, self.table, self.placer.waiting)
+        self.sizing = Sizing(self.policy.cost, cfg.sizing_window, tpot_slo=cfg.tpot_slo)
+        self.metrics = GatewayMetrics(
+            self.cluster, self.table, self.placer.waiting, self.desired_replicas
+        )
         self.tasks: list[asyncio.Task] = []
         self.rebalanced_at: dict[str, float] = {}  # decode node id -> its last rebalance
         self.parser = ThreadPoolExecutor(2, thread_name_prefix="parse")  # tokenizing requests
@@ -127,6 +131,7 @@ class Gateway(NodeMessages):
     async def run(self, req: GatewayRequest) -> None:
         """Place the request; tokens then arrive through the loops into req.events."""
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+        self.sizing.arrived(len(req.prompt_ids), time.monotonic())
         if len(self.placer.waiting) >= self.cfg.max_waiting:  # bounded, whatever the load
             req.finish(
                 Failed(
@@ -287,6 +292,15 @@ class Gateway(NodeMessages):
         else:
             node.rejects += 1
             self.metrics.rejects.labels(node.node_id).inc()
+
+    def desired_replicas(self) -> dict[str, int]:
+        """The autoscaling signal per pool (gateway/sizing.py), at scrape time."""
+        backlog = sum(w.need.prompt_len for w in self.placer.waiting.values())
+        now = time.monotonic()
+        return {
+            "prefill": self.sizing.prefill(self.cluster, backlog, now),
+            "decode": self.sizing.decode(self.cluster),
+        }
 
     # -- liveness --------------------------------------------------------------------------
     async def _liveness_loop(self) -> None:

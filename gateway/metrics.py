@@ -6,7 +6,7 @@ in prefill, KV blocks by state) are read from the cluster view at scrape time.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -51,10 +51,17 @@ LATENCY_BUCKETS = (
 
 
 class ClusterCollector(Collector):
-    def __init__(self, cluster: ClusterView, table: RequestTable, waiting: object) -> None:
+    def __init__(
+        self,
+        cluster: ClusterView,
+        table: RequestTable,
+        waiting: object,
+        desired: Callable[[], dict[str, int]] | None = None,
+    ) -> None:
         self.cluster = cluster
         self.table = table
         self.waiting = waiting  # anything with __len__: requests waiting for placement
+        self.desired = desired  # pool -> desired replicas (gateway/sizing.py)
 
     def collect(self) -> Iterator[Metric]:
         labels = ["node", "role"]
@@ -98,6 +105,15 @@ class ClusterCollector(Collector):
         )
         in_flight.add_metric([], len(self.table))
         yield from (running, waiting, prefill, usage, blocks, gw_waiting, in_flight)
+        if self.desired is not None:
+            desired = GaugeMetricFamily(
+                "pdserve:desired_replicas",
+                "Replicas each pool needs for its current load (the autoscaling signal)",
+                labels=["pool"],
+            )
+            for pool, count in self.desired().items():
+                desired.add_metric([pool], count)
+            yield desired
         loads = [([n.node_id, n.info.role], n.load) for n in self.cluster.nodes.values()]
         yield from prefix_counters(loads)  # per node, from heartbeats
         total_q = CounterMetricFamily(
@@ -117,7 +133,13 @@ class ClusterCollector(Collector):
 
 
 class GatewayMetrics:
-    def __init__(self, cluster: ClusterView, table: RequestTable, waiting: object) -> None:
+    def __init__(
+        self,
+        cluster: ClusterView,
+        table: RequestTable,
+        waiting: object,
+        desired: Callable[[], dict[str, int]] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -204,7 +226,7 @@ class GatewayMetrics:
                 ("tpot_ms", "pdserve:time_per_output_token_seconds", "Mean gap per request"),
             )
         }
-        r.register(ClusterCollector(cluster, table, waiting))
+        r.register(ClusterCollector(cluster, table, waiting, desired))
 
     def observe_phases(self, phases: dict[str, float]) -> None:
         """The per-request timeline summarised: one histogram per phase (gateway wait and KV

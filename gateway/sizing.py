@@ -1,0 +1,105 @@
+"""The autoscaling signal: how many replicas each pool wants for the load it has now,
+exported as `pdserve:desired_replicas{pool="prefill"|"decode"}` for an external autoscaler
+(a Kubernetes HPA or KEDA on the Prometheus metric) to act on. Pure: `now` passed in.
+
+The rule is the planner's capacity model in closed form (the cost model of
+common/costmodel.py, the nodes' own measurements where they have them):
+
+    prefill = ceil((lambda x s + backlog x s / W) / U)
+        lambda   prompt tokens arriving per second, exponentially weighted over the window W
+        s        prefill seconds per token: the prefill nodes' measured median (their
+                 `token_cost`), else the cost model's at the mean prompt length
+        backlog  prompt tokens waiting at the gateway, to be drained within one window
+        U        target utilisation (0.8): past it a prefill node's queue grows fast (the
+                 mean wait of a node serving one batch at a time grows as U / (1 - U))
+    decode  = max(ceil(blocks / (blocks per node x U)), ceil(running / B))
+        blocks   KV blocks in use on the decode nodes
+        B        the largest batch whose decode step, at the running sequences' mean
+                 context, keeps within the TPOT SLO (`--tpot-slo`; without one, KV only)
+
+Each is at least 1. Scale-down is the autoscaler's to damp (an HPA's stabilisation window);
+the signal itself follows the load within about one window.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pdserve.common.costmodel import CostModel
+from pdserve.gateway.cluster import ClusterView
+
+
+@dataclass
+class Ewma:
+    """A rate of events per second, each observation weighted by exp(-age / window)."""
+
+    window: float
+    value: float = 0.0
+    at: float = 0.0
+
+    def add(self, amount: float, now: float) -> None:
+        self.value = self.rate(now) + amount / self.window
+        self.at = now
+
+    def rate(self, now: float) -> float:
+        return self.value * math.exp(-max(0.0, now - self.at) / self.window)
+
+
+@dataclass
+class Sizing:
+    cost: CostModel
+    window: float = 60.0
+    utilization: float = 0.8
+    tpot_slo: float = 0.0
+    tokens: Ewma = field(init=False)
+    requests: Ewma = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tokens, self.requests = Ewma(self.window), Ewma(self.window)
+
+    def arrived(self, prompt_tokens: int, now: float) -> None:
+        self.tokens.add(prompt_tokens, now)
+        self.requests.add(1, now)
+
+    def prefill(self, cluster: ClusterView, backlog_tokens: int, now: float) -> int:
+        rate = self.tokens.rate(now)
+        if rate <= 0 and backlog_tokens <= 0:
+            return 1
+        measured = sorted(
+            n.load.token_cost for n in cluster.alive("prefill") if n.load.token_cost > 0
+        )
+        if measured:
+            per_token = measured[len(measured) // 2]
+        else:
+            mean = max(1, round(rate / max(self.requests.rate(now), 1e-9)))
+            per_token = self.cost.prefill_seconds(mean) / mean
+        busy = (rate + backlog_tokens / self.window) * per_token  # node-seconds per second
+        return max(1, math.ceil(busy / self.utilization - 1e-9))
+
+    def decode(self, cluster: ClusterView) -> int:
+        nodes = cluster.alive("decode")
+        if not nodes:
+            return 1
+        in_use = sum(n.load.blocks_in_use for n in nodes)
+        per_node = max(1, nodes[0].info.num_blocks)
+        want = math.ceil(in_use / (per_node * self.utilization) - 1e-9)
+        running = sum(n.load.running for n in nodes)
+        if self.tpot_slo > 0 and running:
+            context = max(1, in_use * nodes[0].info.block_size // running)
+            want = max(want, math.ceil(running / self.batch_within_slo(context)))
+        return max(1, want)
+
+    def batch_within_slo(self, context: int) -> int:
+        """The largest decode batch at this mean context whose step keeps within the TPOT
+        SLO (at least 1: a lone sequence is as fast as it gets)."""
+        step = self.cost.decode_step_seconds
+        if step([context]) > self.tpot_slo:
+            return 1
+        low, high = 1, 2
+        while step([context] * high) <= self.tpot_slo and high < 1 << 20:
+            low, high = high, high * 2
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if step([context] * mid) <= self.tpot_slo else (low, mid)
+        return low

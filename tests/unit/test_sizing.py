@@ -1,0 +1,63 @@
+"""The autoscaling signal's rule (gateway/sizing.py) on loads with known answers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from msgspec.structs import replace
+
+from pdserve.common.costmodel import CostModel
+from pdserve.common.protocol import Load
+from pdserve.gateway.sizing import Ewma, Sizing
+from tests.unit.test_policies import cluster_with
+
+COST = CostModel.named("h100-llama3.1-8b")
+
+
+def test_the_rate_estimate_converges_to_a_steady_rate_and_decays_after_it():
+    ewma = Ewma(window=10.0)
+    for i in range(2000):  # 5 events a second for 400 s
+        ewma.add(1.0, i * 0.2)
+    assert ewma.rate(400.0) == pytest.approx(5.0, rel=0.03)
+    assert ewma.rate(400.0 + 30.0) == pytest.approx(5.0 * math.exp(-3), rel=0.03)
+
+
+def test_prefill_replicas_are_the_offered_work_over_the_target_utilisation():
+    sizing = Sizing(COST, window=10.0)
+    prompt = 2000
+    per_request = COST.prefill_seconds(prompt)
+    rate = 3.0 / per_request  # three prefill nodes' worth of work, at 100 % busy
+    t = 0.0
+    while t < 200.0:
+        sizing.arrived(prompt, t)
+        t += 1 / rate
+    cluster = cluster_with({"p0": (0, 0)}, {"d0": 100})
+    # 3 node-seconds a second / 0.8 -> 4 nodes
+    assert sizing.prefill(cluster, backlog_tokens=0, now=t) == 4
+    # a backlog of 20 s of one node's work, drained within one 10 s window: 2 more
+    backlog = round(20 / per_request) * prompt
+    assert sizing.prefill(cluster, backlog, now=t) == math.ceil((3 + 2) / 0.8 - 1e-9)
+    assert Sizing(COST).prefill(cluster, 0, now=0.0) == 1  # no load: one
+
+
+def test_measured_token_cost_wins_over_the_cost_model():
+    sizing = Sizing(COST, window=10.0)
+    for i in range(1000):
+        sizing.arrived(1000, i * 0.1)  # 10,000 tokens a second
+    cluster = cluster_with({"p0": (0, 0), "p1": (0, 0)}, {"d0": 100})
+    for node in cluster.alive("prefill"):  # measured: 0.3 ms a token -> 3 node-seconds/s
+        node.load = replace(node.load, token_cost=0.0003)
+    assert sizing.prefill(cluster, 0, now=100.0) == math.ceil(3 / 0.8)
+
+
+def test_decode_replicas_cover_the_kv_in_use_and_the_batch_the_tpot_slo_allows():
+    cluster = cluster_with({}, {"d0": 0, "d1": 0})  # 100 blocks each
+    for node in cluster.alive("decode"):
+        node.load = Load(running=10, waiting=0, blocks_free=10, blocks_cached=0, blocks_in_use=90)
+    # 180 blocks in use / (100 x 0.8) -> 3
+    assert Sizing(COST).decode(cluster) == 3
+    tight = Sizing(COST, tpot_slo=COST.decode_step_seconds([144] * 5))  # 5 fit at the SLO
+    assert tight.batch_within_slo(144) == 5
+    assert tight.decode(cluster) == 4  # 20 running, 5 per node
+    assert Sizing(COST, tpot_slo=1e-6).batch_within_slo(144) == 1
