@@ -74,7 +74,7 @@ def measure(
     up = ["--engine", "sim", "--sim-profile", cfg.profile, "--sim-time-scale", str(scale)]
     up += ["--prefill", str(cfg.prefill), "--decode", str(cfg.decode)]
     up += ["--max-batch", str(cfg.prefill_max_batch), "--cache-aware-routing", "off"]
-    up += ["--placement-timeout", "900", "--log-level", "WARNING"]
+    up += ["--placement-timeout", "900"]
     stretched = [dataclasses.replace(s, arrival=s.arrival * scale) for s in specs]
     proc, url, _ = start_cluster(up, timeout=300)
     try:
