@@ -218,6 +218,13 @@ class GatewayConfig:
         "(longer than the longest prefill pass)",
     )
     max_replacements: int = flag(3, "re-placements of one request (preemption, node death)")
+    role_switching: Literal["on", "off"] = flag(
+        "off",
+        "switch a node between prefill and decode when one pool is short and the other has "
+        "one to spare (the desired-replicas rule), with hysteresis (gateway/roles.py)",
+    )
+    switch_hold: float = flag(5.0, "seconds an imbalance must last before a role switch")
+    switch_dwell: float = flag(30.0, "seconds a node keeps a role before it may switch again")
     rebalance: float = flag(
         0.0,
         "move running sequences with their KV off a decode node whose cache is more than this "
@@ -250,6 +257,8 @@ class GatewayConfig:
             )
         if self.max_waiting < 1:
             raise ConfigError(f"--max-waiting must be at least 1, got {self.max_waiting}")
+        if self.switch_hold < 0 or self.switch_dwell < 0:
+            raise ConfigError("--switch-hold and --switch-dwell must not be negative")
         if self.sizing_window <= 0:
             raise ConfigError("--sizing-window must be positive")
         for name in (

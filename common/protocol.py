@@ -227,6 +227,14 @@ class Rebalance(Msg):
     request_ids: tuple[str, ...]
 
 
+class SwitchRole(Msg):
+    """Take the other role: stop taking work, finish or move what is held (a drain), leave,
+    and register again as `role` in the same process, weights and KV cache kept
+    (gateway/roles.py decides; common/node/roles.py does it)."""
+
+    role: Literal["prefill", "decode"]
+
+
 GatewayToNode = (
     RegisterAck
     | RegisterRefuse
@@ -236,6 +244,7 @@ GatewayToNode = (
     | Abort
     | Drain
     | Rebalance
+    | SwitchRole
 )
 
 

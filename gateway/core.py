@@ -24,26 +24,26 @@ import zmq
 import zmq.asyncio
 
 from pdserve.common.config import GatewayConfig
-from pdserve.common.protocol import Abort, Msg, PrefillOffer, Rebalance
+from pdserve.common.protocol import Abort, Msg, PrefillOffer
 from pdserve.common.security import ClusterKey, close_context, make_context, watch_handshakes
 from pdserve.common.tokenizer import Tokenizer
 from pdserve.common.transport import CONTROL_MAX_MSG, TOKENS_MAX_MSG, make_socket, send
-from pdserve.gateway import rebalance
 from pdserve.gateway.cluster import ClusterView, NodeState
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.node_messages import NodeMessages
 from pdserve.gateway.placement import Admission, PlacementTimeout, Placer
-from pdserve.gateway.plan import views
 from pdserve.gateway.policies import make_policy
+from pdserve.gateway.pools import PoolCare
 from pdserve.gateway.prefix_index import PrefixIndex
 from pdserve.gateway.requests import Failed, GatewayRequest, StreamGap
+from pdserve.gateway.roles import RoleSwitcher
 from pdserve.gateway.sizing import Sizing
 from pdserve.gateway.table import Attempt, RequestTable
 
 log = logging.getLogger(__name__)
 
 
-class Gateway(NodeMessages):
+class Gateway(NodeMessages, PoolCare):
     def __init__(self, cfg: GatewayConfig, tokenizer: Tokenizer) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -90,6 +90,8 @@ class Gateway(NodeMessages):
         )
         self.tasks: list[asyncio.Task] = []
         self.rebalanced_at: dict[str, float] = {}  # decode node id -> its last rebalance
+        self.switcher = RoleSwitcher(cfg.switch_hold, cfg.switch_dwell)
+        self.switching: dict[str, tuple[str, float]] = {}  # node id -> (new role, since)
         self.parser = ThreadPoolExecutor(2, thread_name_prefix="parse")  # tokenizing requests
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -293,15 +295,6 @@ class Gateway(NodeMessages):
             node.rejects += 1
             self.metrics.rejects.labels(node.node_id).inc()
 
-    def desired_replicas(self) -> dict[str, int]:
-        """The autoscaling signal per pool (gateway/sizing.py), at scrape time."""
-        backlog = sum(w.need.prompt_len for w in self.placer.waiting.values())
-        now = time.monotonic()
-        return {
-            "prefill": self.sizing.prefill(self.cluster, backlog, now),
-            "decode": self.sizing.decode(self.cluster),
-        }
-
     # -- liveness --------------------------------------------------------------------------
     async def _liveness_loop(self) -> None:
         tick = min(0.25, self.cfg.heartbeat_timeout / 4)
@@ -337,20 +330,8 @@ class Gateway(NodeMessages):
                     self._spawn(self.replace(attempt, why))
             if self.cfg.rebalance:
                 await self._rebalance(now)
-
-    async def _rebalance(self, now: float) -> None:
-        """Move running sequences off a decode node filling up (gateway/rebalance.py)."""
-        pool = views(self.cluster, self.table, "decode")
-        move = rebalance.choose(pool, self.table, self.cfg.rebalance, self.rebalanced_at, now)
-        node = self.cluster.nodes.get(move.source) if move is not None else None
-        if move is None or node is None:
-            return
-        self.rebalanced_at[move.source] = now
-        self.metrics.rebalances.inc(len(move.request_ids))
-        log.info(
-            "rebalancing: %d sequences %s -> %s", len(move.request_ids), move.source, move.target
-        )
-        await self._reply(node.identity, Rebalance(request_ids=move.request_ids))
+            if self.cfg.role_switching == "on":
+                await self._switch_roles(now)
 
     async def _drop_node(self, node_id: str, why: str) -> None:
         node = self.cluster.remove(node_id)

@@ -163,6 +163,12 @@ class GatewayMetrics:
             ["result"],
             registry=r,
         )
+        self.role_switches = Counter(
+            "pdserve:role_switches",
+            "Nodes asked to take the other role (--role-switching)",
+            ["from_role", "to_role"],
+            registry=r,
+        )
         self.rebalances = Counter(
             "pdserve:decode_rebalance_moves",
             "Running sequences the gateway asked a filling decode node to move (--rebalance)",

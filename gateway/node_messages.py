@@ -45,6 +45,7 @@ from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.plan import redirect
 from pdserve.gateway.policies import Need, Policy
 from pdserve.gateway.prefix_index import PrefixIndex
+from pdserve.gateway.roles import RoleSwitcher
 from pdserve.gateway.table import Attempt, RequestTable
 
 if TYPE_CHECKING:
@@ -78,6 +79,9 @@ class NodeMessages:
     ) -> None: ...
     async def replace(self, attempt: Attempt, reason: str, kind: str = "lost") -> None: ...
     async def _drop_node(self, node_id: str, why: str) -> None: ...
+
+    switching: dict[str, tuple[str, float]]
+    switcher: RoleSwitcher
 
     # -- loops -----------------------------------------------------------------------------
     async def _control_loop(self) -> None:
@@ -126,12 +130,20 @@ class NodeMessages:
     # -- control socket --------------------------------------------------------------------
     async def _on_register(self, identity: bytes, msg: Register) -> None:
         info = msg.info
+        switched = self.switching.get(info.node_id)
+        old = self.cluster.nodes.get(info.node_id)
+        if switched and switched[0] == info.role and old is not None and old.identity != identity:
+            # back in its new role before its old self's Deregister (another socket) arrived
+            await self._drop_node(info.node_id, f"switched to {info.role}")
         reason = self.cluster.register(info, identity, time.monotonic(), self.tokenizer_fingerprint)
         if reason is not None:
             log.warning("refused node %s: %s", info.node_id, reason)
             await self._reply(identity, RegisterRefuse(node_id=info.node_id, reason=reason))
             return
         log.info("registered %s node %s (%s)", info.role, info.node_id, info.model_id)
+        if switched and switched[0] == info.role:
+            del self.switching[info.node_id]
+        self.switcher.registered(info.node_id, time.monotonic())
         self.index.drop(info.node_id)  # a new process: its snapshot follows
         ack = RegisterAck(
             node_id=info.node_id,

@@ -15,10 +15,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig, from_args
 from pdserve.supervisor import Child, Supervisor
+
+if TYPE_CHECKING:
+    from pdserve.common.node import NodeBase
 
 # node settings `pdserve up` decides per node itself (addresses, ports, ids)
 PER_NODE = (
@@ -53,6 +56,7 @@ def run_gateway(args: argparse.Namespace) -> int:
 def run_node(args: argparse.Namespace, role: str) -> int:
     from pdserve.common.engine.llm_engine import make_engine
     from pdserve.common.memtune import tune_malloc
+    from pdserve.common.node.roles import serve_roles
     from pdserve.common.tokenizer import Tokenizer
 
     tune_malloc()  # multi-megabyte KV frames reuse warm pages (see common/memtune.py)
@@ -64,19 +68,30 @@ def run_node(args: argparse.Namespace, role: str) -> int:
     ncfg = from_args(NodeConfig, args)
     tokenizer = Tokenizer.load(ecfg.model if ecfg.engine == "torch" else None)
     engine = make_engine(ecfg, tokenizer.eos_token_ids)
-    if role == "prefill":
-        from pdserve.prefill_node.server import PrefillNode as Node
-    elif role == "decode":
-        from pdserve.decode_node.server import DecodeNode as Node  # type: ignore[assignment]
-    else:
-        from pdserve.colocated_node.server import ColocatedNode as Node  # type: ignore[assignment]
+
+    def make(role: str) -> NodeBase:
+        return node_class(role)(ncfg, ecfg, engine, tokenizer)
 
     async def main() -> None:
-        await Node(ncfg, ecfg, engine, tokenizer).serve()
+        await serve_roles(role, make)
 
     _use_uvloop()
     asyncio.run(main())
     return 0
+
+
+def node_class(role: str) -> type[NodeBase]:
+    if role == "prefill":
+        from pdserve.prefill_node.server import PrefillNode
+
+        return PrefillNode
+    if role == "decode":
+        from pdserve.decode_node.server import DecodeNode
+
+        return DecodeNode
+    from pdserve.colocated_node.server import ColocatedNode
+
+    return ColocatedNode
 
 
 def to_flags(cfg: Any, skip: tuple[str, ...] = ()) -> list[str]:

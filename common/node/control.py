@@ -46,6 +46,7 @@ from pdserve.common.protocol import (
     RegisterAck,
     RegisterRefuse,
     Role,
+    SwitchRole,
     encode,
 )
 from pdserve.common.security import ClusterKey, close_context, make_context
@@ -88,6 +89,7 @@ class NodeControl(ABC):
         self.stopped = asyncio.Event()
         self.draining = False
         self.refused = False  # the gateway refused us: the node id is not ours to deregister
+        self.switch_to: str | None = None  # the role to take once drained (SwitchRole)
         self.last_reply = time.monotonic()
         self.tokens_address = ""
         self.tasks: list[asyncio.Task] = []
@@ -179,7 +181,7 @@ class NodeControl(ABC):
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self.begin_drain)
+                loop.add_signal_handler(sig, self.on_signal)
         self.tasks += [  # += : the role's own loops, added before this, are cancelled too
             asyncio.create_task(self._control_loop()),
             asyncio.create_task(self._heartbeat_loop()),
@@ -230,6 +232,11 @@ class NodeControl(ABC):
         """Stop what the role runs beside the control plane (before the context ends)."""
         return None
 
+    def on_signal(self) -> None:
+        """SIGTERM or SIGINT: drain and exit, a role switch under way included."""
+        self.switch_to = None
+        self.begin_drain()
+
     def begin_drain(self) -> None:
         if self.draining:
             self.stopped.set()  # a second signal: stop now
@@ -274,6 +281,14 @@ class NodeControl(ABC):
                     if unknown and not self.draining:
                         self.registered.clear()
                         await self.send_gateway(Register(info=self.info()))
+                case SwitchRole(role=role) if role != self.role and not self.draining:
+                    # the other role in this process: drain as for SIGTERM, then the serving
+                    # loop (common/node/roles.py) starts the other role's node on the engine
+                    log.info("%s switching to %s", self.node_id, role)
+                    self.switch_to = role
+                    self.begin_drain()
+                case SwitchRole():
+                    log.info("%s: role switch ignored (draining, or that role)", self.node_id)
                 case None:
                     log.warning("dropping malformed message from the gateway")
                 case _:

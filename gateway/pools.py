@@ -1,0 +1,89 @@
+"""The gateway's care of the pools while it serves: the autoscaling signal each pool's size
+is judged by (gateway/sizing.py), live role switching (gateway/roles.py) and decode
+rebalancing (gateway/rebalance.py). A mixin of `Gateway` (core.py), run from its liveness
+loop; the rules are pure and live in those modules, this applies them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from pdserve.common.protocol import Rebalance, SwitchRole
+from pdserve.gateway import rebalance
+from pdserve.gateway.plan import views
+
+if TYPE_CHECKING:
+    from pdserve.common.config import GatewayConfig
+    from pdserve.gateway.cluster import ClusterView
+    from pdserve.gateway.metrics import GatewayMetrics
+    from pdserve.gateway.placement import Placer
+    from pdserve.gateway.roles import RoleSwitcher
+    from pdserve.gateway.sizing import Sizing
+    from pdserve.gateway.table import RequestTable
+
+log = logging.getLogger("pdserve.gateway.core")
+SWITCH_GIVE_UP_S = 600.0  # a switching node not back in its new role by then is forgotten
+
+
+class PoolCare:
+    cfg: GatewayConfig
+    cluster: ClusterView
+    table: RequestTable
+    placer: Placer
+    sizing: Sizing
+    metrics: GatewayMetrics
+    switcher: RoleSwitcher
+    switching: dict[str, tuple[str, float]]  # node id -> (new role, since)
+    rebalanced_at: dict[str, float]  # decode node id -> its last rebalance
+
+    async def _reply(self, identity: bytes, msg: Any) -> None: ...
+
+    def desired_replicas(self) -> dict[str, int]:
+        """The autoscaling signal per pool (gateway/sizing.py), at scrape time."""
+        backlog = sum(w.need.prompt_len for w in self.placer.waiting.values())
+        now = time.monotonic()
+        return {
+            "prefill": self.sizing.prefill(self.cluster, backlog, now),
+            "decode": self.sizing.decode(self.cluster),
+        }
+
+    async def _switch_roles(self, now: float) -> None:
+        for node_id, (_, since) in list(self.switching.items()):
+            if now - since > SWITCH_GIVE_UP_S:  # it never came back in its new role
+                del self.switching[node_id]
+        in_prefill = {n: len(self.table.in_prefill(n)) for n in self.cluster.nodes}
+        move = self.switcher.decide(
+            self.cluster, self.desired_replicas(), in_prefill, bool(self.switching), now
+        )
+        if move is not None:
+            await self.switch_role(move.node_id, move.role, move.why)
+
+    async def switch_role(self, node_id: str, role: str, why: str) -> bool:
+        """Ask a node to take the other role (gateway/roles.py; common/node/roles.py)."""
+        node = self.cluster.nodes.get(node_id)
+        if node is None or node.info.role == role or role not in ("prefill", "decode"):
+            return False
+        log.info("switching %s from %s to %s: %s", node_id, node.info.role, role, why)
+        self.switching[node_id] = (role, time.monotonic())
+        node.load = msgspec.structs.replace(node.load, draining=True)  # no new work meanwhile
+        self.metrics.role_switches.labels(node.info.role, role).inc()
+        await self._reply(node.identity, SwitchRole(role=role))  # type: ignore[arg-type]
+        return True
+
+    async def _rebalance(self, now: float) -> None:
+        """Move running sequences off a decode node filling up (gateway/rebalance.py)."""
+        pool = views(self.cluster, self.table, "decode")
+        move = rebalance.choose(pool, self.table, self.cfg.rebalance, self.rebalanced_at, now)
+        node = self.cluster.nodes.get(move.source) if move is not None else None
+        if move is None or node is None:
+            return
+        self.rebalanced_at[move.source] = now
+        self.metrics.rebalances.inc(len(move.request_ids))
+        log.info(
+            "rebalancing: %d sequences %s -> %s", len(move.request_ids), move.source, move.target
+        )
+        await self._reply(node.identity, Rebalance(request_ids=move.request_ids))

@@ -1,0 +1,111 @@
+"""Live role switching: a decode node becomes a prefill node in the same process, its engine
+(weights and KV cache) kept, while requests stream. Its running sequences move to the other
+decode node with their KV, it registers again as a prefill node and takes prompts; nothing
+is lost or recomputed, and greedy SmolLM2 text equals the single-process engine's. Then the
+gateway's own rule (`--role-switching on`) switches a node when the prefill pool is short."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pdserve.common.config import EngineConfig
+from pdserve.common.engine.sim import SimEngine
+from pdserve.common.node.roles import serve_roles
+from pdserve.common.sampling import SamplingParams
+from pdserve.decode_node.server import DecodeNode
+from pdserve.gateway.requests import Done
+from pdserve.launch import node_class
+from pdserve.prefill_node.server import PrefillNode
+from tests.chaos.test_hung_engine import _sim_ids
+from tests.component.cluster import Cluster, outcome, own_cache, prompt, until
+from tests.conftest import make_engine
+
+
+class Swing:
+    """A node served through `serve_roles`, as `pdserve prefill|decode` serves one."""
+
+    def __init__(self, c: Cluster, node_id: str, role: str, ecfg, engine) -> None:
+        self.nodes: list = []
+
+        def make(r: str):
+            self.nodes.append(c.node(node_class(r), node_id, ecfg=ecfg, engine=engine))
+            return self.nodes[-1]
+
+        self.task = asyncio.create_task(serve_roles(role, make))
+
+    async def stop(self) -> None:
+        self.nodes[-1].stopped.set()
+        await asyncio.wait_for(self.task, 10)
+
+
+def _role(c: Cluster, node_id: str) -> str | None:
+    """Its role once registered and its first load report arrived (placement sees it)."""
+    node = c.gw.cluster.nodes.get(node_id)
+    if node is None or not node.load.blocks_free + node.load.blocks_cached:
+        return None
+    return node.info.role
+
+
+async def test_a_decode_node_turns_prefill_mid_stream_and_no_text_changes(tokenizer, torch_runners):
+    ecfg, r0, r1, r2 = torch_runners
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    texts = ["Why is the sky blue?", "Name three rivers.", "What is a prime number?",
+             "Describe a cat.", "Count to five.", "What is rain?"]  # fmt: skip
+    ids = [
+        tokenizer.encode(f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n") for t in texts
+    ]
+    reference = make_engine(own_cache(r0), tokenizer, prefix_caching="off")
+    expected = [o.token_ids for o in reference.generate(ids, greedy)]
+    async with Cluster(tokenizer) as c:
+        await c.add(c.node(PrefillNode, "prefill-0", ecfg=ecfg, engine=r0))
+        await c.add(c.node(DecodeNode, "decode-0", ecfg=ecfg, engine=r1))
+        swing = Swing(c, "swing", "decode", ecfg, r2)
+        await until(lambda: _role(c, "swing") == "decode", 30, "swing registers")
+        first = [c.request(f"a{i}", ids[i], greedy) for i in range(4)]
+        runs = [asyncio.create_task(c.gw.run(r)) for r in first]
+        await until(lambda: all(len(r.output_ids) >= 4 for r in first), 60, "decoding")
+        assert any(r.ran_on.get("decode") == "swing" for r in first)
+        assert await c.gw.switch_role("swing", "prefill", "test")
+        await until(lambda: _role(c, "swing") == "prefill", 60, "swing back as prefill")
+        second = [c.request(f"b{i}", ids[4 + i], greedy) for i in range(2)]
+        runs += [asyncio.create_task(c.gw.run(r)) for r in second]
+        results = [await outcome(r, 120) for r in first + second]
+        await asyncio.gather(*runs)
+        assert results == [Done("length")] * 6
+        for r, want in zip(first + second, [*expected[:4], *expected[4:]], strict=True):
+            assert r.output_ids == want, r.request_id  # token for token
+            assert r.attempt == 0, r.request_id  # moved with its KV, never recomputed
+        assert c.gw.metrics.role_switches.labels("decode", "prefill")._value.get() == 1
+        assert len(swing.nodes) == 2 and swing.nodes[0].engine is swing.nodes[1].engine
+        await swing.stop()
+
+
+async def test_the_gateway_switches_a_decode_node_when_prefill_is_short(tokenizer):
+    """1P2D, 4,000-token prompts arriving at ~3 prefill nodes' worth: the rule moves one
+    decode node to prefill, one only (the decode pool keeps one; the hold and the dwell keep
+    it from flapping)."""
+    real_time = EngineConfig(engine="sim", sim_time_scale=1.0, num_kv_blocks=8192)
+    async with Cluster(
+        tokenizer, role_switching="on", switch_hold=0.5, switch_dwell=1.0, sizing_window=1.0
+    ) as c:
+        await c.add(c.node(PrefillNode, "prefill-0", ecfg=real_time))
+        swings = {n: Swing(c, n, "decode", real_time, SimEngine(real_time)) for n in ("d0", "d1")}
+        await until(lambda: _role(c, "d0") == _role(c, "d1") == "decode", 30, "both register")
+        params = SamplingParams(max_tokens=4, temperature=1.0, seed=2, ignore_eos=True)
+        reqs, runs = [], []
+        for i in range(60):
+            req = c.request(f"p{i}", prompt(4000, 30_000 + 4001 * i), params)
+            reqs.append(req)
+            runs.append(asyncio.create_task(c.gw.run(req)))
+            await asyncio.sleep(0.04)
+        results = [await outcome(r, 60) for r in reqs]
+        await asyncio.gather(*runs)
+        assert results == [Done("length")] * 60
+        for r in reqs:
+            assert r.output_ids == _sim_ids(r.prompt_ids, 2, 4), r.request_id
+        assert sorted([_role(c, "d0"), _role(c, "d1")]) == ["decode", "prefill"]
+        assert c.gw.metrics.role_switches.labels("decode", "prefill")._value.get() == 1
+        switched = "d0" if _role(c, "d0") == "prefill" else "d1"
+        assert sum(r.ran_on.get("prefill") == switched for r in reqs) > 0  # it took prompts
+        for swing in swings.values():
+            await swing.stop()

@@ -1,0 +1,62 @@
+"""The role-switching rule (gateway/roles.py): when, which node, and never flapping."""
+
+from __future__ import annotations
+
+from msgspec.structs import replace
+
+from pdserve.gateway.roles import RoleSwitcher
+from tests.unit.test_policies import cluster_with
+
+SHORT_PREFILL = {"prefill": 2, "decode": 1}
+BALANCED = {"prefill": 1, "decode": 2}
+
+
+def _cluster():
+    cluster = cluster_with({"p0": (0, 0)}, {"d0": 50, "d1": 50})
+    for name, running in (("d0", 7), ("d1", 3)):
+        node = cluster.nodes[name]
+        node.load = replace(node.load, running=running)
+    return cluster
+
+
+def test_a_steady_imbalance_switches_the_least_busy_donor_after_the_hold():
+    rules = RoleSwitcher(hold=5.0, dwell=30.0, cooldown=10.0)
+    cluster = _cluster()
+    decisions = [rules.decide(cluster, SHORT_PREFILL, {}, False, 100.0 + t) for t in range(0, 10)]
+    made = [(t, d) for t, d in enumerate(decisions) if d is not None]
+    assert len(made) == 1 and made[0][0] == 5  # after 5 s of the same imbalance
+    move = made[0][1]
+    assert (move.node_id, move.role) == ("d1", "prefill")  # 3 running sequences, not 7
+    assert "prefill wants 2 nodes, has 1" in move.why
+
+
+def test_an_oscillating_load_switches_nothing():
+    rules = RoleSwitcher(hold=5.0, dwell=0.0, cooldown=0.0)
+    cluster = _cluster()
+    for t in range(120):  # short of prefill for 4 s, then balanced for 4 s, and again
+        desired = SHORT_PREFILL if (t // 4) % 2 == 0 else BALANCED
+        assert rules.decide(cluster, desired, {}, False, float(t)) is None
+
+
+def test_dwell_cooldown_a_switch_in_flight_and_the_last_node_of_a_pool_hold_it_back():
+    cluster = _cluster()
+    rules = RoleSwitcher(hold=0.0, dwell=30.0, cooldown=10.0)
+    rules.registered("d0", 95.0)
+    rules.registered("d1", 95.0)
+    assert rules.decide(cluster, SHORT_PREFILL, {}, False, 100.0) is None  # 5 s in its role
+    assert rules.decide(cluster, SHORT_PREFILL, {}, True, 130.0) is None  # one in flight
+    assert rules.decide(cluster, SHORT_PREFILL, {}, False, 130.0) is not None
+    assert rules.decide(cluster, SHORT_PREFILL, {}, False, 135.0) is None  # cooldown
+    # the decode pool cannot give its only node, whatever prefill wants
+    lone = cluster_with({"p0": (0, 0)}, {"d0": 50})
+    assert (
+        RoleSwitcher(hold=0.0, dwell=0.0).decide(lone, {"prefill": 9, "decode": 1}, {}, False, 1.0)
+        is None
+    )
+
+
+def test_toward_decode_takes_the_prefill_node_with_fewest_prompts_in_prefill():
+    cluster = cluster_with({"p0": (0, 0), "p1": (0, 0)}, {"d0": 50})
+    rules = RoleSwitcher(hold=0.0, dwell=0.0, cooldown=0.0)
+    move = rules.decide(cluster, {"prefill": 1, "decode": 2}, {"p0": 1, "p1": 4}, False, 1.0)
+    assert move is not None and (move.node_id, move.role) == ("p0", "decode")
