@@ -218,6 +218,12 @@ class GatewayConfig:
         "(longer than the longest prefill pass)",
     )
     max_replacements: int = flag(3, "re-placements of one request (preemption, node death)")
+    local_prefill: str = flag(
+        "off",
+        "selective disaggregation: which requests their decode node prefills itself: off "
+        "(none), adaptive (by prefill time against the prefill pool's wait and the decode "
+        "node's step; gateway/selective.py), always, or a prompt length N (<= N tokens)",
+    )
     role_switching: Literal["on", "off"] = flag(
         "off",
         "switch a node between prefill and decode when one pool is short and the other has "
@@ -257,6 +263,13 @@ class GatewayConfig:
             )
         if self.max_waiting < 1:
             raise ConfigError(f"--max-waiting must be at least 1, got {self.max_waiting}")
+        if not (
+            self.local_prefill in ("off", "adaptive", "always")
+            or (self.local_prefill.isdigit() and int(self.local_prefill) > 0)
+        ):
+            raise ConfigError(
+                f"--local-prefill: off, adaptive, always or a token count: {self.local_prefill!r}"
+            )
         if self.switch_hold < 0 or self.switch_dwell < 0:
             raise ConfigError("--switch-hold and --switch-dwell must not be negative")
         if self.sizing_window <= 0:

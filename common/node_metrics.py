@@ -140,6 +140,9 @@ class NodeMetrics:
         self.migrations = counter(
             "pdserve:kv_migrations", "Running sequences moved off this node with their KV"
         )
+        self.local_prefills = counter(
+            "pdserve:local_prefills", "Decode node: prompts prefilled here (--local-prefill)"
+        )
         self.queue_time = histogram(
             "pdserve:request_queue_time_seconds", "Accepted until its prefill started"
         )

@@ -34,12 +34,16 @@ from pdserve.common.node.handoff import KvHandoff
 from pdserve.common.node.kv import reserve_blocks
 from pdserve.common.protocol import (
     Abort,
+    Accept,
     Drain,
+    FirstToken,
     KvHeader,
     Migrate,
     Preempted,
+    PrefillOffer,
     Rebalance,
     Redirect,
+    Reject,
 )
 
 log = logging.getLogger(__name__)
@@ -75,6 +79,8 @@ class DecodeNode(KvHandoff):
                     self.spawn(self.migrate(rid, "rebalance"))  # gone or moving: skipped
             case Redirect(request_id=rid, decode=target):  # where a migrating sequence goes
                 self.spawn(self.send_kv(rid, target))
+            case PrefillOffer():  # selective disaggregation: prefill it here
+                await self._local_prefill(msg)
             case _:
                 log.warning("unexpected gateway message %s", type(msg).__name__)
 
@@ -116,6 +122,32 @@ class DecodeNode(KvHandoff):
 
     async def on_drain_timeout(self) -> None:
         await self.hand_back("draining")
+
+    # -- selective disaggregation ----------------------------------------------------------
+    async def _local_prefill(self, offer: PrefillOffer) -> None:
+        """The gateway chose this node to prefill a request itself (`--local-prefill`,
+        gateway/selective.py): accepted only if its blocks are free now, keeping the
+        watermark, so it never waits here behind running sequences' growth."""
+        rid, n = offer.request_id, len(offer.prompt_ids)
+        bm, watermark = self.blocks, self.scheduler.cfg.watermark_blocks
+        reason = None
+        if self.draining:
+            reason = "draining"
+        elif rid in self.requests:
+            reason = "duplicate request id"
+        elif n >= self.engine.max_model_len:
+            reason = f"prompt has {n} tokens; the context limit is {self.engine.max_model_len}"
+        elif not bm.can_allocate(bm.blocks_needed(n + 1), reserve=watermark):
+            reason = "KV cache full"
+        if reason is not None:
+            await self.send_gateway(Reject(request_id=rid, reason=reason, room=0))
+            return
+        seq = Sequence.new(rid, offer.prompt_ids, offer.params)
+        self.scheduler.add(seq)
+        self.requests[rid] = NodeRequest(seq)
+        self.metrics.local_prefills.inc()
+        await self.send_gateway(Accept(request_id=rid))
+        self.work.set()
 
     # -- intake ----------------------------------------------------------------------------
     def reserve_kv(self, h: KvHeader) -> list[int] | str:
@@ -169,10 +201,16 @@ class DecodeNode(KvHandoff):
         batch = []  # output index 0 was the prefill node's first token: these are 1 on
         for seq in grew:
             reason = check_stop(seq, self.engine.eos_token_ids, self.engine.max_model_len)
-            batch.append((seq, reason))
             if reason is not None:
                 self.requests.pop(seq.seq_id, None)
                 self.scheduler.finish(seq, reason)
+            if seq.num_output_tokens == 1:  # prefilled here: its first token, as a prefill
+                first = FirstToken(  # node reports one (KV that arrived came with it)
+                    request_id=seq.seq_id, token_id=seq.token_ids[-1], finish_reason=reason
+                )
+                await self.send_gateway(first)
+                continue
+            batch.append((seq, reason))
         parking, self.to_park = self.to_park, {}
         for rid, why in parking.items():  # before the next step is scheduled
             self._park(rid, why)

@@ -37,6 +37,7 @@ from pdserve.gateway.pools import PoolCare
 from pdserve.gateway.prefix_index import PrefixIndex
 from pdserve.gateway.requests import Failed, GatewayRequest, StreamGap
 from pdserve.gateway.roles import RoleSwitcher
+from pdserve.gateway.selective import LocalPrefill, parse_mode
 from pdserve.gateway.sizing import Sizing
 from pdserve.gateway.table import Attempt, RequestTable
 
@@ -77,6 +78,11 @@ class Gateway(NodeMessages, PoolCare):
             cfg.placement_timeout,
             cfg.offer_timeout,
             on_answer=self._count_answer,
+            local=(
+                LocalPrefill(parse_mode(cfg.local_prefill), self.policy.cost, cfg.tpot_slo)
+                if cfg.local_prefill != "off"
+                else None
+            ),
             admission=Admission(
                 cfg.admission,
                 cfg.admission_max_wait or math.inf,

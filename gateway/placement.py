@@ -35,10 +35,11 @@ from pdserve.common.protocol import PrefillOffer
 from pdserve.common.sampling import SamplingParams
 from pdserve.gateway.admission import Waiting, order, urgent
 from pdserve.gateway.cluster import ClusterView, NodeState
-from pdserve.gateway.plan import plan, request_hashes
+from pdserve.gateway.plan import plan, request_hashes, views
 from pdserve.gateway.policies import Need, NodeView, Policy
 from pdserve.gateway.prefix_index import PrefixIndex
 from pdserve.gateway.requests import GatewayRequest
+from pdserve.gateway.selective import LocalPrefill
 from pdserve.gateway.table import Attempt, Phase, RequestTable
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class Placer:
         offer_timeout: float,
         on_answer: Callable[[NodeState, bool | None], None] | None = None,
         admission: Admission = Admission(),
+        local: LocalPrefill | None = None,
     ) -> None:
         self.cluster = cluster
         self.table = table
@@ -113,6 +115,7 @@ class Placer:
         self.offer_timeout = offer_timeout
         self.on_answer = on_answer  # (node, True | False | None for no answer)
         self.admission = admission
+        self.local = local  # selective disaggregation (gateway/selective.py); None: off
         self.waiting: dict[int, _Waiting] = {}  # by id() of the request
         self.offers: dict[str, _Offer] = {}  # the offer in flight, per wire id
         self.capacity = asyncio.Event()
@@ -250,6 +253,28 @@ class Placer:
             elif not placed and urgent(entry, now, adm.max_wait):
                 self._reserve(w, room, nodes)
 
+    def _local_first(self, w: _Waiting, pairs: list[tuple[NodeView, NodeView]]) -> list:
+        """Selective disaggregation: the decode node first, as its own prefill node, when
+        the rule says so (only there, for `always`); the decision goes in the timeline."""
+        assert self.local is not None
+        need = w.need
+        decode = (
+            pairs[0][1]
+            if pairs
+            else self.policy.pick_decode(views(self.cluster, self.table, "decode"), need)
+        )
+        if decode is None:
+            return pairs
+        tokens = self.uncached(need)
+        prefill = views(self.cluster, self.table, "prefill")
+        made = self.local.decide(
+            tokens, self.prefill_seconds(tokens), decode, prefill, self.queued_seconds()
+        )
+        w.req.timeline[f"local_prefill.{w.req.attempt}"] = made.fields()  # type: ignore[assignment]
+        if not made.local:
+            return pairs
+        return [(decode, decode)] + ([] if self.local.mode == "always" else pairs)
+
     def _reserve(self, w: _Waiting, room: dict[str, int], nodes: set[str]) -> None:
         """A request that waited `max_wait` and still found no room keeps one node from
         taking anything else (this round and every round after, until it is placed): that
@@ -274,6 +299,8 @@ class Placer:
     async def _one_pass(self, w: _Waiting, room: dict[str, int]) -> bool:
         req, prompt_ids, need = w.req, w.prompt_ids, w.need
         pairs = plan(self.policy, self.cluster, self.table, need, self.index)
+        if self.local is not None:
+            pairs = self._local_first(w, pairs)
         n = need.prompt_len
         pairs = [(p, d) for p, d in pairs if room.get(p.node_id, n) >= n]  # else: rejects it
         if log.isEnabledFor(logging.DEBUG):  # every decision with the numbers it used

@@ -131,6 +131,12 @@ class RequestTable:
             self._unlink(attempt, attempt.prefill)
             attempt.prefill = None
 
+    def prefilled_in_place(self, attempt: Attempt, now: float) -> None:
+        """Its decode node prefilled it (selective disaggregation): the KV is where it
+        decodes, as if delivered; the node holds it as a decode node only."""
+        attempt.delivered_at = now
+        attempt.prefill = None
+
     def close(self, wire_id: str) -> Attempt | None:
         attempt = self.attempts.pop(wire_id, None)
         if attempt is not None:

@@ -1,0 +1,60 @@
+"""The selective-disaggregation rule (gateway/selective.py): which prompts a decode node
+prefills itself, as the load moves the threshold."""
+
+from __future__ import annotations
+
+import pytest
+from msgspec.structs import replace
+
+from pdserve.common.costmodel import CostModel
+from pdserve.gateway.plan import views
+from pdserve.gateway.selective import LocalPrefill, parse_mode
+from pdserve.gateway.table import RequestTable
+from tests.unit.test_policies import cluster_with
+
+COST = CostModel.named("h100-llama3.1-8b")
+
+
+def _pools(running: int = 8, in_use: int = 40):
+    cluster = cluster_with({"p0": (0, 0)}, {"d0": 60})
+    node = cluster.nodes["d0"]
+    node.load = replace(node.load, running=running, blocks_in_use=in_use)
+    table = RequestTable()
+    return views(cluster, table, "decode")[0], views(cluster, table, "prefill")
+
+
+def test_an_idle_prefill_pool_keeps_only_prompts_no_longer_than_a_decode_step():
+    rule = LocalPrefill("adaptive", COST)
+    decode, prefill = _pools()
+    step = COST.decode_step_seconds([40 * 16 // 8] * 8)
+    short = next(n for n in range(1, 4000) if COST.prefill_seconds(n + 1) > step)
+    made = rule.decide(short, COST.prefill_seconds(short), decode, prefill, 0.0)
+    assert made.local and made.step_s == pytest.approx(step)
+    long = rule.decide(2000, COST.prefill_seconds(2000), decode, prefill, 0.0)
+    assert not long.local and long.threshold_s == pytest.approx(step)  # max(S, 0 + X) = S
+
+
+def test_a_backed_up_prefill_pool_raises_the_threshold_up_to_the_stall_budget():
+    rule = LocalPrefill("adaptive", COST)
+    decode, prefill = _pools()
+    p = COST.prefill_seconds(1000)
+    assert not rule.decide(1000, p, decode, prefill, queued_s=0.0).local
+    made = rule.decide(1000, p, decode, prefill, queued_s=p)  # a wait as long as it
+    step = made.step_s
+    assert made.threshold_s == pytest.approx(min(4 * step, p + COST.transfer_seconds(1000)))
+    assert made.local == (p <= made.threshold_s)
+    huge = rule.decide(30000, COST.prefill_seconds(30000), decode, prefill, queued_s=60.0)
+    assert not huge.local and huge.threshold_s == pytest.approx(4 * step)  # the budget caps it
+    strict = LocalPrefill("adaptive", COST, tpot_slo=0.02)
+    capped = strict.decide(30000, COST.prefill_seconds(30000), decode, prefill, queued_s=60.0)
+    assert capped.threshold_s == pytest.approx(0.04)  # twice the TPOT SLO
+
+
+def test_fixed_always_and_the_modes_parsing():
+    decode, prefill = _pools()
+    assert LocalPrefill(512, COST).decide(512, 0.1, decode, prefill, 9.0).local
+    assert not LocalPrefill(512, COST).decide(513, 0.0, decode, prefill, 0.0).local
+    assert LocalPrefill("always", COST).decide(99999, 9.0, decode, prefill, 0.0).local
+    assert parse_mode("adaptive") == "adaptive" and parse_mode("256") == 256
+    with pytest.raises(ValueError):
+        parse_mode("sometimes")
