@@ -1,0 +1,235 @@
+"""Dynamic configuration on the real sim cluster (H100 x Llama-3.1-8B, 4 nodes): live role
+switching against every fixed split, and selective disaggregation against its baselines.
+
+    python -m benchmarks.dynamic --out docs/results/dynamic            # about 30 min, 2 cores
+    python -m benchmarks.dynamic --out DIR --only switching|selective
+
+switching  a workload that shifts halfway: 150 requests of 4,000 prompt / 100 output tokens
+           at 18 req/s (prefill-heavy: 3P1D serves it), then 120 of 200 / 1,000 at 8 req/s
+           (decode-heavy: 1P3D or 1P2D), SLO TTFT 1 s and TPOT 11 ms. Runs: 1P3D, 2P2D, 3P1D
+           fixed, and 2P2D with `--role-switching on`. Reported: goodput over the whole run
+           and per phase, requests failed, switches made; plots of pool sizes and goodput
+           over time (switching.png).
+selective  a mixed-length workload (prompts lognormal around 600 tokens, sigma 1.2: most
+           short, some of several thousand; 150 output tokens) on 2P2D at three rates, SLO
+           TTFT 1 s and TPOT 20 ms, with `--local-prefill` off (always disaggregate),
+           always (never), 256 (a fixed threshold) and adaptive. Reported: goodput, ITL p99,
+           TTFT p99, and the share prefilled locally.
+
+The cluster runs `--sim-time-scale S` (default 4: a modelled second lasts S seconds, so the
+Python overhead of nodes, gateway and client on a small box stays small beside a step);
+arrivals and SLOs are stretched by S and times reported divided by it: every figure is in
+the modelled GPU's seconds. The gateway's own timers (hold, dwell, the sizing window) are
+wall-clock and set here for the stretched run; `--tpot-slo` is given in modelled seconds,
+the unit of the cost model the gateway's rules use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from pdserve.loadgen.compare import start_cluster, stop_cluster
+from pdserve.loadgen.metrics import RequestRecord, meets, parse_slo, summarize
+from pdserve.loadgen.runner import BenchConfig, run
+from pdserve.loadgen.workloads import LengthDist, RequestSpec, synthetic
+
+BASE = ["--engine", "sim", "--sim-profile", "h100-llama3.1-8b", "--placement-timeout", "900"]
+SWITCH_SLO = "ttft=1000,tpot=11"
+SELECTIVE_SLO = "ttft=1000,tpot=20"
+
+
+def shifting() -> list[RequestSpec]:
+    first = synthetic(1, 150, 18.0, 1.0, LengthDist("fixed", 4000), LengthDist("fixed", 100))
+    second = synthetic(2, 120, 8.0, 1.0, LengthDist("fixed", 200), LengthDist("fixed", 1000))
+    start = first[-1].arrival + 1 / 18.0
+    return first + [dataclasses.replace(s, arrival=s.arrival + start) for s in second]
+
+
+class Watcher:
+    """Polls the gateway's /health: each node's role over time (pool sizes)."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.stop = url, threading.Event()
+        self.samples: list[tuple[float, int, int]] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.start = time.monotonic()
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    roles = list(json.loads(resp.read())["nodes"].values())
+                self.samples.append(
+                    (time.monotonic() - self.start, roles.count("prefill"), roles.count("decode"))
+                )
+            except OSError:
+                pass
+            time.sleep(0.5)
+
+
+def _metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
+def one_run(
+    specs: list[RequestSpec], up: list[str], scale: float, watch: bool = False
+) -> tuple[list[RequestRecord], dict[str, Any]]:
+    stretched = [dataclasses.replace(s, arrival=s.arrival * scale) for s in specs]
+    proc, url, _ = start_cluster([*BASE, "--sim-time-scale", str(scale), *up], timeout=300)
+    watcher = Watcher(url) if watch else None
+    extra: dict[str, Any] = {}
+    try:
+        records = asyncio.run(run(stretched, BenchConfig(url=url, progress=False)))
+        extra = {
+            "switches": _metric(url, "pdserve:role_switches_total"),
+            "migrated": _metric(url, "pdserve:kv_migrations_total"),
+            "replaced": _metric(url, "pdserve:request_replacements_total"),
+        }
+    finally:
+        if watcher is not None:
+            watcher.stop.set()
+            extra["pools"] = [(round(t / scale, 2), p, d) for t, p, d in watcher.samples]
+        stop_cluster(proc)
+    return records, extra
+
+
+def figures(records: list[RequestRecord], slo_text: str, scale: float) -> dict[str, Any]:
+    wide = {k: v * scale for k, v in parse_slo(slo_text).items()}
+    s = summarize(records, wide)
+    keys = ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "itl_ms_p99")
+    return {
+        "goodput": round(s["goodput"] * scale, 4),
+        "slo_attainment": round(sum(meets(r, wide) for r in records) / len(records), 4),
+        "failed": s["failed"],
+        **{k: round(s[k] / scale, 3) if s[k] is not None else None for k in keys},
+    }
+
+
+def switching(scale: float, out: Path) -> list[dict[str, Any]]:
+    specs = shifting()
+    half = 150
+    runs = {
+        "1P3D": ["--prefill", "1", "--decode", "3"],
+        "2P2D": ["--prefill", "2", "--decode", "2"],
+        "3P1D": ["--prefill", "3", "--decode", "1"],
+        "2P2D+switching": [
+            "--prefill", "2", "--decode", "2", "--role-switching", "on",
+            "--tpot-slo", "0.011", "--sizing-window", str(4 * scale),
+            "--switch-hold", str(1 * scale), "--switch-dwell", str(5 * scale),
+        ],
+    }  # fmt: skip
+    rows, timelines = [], {}
+    for name, up in runs.items():
+        records, extra = one_run(specs, up, scale, watch=name.endswith("switching"))
+        row = {
+            "config": name,
+            **figures(records, SWITCH_SLO, scale),
+            "phase1_goodput": figures(records[:half], SWITCH_SLO, scale)["goodput"],
+            "phase2_goodput": figures(records[half:], SWITCH_SLO, scale)["goodput"],
+            **{k: v for k, v in extra.items() if k != "pools"},
+        }
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        timelines[name] = (records, extra.get("pools", []))
+    plot_switching(out, timelines, scale)
+    return rows
+
+
+def plot_switching(out: Path, timelines: dict[str, Any], scale: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    slo = {k: v * scale for k, v in parse_slo(SWITCH_SLO).items()}
+    for name, (records, pools) in timelines.items():
+        start = min(r.sent for r in records)
+        done = sorted((r.done - start) / scale for r in records if meets(r, slo))
+        width = 2.0
+        edges = [i * width for i in range(int((done[-1] if done else 0) / width) + 2)]
+        rate = [sum(a <= t < a + width for t in done) / width for a in edges]
+        bottom.plot(edges, rate, label=name)
+        if pools:
+            top.step([t for t, _, _ in pools], [p for _, p, _ in pools], where="post",
+                     label=f"{name}: prefill nodes")  # fmt: skip
+            top.step([t for t, _, _ in pools], [d for _, _, d in pools], where="post",
+                     label=f"{name}: decode nodes", linestyle="--")  # fmt: skip
+    top.set_ylabel("nodes")
+    top.legend(fontsize=7)
+    bottom.set_ylabel("goodput (req/s, 2 s bins)")
+    bottom.set_xlabel("modelled seconds since the first request")
+    bottom.legend(fontsize=7)
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "switching.png", dpi=110)
+    plt.close(fig)
+
+
+def selective(scale: float) -> list[dict[str, Any]]:
+    rows = []
+    for rate in (6.0, 12.0, 18.0):
+        specs = synthetic(
+            3, 200, rate, 1.0, LengthDist("lognormal", 600, 1.2), LengthDist("fixed", 150)
+        )
+        for mode in ("off", "always", "256", "adaptive"):
+            up = ["--prefill", "2", "--decode", "2", "--local-prefill", mode]
+            up += ["--tpot-slo", "0.020"]
+            records, extra = one_run(specs, up, scale)
+            row = {"rate": rate, "local_prefill": mode, **figures(records, SELECTIVE_SLO, scale)}
+            row["replaced"] = extra["replaced"]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def table(rows: list[dict[str, Any]], keys: list[str]) -> str:
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(r.get(k)) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--scale", type=float, default=4.0)
+    p.add_argument("--only", choices=["switching", "selective"], default=None)
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = []
+    if args.only in (None, "switching"):
+        rows = switching(args.scale, out)
+        (out / "switching.json").write_text(json.dumps(rows, indent=1))
+        keys = ["config", "goodput", "phase1_goodput", "phase2_goodput", "slo_attainment",
+                "failed", "switches", "migrated", "replaced", "tpot_ms_p99"]  # fmt: skip
+        report.append("## Live role switching\n\n" + table(rows, keys))
+    if args.only in (None, "selective"):
+        rows = selective(args.scale)
+        (out / "selective.json").write_text(json.dumps(rows, indent=1))
+        keys = ["rate", "local_prefill", "goodput", "slo_attainment", "itl_ms_p99",
+                "ttft_ms_p99", "tpot_ms_p99", "failed"]  # fmt: skip
+        report.append("## Selective disaggregation\n\n" + table(rows, keys))
+    text = "\n\n".join(report)
+    (out / "dynamic.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
