@@ -68,9 +68,14 @@ def run_node(args: argparse.Namespace, role: str) -> int:
     ncfg = from_args(NodeConfig, args)
     tokenizer = Tokenizer.load(ecfg.model if ecfg.engine == "torch" else None)
     engine = make_engine(ecfg, tokenizer.eos_token_ids)
+    ids: list[str] = []
 
     def make(role: str) -> NodeBase:
-        return node_class(role)(ncfg, ecfg, engine, tokenizer)
+        # a node switched to the other role keeps its id: the gateway knows it by that
+        cfg = dataclasses.replace(ncfg, node_id=ids[0]) if ids else ncfg
+        node = node_class(role)(cfg, ecfg, engine, tokenizer)
+        ids.append(node.node_id)
+        return node
 
     async def main() -> None:
         await serve_roles(role, make)

@@ -109,3 +109,46 @@ async def test_the_gateway_switches_a_decode_node_when_prefill_is_short(tokenize
         assert sum(r.ran_on.get("prefill") == switched for r in reqs) > 0  # it took prompts
         for swing in swings.values():
             await swing.stop()
+
+
+def test_pdserve_processes_switch_a_role_and_rebind_their_ports(make_cluster, tokenizer):
+    """The real path: `pdserve decode` processes with fixed data and metrics ports (as in
+    compose); the one switched serves prefill in the same process (same pid) on the same
+    ports, and every stream's text is exact."""
+    import json
+
+    from pdserve.common.transport import free_port
+    from tests.e2e.streams import run_streams
+    from tests.e2e.test_stress import sim_text
+
+    ports = {d: (free_port(), free_port()) for d in ("decode-0", "decode-1")}
+    cluster = make_cluster(
+        engine="sim",
+        prefill=1,
+        decode=2,
+        gateway_flags=("--role-switching", "on", "--switch-hold", "0.5", "--switch-dwell",
+                       "1", "--sizing-window", "1"),
+        node_flags=("--sim-time-scale", "1.0", "--kv-backend", "tcp"),
+        extra={d: ("--data-port", str(a), "--metrics-port", str(m)) for d, (a, m) in ports.items()},
+    )  # fmt: skip
+    pids = {p.pid for p in cluster.procs}
+    bodies = [
+        {"prompt": [1000 + (613 * i + k) % 47000 for k in range(4000)], "max_tokens": 4,
+         "temperature": 1.0, "seed": i, "ignore_eos": True, "stream": True}
+        for i in range(60)
+    ]  # fmt: skip
+    results = run_streams(cluster.url, bodies, 90, spacing=0.04)
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+    for body, r in zip(bodies, results, strict=True):
+        assert r.text == sim_text(tokenizer, body["prompt"], body["seed"], 4)
+    _, text = cluster.get("/health")
+    roles = json.loads(text)["nodes"]
+    assert sorted(roles.values()) == ["decode", "prefill", "prefill"], roles
+    assert cluster.metric("pdserve:role_switches_total") == 1
+    switched = next(n for n in ports if roles.get(n) == "prefill")
+    metrics_port = ports[switched][1]
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
+        assert 'role="prefill"' in resp.read().decode()  # the same port, the new role
+    assert all(p.poll() is None for p in cluster.procs) and {p.pid for p in cluster.procs} == pids
