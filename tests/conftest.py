@@ -28,6 +28,27 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+# What the chaos suite and the compose test print (their figures), kept from the captured
+# output of passing tests and shown in one section at the end of the run: a CI log has them
+# without -s.
+FIGURES: list[tuple[str, str]] = []
+FIGURE_TESTS = ("tests/chaos/", "tests/e2e/test_compose.py")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" and report.passed and report.nodeid.startswith(FIGURE_TESTS):
+        for line in report.capstdout.splitlines():
+            if line.strip():
+                FIGURES.append((report.nodeid, line.strip()))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
+    if FIGURES:
+        terminalreporter.section("chaos figures")
+        for nodeid, line in FIGURES:
+            terminalreporter.write_line(f"{nodeid.split('::')[-1]}: {line}")
+
+
 @pytest.fixture(scope="session")
 def chaos_scale(request: pytest.FixtureRequest) -> int:
     """How much longer the chaos suite runs: 1 in `make test`, 10 with --chaos-long."""
