@@ -129,7 +129,7 @@ def switching(scale: float, out: Path) -> list[dict[str, Any]]:
         "3P1D": ["--prefill", "3", "--decode", "1"],
         "2P2D+switching": [
             "--prefill", "2", "--decode", "2", "--role-switching", "on",
-            "--tpot-slo", "0.011", "--sizing-window", str(4 * scale),
+            "--tpot-slo", "0.011", "--sizing-window", str(1 * scale),
             "--switch-hold", str(1 * scale), "--switch-dwell", str(5 * scale),
         ],
     }  # fmt: skip
