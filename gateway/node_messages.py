@@ -141,7 +141,7 @@ class NodeMessages:
             await self._reply(identity, RegisterRefuse(node_id=info.node_id, reason=reason))
             return
         log.info("registered %s node %s (%s)", info.role, info.node_id, info.model_id)
-        if switched and switched[0] == info.role:
+        if switched:  # back in its new role; or restarted in its old one: the switch is over
             del self.switching[info.node_id]
         self.switcher.registered(info.node_id, time.monotonic())
         self.index.drop(info.node_id)  # a new process: its snapshot follows
