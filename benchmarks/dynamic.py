@@ -4,9 +4,10 @@ switching against every fixed split, and selective disaggregation against its ba
     python -m benchmarks.dynamic --out docs/results/dynamic            # about 30 min, 2 cores
     python -m benchmarks.dynamic --out DIR --only switching|selective
 
-switching  a workload that shifts halfway: 150 requests of 4,000 prompt / 100 output tokens
-           at 18 req/s (prefill-heavy: 3P1D serves it), then 120 of 200 / 1,000 at 8 req/s
-           (decode-heavy: 1P3D or 1P2D), SLO TTFT 1 s and TPOT 11 ms. Runs: 1P3D, 2P2D, 3P1D
+switching  a workload that shifts halfway: 300 requests of 4,000 prompt / 100 output tokens
+           at 18 req/s (prefill-heavy: of 4 nodes only 3P1D serves it within the SLO), then
+           300 of 200 / 1,000 at 24 req/s (decode-heavy: one decode node misses the TPOT SLO
+           for two thirds of them), SLO TTFT 1 s and TPOT 15 ms. Runs: 1P3D, 2P2D, 3P1D
            fixed, and 2P2D with `--role-switching on`. Reported: goodput over the whole run
            and per phase, requests failed, switches made; plots of pool sizes and goodput
            over time (switching.png).
@@ -42,13 +43,14 @@ from pdserve.loadgen.runner import BenchConfig, run
 from pdserve.loadgen.workloads import LengthDist, RequestSpec, synthetic
 
 BASE = ["--engine", "sim", "--sim-profile", "h100-llama3.1-8b", "--placement-timeout", "900"]
-SWITCH_SLO = "ttft=1000,tpot=11"
+SWITCH_SLO = "ttft=1000,tpot=15"
 SELECTIVE_SLO = "ttft=1000,tpot=20"
+HALF = 300  # requests per phase of the shifting workload
 
 
 def shifting() -> list[RequestSpec]:
-    first = synthetic(1, 150, 18.0, 1.0, LengthDist("fixed", 4000), LengthDist("fixed", 100))
-    second = synthetic(2, 120, 8.0, 1.0, LengthDist("fixed", 200), LengthDist("fixed", 1000))
+    first = synthetic(1, HALF, 18.0, 1.0, LengthDist("fixed", 4000), LengthDist("fixed", 100))
+    second = synthetic(2, HALF, 24.0, 1.0, LengthDist("fixed", 200), LengthDist("fixed", 1000))
     start = first[-1].arrival + 1 / 18.0
     return first + [dataclasses.replace(s, arrival=s.arrival + start) for s in second]
 
@@ -122,14 +124,14 @@ def figures(records: list[RequestRecord], slo_text: str, scale: float) -> dict[s
 
 def switching(scale: float, out: Path) -> list[dict[str, Any]]:
     specs = shifting()
-    half = 150
+    half = HALF
     runs = {
         "1P3D": ["--prefill", "1", "--decode", "3"],
         "2P2D": ["--prefill", "2", "--decode", "2"],
         "3P1D": ["--prefill", "3", "--decode", "1"],
         "2P2D+switching": [
             "--prefill", "2", "--decode", "2", "--role-switching", "on",
-            "--tpot-slo", "0.011", "--sizing-window", str(1 * scale),
+            "--tpot-slo", "0.015", "--sizing-window", str(1 * scale),
             "--switch-hold", str(1 * scale), "--switch-dwell", str(5 * scale),
         ],
     }  # fmt: skip
