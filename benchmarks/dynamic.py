@@ -20,9 +20,9 @@ selective  a mixed-length workload (prompts lognormal around 600 tokens, sigma 1
 The cluster runs `--sim-time-scale S` (default 4: a modelled second lasts S seconds, so the
 Python overhead of nodes, gateway and client on a small box stays small beside a step);
 arrivals and SLOs are stretched by S and times reported divided by it: every figure is in
-the modelled GPU's seconds. The gateway's own timers (hold, dwell, the sizing window) are
-wall-clock and set here for the stretched run; `--tpot-slo` is given in modelled seconds,
-the unit of the cost model the gateway's rules use.
+the modelled GPU's seconds. The gateway's settings are wall-clock, set here for the
+stretched run (its cost rules run on the stretched clock too: `pdserve up` gives it
+`--cost-time-scale S`).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def figures(records: list[RequestRecord], slo_text: str, scale: float) -> dict[s
     }
 
 
-def switching(scale: float, out: Path) -> list[dict[str, Any]]:
+def switching(scale: float, out: Path, only: list[str] | None = None) -> list[dict[str, Any]]:
     specs = shifting()
     half = HALF
     runs = {
@@ -131,12 +131,14 @@ def switching(scale: float, out: Path) -> list[dict[str, Any]]:
         "3P1D": ["--prefill", "3", "--decode", "1"],
         "2P2D+switching": [
             "--prefill", "2", "--decode", "2", "--role-switching", "on",
-            "--tpot-slo", "0.015", "--sizing-window", str(1 * scale),
+            "--tpot-slo", str(0.015 * scale), "--sizing-window", str(1 * scale),
             "--switch-hold", str(1 * scale), "--switch-dwell", str(5 * scale),
         ],
     }  # fmt: skip
     rows, timelines = [], {}
     for name, up in runs.items():
+        if only and name not in only:
+            continue
         records, extra = one_run(specs, up, scale, watch=name.endswith("switching"))
         row = {
             "config": name,
@@ -192,7 +194,7 @@ def selective(scale: float) -> list[dict[str, Any]]:
         )
         for mode in ("off", "always", "256", "adaptive"):
             up = ["--prefill", "2", "--decode", "2", "--local-prefill", mode]
-            up += ["--tpot-slo", "0.020"]
+            up += ["--tpot-slo", str(0.020 * scale)]
             records, extra = one_run(specs, up, scale)
             row = {"rate": rate, "local_prefill": mode, **figures(records, SELECTIVE_SLO, scale)}
             row["replaced"] = extra["replaced"]
@@ -212,12 +214,13 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--scale", type=float, default=4.0)
     p.add_argument("--only", choices=["switching", "selective"], default=None)
+    p.add_argument("--configs", nargs="*", default=None, help="switching: only these runs")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = []
     if args.only in (None, "switching"):
-        rows = switching(args.scale, out)
+        rows = switching(args.scale, out, args.configs)
         (out / "switching.json").write_text(json.dumps(rows, indent=1))
         keys = ["config", "goodput", "phase1_goodput", "phase2_goodput", "slo_attainment",
                 "failed", "switches", "migrated", "replaced", "tpot_ms_p99"]  # fmt: skip

@@ -180,6 +180,11 @@ class GatewayConfig:
         "for its final KV (prompt + max_tokens), or long requests together then best fit",
     )
     cost_profile: str = flag("h100-llama3.1-8b", "kv_aware: GPU x model profile of its estimates")
+    cost_time_scale: float = flag(
+        1.0,
+        "multiply the cost model's times (kv_aware, sizing, local prefill): S for sim engines "
+        "at --sim-time-scale S (pdserve up sets it)",
+    )
     cache_aware_routing: Literal["on", "off"] = flag(
         "on",
         "place by the cluster prefix index (cached overlap, fetch hints, the decode node "
@@ -272,6 +277,8 @@ class GatewayConfig:
             )
         if self.switch_hold < 0 or self.switch_dwell < 0:
             raise ConfigError("--switch-hold and --switch-dwell must not be negative")
+        if self.cost_time_scale <= 0:
+            raise ConfigError("--cost-time-scale must be positive")
         if self.sizing_window <= 0:
             raise ConfigError("--sizing-window must be positive")
         for name in (

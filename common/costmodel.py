@@ -134,6 +134,9 @@ MODELS = {
 class CostModel:
     gpu: GpuProfile
     model: ModelProfile
+    # every time it predicts, multiplied: 1 on the GPU modelled; S for a sim cluster whose
+    # engines run at --sim-time-scale S (the gateway's rules then speak its clock)
+    time_scale: float = 1.0
 
     @classmethod
     def named(cls, profile: str) -> CostModel:
@@ -166,7 +169,7 @@ class CostModel:
         bytes_moved = m.weight_bytes + m.kv_bytes_per_token * (kv_read + new_tokens)
         compute = flops / (g.peak_flops * g.mfu)
         memory = bytes_moved / (g.mem_bw * g.bw_eff)
-        return max(compute, memory) + g.step_overhead_s
+        return (max(compute, memory) + g.step_overhead_s) * self.time_scale
 
     def prefill_seconds(self, new_tokens: int, cached_tokens: int = 0) -> float:
         return self.step_seconds([(new_tokens, cached_tokens)])
@@ -175,6 +178,7 @@ class CostModel:
         return self.step_seconds((), contexts)
 
     def transfer_seconds(self, num_tokens: int) -> float:
-        return (
+        link = (
             self.gpu.link_latency_s + num_tokens * self.model.kv_bytes_per_token / self.gpu.link_bw
         )
+        return link * self.time_scale

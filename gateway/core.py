@@ -53,7 +53,9 @@ class Gateway(NodeMessages, PoolCare):
         self.cluster = ClusterView(cfg.heartbeat_timeout)
         self.table = RequestTable()
         self.index = PrefixIndex()  # which prefix blocks each node holds
-        self.policy = make_policy(cfg.scheduler, cfg.cost_profile, cfg.decode_placement)
+        self.policy = make_policy(
+            cfg.scheduler, cfg.cost_profile, cfg.decode_placement, cfg.cost_time_scale
+        )
         self.ctx = make_context(ClusterKey.load(cfg.cluster_key) if cfg.cluster_key else None)
         self.control = make_socket(
             self.ctx,
@@ -139,7 +141,7 @@ class Gateway(NodeMessages, PoolCare):
     async def run(self, req: GatewayRequest) -> None:
         """Place the request; tokens then arrive through the loops into req.events."""
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
-        self.sizing.arrived(len(req.prompt_ids), time.monotonic())
+        self.sizing.arrived(len(req.prompt_ids), time.monotonic(), req.params.max_tokens)
         if len(self.placer.waiting) >= self.cfg.max_waiting:  # bounded, whatever the load
             req.finish(
                 Failed(

@@ -48,7 +48,7 @@ class PoolCare:
         now = time.monotonic()
         return {
             "prefill": self.sizing.prefill(self.cluster, backlog, now),
-            "decode": self.sizing.decode(self.cluster),
+            "decode": self.sizing.decode(self.cluster, now),
         }
 
     async def _switch_roles(self, now: float) -> None:

@@ -12,10 +12,13 @@ common/costmodel.py, the nodes' own measurements where they have them):
         backlog  prompt tokens waiting at the gateway, to be drained within one window
         U        target utilisation (0.8): past it a prefill node's queue grows fast (the
                  mean wait of a node serving one batch at a time grows as U / (1 - U))
-    decode  = max(ceil(blocks / (blocks per node x U)), ceil(running / B))
+    decode  = max(ceil(blocks / (blocks per node x U)), ceil(max(running, mu x T) / B))
         blocks   KV blocks in use on the decode nodes
         B        the largest batch whose decode step, at the running sequences' mean
-                 context, keeps within the TPOT SLO (`--tpot-slo`; without one, KV only)
+                 context, keeps within the TPOT SLO T (`--tpot-slo`; without one, KV only)
+        mu x T   the batch the arriving load will build (Little's law: output tokens asked
+                 for per second, mu, each taking T to make): the signal moves when the
+                 load does, not only once the batches have grown
 
 Each is at least 1. Scale-down is the autoscaler's to damp (an HPA's stabilisation window);
 the signal itself follows the load within about one window.
@@ -54,13 +57,16 @@ class Sizing:
     tpot_slo: float = 0.0
     tokens: Ewma = field(init=False)
     requests: Ewma = field(init=False)
+    outputs: Ewma = field(init=False)
 
     def __post_init__(self) -> None:
         self.tokens, self.requests = Ewma(self.window), Ewma(self.window)
+        self.outputs = Ewma(self.window)
 
-    def arrived(self, prompt_tokens: int, now: float) -> None:
+    def arrived(self, prompt_tokens: int, now: float, output_tokens: int = 0) -> None:
         self.tokens.add(prompt_tokens, now)
         self.requests.add(1, now)
+        self.outputs.add(output_tokens, now)
 
     def prefill(self, cluster: ClusterView, backlog_tokens: int, now: float) -> int:
         rate = self.tokens.rate(now)
@@ -77,7 +83,7 @@ class Sizing:
         busy = (rate + backlog_tokens / self.window) * per_token  # node-seconds per second
         return max(1, math.ceil(busy / self.utilization - 1e-9))
 
-    def decode(self, cluster: ClusterView) -> int:
+    def decode(self, cluster: ClusterView, now: float = 0.0) -> int:
         nodes = cluster.alive("decode")
         if not nodes:
             return 1
@@ -85,10 +91,21 @@ class Sizing:
         per_node = max(1, nodes[0].info.num_blocks)
         want = math.ceil(in_use / (per_node * self.utilization) - 1e-9)
         running = sum(n.load.running for n in nodes)
-        if self.tpot_slo > 0 and running:
-            context = max(1, in_use * nodes[0].info.block_size // running)
-            want = max(want, math.ceil(running / self.batch_within_slo(context)))
+        if self.tpot_slo > 0:
+            coming = self.outputs.rate(now) * self.tpot_slo  # Little's law
+            batch = max(running, coming)
+            if batch > 0:
+                context = self._context(in_use, nodes[0].info.block_size, running, now)
+                want = max(want, math.ceil(batch / self.batch_within_slo(context) - 1e-9))
         return max(1, want)
+
+    def _context(self, in_use: int, block: int, running: int, now: float) -> int:
+        """The running sequences' mean context; with none running yet, the arriving ones'
+        halfway (prompt + half the output)."""
+        if running:
+            return max(1, in_use * block // running)
+        requests = max(self.requests.rate(now), 1e-9)
+        return max(1, round((self.tokens.rate(now) + self.outputs.rate(now) / 2) / requests))
 
     def batch_within_slo(self, context: int) -> int:
         """The largest decode batch at this mean context whose step keeps within the TPOT

@@ -152,6 +152,9 @@ def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
         ecfg = dataclasses.replace(ecfg, num_threads=max(1, (os.cpu_count() or 2) // nodes))
     base = [sys.executable, "-m", "pdserve.cli", "--log-level", args.log_level]
     base += ["--log-format", getattr(args, "log_format", "text")]
+    if ecfg.engine == "sim" and gcfg.cost_time_scale == 1.0:
+        # the gateway's cost rules speak the sim engines' clock
+        gcfg = dataclasses.replace(gcfg, cost_time_scale=ecfg.sim_time_scale)
     gateway = [
         *base,
         "gateway",

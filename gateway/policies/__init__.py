@@ -11,6 +11,7 @@ policy is one new file and nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
 
@@ -34,11 +35,15 @@ def names() -> list[str]:
 
 
 def make_policy(
-    name: str, cost_profile: str = "h100-llama3.1-8b", decode_fit: str = "spread"
+    name: str,
+    cost_profile: str = "h100-llama3.1-8b",
+    decode_fit: str = "spread",
+    time_scale: float = 1.0,
 ) -> Policy:
     if name not in REGISTRY:
         raise ValueError(f"unknown scheduler {name!r}: choose one of {names()}")
-    return REGISTRY[name](CostModel.named(cost_profile), decode_fit)
+    cost = dataclasses.replace(CostModel.named(cost_profile), time_scale=time_scale)
+    return REGISTRY[name](cost, decode_fit)
 
 
 for _module in pkgutil.iter_modules(__path__):

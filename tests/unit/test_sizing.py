@@ -61,3 +61,36 @@ def test_decode_replicas_cover_the_kv_in_use_and_the_batch_the_tpot_slo_allows()
     assert tight.batch_within_slo(144) == 5
     assert tight.decode(cluster) == 4  # 20 running, 5 per node
     assert Sizing(COST, tpot_slo=1e-6).batch_within_slo(144) == 1
+
+
+def test_decode_replicas_move_with_the_arriving_load_before_the_batches_grow():
+    """Little's law: 24 requests a second asking 1,000 tokens each, at a TPOT of 15 ms, build
+    a batch of 360; the signal says so while the decode nodes are still empty."""
+    sizing = Sizing(COST, window=2.0, tpot_slo=0.015)
+    t = 0.0
+    while t < 20.0:
+        sizing.arrived(200, t, output_tokens=1000)
+        t += 1 / 24
+    cluster = cluster_with({}, {"d0": 100})  # nothing running there yet
+    per_node = sizing.batch_within_slo(200 + 500)
+    assert sizing.decode(cluster, now=t) == math.ceil(24 * 1000 * 0.015 / per_node - 1e-6)
+    assert sizing.decode(cluster, now=t) >= 2
+    assert sizing.decode(cluster, now=t + 60.0) == 1  # the load is gone: decayed
+
+
+def test_the_cost_model_speaks_a_scaled_clock():
+    slow = replace_cost(COST, 4.0)
+    assert slow.decode_step_seconds([500] * 8) == pytest.approx(
+        4 * COST.decode_step_seconds([500] * 8)
+    )
+    assert slow.transfer_seconds(4000) == pytest.approx(4 * COST.transfer_seconds(4000))
+    # a TPOT SLO in the slow clock allows the same batch as the real one does in its own
+    assert Sizing(slow, tpot_slo=0.06).batch_within_slo(700) == Sizing(
+        COST, tpot_slo=0.015
+    ).batch_within_slo(700)
+
+
+def replace_cost(cost: CostModel, scale: float) -> CostModel:
+    import dataclasses
+
+    return dataclasses.replace(cost, time_scale=scale)
