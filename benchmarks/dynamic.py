@@ -4,7 +4,7 @@ switching against every fixed split, and selective disaggregation against its ba
     python -m benchmarks.dynamic --out docs/results/dynamic            # about 30 min, 2 cores
     python -m benchmarks.dynamic --out DIR --only switching|selective
 
-switching  a workload that shifts halfway: 300 requests of 4,000 prompt / 100 output tokens
+switching  a workload that shifts halfway: 300 requests of 4,000 prompt / 50 output tokens
            at 18 req/s (prefill-heavy: of 4 nodes only 3P1D serves it within the SLO), then
            300 of 200 / 1,000 at 24 req/s (decode-heavy: one decode node misses the TPOT SLO
            for two thirds of them), SLO TTFT 1 s and TPOT 15 ms. Runs: 1P3D, 2P2D, 3P1D
@@ -49,7 +49,7 @@ HALF = 300  # requests per phase of the shifting workload
 
 
 def shifting() -> list[RequestSpec]:
-    first = synthetic(1, HALF, 18.0, 1.0, LengthDist("fixed", 4000), LengthDist("fixed", 100))
+    first = synthetic(1, HALF, 18.0, 1.0, LengthDist("fixed", 4000), LengthDist("fixed", 50))
     second = synthetic(2, HALF, 24.0, 1.0, LengthDist("fixed", 200), LengthDist("fixed", 1000))
     start = first[-1].arrival + 1 / 18.0
     return first + [dataclasses.replace(s, arrival=s.arrival + start) for s in second]
