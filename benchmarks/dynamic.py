@@ -10,7 +10,10 @@ switching  a workload that shifts halfway: 300 requests of 4,000 prompt / 50 out
            for two thirds of them), SLO TTFT 1 s and TPOT 15 ms. Runs: 1P3D, 2P2D, 3P1D
            fixed, and 2P2D with `--role-switching on`. Reported: goodput over the whole run
            and per phase, requests failed, switches made; plots of pool sizes and goodput
-           over time (switching.png).
+           over time (shifting.png).
+diurnal    one compressed day of 30 modelled seconds: long-in arriving at 18 cos^2 req/s and
+           200 / 1,000 at 24 sin^2 req/s (prefill-heavy at both ends, decode-heavy at noon),
+           the same four runs (diurnal.png; "phase 1" is the first 15 s of arrivals).
 selective  a mixed-length workload (prompts lognormal around 600 tokens, sigma 1.2: most
            short, some of several thousand; 150 output tokens) on 2P2D at three rates, SLO
            TTFT 1 s and TPOT 20 ms, with `--local-prefill` off (always disaggregate),
@@ -53,6 +56,32 @@ def shifting() -> list[RequestSpec]:
     second = synthetic(2, HALF, 24.0, 1.0, LengthDist("fixed", 200), LengthDist("fixed", 1000))
     start = first[-1].arrival + 1 / 18.0
     return first + [dataclasses.replace(s, arrival=s.arrival + start) for s in second]
+
+
+def diurnal(period: float = 30.0, seed: int = 4) -> list[RequestSpec]:
+    """One compressed day: long-in work (4,000 / 50) arrives at 18 cos^2(pi t / T) req/s,
+    chat-like work (200 / 1,000) at 24 sin^2(pi t / T): prefill-heavy at both ends, decode-
+    heavy at noon, the total rate swinging between 18 and 24 req/s and the mix with it.
+    An inhomogeneous Poisson process (thinning of a 24 req/s one)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    specs: list[RequestSpec] = []
+    t = 0.0
+    while True:
+        t += rng.exponential(1 / 42.0)
+        if t >= period:
+            return specs
+        phase = np.pi * t / period
+        long_rate, chat_rate = 18 * np.cos(phase) ** 2, 24 * np.sin(phase) ** 2
+        u = rng.uniform(0, 42.0)
+        if u < long_rate:
+            n, out = 4000, 50
+        elif u < long_rate + chat_rate:
+            n, out = 200, 1000
+        else:
+            continue
+        specs.append(RequestSpec(t, rng.integers(1000, 40000, n).tolist(), out, n))
 
 
 class Watcher:
@@ -122,9 +151,11 @@ def figures(records: list[RequestRecord], slo_text: str, scale: float) -> dict[s
     }
 
 
-def switching(scale: float, out: Path, only: list[str] | None = None) -> list[dict[str, Any]]:
-    specs = shifting()
-    half = HALF
+def switching(
+    scale: float, out: Path, only: list[str] | None = None, workload: str = "shifting"
+) -> list[dict[str, Any]]:
+    specs = shifting() if workload == "shifting" else diurnal()
+    half = HALF if workload == "shifting" else sum(s.arrival < 15.0 for s in specs)
     runs = {
         "1P3D": ["--prefill", "1", "--decode", "3"],
         "2P2D": ["--prefill", "2", "--decode", "2"],
@@ -150,11 +181,11 @@ def switching(scale: float, out: Path, only: list[str] | None = None) -> list[di
         print(json.dumps(row), flush=True)
         rows.append(row)
         timelines[name] = (records, extra.get("pools", []))
-    plot_switching(out, timelines, scale)
+    plot_switching(out, timelines, scale, f"{workload}.png")
     return rows
 
 
-def plot_switching(out: Path, timelines: dict[str, Any], scale: float) -> None:
+def plot_switching(out: Path, timelines: dict[str, Any], scale: float, name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -182,7 +213,7 @@ def plot_switching(out: Path, timelines: dict[str, Any], scale: float) -> None:
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "switching.png", dpi=110)
+    fig.savefig(out / name, dpi=110)
     plt.close(fig)
 
 
@@ -213,7 +244,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--scale", type=float, default=4.0)
-    p.add_argument("--only", choices=["switching", "selective"], default=None)
+    p.add_argument("--only", choices=["switching", "diurnal", "selective"], default=None)
     p.add_argument("--configs", nargs="*", default=None, help="switching: only these runs")
     args = p.parse_args()
     out = Path(args.out)
@@ -225,6 +256,12 @@ def main() -> None:
         keys = ["config", "goodput", "phase1_goodput", "phase2_goodput", "slo_attainment",
                 "failed", "switches", "migrated", "replaced", "tpot_ms_p99"]  # fmt: skip
         report.append("## Live role switching\n\n" + table(rows, keys))
+    if args.only in (None, "diurnal"):
+        rows = switching(args.scale, out, args.configs, "diurnal")
+        (out / "diurnal.json").write_text(json.dumps(rows, indent=1))
+        keys = ["config", "goodput", "phase1_goodput", "phase2_goodput", "slo_attainment",
+                "failed", "switches", "migrated", "replaced", "tpot_ms_p99"]  # fmt: skip
+        report.append("## Live role switching, a compressed day\n\n" + table(rows, keys))
     if args.only in (None, "selective"):
         rows = selective(args.scale)
         (out / "selective.json").write_text(json.dumps(rows, indent=1))
