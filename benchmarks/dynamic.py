@@ -221,7 +221,7 @@ def selective(scale: float) -> list[dict[str, Any]]:
     rows = []
     for rate in (6.0, 12.0, 18.0):
         specs = synthetic(
-            3, 200, rate, 1.0, LengthDist("lognormal", 600, 1.2), LengthDist("fixed", 150)
+            3, 120, rate, 1.0, LengthDist("lognormal", 600, 1.2), LengthDist("fixed", 150)
         )
         for mode in ("off", "always", "256", "adaptive"):
             up = ["--prefill", "2", "--decode", "2", "--local-prefill", mode]
