@@ -14,7 +14,7 @@ switching  a workload that shifts halfway: 300 requests of 4,000 prompt / 50 out
 diurnal    one compressed day of 30 modelled seconds: long-in arriving at 18 cos^2 req/s and
            200 / 1,000 at 24 sin^2 req/s (prefill-heavy at both ends, decode-heavy at noon),
            the same four runs (diurnal.png; "phase 1" is the first 15 s of arrivals).
-selective  a mixed-length workload (prompts lognormal around 600 tokens, sigma 1.2: most
+selective  120 requests of mixed lengths (prompts lognormal around 600 tokens, sigma 1.2: most
            short, some of several thousand; 150 output tokens) on 2P2D at three rates, SLO
            TTFT 1 s and TPOT 20 ms, with `--local-prefill` off (always disaggregate),
            always (never), 256 (a fixed threshold) and adaptive. Reported: goodput, ITL p99,
