@@ -130,6 +130,7 @@ def one_run(
             "switches": _metric(url, "pdserve:role_switches_total"),
             "migrated": _metric(url, "pdserve:kv_migrations_total"),
             "replaced": _metric(url, "pdserve:request_replacements_total"),
+            "local": _metric(url, "pdserve:local_prefills_total"),
         }
     finally:
         if watcher is not None:
@@ -229,6 +230,7 @@ def selective(scale: float) -> list[dict[str, Any]]:
             records, extra = one_run(specs, up, scale)
             row = {"rate": rate, "local_prefill": mode, **figures(records, SELECTIVE_SLO, scale)}
             row["replaced"] = extra["replaced"]
+            row["local_share"] = round(extra["local"] / len(specs), 4)
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -266,7 +268,7 @@ def main() -> None:
         rows = selective(args.scale)
         (out / "selective.json").write_text(json.dumps(rows, indent=1))
         keys = ["rate", "local_prefill", "goodput", "slo_attainment", "itl_ms_p99",
-                "ttft_ms_p99", "tpot_ms_p99", "failed"]  # fmt: skip
+                "ttft_ms_p99", "tpot_ms_p99", "local_share", "failed"]  # fmt: skip
         report.append("## Selective disaggregation\n\n" + table(rows, keys))
     text = "\n\n".join(report)
     (out / "dynamic.md").write_text(text + "\n")

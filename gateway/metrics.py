@@ -169,6 +169,11 @@ class GatewayMetrics:
             ["from_role", "to_role"],
             registry=r,
         )
+        self.local_prefills = Counter(
+            "pdserve:local_prefills",
+            "Requests prefilled on their decode node (--local-prefill)",
+            registry=r,
+        )
         self.rebalances = Counter(
             "pdserve:decode_rebalance_moves",
             "Running sequences the gateway asked a filling decode node to move (--rebalance)",

@@ -192,6 +192,7 @@ class NodeMessages:
             self.table.delivered(attempt, now)  # it ended here: the node kept no KV for it
         elif attempt.prefill == attempt.decode and node is not None and node.info.role == "decode":
             self.table.prefilled_in_place(attempt, now)  # a decode node prefilled it itself
+            self.metrics.local_prefills.inc()
         self._on_token(req, msg.index, msg.token_id, msg.finish_reason)
 
     async def _on_kv_transferred(self, identity: bytes, msg: KvTransferred) -> None:

@@ -43,6 +43,7 @@ async def test_local_prefill_under_load_streams_the_same_tokens(tokenizer, mode)
             assert r.timeline["local_prefill.0"]["local"] == local
         here = d0.metrics.local_prefills._value.get() + d1.metrics.local_prefills._value.get()
         assert here == sum(r.ran_on["prefill"] != "prefill-0" for r in reqs) > 0
+        assert c.gw.metrics.local_prefills._value.get() == here
         assert (
             p.metrics._offers.labels(**p.metrics.labels, decision="accept")._value.get() == 0
         ) == (mode == "always")
