@@ -186,7 +186,7 @@ def switching(
     return rows
 
 
-def plot_switching(out: Path, timelines: dict[str, Any], scale: float, name: str) -> None:
+def plot_switching(out: Path, timelines: dict[str, Any], scale: float, filename: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -214,7 +214,7 @@ def plot_switching(out: Path, timelines: dict[str, Any], scale: float, name: str
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / name, dpi=110)
+    fig.savefig(out / filename, dpi=110)
     plt.close(fig)
 
 
