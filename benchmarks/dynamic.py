@@ -121,7 +121,11 @@ def one_run(
     specs: list[RequestSpec], up: list[str], scale: float, watch: bool = False
 ) -> tuple[list[RequestRecord], dict[str, Any]]:
     stretched = [dataclasses.replace(s, arrival=s.arrival * scale) for s in specs]
-    proc, url, _ = start_cluster([*BASE, "--sim-time-scale", str(scale), *up], timeout=300)
+    args = [*BASE, "--sim-time-scale", str(scale), *up]
+    try:
+        proc, url, _ = start_cluster(args, timeout=300)
+    except RuntimeError:  # once, here, a cluster never printed that it was up: one retry
+        proc, url, _ = start_cluster(args, timeout=300)
     watcher = Watcher(url) if watch else None
     extra: dict[str, Any] = {}
     try:
@@ -218,13 +222,13 @@ def plot_switching(out: Path, timelines: dict[str, Any], scale: float, filename:
     plt.close(fig)
 
 
-def selective(scale: float) -> list[dict[str, Any]]:
+def selective(scale: float, rates: list[float], modes: list[str]) -> list[dict[str, Any]]:
     rows = []
-    for rate in (6.0, 12.0, 18.0):
+    for rate in rates:
         specs = synthetic(
             3, 120, rate, 1.0, LengthDist("lognormal", 600, 1.2), LengthDist("fixed", 150)
         )
-        for mode in ("off", "always", "256", "adaptive"):
+        for mode in modes:
             up = ["--prefill", "2", "--decode", "2", "--local-prefill", mode]
             up += ["--tpot-slo", str(0.020 * scale)]
             records, extra = one_run(specs, up, scale)
@@ -248,6 +252,8 @@ def main() -> None:
     p.add_argument("--scale", type=float, default=4.0)
     p.add_argument("--only", choices=["switching", "diurnal", "selective"], default=None)
     p.add_argument("--configs", nargs="*", default=None, help="switching: only these runs")
+    p.add_argument("--rates", nargs="*", type=float, default=[6.0, 12.0, 18.0], help="selective")
+    p.add_argument("--modes", nargs="*", default=["off", "always", "256", "adaptive"])
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -265,7 +271,7 @@ def main() -> None:
                 "failed", "switches", "migrated", "replaced", "tpot_ms_p99"]  # fmt: skip
         report.append("## Live role switching, a compressed day\n\n" + table(rows, keys))
     if args.only in (None, "selective"):
-        rows = selective(args.scale)
+        rows = selective(args.scale, args.rates, args.modes)
         (out / "selective.json").write_text(json.dumps(rows, indent=1))
         keys = ["rate", "local_prefill", "goodput", "slo_attainment", "itl_ms_p99",
                 "ttft_ms_p99", "tpot_ms_p99", "local_share", "failed"]  # fmt: skip
