@@ -54,11 +54,13 @@ from pdserve.common.protocol import (
     PrefillFailed,
     PrefillOffer,
     PrefillToDecode,
+    Rebalance,
     Redirect,
     Register,
     RegisterAck,
     RegisterRefuse,
     Reject,
+    SwitchRole,
     TokenBatch,
     encode,
 )
@@ -132,6 +134,8 @@ SAMPLES: list[Msg] = [
     Redirect(request_id="r.0", decode=None),
     Abort(request_id="r.0"),
     Drain(),
+    Rebalance(request_ids=("r.0", "r.1")),
+    SwitchRole(role="prefill"),
     KvHeader(
         request_id="r.0",
         prompt_ids=[4, 5, 6],
