@@ -14,15 +14,27 @@ LLAMA_LAYOUT = MODELS["llama3.1-8b"].layout()
 
 class CacheOnlyEngine:
     def __init__(
-        self, layout: ModelConfig, num_tokens: int, block_size: int, dtype: torch.dtype
+        self,
+        layout: ModelConfig,
+        num_tokens: int,
+        block_size: int,
+        dtype: torch.dtype,
+        shared: bool = False,
     ) -> None:
         blocks = -(-num_tokens // block_size) + 1
         self.model_config = layout
         self.block_size = block_size
         self.max_model_len = num_tokens
         self.cache = KVCache(
-            layout.num_layers, blocks, block_size, layout.num_kv_heads, layout.head_dim, dtype
+            layout.num_layers,
+            blocks,
+            block_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+            dtype,
+            shared=shared,  # in /dev/shm: a peer can write into it (shm_direct)
         )
+        self.kv_cache = self.cache
         self.kv_frame_bytes = self.cache.frame_bytes
         self.export_frame = self.cache.export_frame
         self.export_parts = self.cache.export_parts

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
+from pdserve.common.devices import choose_dtype
 from pdserve.common.errors import ConfigError
 
 T = TypeVar("T")
@@ -32,7 +34,10 @@ class EngineConfig:
 
     model: str | None = flag(None, "GGUF file or Hugging Face folder; unset = embedded SmolLM2")
     engine: Literal["torch", "sim"] = flag("torch", "real model (torch) or cost-model simulation")
-    dtype: Literal["float32", "bfloat16", "float16"] = flag("float32", "weights and KV dtype")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = flag(
+        "float32",
+        "weights and KV dtype; auto = bfloat16 on CUDA and on CPUs with native bf16, else float32",
+    )
     device: str = flag("cpu", "torch device: cpu, cuda, cuda:1, cuda:auto (one per replica)")
     block_size: int = flag(16, "tokens per KV block")
     num_kv_blocks: int = flag(0, "KV blocks in the cache; 0 = derive from --kv-cache-gb")
@@ -55,6 +60,11 @@ class EngineConfig:
     )
     kv_disk_cache_dir: str = flag(
         "", "prefix cache tier: its directory (default: a per-process one in the pdserve cache)"
+    )
+    kv_shared_cache: Literal["auto", "on", "off"] = flag(
+        "auto",
+        "keep the KV cache in /dev/shm so a prefill node on this host writes KV straight into "
+        "it (shm_direct: one copy); auto = on CPU when /dev/shm has room",
     )
     sim_profile: str = flag("h100-llama3.1-8b", "sim engine: GPU x model profile (costmodel)")
     sim_kv_scale: float = flag(1 / 16, "sim engine: KV payload size relative to the real model")
@@ -79,6 +89,10 @@ class EngineConfig:
             raise ConfigError(f"--watermark must be in [0, 0.5), got {self.watermark}")
         if self.sim_kv_scale <= 0 or self.sim_time_scale <= 0:
             raise ConfigError("--sim-kv-scale and --sim-time-scale must be positive")
+        if self.dtype == "auto":  # resolved once, here: every consumer sees the real dtype
+            chosen, why = choose_dtype(self.device)
+            logging.getLogger(__name__).info("--dtype auto: %s (%s)", chosen, why)
+            object.__setattr__(self, "dtype", chosen)
         if self.engine == "torch" and self.device == "cpu" and self.dtype == "float16":
             raise ConfigError("float16 on CPU is slow and inexact: use float32 or bfloat16")
 
@@ -331,8 +345,13 @@ class NodeConfig:
         "prefill: fetch prefix blocks another node's cache holds (the gateway's hint) when "
         "that is estimated faster than computing them",
     )
+    layerwise: Literal["auto", "on", "off", "threshold"] = flag(
+        "auto",
+        "prefill: send KV layer by layer during the pass? auto = whichever this node measures "
+        "ready sooner (prefill_node/layerwise.py); threshold = by --layerwise-min-tokens",
+    )
     layerwise_min_tokens: int = flag(
-        768, "prefill: send KV layer by layer from this prompt length on (below: at the end)"
+        768, "prefill: layer-wise from this prompt length on (threshold; auto until measured)"
     )
 
     def __post_init__(self) -> None:

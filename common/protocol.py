@@ -287,6 +287,17 @@ class KvAck(Msg):
     request_id: str  # every layer is in the decode node's cache
 
 
+class KvGrant(Msg):
+    """shm_direct: write the frames straight into these blocks of the receiver's shared
+    cache (the frame's tokens, after any it holds), each layer under the ticket's lock and
+    only while the ticket still holds `nonce` (common/kv_transfer/grants.py)."""
+
+    request_id: str
+    ticket: int
+    nonce: int
+    block_table: list[int]
+
+
 class KvFetch(Msg):
     """To a node whose cache holds a prefix: send the KV of `prompt_ids` (whole blocks) from
     token `skip_tokens` on (the asker holds the rest) to `reply_to`, as a transfer with
@@ -308,7 +319,7 @@ class KvRefuse(Msg):
 
 
 PrefillToDecode = KvHeader | KvLayer | KvDone | Abort | KvFetch
-DecodeToPrefill = KvAck | KvRefuse
+DecodeToPrefill = KvAck | KvRefuse | KvGrant
 
 
 # -- decode -> gateway --------------------------------------------------------------------

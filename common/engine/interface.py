@@ -68,11 +68,11 @@ class Engine(Protocol):
         """The same frame as raw bytes, ready for a zero-copy send."""
         ...
 
-    def export_parts(
-        self, layer: int, block_table: Sequence[int], num_tokens: int
-    ) -> list[memoryview]:
+    def export_parts(self, layer: int, block_table: Sequence[int], num_tokens: int) -> list[Any]:
         """The frame as parts whose concatenation is the frame, viewing the cache where it
-        can (a zero-copy multipart send); import_kv takes such a list as well."""
+        can (a zero-copy multipart send), or staged copies on their way to host memory
+        (`staging.Staged`, from a GPU cache: the sender waits for them); import_kv takes a
+        list of buffers as well."""
         ...
 
     def kv_targets(

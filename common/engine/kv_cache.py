@@ -10,11 +10,15 @@ on block ids, so the receiver scatters it into whatever blocks it reserved.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
+
+from pdserve.common.engine.shared_kv import SharedFile, allocate
+from pdserve.common.engine.staging import Staged, Staging, host_bytes
 
 
 class KVCache:
@@ -27,13 +31,35 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        shared: bool = False,
+        data: torch.Tensor | None = None,
     ) -> None:
+        """`shared`: the tensor lives in a /dev/shm file peers on this host can write into
+        (CPU only; common/engine/shared_kv.py). `data`: view an existing tensor of the
+        layout (a peer's shared cache, mapped by a writer)."""
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim)
-        self.data = torch.zeros(shape, dtype=dtype, device=device)  # touch pages now, not mid-run
+        self.shared: SharedFile | None = None
+        if data is not None:
+            assert tuple(data.shape) == shape and data.dtype == dtype, (data.shape, shape)
+            self.data = data
+        elif shared:
+            assert torch.device(device).type == "cpu", "a shared KV cache is host memory"
+            self.data, self.shared = allocate(shape, dtype)
+            weakref.finalize(self, self.shared.close)  # the file goes with the cache (or exit)
+        else:  # touch pages now, not mid-run
+            self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self.staging = Staging(self.data.device)  # every byte to or from the host: staging.py
         self._np_bytes: np.ndarray | None = None
+
+    @property
+    def layout(self) -> tuple[int, int, int, int, int, str]:
+        """What a writer must agree on: layers, blocks, block size, KV heads, head dim, dtype."""
+        heads, dim = self.frame_shape_per_token
+        dtype = str(self.data.dtype).removeprefix("torch.")
+        return self.num_layers, self.num_blocks, self.block_size, heads, dim, dtype
 
     @property
     def frame_shape_per_token(self) -> tuple[int, int]:
@@ -111,18 +137,47 @@ class KVCache:
         return out
 
     def export_frame(self, layer: int, block_table: Sequence[int], num_tokens: int) -> memoryview:
-        """The frame as raw bytes for the wire (a new contiguous host buffer; from a GPU cache
-        one device-to-host copy, never the buffer protocol on a device tensor)."""
-        frame = self.export_kv(layer, block_table, num_tokens).to("cpu")
-        return memoryview(frame.view(-1).view(torch.uint8).numpy().data)
+        """The frame as raw bytes for the wire, now (a new contiguous host buffer)."""
+        staged = self.stage_frame(layer, block_table, num_tokens)
+        out = memoryview(bytearray(staged.bytes()))
+        self.staging.give_back(staged)
+        return out
+
+    def stage_frame(self, layer: int, block_table: Sequence[int], num_tokens: int) -> Staged:
+        """The frame gathered on the cache's device and on its way to host memory (a CUDA
+        copy on the staging stream, overlapping later layers' compute; on CPU the gathered
+        frame itself): the sender waits for it just before the bytes go out."""
+        return self.staging.to_host(self.export_kv(layer, block_table, num_tokens))
 
     def export_into(
         self, layer: int, block_table: Sequence[int], num_tokens: int, buf: memoryview
     ) -> None:
-        """Write the frame straight into `buf` (e.g. shared memory): no intermediate copy."""
+        """Write the frame straight into host memory `buf` (e.g. shared memory): on CPU no
+        intermediate copy; from a GPU cache through the staging path."""
         heads, dim = self.frame_shape_per_token
         out = torch.frombuffer(buf, dtype=self.data.dtype).view(2, num_tokens, heads, dim)
-        self.export_kv(layer, block_table, num_tokens, out=out)
+        if self.data.device.type == "cpu":
+            self.export_kv(layer, block_table, num_tokens, out=out)
+            return
+        staged = self.stage_frame(layer, block_table, num_tokens)
+        staged.wait()
+        out.copy_(staged.host)
+        self.staging.give_back(staged)
+
+    def copy_into(
+        self,
+        layer: int,
+        block_table: Sequence[int],
+        num_tokens: int,
+        dst: KVCache,
+        dst_table: Sequence[int],
+    ) -> None:
+        """One layer of a request's K and V from this cache's blocks straight into `dst`'s
+        (another cache of the same layout, e.g. a peer's shared one): one copy per stretch
+        of slots consecutive on both sides, no frame in between."""
+        assert dst.block_size == self.block_size
+        for src, to, n in paired_runs(block_table, dst_table, num_tokens, self.block_size):
+            dst.data[layer, :, to : to + n].copy_(self.data[layer, :, src : src + n])
 
     def block_bytes(self) -> int:
         return self.num_layers * self.block_size * self.bytes_per_token_per_layer()
@@ -130,15 +185,16 @@ class KVCache:
     def read_block(self, block: int) -> bytes:
         """Every layer's K and V of one block, as host bytes (a copy, from any device)."""
         bs = self.block_size
-        kv = self.data[:, :, block * bs : (block + 1) * bs].contiguous().to("cpu")
-        return kv.view(-1).view(torch.uint8).numpy().tobytes()
+        staged = self.staging.to_host(self.data[:, :, block * bs : (block + 1) * bs])
+        out = bytes(staged.bytes())
+        self.staging.give_back(staged)
+        return out
 
     def write_block(self, block: int, data: bytes) -> None:
         """The inverse of read_block, into any block of this cache."""
         bs = self.block_size
-        shape = self.data[:, :, block * bs : (block + 1) * bs].shape
-        kv = torch.frombuffer(bytearray(data), dtype=self.data.dtype).view(shape)
-        self.data[:, :, block * bs : (block + 1) * bs].copy_(kv.to(self.data.device))
+        dst = self.data[:, :, block * bs : (block + 1) * bs]
+        dst.copy_(self.staging.to_device(bytearray(data), self.data.dtype, tuple(dst.shape)))
 
     def token_runs(self, block_table: Sequence[int], num_tokens: int) -> list[tuple[int, int]]:
         """(first slot, tokens) of each stretch of consecutive cache slots that holds tokens
@@ -162,16 +218,17 @@ class KVCache:
 
     def export_parts(
         self, layer: int, block_table: Sequence[int], num_tokens: int, max_parts: int = 32
-    ) -> list[memoryview]:
+    ) -> list[Any]:
         """The frame as parts whose concatenation is the frame, for a zero-copy multipart
         send straight from the cache: one view per run of consecutive slots (two parts, K
         and V, when the blocks are consecutive, as a fresh allocation's are). Fragmented
-        tables (more than `max_parts` parts) and GPU caches get one gathered frame."""
+        tables (more than `max_parts` parts) and GPU caches get one gathered frame, staged
+        to the host (a `Staged`: the sender waits for its copy before sending)."""
         if self.data.device.type != "cpu":
-            return [self.export_frame(layer, block_table, num_tokens)]
+            return [self.stage_frame(layer, block_table, num_tokens)]
         regions = self._regions(layer, self.token_runs(block_table, num_tokens))
         if len(regions) > max_parts:
-            return [self.export_frame(layer, block_table, num_tokens)]
+            return [self.stage_frame(layer, block_table, num_tokens)]
         return [memoryview(r) for r in regions]
 
     def kv_targets(
@@ -191,17 +248,18 @@ class KVCache:
         cache's blocks. On CPU: one memcpy per overlap of a source part with a run of
         consecutive slots (two in all when both sides are contiguous). On GPU: whole blocks
         through index_copy_."""
+        heads, dim = self.frame_shape_per_token
         if self.data.device.type == "cpu":
             if isinstance(frame, torch.Tensor):
-                frame = memoryview(frame.contiguous().view(-1).view(torch.uint8).numpy().data)
+                frame = host_bytes(frame)
             parts = frame if isinstance(frame, (list, tuple)) else [frame]
             return self._import_parts(layer, block_table, num_tokens, parts)
-        if isinstance(frame, (list, tuple)):
-            frame = b"".join(bytes(p) for p in frame)
-        if not isinstance(frame, torch.Tensor):
-            frame = torch.frombuffer(frame, dtype=self.data.dtype)  # type: ignore[call-overload]
-        heads, dim = self.frame_shape_per_token
-        frame = frame.view(2, num_tokens, heads, dim).to(self.data.device)
+        if isinstance(frame, torch.Tensor):  # a tensor already (on any device)
+            frame = frame.to(self.data.device).view(2, num_tokens, heads, dim)
+        else:  # host bytes: through the staging path's pinned buffer and copy stream
+            if isinstance(frame, (list, tuple)):
+                frame = b"".join(bytes(p) for p in frame)
+            frame = self.staging.to_device(frame, self.data.dtype, (2, num_tokens, heads, dim))
         full, rem = divmod(num_tokens, self.block_size)
         if full:
             row = self.block_size * heads * dim
@@ -257,6 +315,22 @@ class KVCache:
         if self._np_bytes is None:
             if self.data.device.type != "cpu":  # callers take their GPU branch before this
                 raise RuntimeError("a byte view of the cache exists only on CPU")
-            raw = self.data.view(-1).view(torch.uint8).numpy()
+            raw = np.frombuffer(host_bytes(self.data), dtype=np.uint8)
             self._np_bytes = raw.reshape(self.num_layers, 2, self.num_blocks, -1)
         return self._np_bytes
+
+
+def paired_runs(
+    src_table: Sequence[int], dst_table: Sequence[int], num_tokens: int, block_size: int
+) -> list[tuple[int, int, int]]:
+    """(source slot, destination slot, tokens) of each stretch of tokens [0, num_tokens) whose
+    slots are consecutive in both block tables."""
+    runs: list[tuple[int, int, int]] = []
+    for i in range(-(-num_tokens // block_size)):
+        src, dst = src_table[i] * block_size, dst_table[i] * block_size
+        count = min(block_size, num_tokens - i * block_size)
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + count)
+        else:
+            runs.append((src, dst, count))
+    return runs

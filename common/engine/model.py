@@ -130,8 +130,10 @@ class Attention(nn.Module):
             else:
                 ks, vs = cache.gather(self.layer, span.ctx_slots)
                 # query i sits at context position ctx_len - q_len + i
-                q_pos = torch.arange(span.ctx_len - span.q_len, span.ctx_len).unsqueeze(1)
-                mask, causal = torch.arange(span.ctx_len).unsqueeze(0) <= q_pos, False
+                dev = q.device  # the mask lives where the scores do (a CPU mask fails on CUDA)
+                q_pos = torch.arange(span.ctx_len - span.q_len, span.ctx_len, device=dev)
+                ctx = torch.arange(span.ctx_len, device=dev)
+                mask, causal = ctx.unsqueeze(0) <= q_pos.unsqueeze(1), False
             o = F.scaled_dot_product_attention(
                 qs,
                 ks.transpose(0, 1).unsqueeze(0),

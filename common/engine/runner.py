@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from pdserve.common.config import EngineConfig
+from pdserve.common.engine import shared_kv
 from pdserve.common.engine.interface import DecodeWork, LayerHook, PrefillWork, sample_positions
 from pdserve.common.engine.kv_cache import KVCache
 from pdserve.common.engine.loader import iter_weights
 from pdserve.common.engine.model import AttentionMetadata, LlamaModel, PrefillSpan
 from pdserve.common.engine.sampler import sample
+from pdserve.common.errors import ConfigError
 from pdserve.common.model_config import ModelConfig, load_model_config, resolve_model
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,7 @@ class ModelRunner:
             mc.head_dim,
             self.dtype,
             self.device,
+            shared=self._share_cache(cfg, self.num_blocks * cfg.block_size),
         )
         log.info(
             "torch engine: %s %s on %s, %d KV blocks of %d tokens",
@@ -62,6 +66,23 @@ class ModelRunner:
             self.num_blocks,
             cfg.block_size,
         )
+
+    def _share_cache(self, cfg: EngineConfig, tokens: int) -> bool:
+        """Whether the KV cache goes to /dev/shm (--kv-shared-cache; shared_kv.py)."""
+        if cfg.kv_shared_cache == "off":
+            return False
+        if self.device.type != "cpu":
+            if cfg.kv_shared_cache == "on":  # the GPU path shares through CUDA IPC instead
+                raise ConfigError("--kv-shared-cache on needs a CPU engine (--device cpu)")
+            return False
+        size = tokens * self.model_config.kv_bytes_per_token(self.dtype.itemsize)
+        if shared_kv.fits(size):
+            return True
+        if cfg.kv_shared_cache == "on" and not shared_kv.fits(size, margin=0):
+            raise ConfigError(f"--kv-shared-cache on: /dev/shm has no room for {size} bytes")
+        if cfg.kv_shared_cache == "auto":
+            log.info("KV cache stays private: /dev/shm lacks room for it (--kv-shared-cache)")
+        return cfg.kv_shared_cache == "on"
 
     # -- slots ---------------------------------------------------------------------------
     def slots(self, block_table: Sequence[int], start: int, end: int) -> torch.Tensor:
@@ -152,9 +173,7 @@ class ModelRunner:
     def export_frame(self, layer: int, block_table: Sequence[int], num_tokens: int) -> memoryview:
         return self.kv_cache.export_frame(layer, block_table, num_tokens)
 
-    def export_parts(
-        self, layer: int, block_table: Sequence[int], num_tokens: int
-    ) -> list[memoryview]:
+    def export_parts(self, layer: int, block_table: Sequence[int], num_tokens: int) -> list[Any]:
         return self.kv_cache.export_parts(layer, block_table, num_tokens)
 
     def kv_targets(

@@ -11,13 +11,18 @@ travels. Each is one module with a `CONNECTOR` (base.py says what one must do):
          reserved blocks: one kernel copy on each side (tcp.py).
     shm  same host / IPC namespace: a reusable /dev/shm segment per request; one copy on
          each side, no socket.
+    shm_direct  same host, the decode node's cache itself in /dev/shm: the prefill node
+         copies each layer from its blocks into the reserved ones, one copy in all.
+    cuda_ipc  the same between CUDA caches on one host: the decode node's cache shared by a
+         CUDA IPC handle, one device-to-device copy per layer (NVLink or PCIe).
     ucx  a UCX endpoint (ucxx; RDMA or NVLink on GPU boxes, TCP here) into a reused buffer.
 
 Decode nodes advertise `kv_endpoints` ({backend: endpoint}) when they register. `auto` takes
-the usable backend of lowest rank (shm on one host, else tcp, else zmq); ucx is used when
-asked for: over plain TCP it is slower than our sockets (benchmarks/kv_transfer.py), its gain
-is on RDMA fabrics. A forced backend the peer cannot take falls back to zmq rather than
-failing the request.
+the usable backend of lowest rank (on one host cuda_ipc or shm_direct, then shm; else tcp,
+else zmq);
+ucx is used when asked for: over plain TCP it is slower than our sockets
+(benchmarks/kv_transfer.py), its gain is on RDMA fabrics. A forced backend the peer cannot
+take falls back to zmq rather than failing the request.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ BACKENDS: dict[str, str] = {
     "zmq": "pdserve.common.kv_transfer.zmq_parts",
     "tcp": "pdserve.common.kv_transfer.tcp",
     "shm": "pdserve.common.kv_transfer.shm",
+    "shm_direct": "pdserve.common.kv_transfer.shm_direct",
+    "cuda_ipc": "pdserve.common.kv_transfer.cuda_ipc",
     "ucx": "pdserve.common.kv_transfer.ucx",
 }
 CHOICES = ("auto", *BACKENDS)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.common.engine.interface import Engine
-from pdserve.common.protocol import DecodeTarget, KvHeader
+from pdserve.common.protocol import DecodeTarget, KvHeader, Msg
 from pdserve.common.security import ClusterKey
 
 
@@ -64,6 +64,8 @@ class Transfer:
     started: float = field(default_factory=time.monotonic)  # header sent
     first_byte: float = 0.0  # the first layer's frame queued to the wire
     prefill_end: float = 0.0  # the forward pass was over (set by the prefill node)
+    layerwise: bool = False  # its layers went out during the pass (prefill_node/layerwise.py)
+    staged: list[Any] = field(default_factory=list)  # host copies sent, returned at the end
     finished: float = 0.0  # KvAck received
 
     @property
@@ -104,9 +106,17 @@ class Intake:
         return self.first_token is not None and len(self.layers) == self.header.num_layers
 
 
+# what ReceiveConnector.frame returns when the sender wrote the frame into the cache itself
+LANDED = object()
+
+
 class SendConnector:
     """Prefill side of a backend. One instance per node; called from the event loop, except
     `stage` (engine thread)."""
+
+    # `send` runs before the descriptor goes out: the frame must be in place when the
+    # receiver hears of it (a sender that writes into the receiver's memory itself)
+    writes_first = False
 
     def __init__(self, local: Local) -> None:
         self.local = local
@@ -131,6 +141,10 @@ class SendConnector:
     async def send(self, t: Transfer, layer: int, payload: Any) -> None:
         """In the peer's ordered sender task, after the descriptor: bytes that travel outside
         ZeroMQ. Raise OSError when they cannot (the decode side refuses the transfer)."""
+
+    def on_grant(self, t: Transfer, grant: Any) -> None:
+        """The receiver answered the header with where to write (KvGrant), or refused the
+        transfer (None)."""
 
     def end(self, t: Transfer) -> None:
         """The transfer is over (acknowledged, refused and redirected, or aborted)."""
@@ -162,6 +176,16 @@ class ReceiveConnector:
         """The frame behind a KvLayer descriptor (ZeroMQ parts that followed it): a buffer, or
         parts whose concatenation is the frame; None if it is missing."""
         return parts or None
+
+    def grant(self, rec: Intake, block_table: list[int]) -> Msg | None:
+        """After `open`: a message telling the sender where to write (`block_table`: the
+        blocks its frames fill), or None."""
+        return None
+
+    def revoke(self, rec: Intake) -> bool:
+        """Before the reservation's blocks are given back: may they be? False while the
+        sender may still be writing into them (asked again on the intake's next tick)."""
+        return True
 
     def close_intake(self, rec: Intake) -> None:
         """The transfer is over on this side."""

@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.common.engine.interface import Engine
-from pdserve.common.kv_transfer.base import Intake, ReceiveConnector
+from pdserve.common.kv_transfer.base import LANDED, Intake, ReceiveConnector
 from pdserve.common.protocol import (
     TO_DECODE_DECODER,
     Abort,
@@ -74,6 +74,7 @@ class KvIntake:
         self.incoming: dict[str, Intake] = {}
         self.closed: OrderedDict[str, None] = OrderedDict()
         self.arrivals: dict[str, asyncio.Event] = {}  # stream frames waiting for their header
+        self.quarantine: list[Intake] = []  # dropped, blocks held until the writer's grant ends
 
     async def run(self) -> None:
         while True:
@@ -148,6 +149,9 @@ class KvIntake:
         if problem is not None:
             self.drop(rid)
             return await self.refuse(peer, rid, problem)
+        grant = receiver.grant(intake, self._frame_target(intake)[0])
+        if grant is not None:  # the sender writes into our blocks itself (shm_direct)
+            await self.sock.send_multipart([peer, encode(grant)])
 
     async def _on_layer(self, peer: bytes, rid: str, layer: int, parts: list[Any]) -> None:
         intake = self.incoming.get(rid)
@@ -160,6 +164,10 @@ class KvIntake:
             log.warning("KV frame of %s from %s failed: %r", rid, h.prefill_node, exc)
             if self.drop(rid):
                 await self.refuse(peer, rid, "KV stream failed")
+            return
+        if frame is LANDED:  # the sender copied it into the blocks itself
+            if not intake.dropped and 0 <= layer < h.num_layers:
+                self._landed(intake, layer)
             return
         if isinstance(frame, list):
             got = sum(memoryview(p).nbytes for p in frame)
@@ -237,6 +245,9 @@ class KvIntake:
     # -- endings ------------------------------------------------------------------------------
     async def _complete(self, intake: Intake) -> None:
         rid = intake.header.request_id
+        receiver = self.receivers.get(intake.header.backend)
+        if receiver is not None and not receiver.revoke(intake):  # every layer is in: no
+            log.warning("%s: its writer still holds its grant", rid)  # writer may be inside
         self._forget(rid, keep_blocks=True)  # they are the sequence's now
         assert intake.first_token is not None
         await self.admit(intake, intake.first_token)
@@ -261,6 +272,10 @@ class KvIntake:
 
     def _release(self, intake: Intake) -> None:
         if intake.block_table:
+            receiver = self.receivers.get(intake.header.backend)
+            if receiver is not None and not receiver.revoke(intake):
+                self.quarantine.append(intake)  # a writer is inside its blocks: not yet
+                return
             self.release(intake.block_table)
             intake.block_table = []
 
@@ -289,6 +304,9 @@ class KvIntake:
         return [rid for rid, i in self.incoming.items() if not i.dropped]
 
     async def expire(self, now: float) -> None:
+        held, self.quarantine = self.quarantine, []
+        for intake in held:
+            self._release(intake)  # back in quarantine if the writer is still inside
         for rid, intake in list(self.incoming.items()):
             if intake.dropped:
                 if now - intake.started > 3 * self.timeout:

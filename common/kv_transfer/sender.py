@@ -21,6 +21,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from pdserve.common.engine.staging import Staged
 from pdserve.common.kv_transfer import backend, choose
 from pdserve.common.kv_transfer.base import Local, SendConnector, Transfer
 from pdserve.common.protocol import (
@@ -29,6 +30,7 @@ from pdserve.common.protocol import (
     DecodeTarget,
     KvAck,
     KvDone,
+    KvGrant,
     KvHeader,
     KvLayer,
     KvRefuse,
@@ -50,6 +52,7 @@ class _Item:
     transfer: Transfer | None = None  # with a layer's frame: the connector sends it after
     layer: int = 0
     payload: Any = None
+    framed: bool = False  # a layer: its parts are made when its turn comes (_frame_parts)
 
 
 @dataclass
@@ -144,12 +147,31 @@ class KvSender:
         return [self.stage(t, layer) for layer in range(self.num_layers)]
 
     def push(self, t: Transfer, layer: int, payload: Any) -> None:
-        """Event loop: queue the layer (descriptor + frame) behind everything sent before."""
+        """Event loop: queue the layer (descriptor + frame) behind everything sent before.
+        Its descriptor is made when its turn comes: a frame still being staged to the host
+        (a CUDA copy, common/engine/staging.py) is waited for there, not here."""
         if not t.first_byte:
             t.first_byte = time.monotonic()
-        extra = self.connector(t.backend).descriptor(t, layer, payload)
-        parts = [] if extra is None else [encode(KvLayer(request_id=t.request_id, layer=layer))]
-        self._post(t.target, _Item([*parts, *(extra or [])], t, layer, payload))
+        self._post(t.target, _Item([], t, layer, payload, framed=True))
+
+    async def _frame_parts(self, item: _Item) -> list[Any]:
+        """The layer's payload with staged frames landed as bytes, and its ZeroMQ parts."""
+        t = item.transfer
+        assert t is not None
+        item.payload = await self._landed(t, item.payload)
+        extra = self.connector(t.backend).descriptor(t, item.layer, item.payload)
+        head = [] if extra is None else [encode(KvLayer(request_id=t.request_id, layer=item.layer))]
+        return [*head, *(extra or [])]
+
+    async def _landed(self, t: Transfer, payload: Any) -> Any:
+        if isinstance(payload, list):
+            return [await self._landed(t, p) for p in payload]
+        if not isinstance(payload, Staged):
+            return payload
+        if not payload.done:  # off the loop: a CUDA event wait blocks
+            await asyncio.to_thread(payload.wait)
+        t.staged.append(payload)  # its pinned buffer goes back when the transfer ends
+        return payload.bytes()
 
     def push_all(self, t: Transfer, payloads: list[Any]) -> None:
         for layer, payload in enumerate(payloads):
@@ -174,6 +196,9 @@ class KvSender:
         t = self.transfers.pop(request_id, None)
         if t is not None:
             self.connector(t.backend).end(t)
+            staging = getattr(getattr(self.local.engine, "kv_cache", None), "staging", None)
+            while t.staged and staging is not None:
+                staging.give_back(t.staged.pop())
         return t
 
     # -- peers -----------------------------------------------------------------------------
@@ -205,10 +230,15 @@ class KvSender:
         while True:
             item = await peer.outbox.get()
             try:
+                t = item.transfer
+                if item.framed:
+                    item.parts = await self._frame_parts(item)
+                first = t is not None and self.connector(t.backend).writes_first
+                if t is not None and first:  # the frame is in place before its descriptor
+                    await self.connector(t.backend).send(t, item.layer, item.payload)
                 if item.parts:
                     await peer.sock.send_multipart(item.parts, copy=len(item.parts) == 1)
-                t = item.transfer
-                if t is not None:
+                if t is not None and not first:
                     await self.connector(t.backend).send(t, item.layer, item.payload)
             except OSError as exc:  # the decode side sees the broken channel and refuses
                 peer.failed += 1
@@ -240,9 +270,14 @@ class KvSender:
                     self.release(rid)
                     t.finished = time.monotonic()
                     self.on_ack(t)
+            case KvGrant(request_id=rid):
+                t = self.transfers.get(rid)
+                if t is not None and t.target.node_id == peer.node_id:
+                    self.connector(t.backend).on_grant(t, msg)
             case KvRefuse(request_id=rid, reason=why):
                 t = self.transfers.get(rid)
                 if t is not None and t.target.node_id == peer.node_id:
+                    self.connector(t.backend).on_grant(t, None)
                     await self.on_refuse(rid, peer.node_id, why)
                 elif t is None and self.on_stray_refuse is not None:
                     await self.on_stray_refuse(rid, peer.node_id, why)

@@ -44,7 +44,8 @@ class Pair:
         self.ctx = make_context(key)
         self.backend = backend
         self.src = CacheOnlyEngine(LAYOUT, capacity, BLOCK, torch.float32)
-        self.dst = CacheOnlyEngine(LAYOUT, capacity, BLOCK, torch.float32)
+        shared = backend == "shm_direct"  # its cache in /dev/shm, the writer's target
+        self.dst = CacheOnlyEngine(LAYOUT, capacity, BLOCK, torch.float32, shared=shared)
         self.src.cache.data.normal_(generator=torch.Generator().manual_seed(0))
         self.free = list(range(self.dst.cache.num_blocks))[::-1]
         self.admitted: asyncio.Queue[Intake] = asyncio.Queue()
@@ -126,6 +127,7 @@ class Pair:
 BACKENDS = [
     "zmq",
     "shm",
+    "shm_direct",
     "tcp",
     pytest.param(
         "ucx",
@@ -151,6 +153,24 @@ async def test_backends_move_kv_byte_exact_around_block_boundaries(backend):
         if backend == "shm":  # segments are reused, not created per request
             pool = pair.sender.connector("shm").pool  # type: ignore[attr-defined]
             assert [seg.size for seg in pool.all] == [1 << 20, 2 << 20, 16 << 20]
+    finally:
+        await pair.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_fragmented_source_goes_through_the_staging_path_byte_exact(backend):
+    """More runs of blocks than views are sent for: each layer is gathered and staged to
+    the host (common/engine/staging.py, the path a GPU cache always takes) and the sender
+    waits for the staged copy before it frames the layer."""
+    pair = await Pair(backend, capacity=1200).start()
+    try:
+        n = 600
+        table = list(range(74, -1, -2))  # 38 blocks, none adjacent: 38 runs a half
+        for layerwise in (True, False):
+            rid = f"frag-{layerwise}"
+            intake = await pair.send(rid, n, table, layerwise=layerwise)
+            assert digest(pair.dst, intake.block_table, n) == digest(pair.src, table, n)
+            pair.release(intake.block_table)
     finally:
         await pair.close()
 

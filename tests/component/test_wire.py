@@ -40,6 +40,7 @@ from pdserve.common.protocol import (
     KvDone,
     KvEvents,
     KvFetch,
+    KvGrant,
     KvHeader,
     KvLayer,
     KvRefuse,
@@ -149,6 +150,7 @@ SAMPLES: list[Msg] = [
     KvDone(request_id="r.0", first_token_id=77),
     KvAck(request_id="r.0"),
     KvRefuse(request_id="r.0", reason="needs 3 KV blocks, 1 free"),
+    KvGrant(request_id="r.0", ticket=3, nonce=(1 << 62) + 1, block_table=[7, 8, 9]),
     TokenBatch(
         node_id="d-1",
         request_ids=["a.0", "b.0"],

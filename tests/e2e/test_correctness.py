@@ -66,6 +66,8 @@ def test_cluster_matches_single_process(make_cluster, reference, backends):
     extra = {f"prefill-{i}": ("--kv-backend", b) for i, b in enumerate(backends)}
     if "ucx" in backends:  # decode nodes open a UCX listener only when asked to
         extra |= {f"decode-{i}": ("--kv-backend", "ucx") for i in range(n)}
+    if backends == ("auto",):
+        extra |= {"decode-0": ("--kv-shared-cache", "on")}
     cluster = make_cluster(prefill=n, decode=n, extra=extra)
     with ThreadPoolExecutor(len(ps)) as pool:  # all in flight together
         results = list(pool.map(lambda p: complete(cluster, p), ps))
@@ -81,8 +83,8 @@ def test_cluster_matches_single_process(make_cluster, reference, backends):
         cut = complete(cluster, ps[0], stop=[stop])  # matched by the gateway, decode aborted
         assert cut["choices"][0]["text"] == stopped.text and stop not in stopped.text
         assert cut["choices"][0]["finish_reason"] == "stop"
-    for backend in backends:  # every backend really carried KV
-        moved = "shm" if backend == "auto" else backend
+    for backend in backends:  # every backend really carried KV (auto: the one-copy path,
+        moved = "shm_direct" if backend == "auto" else backend  # the decode cache is shared)
         assert cluster.metric("pdserve:kv_transfer_bytes_total", backend=moved) > 0, moved
     for i in range(n):  # and every pair served traffic
         assert cluster.metric("pdserve:placement_accepts_total", node=f"prefill-{i}") > 0

@@ -1,0 +1,119 @@
+"""Where KV bytes cross between a device cache and host memory: the one staging path.
+
+Every frame, block or segment that leaves or enters the paged cache as bytes goes through
+here, on every device:
+
+- CUDA: device -> host copies go into reused pinned buffers, issued non-blocking on a side
+  stream that first waits for the compute stream (so layer i's copy starts as soon as layer
+  i's KV is written and runs while later layers compute), and an event per copy says when
+  the bytes are there; host -> device copies the other way round, the compute stream
+  waiting for the copy before it reads the cache.
+- CPU: the same calls; the "copy" is a view (device -> host) or a plain host copy, and the
+  events are already complete. The CPU tests therefore run this code.
+
+Nothing else may turn a tensor into bytes: `host_bytes` is the only place that touches a
+tensor's memory through numpy, and it refuses a device tensor (a CUDA tensor has no host
+memory to view; tests/unit/test_staging.py scans the package for any other such access).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, without a copy."""
+    if t.device.type != "cpu":
+        raise ValueError(f"host_bytes of a {t.device} tensor: stage it to the host first")
+    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy().data)
+
+
+@dataclass
+class Staged:
+    """A frame on its way to the host: `host` holds its bytes once `wait()` returns."""
+
+    host: torch.Tensor
+    event: Any = None  # torch.cuda.Event, None on CPU
+    buffer: torch.Tensor | None = None  # the pooled pinned buffer it lives in
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    @property
+    def done(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+    def bytes(self) -> memoryview:
+        self.wait()
+        return host_bytes(self.host)
+
+
+class Staging:
+    """Host buffers and the copy stream of one cache's device."""
+
+    def __init__(self, device: torch.device, max_free: int = 16) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.free: list[torch.Tensor] = []  # pinned uint8 buffers, reused (fresh pinned
+        self.max_free = max_free  # memory costs far more than a copy)
+
+    # -- device -> host -------------------------------------------------------------------
+    def to_host(self, t: torch.Tensor) -> Staged:
+        """Start copying `t` to host memory; on CPU `t` itself (no copy)."""
+        if not self.cuda:
+            return Staged(t.contiguous())
+        assert self.stream is not None
+        nbytes = t.numel() * t.element_size()
+        buf = self._take(nbytes)
+        host = buf[:nbytes].view(t.dtype).view(t.shape)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            host.copy_(t, non_blocking=True)
+            t.record_stream(self.stream)  # the allocator must not reuse t's memory early
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return Staged(host, event, buf)
+
+    def give_back(self, staged: Staged) -> None:
+        """The host bytes are no longer needed (sent, or copied elsewhere)."""
+        if staged.buffer is not None:
+            staged.wait()
+            self.free.append(staged.buffer)
+            if len(self.free) > self.max_free:
+                self.free.remove(min(self.free, key=lambda b: b.numel()))
+            staged.buffer = None
+
+    # -- host -> device -------------------------------------------------------------------
+    def to_device(self, data: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """Host bytes (any buffer) as a tensor on this device. On CUDA the copy goes through a
+        pinned buffer on the copy stream, and the compute stream waits for it."""
+        src = torch.frombuffer(data, dtype=torch.uint8)
+        if not self.cuda:
+            return src.view(dtype).view(shape)
+        assert self.stream is not None
+        buf = self._take(src.numel())
+        buf[: src.numel()].copy_(src)
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        with torch.cuda.stream(self.stream):
+            out.view(-1).view(torch.uint8).copy_(buf[: src.numel()], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        torch.cuda.current_stream(self.device).wait_event(event)
+        out.record_stream(torch.cuda.current_stream(self.device))
+        event.synchronize()  # the pinned buffer is free again only after the copy
+        self.free.append(buf)
+        return out
+
+    def _take(self, nbytes: int) -> torch.Tensor:
+        fits = [b for b in self.free if b.numel() >= nbytes]
+        if fits:
+            buf = min(fits, key=lambda b: b.numel())
+            self.free.remove(buf)
+            return buf
+        size = max(1 << 20, 1 << (nbytes - 1).bit_length())  # powers of two: reuse across sizes
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True)

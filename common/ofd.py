@@ -1,0 +1,34 @@
+"""Linux open-file-description locks on single bytes of a file (F_OFD_SETLK).
+
+Unlike classic POSIX record locks they conflict between any two opens of a file, threads of
+one process included, and survive the closing of other descriptors of the same file; like
+them, the kernel drops a lock when its holder dies. Used to guard writes into shared KV
+caches (common/kv_transfer/grants.py) and to tell a live cache file from an orphan
+(common/engine/shared_kv.py)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+
+# struct flock on Linux (x86-64, arm64): l_type, l_whence, l_start, l_len, l_pid (0 for OFD)
+_FLOCK = "hhxxxxqqixxxx"
+
+
+def lock_byte(fd: int, byte: int, wait: bool = False) -> bool:
+    """Lock byte `byte` of the file exclusively; False if another open holds it (no wait)."""
+    return _set(fd, byte, fcntl.F_WRLCK, wait)
+
+
+def unlock_byte(fd: int, byte: int) -> None:
+    _set(fd, byte, fcntl.F_UNLCK, False)
+
+
+def _set(fd: int, byte: int, kind: int, wait: bool) -> bool:
+    cmd = fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK
+    try:
+        fcntl.fcntl(fd, cmd, struct.pack(_FLOCK, kind, os.SEEK_SET, byte, 1, 0))
+    except (BlockingIOError, PermissionError):
+        return False
+    return True

@@ -1,0 +1,119 @@
+"""The one-copy same-host path (shm_direct): the prefill side writes each layer straight into
+the decode node's shared cache under a write grant. Hundreds of transfers in flight at once
+land byte-exact; a grant is never revoked under a writer (the blocks wait), a revoked grant
+writes nothing, and a writer that dies inside its grant does not pin the blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+
+import torch
+
+from pdserve.common.engine.shared_kv import PREFIX, SHM_DIR, map_cache, sweep_orphans
+from pdserve.common.kv_transfer.grants import GrantTable, GrantView
+from pdserve.common.sampling import SamplingParams
+from tests.component.test_kv_backends import BLOCK, LAYOUT, Pair, digest
+
+
+async def test_two_hundred_transfers_in_flight_land_byte_exact_and_free_every_grant():
+    pair = await Pair("shm_direct", capacity=6400).start()
+    rng = random.Random(7)
+    try:
+        sizes = [rng.randint(1, 40) for _ in range(200)]
+        tables, spot = [], 0
+        for n in sizes:  # source blocks spread over the prefill cache
+            tables.append([(spot + b) % 380 for b in range(-(-n // BLOCK))])
+            spot += 3
+        transfers = []
+        for i, n in enumerate(sizes):  # all headers out before any layer
+            t = pair.sender.begin(f"r{i}", pair.target, list(range(n)), n, SamplingParams(),
+                                  tables[i])  # fmt: skip
+            transfers.append(t)
+        for layer in range(LAYOUT.num_layers):  # layer-wise, interleaved across requests
+            for t in transfers:
+                pair.sender.push(t, layer, pair.sender.stage(t, layer))
+        for t in transfers:
+            pair.sender.done(t, 1)
+        landed = {}
+        for _ in sizes:
+            intake = await asyncio.wait_for(pair.admitted.get(), 30)
+            landed[intake.header.request_id] = intake
+        for i, n in enumerate(sizes):
+            intake = landed[f"r{i}"]
+            assert intake.header.backend == "shm_direct"
+            assert digest(pair.dst, intake.block_table, n) == digest(pair.src, tables[i], n), i
+        grants = pair.receivers["shm_direct"].grants  # type: ignore[attr-defined]
+        for _ in range(100):
+            if not pair.sender.transfers:
+                break
+            await asyncio.sleep(0.02)
+        assert grants.outstanding == 0 and not pair.sender.transfers
+    finally:
+        await pair.close()
+
+
+async def test_blocks_wait_for_a_writer_inside_its_grant_and_a_revoked_grant_writes_nothing():
+    pair = await Pair("shm_direct", capacity=600).start()
+    pair.free = pair.free[:8]
+    total = len(pair.free)
+    try:
+        t = pair.sender.begin("slow", pair.target, list(range(40)), 40, SamplingParams(), [0, 1, 2])
+        pair.sender.push(t, 0, pair.sender.stage(t, 0))
+        state = t.state
+        grant = await asyncio.wait_for(asyncio.shield(state.granted), 5)
+        assert grant is not None and len(pair.free) == total - 3
+        before = pair.dst.cache.data.clone()
+        view = GrantView(pair.receivers["shm_direct"].grants.path)  # type: ignore[attr-defined]
+        with view.hold(grant.ticket, grant.nonce) as valid:  # a writer mid-copy
+            assert valid
+            pair.intake.drop("slow")  # the decode side gives up on the transfer
+            await pair.intake.expire(time.monotonic())
+            assert len(pair.free) == total - 3  # quarantined: the writer is inside
+        await pair.intake.expire(time.monotonic())
+        assert len(pair.free) == total  # the writer left: the grant is revoked, blocks back
+        sender = pair.sender.connector("shm_direct")
+        wrote = sender._write(t, state, grant, 1, None)  # type: ignore[attr-defined]
+        assert wrote is False  # the revoked grant copies nothing
+        changed = (pair.dst.cache.data != before).flatten(1).any(dim=1)
+        assert not changed[1:].any()  # layer 1 and on untouched (layer 0 landed before)
+        view.close()
+        pair.sender.release("slow")
+        ok = await pair.send("after", 20, [5, 6], layerwise=True)
+        assert digest(pair.dst, ok.block_table, 20) == digest(pair.src, [5, 6], 20)
+    finally:
+        await pair.close()
+
+
+def test_a_writer_that_dies_inside_its_grant_does_not_pin_the_blocks():
+    table = GrantTable(4)
+    ticket, nonce = table.grant()  # type: ignore[misc]
+    pid = os.fork()
+    if pid == 0:  # the writer: takes the grant's lock and dies holding it
+        with GrantView(table.path).hold(ticket, nonce):
+            os.kill(os.getpid(), 9)
+    os.waitpid(pid, 0)
+    assert table.revoke(ticket)  # the kernel dropped the dead writer's lock
+    with GrantView(table.path).hold(ticket, nonce) as valid:
+        assert not valid
+    table.close()
+    assert not os.path.exists(table.path)
+
+
+def test_an_orphaned_cache_file_is_swept_and_a_live_one_kept():
+    from benchmarks.cache_engine import CacheOnlyEngine
+
+    live = CacheOnlyEngine(LAYOUT, 64, BLOCK, torch.float32, shared=True)
+    path = live.cache.shared.path  # type: ignore[union-attr]
+    orphan = os.path.join(SHM_DIR, PREFIX + "deadbeef0000")
+    with open(orphan, "wb") as f:  # a file no live owner locks (its node was SIGKILLed)
+        f.write(b"\0" * 4096)
+    assert sweep_orphans() >= 1
+    assert not os.path.exists(orphan) and os.path.exists(path)
+    peer = map_cache(path, tuple(live.cache.data.shape), torch.float32)  # a writer's view
+    peer[3, 1, 5].fill_(2.5)
+    assert torch.equal(live.cache.data[3, 1, 5], peer[3, 1, 5])  # one memory
+    del live
+    assert not os.path.exists(path)  # the file goes with its cache
