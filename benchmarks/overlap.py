@@ -7,6 +7,12 @@ of the forward pass to the KvAck that says the last layer sits in the decode cac
 layer-wise sending most of the transfer hides behind the later layers' compute; without it
 all of it comes after.
 
+Headline: the mean decode-ready time (prefill start to KvAck) over a shuffled sequence of
+prompts (64 to 2,048 tokens) with layer-wise sending always on, always off, and decided per
+batch by a prefill node's rule (`--layerwise auto`, prefill_node/layerwise.py), which starts
+cold and learns from what it measures; `auto_vs_best_fixed` is its ratio to the better
+fixed policy.
+
 It also measures what layer-wise sending costs, to set `--layerwise-min-tokens`: for tiny
 prompts the transfer is negligible, so the difference in decode-ready time (prefill start to
 KvAck) between layer-wise and at-the-end sending is the per-layer framing overhead
@@ -26,6 +32,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import random
 import statistics
 import sys
 import time
@@ -51,6 +58,7 @@ from pdserve.common.node import host_identity
 from pdserve.common.protocol import DecodeTarget
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.transport import bound_address, make_socket
+from pdserve.prefill_node.layerwise import LayerwiseRule
 
 BLOCK = 16
 MAX_TOKENS = 4096
@@ -94,14 +102,18 @@ async def one_prefill(
     n: int,
     layerwise: bool,
     rid: str,
+    rule: LayerwiseRule | None = None,
 ) -> tuple[float, float]:
-    """(exposed seconds after the forward pass, prefill start to decode-ready seconds)."""
+    """(exposed seconds after the forward pass, prefill start to decode-ready seconds). With
+    a rule, the rule decides `layerwise` and learns from the outcome, as a prefill node's."""
     ids = [(i * 7919) % 40000 + 100 for i in range(n)]
     table = list(range(-(-n // BLOCK)))
     params = SamplingParams(max_tokens=2, temperature=0.0)
     loop = asyncio.get_running_loop()
     start = time.monotonic()
     t = sender.begin(rid, target, ids, n, params, table)
+    if rule is not None:
+        layerwise = rule.decide(n, t.total_bytes).layerwise
 
     def prefill() -> float:
         hook = None
@@ -121,6 +133,9 @@ async def one_prefill(
     sender.done(t, 7)
     await acked.get()
     ready = time.monotonic()
+    if rule is not None:
+        rule.observe_pass(n, prefill_end - start, layerwise)
+        rule.observe_tail(t.total_bytes, ready - prefill_end, layerwise)
     return ready - prefill_end, ready - start
 
 
@@ -157,6 +172,27 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "backend": args.backend,
         "repeats": args.repeats,
     }
+    # the headline: decode-ready time over a mixed sequence, per policy (prefill_node/
+    # layerwise.py's rule starts cold here, exploring both modes, as a fresh node does)
+    sizes = [64, 512, 1024, 2048] * args.sequence
+    random.Random(0).shuffle(sizes)
+    for policy in ("on", "off", "auto"):
+        rule = LayerwiseRule(policy)
+        ready = []
+        for n in sizes:
+            rid = f"s{next(counter)}"
+            ready.append((await one_prefill(runner, sender, target, acked, n, False, rid, rule))[1])
+        result[f"sequence_ready_ms_mean_{policy}"] = round(statistics.mean(ready) * 1000, 1)
+        tail = ready[len(ready) // 2 :]  # the rule warm
+        result[f"sequence_ready_ms_mean_second_half_{policy}"] = round(
+            statistics.mean(tail) * 1000, 1
+        )
+    best = min(result["sequence_ready_ms_mean_on"], result["sequence_ready_ms_mean_off"])
+    result["auto_vs_best_fixed"] = round(result["sequence_ready_ms_mean_auto"] / best, 3)
+    if args.sequence_only:
+        await sender.close()
+        proc.terminate()
+        return result
     for n in (256, 1024, 4000):
         exposed, _ = await med(n, True)
         serial, _ = await med(n, False)
@@ -191,6 +227,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--backend", choices=("tcp", "zmq"), default="tcp", help="cross-host path")
+    ap.add_argument("--sequence", type=int, default=4, help="mixed sequence: rounds of 4 sizes")
+    ap.add_argument("--sequence-only", action="store_true", help="skip the per-size sweep")
     args = ap.parse_args()
     tune_malloc()
     mp.set_start_method("spawn")

@@ -161,12 +161,21 @@ class NodeMetrics:
             "Of the KV transfer, the part that ran while the prefill pass still computed",
             ("backend",),
         )
+        self._layerwise = counter(
+            "pdserve:kv_send_batches",
+            "Prefill batches by how their KV went out: layerwise or at_end, and why",
+            ("mode", "why"),
+        )
         self._fetches = counter(
             "pdserve:kv_fetches",
             "Prefix fetches between nodes: fetched, fell_back (recomputed), served (to a peer)",
             ("result",),
         )
         r.register(_LoadCollector(node, role, load, num_blocks))
+
+    def kv_send_mode(self, layerwise: bool, why: str) -> None:
+        mode = "layerwise" if layerwise else "at_end"
+        self._layerwise.labels(**self.labels, mode=mode, why=why).inc()
 
     def fetch(self, result: str) -> None:
         self._fetches.labels(**self.labels, result=result).inc()

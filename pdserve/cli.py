@@ -108,6 +108,8 @@ def _add_serving(sub: argparse._SubParsersAction) -> None:
     add_flags(up, EngineConfig)
     add_flags(up, NodeConfig, skip=launch.PER_NODE)
     up.set_defaults(func=launch.run_up)
+    if "PDSERVE_DTYPE" not in os.environ:  # a local cluster runs what this machine runs best
+        up.set_defaults(dtype="auto")
 
 
 def build_parser() -> argparse.ArgumentParser:

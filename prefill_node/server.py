@@ -29,6 +29,7 @@ from pdserve.common.config import EngineConfig, NodeConfig
 from pdserve.common.engine.interface import Engine
 from pdserve.common.engine.scheduler import SchedulerConfig, SchedulerOutput, step_work
 from pdserve.common.engine.sequence import Sequence, check_stop
+from pdserve.common.kv_transfer.base import Transfer
 from pdserve.common.node import NodeRequest
 from pdserve.common.node.fetch import PrefixFetches
 from pdserve.common.node.handoff import KvHandoff
@@ -44,6 +45,7 @@ from pdserve.common.protocol import (
     Reject,
 )
 from pdserve.common.tokenizer import Tokenizer
+from pdserve.prefill_node.layerwise import LayerwiseRule
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ class PrefillNode(KvHandoff):
     ) -> None:
         super().__init__(cfg, ecfg, engine, tokenizer)
         self.queueing = False  # until the gateway says otherwise at registration
+        self.layerwise = LayerwiseRule(cfg.layerwise, cfg.layerwise_min_tokens)
 
     def scheduler_config(self) -> SchedulerConfig:
         # whole prompts (a chunk's KV would stream before the prompt is done) and no
@@ -109,6 +112,11 @@ class PrefillNode(KvHandoff):
             self.scheduler.add(seq)
             self.work.set()
 
+    def kv_acked(self, t: Transfer) -> None:
+        if t.prefill_end:  # a first send (not a resend after a refusal): how long it took
+            self.layerwise.observe_tail(t.total_bytes, t.finished - t.prefill_end, t.layerwise)
+        super().kv_acked(t)
+
     def on_dropped(self, rid: str, req: NodeRequest | None) -> None:
         self.sender.abort(rid)  # the decode node drops its reservation
 
@@ -131,24 +139,39 @@ class PrefillNode(KvHandoff):
     def engine_step(
         self, out: SchedulerOutput, loop: asyncio.AbstractEventLoop
     ) -> tuple[list[int], dict[str, list[Any]], float, float]:
-        """Engine thread: one forward pass. Long prompts stream each layer as it lands (the
-        send overlaps the next layers' compute); short ones, where per-layer framing costs
-        more than it hides, are staged whole after the pass (`layerwise_min_tokens`)."""
+        """Engine thread: one forward pass. Layer-wise, each layer's KV goes out as it lands
+        (the send overlaps the next layers' compute); else it is staged whole after the
+        pass. Which, the rule decides from this node's measurements (layerwise.py)."""
         moving = [t for s, _ in out.prefills if (t := self.sender.transfers.get(s.seq_id))]
-        layerwise = [t for t in moving if t.num_tokens >= self.cfg.layerwise_min_tokens]
+        tokens = sum(n for _, n in out.prefills)
+        d = self.layerwise.decide(tokens, sum(t.total_bytes for t in moving))
+        if d.why == "threshold":
+            layerwise = [t for t in moving if t.num_tokens >= self.cfg.layerwise_min_tokens]
+        else:
+            layerwise = moving if d.layerwise else []
+        for t in layerwise:
+            t.layerwise = True
+        if moving:
+            self.metrics.kv_send_mode(bool(layerwise), d.why)
+            log.debug("batch of %d tokens: %s (%s; predicted layer-wise %s s, at end %s s)",
+                      tokens, "layer-wise" if layerwise else "at end", d.why,
+                      d.predicted_layerwise_s, d.predicted_at_end_s)  # fmt: skip
 
         def on_layer(layer: int) -> None:
             for t in layerwise:
                 loop.call_soon_threadsafe(self.sender.push, t, layer, self.sender.stage(t, layer))
 
         began = time.monotonic()
-        tokens = self.engine.step(*step_work(out), on_layer if layerwise else None)
+        sampled = self.engine.step(*step_work(out), on_layer if layerwise else None)
         ended = time.monotonic()
         at_end = {t.request_id: self.sender.stage_all(t) for t in moving if t not in layerwise}
-        return tokens, at_end, began, ended
+        return sampled, at_end, began, ended
 
     async def after_step(self, out: SchedulerOutput, grew: list[Sequence], result: Any) -> None:
         _, at_end, began, ended = result
+        streamed = any(t.layerwise for s, _ in out.prefills
+                       if (t := self.sender.transfers.get(s.seq_id)))  # fmt: skip
+        self.layerwise.observe_pass(sum(n for _, n in out.prefills), ended - began, streamed)
         for seq in grew:
             queued = max(0.0, began - self.requests[seq.seq_id].accepted_at)
             self.metrics.queue_time.observe(queued)

@@ -31,7 +31,7 @@ class KvHandoff(NodeBase):
             request_id=t.request_id,
             backend=t.backend,
             bytes=t.total_bytes,
-            layerwise=t.num_tokens >= self.cfg.layerwise_min_tokens,
+            layerwise=t.layerwise,
             start_ms=((t.first_byte or t.started) - base) * 1000,
             end_ms=(t.finished - base) * 1000,
             overlap_ms=t.overlap * 1000,

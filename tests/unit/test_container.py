@@ -64,3 +64,27 @@ def test_advertised_addresses():
     assert routed and not routed.startswith("127.")
     assert resolve_tokens_address("tcp://:8002", "tcp://gateway:8001") == "tcp://gateway:8002"
     assert resolve_tokens_address("tcp://gw:9", "tcp://gateway:8001") == "tcp://gw:9"
+
+
+def test_dtype_auto_is_bfloat16_only_where_it_runs_natively():
+    from pdserve.common.devices import choose_dtype
+
+    assert choose_dtype("cuda:0", set())[0] == "bfloat16"
+    assert choose_dtype("cuda", {"sse2"})[0] == "bfloat16"
+    dtype, why = choose_dtype("cpu", {"avx2", "avx512f", "fma"})  # e.g. this box's AMD EPYC
+    assert dtype == "float32" and "lacks native bfloat16" in why
+    for native in ("avx512_bf16", "amx_bf16", "bf16"):  # x86 AVX512-BF16, AMX, arm64
+        dtype, why = choose_dtype("cpu", {"avx2", native})
+        assert dtype == "bfloat16" and native in why
+
+
+def test_dtype_auto_is_resolved_once_in_the_config(caplog):
+    import logging
+
+    from pdserve.common.config import EngineConfig
+    from pdserve.common.devices import choose_dtype
+
+    with caplog.at_level(logging.INFO):
+        cfg = EngineConfig(dtype="auto")
+    assert cfg.dtype == choose_dtype("cpu")[0] != "auto"
+    assert "--dtype auto" in caplog.text
