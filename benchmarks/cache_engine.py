@@ -20,6 +20,7 @@ class CacheOnlyEngine:
         block_size: int,
         dtype: torch.dtype,
         shared: bool = False,
+        device: str = "cpu",
     ) -> None:
         blocks = -(-num_tokens // block_size) + 1
         self.model_config = layout
@@ -32,6 +33,7 @@ class CacheOnlyEngine:
             layout.num_kv_heads,
             layout.head_dim,
             dtype,
+            device,
             shared=shared,  # in /dev/shm: a peer can write into it (shm_direct)
         )
         self.kv_cache = self.cache

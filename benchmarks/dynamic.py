@@ -11,9 +11,10 @@ switching  a workload that shifts halfway: 300 requests of 4,000 prompt / 50 out
            fixed, and 2P2D with `--role-switching on`. Reported: goodput over the whole run
            and per phase, requests failed, switches made; plots of pool sizes and goodput
            over time (shifting.png).
-diurnal    one compressed day of 30 modelled seconds: long-in arriving at 18 cos^2 req/s and
-           200 / 1,000 at 24 sin^2 req/s (prefill-heavy at both ends, decode-heavy at noon),
-           the same four runs (diurnal.png; "phase 1" is the first 15 s of arrivals).
+diurnal    one compressed day of 30 modelled seconds (`--day S`: S): long-in arriving at
+           18 cos^2 req/s and 200 / 1,000 at 24 sin^2 req/s (prefill-heavy at both ends,
+           decode-heavy at noon), the same four runs (diurnal[-S].png; "phase 1" is the
+           first half of the day's arrivals).
 selective  120 requests of mixed lengths (prompts lognormal around 600 tokens, sigma 1.2: most
            short, some of several thousand; 150 output tokens) on 2P2D at three rates, SLO
            TTFT 1 s and TPOT 20 ms, with `--local-prefill` off (always disaggregate),
@@ -157,10 +158,14 @@ def figures(records: list[RequestRecord], slo_text: str, scale: float) -> dict[s
 
 
 def switching(
-    scale: float, out: Path, only: list[str] | None = None, workload: str = "shifting"
+    scale: float,
+    out: Path,
+    only: list[str] | None = None,
+    workload: str = "shifting",
+    day: float = 30.0,
 ) -> list[dict[str, Any]]:
-    specs = shifting() if workload == "shifting" else diurnal()
-    half = HALF if workload == "shifting" else sum(s.arrival < 15.0 for s in specs)
+    specs = shifting() if workload == "shifting" else diurnal(day)
+    half = HALF if workload == "shifting" else sum(s.arrival < day / 2 for s in specs)
     runs = {
         "1P3D": ["--prefill", "1", "--decode", "3"],
         "2P2D": ["--prefill", "2", "--decode", "2"],
@@ -186,7 +191,8 @@ def switching(
         print(json.dumps(row), flush=True)
         rows.append(row)
         timelines[name] = (records, extra.get("pools", []))
-    plot_switching(out, timelines, scale, f"{workload}.png")
+    name = workload if workload == "shifting" or day == 30.0 else f"{workload}-{day:g}"
+    plot_switching(out, timelines, scale, f"{name}.png")
     return rows
 
 
@@ -222,11 +228,13 @@ def plot_switching(out: Path, timelines: dict[str, Any], scale: float, filename:
     plt.close(fig)
 
 
-def selective(scale: float, rates: list[float], modes: list[str]) -> list[dict[str, Any]]:
+def selective(
+    scale: float, rates: list[float], modes: list[str], count: int = 120
+) -> list[dict[str, Any]]:
     rows = []
     for rate in rates:
         specs = synthetic(
-            3, 120, rate, 1.0, LengthDist("lognormal", 600, 1.2), LengthDist("fixed", 150)
+            3, count, rate, 1.0, LengthDist("lognormal", 600, 1.2), LengthDist("fixed", 150)
         )
         for mode in modes:
             up = ["--prefill", "2", "--decode", "2", "--local-prefill", mode]
@@ -254,6 +262,8 @@ def main() -> None:
     p.add_argument("--configs", nargs="*", default=None, help="switching: only these runs")
     p.add_argument("--rates", nargs="*", type=float, default=[6.0, 12.0, 18.0], help="selective")
     p.add_argument("--modes", nargs="*", default=["off", "always", "256", "adaptive"])
+    p.add_argument("--requests", type=int, default=120, help="selective: requests per run")
+    p.add_argument("--day", type=float, default=30.0, help="diurnal: modelled seconds per day")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -265,13 +275,14 @@ def main() -> None:
                 "failed", "switches", "migrated", "replaced", "tpot_ms_p99"]  # fmt: skip
         report.append("## Live role switching\n\n" + table(rows, keys))
     if args.only in (None, "diurnal"):
-        rows = switching(args.scale, out, args.configs, "diurnal")
-        (out / "diurnal.json").write_text(json.dumps(rows, indent=1))
+        rows = switching(args.scale, out, args.configs, "diurnal", args.day)
+        name = "diurnal" if args.day == 30.0 else f"diurnal-{args.day:g}"
+        (out / f"{name}.json").write_text(json.dumps(rows, indent=1))
         keys = ["config", "goodput", "phase1_goodput", "phase2_goodput", "slo_attainment",
                 "failed", "switches", "migrated", "replaced", "tpot_ms_p99"]  # fmt: skip
         report.append("## Live role switching, a compressed day\n\n" + table(rows, keys))
     if args.only in (None, "selective"):
-        rows = selective(args.scale, args.rates, args.modes)
+        rows = selective(args.scale, args.rates, args.modes, args.requests)
         (out / "selective.json").write_text(json.dumps(rows, indent=1))
         keys = ["rate", "local_prefill", "goodput", "slo_attainment", "itl_ms_p99",
                 "ttft_ms_p99", "tpot_ms_p99", "local_share", "failed"]  # fmt: skip

@@ -61,18 +61,22 @@ def _decode_run(runner: ModelRunner, batch: int, prompt_len: int, steps: int) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--prompt-len", type=int, default=500)
     ap.add_argument("--decode-context", type=int, default=128, help="prompt length before decode")
     ap.add_argument("--steps", type=int, default=32)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     runner = ModelRunner(
-        EngineConfig(dtype=args.dtype, num_kv_blocks=2048, num_threads=args.threads)
+        EngineConfig(
+            dtype=args.dtype, num_kv_blocks=2048, num_threads=args.threads, device=args.device
+        )
     )
     result = {
         "dtype": args.dtype,
+        "device": args.device,
         "threads": args.threads,
         "prefill_tok_s": round(prefill_tok_s(runner, args.prompt_len, 5), 1),
     }

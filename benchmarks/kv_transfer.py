@@ -31,7 +31,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np
 import torch
 import zmq
 import zmq.asyncio
@@ -52,8 +51,8 @@ BLOCK = 16
 LLAMA = MODELS["llama3.1-8b"]
 
 
-def CacheEngine(num_tokens: int) -> CacheOnlyEngine:
-    return CacheOnlyEngine(LLAMA_LAYOUT, num_tokens, BLOCK, torch.float16)
+def CacheEngine(num_tokens: int, shared: bool = False, device: str = "cpu") -> CacheOnlyEngine:
+    return CacheOnlyEngine(LLAMA_LAYOUT, num_tokens, BLOCK, torch.float16, shared, device)
 
 
 def kv_digest(engine: CacheOnlyEngine, block_table: list[int], n: int) -> str:
@@ -75,13 +74,18 @@ def table(num_tokens: int, layout: str) -> list[int]:
 
 
 # -- decode process ---------------------------------------------------------------------------
-def decode_main(num_tokens: int, ucx: bool, layout: str, ready: Any, digest_q: Any) -> None:
+def decode_main(
+    num_tokens: int, backend: str, layout: str, ready: Any, digest_q: Any, device: str
+) -> None:
     tune_malloc()
-    asyncio.run(_decode(num_tokens, ucx, layout, ready, digest_q))
+    asyncio.run(_decode(num_tokens, backend, layout, ready, digest_q, device))
 
 
-async def _decode(num_tokens: int, ucx: bool, layout: str, ready: Any, digest_q: Any) -> None:
-    engine = CacheEngine(num_tokens)
+async def _decode(
+    num_tokens: int, backend: str, layout: str, ready: Any, digest_q: Any, device: str
+) -> None:
+    # shm_direct writes into a cache that lives in /dev/shm
+    engine = CacheEngine(num_tokens, shared=backend == "shm_direct", device=device)
     ctx = zmq.asyncio.Context()
     sock = make_socket(ctx, "node.data", "tcp://127.0.0.1:0", max_msg=1 << 31)
     dest = table(num_tokens, layout)
@@ -101,7 +105,7 @@ async def _decode(num_tokens: int, ucx: bool, layout: str, ready: Any, digest_q:
         "127.0.0.1",
         engine,  # type: ignore[arg-type]
         data_address=address,
-        forced="ucx" if ucx else "auto",
+        forced="ucx" if backend == "ucx" else "auto",
     )
     receivers = receivers_for(local)
     intake = KvIntake(
@@ -141,11 +145,11 @@ async def transfer_once(
 
 
 async def run_backend(
-    backend: str, n: int, repeats: int, engine: CacheOnlyEngine, layout: str
+    backend: str, n: int, repeats: int, engine: CacheOnlyEngine, layout: str, device: str
 ) -> tuple[float, str]:
     ready: Any = mp.Queue()
     digest_q: Any = mp.Queue()
-    args = (n, backend == "ucx", layout, ready, digest_q)
+    args = (n, backend, layout, ready, digest_q, device)
     proc = mp.Process(target=decode_main, args=args, daemon=True)
     proc.start()
     address, endpoints = ready.get(timeout=120)
@@ -212,13 +216,16 @@ def raw_tcp_seconds(frames: list[memoryview], repeats: int) -> float:
     return statistics.median(times[1:])
 
 
-def memcpy_seconds(total: int, repeats: int) -> float:
-    src = np.random.randint(0, 255, total, dtype=np.uint8)
-    dst = np.empty_like(src)
+def memcpy_seconds(total: int, repeats: int, device: str = "cpu") -> float:
+    """One copy of `total` bytes between two buffers of `device` (on CUDA: device to device)."""
+    src = torch.randint(0, 255, (total,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
     times = []
     for _ in range(repeats + 1):
         start = time.monotonic()
-        np.copyto(dst, src)
+        dst.copy_(src)
+        if device != "cpu":
+            torch.cuda.synchronize()
         times.append(time.monotonic() - start)
     return statistics.median(times[1:])
 
@@ -227,35 +234,49 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", type=int, default=4000)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--backends", default="zmq,tcp,shm,ucx")
+    ap.add_argument("--backends", default=None, help="default: zmq,tcp,shm,shm_direct,ucx "
+                    "on CPU; tcp,shm,cuda_ipc on CUDA")  # fmt: skip
+    ap.add_argument("--device", default="cpu", help="where both caches live: cpu or cuda")
     args = ap.parse_args()
+    cuda = args.device.startswith("cuda")
+    args.backends = args.backends or ("tcp,shm,cuda_ipc" if cuda else "zmq,tcp,shm,shm_direct,ucx")
     tune_malloc()
     torch.set_num_threads(1)
     mp.set_start_method("spawn")
     n = args.tokens
-    engine = CacheEngine(n)
+    engine = CacheEngine(n, device=args.device)
     engine.cache.data.normal_()
     src = table(n, "source")
     kv_bytes = engine.kv_frame_bytes(n) * LLAMA.num_layers
     expected = kv_digest(engine, src, n)
-    result: dict[str, Any] = {"kv_bytes": kv_bytes, "tokens": n, "repeats": args.repeats}
+    result: dict[str, Any] = {"kv_bytes": kv_bytes, "tokens": n, "repeats": args.repeats,
+                              "device": args.device}  # fmt: skip
     backends = args.backends.split(",")
     runs = [(b, "fresh", f"{b}_gb_s") for b in backends]
     runs += [(b, "fragmented", f"{b}_fragmented_gb_s") for b in ("zmq", "tcp") if b in backends]
     for backend, layout, key in runs:
-        seconds, received = asyncio.run(run_backend(backend, n, args.repeats, engine, layout))
+        seconds, received = asyncio.run(
+            run_backend(backend, n, args.repeats, engine, layout, args.device)
+        )
         assert received == expected, f"{backend}: the KV did not arrive byte-exact"
         result[key] = round(kv_bytes / seconds / 1e9, 3)
     frames = [engine.export_frame(layer, src, n) for layer in range(LLAMA.num_layers)]
     result["raw_tcp_gb_s"] = round(kv_bytes / raw_tcp_seconds(frames, args.repeats) / 1e9, 3)
     result["memcpy_gb_s"] = round(kv_bytes / memcpy_seconds(kv_bytes, args.repeats) / 1e9, 3)
+    if cuda:
+        d2d = memcpy_seconds(kv_bytes, args.repeats, args.device)
+        result["device_memcpy_gb_s"] = round(kv_bytes / d2d / 1e9, 3)
     for b in ("zmq", "tcp"):
         for key in (f"{b}_gb_s", f"{b}_fragmented_gb_s"):
             if key in result:
                 ratio = result[key] / result["raw_tcp_gb_s"]
                 result[key.replace("_gb_s", "_vs_raw_tcp")] = round(ratio, 3)
-    if "shm_gb_s" in result:
-        result["shm_vs_memcpy"] = round(result["shm_gb_s"] / result["memcpy_gb_s"], 3)
+    for b in ("shm", "shm_direct"):
+        if f"{b}_gb_s" in result:
+            result[f"{b}_vs_memcpy"] = round(result[f"{b}_gb_s"] / result["memcpy_gb_s"], 3)
+    if "cuda_ipc_gb_s" in result:
+        ratio = result["cuda_ipc_gb_s"] / result["device_memcpy_gb_s"]
+        result["cuda_ipc_vs_device_memcpy"] = round(ratio, 3)
     print(json.dumps(result))
 
 
