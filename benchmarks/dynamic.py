@@ -248,6 +248,31 @@ def selective(
     return rows
 
 
+def plot_selective(out: Path, rows: list[dict[str, Any]]) -> None:
+    """Goodput and ITL p99 against the arrival rate, one line per --local-prefill mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode in dict.fromkeys(r["local_prefill"] for r in rows):
+        mine = [r for r in rows if r["local_prefill"] == mode]
+        rates = [r["rate"] for r in mine]
+        left.plot(rates, [r["goodput"] for r in mine], marker="o", label=mode)
+        right.plot(rates, [r["itl_ms_p99"] for r in mine], marker="o", label=mode)
+    left.set_ylabel("goodput (req/s within both SLOs)")
+    right.set_ylabel("ITL p99 (ms)")
+    right.set_yscale("log")
+    for ax in (left, right):
+        ax.set_xlabel("arrival rate (req/s)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, title="--local-prefill")
+    fig.tight_layout()
+    fig.savefig(out / "selective.png", dpi=110)
+    plt.close(fig)
+
+
 def table(rows: list[dict[str, Any]], keys: list[str]) -> str:
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(str(r.get(k)) for k in keys) + " |" for r in rows]
@@ -284,6 +309,7 @@ def main() -> None:
     if args.only in (None, "selective"):
         rows = selective(args.scale, args.rates, args.modes, args.requests)
         (out / "selective.json").write_text(json.dumps(rows, indent=1))
+        plot_selective(out, rows)
         keys = ["rate", "local_prefill", "goodput", "slo_attainment", "itl_ms_p99",
                 "ttft_ms_p99", "tpot_ms_p99", "local_share", "failed"]  # fmt: skip
         report.append("## Selective disaggregation\n\n" + table(rows, keys))

@@ -67,6 +67,7 @@ class DirectSend(SendConnector):
     def __init__(self, local: Local) -> None:
         super().__init__(local)
         self.peers: dict[str, Peer] = {}  # by endpoint: a restarted node has a new one
+        self.by_node: dict[str, str] = {}  # node id -> its endpoint
 
     # -- what a subclass says ---------------------------------------------------------------
     def can_write(self, own: KVCache, shared: str) -> bool:
@@ -116,7 +117,12 @@ class DirectSend(SendConnector):
         return peer
 
     def begin(self, t: Transfer) -> None:
-        t.state = Direct(self._peer(t.target.kv_endpoints[self.name]))
+        endpoint = t.target.kv_endpoints[self.name]
+        old = self.by_node.get(t.target.node_id)
+        if old is not None and old != endpoint:  # the node restarted with a new cache: let
+            self.peers.pop(old, None)  # the old mapping go (it would pin its memory)
+        self.by_node[t.target.node_id] = endpoint
+        t.state = Direct(self._peer(endpoint))
 
     def stage(self, t: Transfer, layer: int) -> Any:
         return self.mark(t, layer)  # the layer stays in our cache until `send` copies it
