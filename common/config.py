@@ -18,8 +18,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
-from pdserve.common.devices import choose_dtype
 from pdserve.common.errors import ConfigError
+from pdserve.common.numerics import choose_dtype
 
 T = TypeVar("T")
 

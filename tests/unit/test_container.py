@@ -67,7 +67,7 @@ def test_advertised_addresses():
 
 
 def test_dtype_auto_is_bfloat16_only_where_it_runs_natively():
-    from pdserve.common.devices import choose_dtype
+    from pdserve.common.numerics import choose_dtype
 
     assert choose_dtype("cuda:0", set())[0] == "bfloat16"
     assert choose_dtype("cuda", {"sse2"})[0] == "bfloat16"
@@ -82,7 +82,7 @@ def test_dtype_auto_is_resolved_once_in_the_config(caplog):
     import logging
 
     from pdserve.common.config import EngineConfig
-    from pdserve.common.devices import choose_dtype
+    from pdserve.common.numerics import choose_dtype
 
     with caplog.at_level(logging.INFO):
         cfg = EngineConfig(dtype="auto")
