@@ -97,8 +97,8 @@ class DirectSend(SendConnector):
             return False
         try:
             self._peer(endpoint)
-        except (OSError, ValueError, RuntimeError):
-            return False  # gone (the node restarted) or not mappable here: another backend
+        except (OSError, ValueError, RuntimeError, KeyError, TypeError, IndexError):
+            return False  # gone (restarted), not mappable here or malformed: another backend
         return True
 
     def _peer(self, endpoint: str) -> Peer:

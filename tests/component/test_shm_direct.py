@@ -117,3 +117,32 @@ def test_an_orphaned_cache_file_is_swept_and_a_live_one_kept():
     assert torch.equal(live.cache.data[3, 1, 5], peer[3, 1, 5])  # one memory
     del live
     assert not os.path.exists(path)  # the file goes with its cache
+
+
+def test_malformed_or_stale_endpoints_are_not_usable_and_fall_back():
+    from benchmarks.cache_engine import CacheOnlyEngine
+    from pdserve.common.kv_transfer import backend, choose
+    from pdserve.common.kv_transfer.base import Local
+    from pdserve.common.node import host_identity
+
+    own = CacheOnlyEngine(LAYOUT, 64, BLOCK, torch.float32)
+    me = Local("p", host_identity(), "127.0.0.1", own)  # type: ignore[arg-type]
+    senders = {name: backend(name).send(me) for name in ("shm_direct", "cuda_ipc", "shm")}
+    layout = ",".join(str(x) for x in own.cache.layout)
+    host = host_identity()
+    bad = [
+        "", "|||", f"{host}|/etc/passwd|/dev/shm/pdserve-grants-x|{layout}",
+        f"{host}|/dev/shm/pdserve-kv-gone|/dev/shm/pdserve-grants-gone|{layout}",
+        f"{host}|/dev/shm/pdserve-kv-x|/dev/shm/pdserve-grants-x|1,2,3",
+        f"other-host|/dev/shm/pdserve-kv-x|/dev/shm/pdserve-grants-x|{layout}",
+        f"{host}|not-json:@@@|/dev/shm/pdserve-grants-x|{layout}",
+    ]  # fmt: skip
+    for endpoint in bad:
+        assert not senders["shm_direct"].usable(endpoint), endpoint
+        assert not senders["cuda_ipc"].usable(endpoint), endpoint  # no CUDA cache here
+        picked = choose(
+            "auto",
+            lambda b, ep: senders[b].usable(ep),
+            {"shm_direct": endpoint, "shm": host, "zmq": "tcp://x:1"},
+        )  # fmt: skip
+        assert picked == "shm"  # the next backend on this host
