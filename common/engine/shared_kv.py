@@ -39,7 +39,7 @@ def sweep_orphans() -> int:
     for name in names:
         path = os.path.join(SHM_DIR, name)
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError:
             continue
         try:
@@ -85,16 +85,21 @@ def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, 
     not mid-run, as torch.zeros would)."""
     sweep_orphans()
     size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    path = os.path.join(SHM_DIR, PREFIX + secrets.token_hex(6))
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    name = secrets.token_hex(6)
+    # made and locked under another name, then renamed: a sweep by a node starting at the
+    # same moment never sees it unlocked
+    draft = os.path.join(SHM_DIR, f"pdserve-kvdraft-{name}")
+    path = os.path.join(SHM_DIR, PREFIX + name)
+    fd = os.open(draft, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         if not lock_byte(fd, 0):
-            raise OSError(f"cannot lock {path}")
+            raise OSError(f"cannot lock {draft}")
         os.ftruncate(fd, size)
         mem = mmap.mmap(fd, size)
+        os.rename(draft, path)
     except BaseException:
         os.close(fd)
-        os.unlink(path)
+        os.unlink(draft)
         raise
     tensor = torch.frombuffer(mem, dtype=dtype).view(shape)
     tensor.zero_()
@@ -107,7 +112,7 @@ def map_cache(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
     if os.path.dirname(path) != SHM_DIR or not os.path.basename(path).startswith(PREFIX):
         raise ValueError(f"refusing KV cache file {path!r}")
     size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    fd = os.open(path, os.O_RDWR)
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     try:
         if os.fstat(fd).st_size != size:
             raise ValueError(f"{path} is not a cache of shape {shape} {dtype}")

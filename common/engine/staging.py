@@ -6,8 +6,8 @@ here, on every device:
 - CUDA: device -> host copies go into reused pinned buffers, issued non-blocking on a side
   stream that first waits for the compute stream (so layer i's copy starts as soon as layer
   i's KV is written and runs while later layers compute), and an event per copy says when
-  the bytes are there; host -> device copies the other way round, the compute stream
-  waiting for the copy before it reads the cache.
+  the bytes are there; host -> device copies go from a pinned buffer on the compute stream,
+  so whatever reads the cache next runs behind them.
 - CPU: the same calls; the "copy" is a view (device -> host) or a plain host copy, and the
   events are already complete. The CPU tests therefore run this code.
 
@@ -18,6 +18,7 @@ memory to view; tests/unit/test_staging.py scans the package for any other such 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,8 @@ class Staging:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.free: list[torch.Tensor] = []  # pinned uint8 buffers, reused (fresh pinned
         self.max_free = max_free  # memory costs far more than a copy)
+        # the engine thread, worker threads and the event loop all stage and give back
+        self.lock = threading.Lock()
 
     # -- device -> host -------------------------------------------------------------------
     def to_host(self, t: torch.Tensor) -> Staged:
@@ -83,9 +86,7 @@ class Staging:
         """The host bytes are no longer needed (sent, or copied elsewhere)."""
         if staged.buffer is not None:
             staged.wait()
-            self.free.append(staged.buffer)
-            if len(self.free) > self.max_free:
-                self.free.remove(min(self.free, key=lambda b: b.numel()))
+            self._put(staged.buffer)
             staged.buffer = None
 
     # -- host -> device -------------------------------------------------------------------
@@ -95,25 +96,29 @@ class Staging:
         src = torch.frombuffer(data, dtype=torch.uint8)
         if not self.cuda:
             return src.view(dtype).view(shape)
-        assert self.stream is not None
         buf = self._take(src.numel())
         buf[: src.numel()].copy_(src)
         out = torch.empty(shape, dtype=dtype, device=self.device)
-        with torch.cuda.stream(self.stream):
-            out.view(-1).view(torch.uint8).copy_(buf[: src.numel()], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        torch.cuda.current_stream(self.device).wait_event(event)
-        out.record_stream(torch.cuda.current_stream(self.device))
+        # on the compute stream: `out` comes from its pool, so ordering is free, and what
+        # reads the cache next runs behind the copy
+        stream = torch.cuda.current_stream(self.device)
+        out.view(-1).view(torch.uint8).copy_(buf[: src.numel()], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
         event.synchronize()  # the pinned buffer is free again only after the copy
-        self.free.append(buf)
+        self._put(buf)
         return out
 
     def _take(self, nbytes: int) -> torch.Tensor:
-        fits = [b for b in self.free if b.numel() >= nbytes]
-        if fits:
-            buf = min(fits, key=lambda b: b.numel())
-            self.free.remove(buf)
-            return buf
+        with self.lock:
+            fits = [i for i, b in enumerate(self.free) if b.numel() >= nbytes]
+            if fits:  # by index: `list.remove` would compare tensors with ==
+                return self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
         size = max(1 << 20, 1 << (nbytes - 1).bit_length())  # powers of two: reuse across sizes
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.cuda)
+
+    def _put(self, buf: torch.Tensor) -> None:
+        with self.lock:
+            self.free.append(buf)
+            if len(self.free) > self.max_free:  # bounded: the smallest goes
+                self.free.pop(min(range(len(self.free)), key=lambda i: self.free[i].numel()))

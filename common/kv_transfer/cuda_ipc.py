@@ -84,14 +84,19 @@ class CudaIpcSend(DirectSend):
         return data
 
     def mark(self, t: Transfer, layer: int) -> Any:
-        event = torch.cuda.Event()
-        event.record()  # on the compute stream, after the layer's KV was written
+        own = cache_of(self.local)
+        assert own is not None
+        event = torch.cuda.Event()  # on the cache device's compute stream, after the layer
+        event.record(torch.cuda.current_stream(own.data.device))  # KV was written
         return event
 
     def copy(self, own: KVCache, t: Transfer, layer: int, dst: KVCache, table: list[int],
              mark: Any) -> None:  # fmt: skip
         device = own.data.device
-        stream = self.streams.setdefault(device.index or 0, torch.cuda.Stream(device))
+        index = device.index or 0
+        if index not in self.streams:
+            self.streams[index] = torch.cuda.Stream(device)
+        stream = self.streams[index]
         with torch.cuda.stream(stream):
             if mark is not None:
                 stream.wait_event(mark)

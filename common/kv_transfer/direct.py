@@ -13,6 +13,7 @@ copied into (`copy`); the rest, including every safety rule, is here.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ from pdserve.common.kv_transfer.grants import GrantTable, GrantView
 from pdserve.common.protocol import KvGrant, Msg
 
 SEP = "|"
+log = logging.getLogger(__name__)
 
 
 def cache_of(local: Local) -> KVCache | None:
@@ -39,6 +41,12 @@ def cache_of(local: Local) -> KVCache | None:
 
 def layout_text(cache: KVCache) -> str:
     return ",".join(str(x) for x in cache.layout)
+
+
+def same_kind(a: str, b: str) -> bool:
+    """Whether two layouts hold the same KV (all but the number of blocks agree)."""
+    x, y = a.split(","), b.split(",")
+    return len(x) == len(y) == 6 and x[:1] + x[2:] == y[:1] + y[2:]
 
 
 @dataclass
@@ -93,7 +101,7 @@ class DirectSend(SendConnector):
         own = cache_of(self.local)
         if len(parts) != 4 or own is None or parts[0] != self.local.host_id:
             return False
-        if parts[3] != layout_text(own) or not self.can_write(own, parts[1]):
+        if not same_kind(parts[3], layout_text(own)) or not self.can_write(own, parts[1]):
             return False
         try:
             self._peer(endpoint)
@@ -137,7 +145,11 @@ class DirectSend(SendConnector):
         state: Direct = t.state
         if state is None or state.closed:
             raise OSError("transfer over")
-        grant = await asyncio.wait_for(asyncio.shield(state.granted), self.local.timeout)
+        try:
+            grant = await asyncio.wait_for(asyncio.shield(state.granted), self.local.timeout)
+        except asyncio.TimeoutError:  # the header or its grant was lost: the layers behind
+            self.end(t)  # it give way at once (this peer's channel must not wait per layer)
+            raise OSError(f"{t.request_id}: no grant within {self.local.timeout:.0f} s") from None
         if grant is None:
             raise OSError(f"{t.request_id}: no grant (refused or over)")
         if not await asyncio.to_thread(self._write, t, state, grant, layer, payload):
@@ -205,6 +217,10 @@ class DirectReceive(ReceiveConnector):
         return True
 
     async def close(self) -> None:
+        """Every grant closed, writers inside a layer waited for (the cache may go on to the
+        node's next role with other blocks in use), then the grant file removed."""
         if self.grants is not None:
-            self.grants.close()
-            self.grants = None
+            grants, self.grants = self.grants, None
+            left = await asyncio.to_thread(grants.close)
+            if left:
+                log.warning("%d KV writers still inside their grants at close", left)

@@ -20,6 +20,7 @@ released only after it has landed, so no other sequence's KV is ever overwritten
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -245,9 +246,10 @@ class KvIntake:
     # -- endings ------------------------------------------------------------------------------
     async def _complete(self, intake: Intake) -> None:
         rid = intake.header.request_id
-        receiver = self.receivers.get(intake.header.backend)
-        if receiver is not None and not receiver.revoke(intake):  # every layer is in: no
-            log.warning("%s: its writer still holds its grant", rid)  # writer may be inside
+        # a direct writer's grant closes now; if the lock is still held (not by the writer,
+        # which let go before its last descriptor), confirm later: the blocks stay the
+        # sequence's, only the ticket waits
+        self._release(dataclasses.replace(intake, block_table=[]))
         self._forget(rid, keep_blocks=True)  # they are the sequence's now
         assert intake.first_token is not None
         await self.admit(intake, intake.first_token)
@@ -271,11 +273,14 @@ class KvIntake:
         return True
 
     def _release(self, intake: Intake) -> None:
-        if intake.block_table:
-            receiver = self.receivers.get(intake.header.backend)
-            if receiver is not None and not receiver.revoke(intake):
+        """Give the blocks back, once no writer can touch them (`revoke`); until then the
+        intake waits in quarantine and `expire` tries again."""
+        receiver = self.receivers.get(intake.header.backend)
+        if receiver is not None and not receiver.revoke(intake):
+            if intake not in self.quarantine:
                 self.quarantine.append(intake)  # a writer is inside its blocks: not yet
-                return
+            return
+        if intake.block_table:
             self.release(intake.block_table)
             intake.block_table = []
 

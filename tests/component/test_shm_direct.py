@@ -79,7 +79,7 @@ async def test_blocks_wait_for_a_writer_inside_its_grant_and_a_revoked_grant_wri
         assert wrote is False  # the revoked grant copies nothing
         changed = (pair.dst.cache.data != before).flatten(1).any(dim=1)
         assert not changed[1:].any()  # layer 1 and on untouched (layer 0 landed before)
-        view.close()
+        del view
         pair.sender.release("slow")
         ok = await pair.send("after", 20, [5, 6], layerwise=True)
         assert digest(pair.dst, ok.block_table, 20) == digest(pair.src, [5, 6], 20)
@@ -146,3 +146,38 @@ def test_malformed_or_stale_endpoints_are_not_usable_and_fall_back():
             {"shm_direct": endpoint, "shm": host, "zmq": "tcp://x:1"},
         )  # fmt: skip
         assert picked == "shm"  # the next backend on this host
+
+
+async def test_a_lost_grant_fails_its_transfer_once_not_once_per_layer():
+    pair = await Pair("shm_direct", capacity=600).start()
+    receiver = pair.receivers["shm_direct"]
+    try:
+        pair.sender.local.timeout = 0.5
+        real = receiver.grant
+        receiver.grant = lambda rec, table: None  # type: ignore[method-assign]  # lost
+        t = pair.sender.begin("lost", pair.target, list(range(40)), 40, SamplingParams(), [0, 1, 2])
+        started = time.monotonic()
+        pair.sender.push_all(t, pair.sender.stage_all(t))
+        receiver.grant = real  # type: ignore[method-assign]
+        ok = await pair.send("next", 20, [5, 6], layerwise=True)  # queued behind all 30 layers
+        assert time.monotonic() - started < 5  # one timeout, not 30 of them
+        assert digest(pair.dst, ok.block_table, 20) == digest(pair.src, [5, 6], 20)
+        pair.sender.release("lost")
+    finally:
+        await pair.close()
+
+
+def test_revoking_closes_a_grant_at_once_even_while_a_writer_is_inside():
+    table = GrantTable(4)
+    ticket, nonce = table.grant()  # type: ignore[misc]
+    view = GrantView(table.path)
+    with view.hold(ticket, nonce) as valid:
+        assert valid
+        assert not table.revoke(ticket)  # the writer is inside: not confirmed yet
+    with view.hold(ticket, nonce) as valid:
+        assert not valid  # but no later layer passes the check
+    assert table.revoke(ticket) and table.outstanding == 0
+    second = table.grant()
+    assert second is not None and second[0] != ticket  # FIFO: a ticket rests before reuse
+    assert table.close(wait=0.1) == 0  # every ticket revoked, the file removed
+    assert not os.path.exists(table.path)

@@ -83,3 +83,22 @@ def test_a_cache_round_trips_frames_and_blocks_through_the_staging_path():
     assert len(parts) == 1 and bytes(parts[0].bytes()) == bytes(
         cache.export_frame(2, scattered, 12 * 16)
     )
+
+
+def test_the_buffer_pool_reuses_by_size_and_stays_bounded_across_threads():
+    from concurrent.futures import ThreadPoolExecutor
+
+    staging = Staging(torch.device("cpu"), max_free=4)  # the pool a CUDA cache uses
+    a, b = staging._take(3 << 20), staging._take(1 << 20)
+    assert (a.numel(), b.numel()) == (4 << 20, 1 << 20)  # powers of two, at least 1 MiB
+    staging._put(a)
+    staging._put(b)
+    assert staging._take(2 << 20) is a and staging._take(1) is b  # smallest that fits
+
+    def churn(seed: int) -> None:
+        for i in range(200):
+            staging._put(staging._take(((seed * 7 + i) % 5 + 1) << 19))
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(churn, range(4)))
+    assert len(staging.free) <= 4
