@@ -1,7 +1,7 @@
 """Dynamic configuration on the real sim cluster (H100 x Llama-3.1-8B, 4 nodes): live role
 switching against every fixed split, and selective disaggregation against its baselines.
 
-    python -m benchmarks.dynamic --out docs/results/dynamic            # about 30 min, 2 cores
+    python -m benchmarks.dynamic --out docs/results/dynamic            # about 60 min, 2 cores
     python -m benchmarks.dynamic --out DIR --only switching|selective
 
 switching  a workload that shifts halfway: 300 requests of 4,000 prompt / 50 output tokens
@@ -15,11 +15,12 @@ diurnal    one compressed day of 30 modelled seconds (`--day S`: S): long-in arr
            18 cos^2 req/s and 200 / 1,000 at 24 sin^2 req/s (prefill-heavy at both ends,
            decode-heavy at noon), the same four runs (diurnal[-S].png; "phase 1" is the
            first half of the day's arrivals).
-selective  120 requests of mixed lengths (prompts lognormal around 600 tokens, sigma 1.2: most
-           short, some of several thousand; 150 output tokens) on 2P2D at three rates, SLO
-           TTFT 1 s and TPOT 20 ms, with `--local-prefill` off (always disaggregate),
-           always (never), 256 (a fixed threshold) and adaptive. Reported: goodput, ITL p99,
-           TTFT p99, and the share prefilled locally.
+selective  400 requests of mixed lengths (prompts lognormal around 600 tokens, sigma 1.2: most
+           short, some of several thousand; 150 output tokens) on 2P2D at 24, 48, 72 and 96
+           req/s (the last two past the prefill pool's capacity), SLO TTFT 1 s and TPOT
+           20 ms, with `--local-prefill` off (always disaggregate), always (never), 256 (a
+           fixed threshold) and adaptive. Reported: goodput, ITL p99, TTFT p99, and the
+           share prefilled locally; selective.png plots goodput and ITL p99 by rate.
 
 The cluster runs `--sim-time-scale S` (default 4: a modelled second lasts S seconds, so the
 Python overhead of nodes, gateway and client on a small box stays small beside a step);
@@ -285,9 +286,10 @@ def main() -> None:
     p.add_argument("--scale", type=float, default=4.0)
     p.add_argument("--only", choices=["switching", "diurnal", "selective"], default=None)
     p.add_argument("--configs", nargs="*", default=None, help="switching: only these runs")
-    p.add_argument("--rates", nargs="*", type=float, default=[6.0, 12.0, 18.0], help="selective")
+    p.add_argument("--rates", nargs="*", type=float, default=[24.0, 48.0, 72.0, 96.0],
+                   help="selective")  # fmt: skip
     p.add_argument("--modes", nargs="*", default=["off", "always", "256", "adaptive"])
-    p.add_argument("--requests", type=int, default=120, help="selective: requests per run")
+    p.add_argument("--requests", type=int, default=400, help="selective: requests per run")
     p.add_argument("--day", type=float, default=30.0, help="diurnal: modelled seconds per day")
     args = p.parse_args()
     out = Path(args.out)
