@@ -176,6 +176,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     # layerwise.py's rule starts cold here, exploring both modes, as a fresh node does)
     sizes = [64, 512, 1024, 2048] * args.sequence
     random.Random(0).shuffle(sizes)
+    # warm the model and both send paths: else the policy measured first pays for them
+    for layerwise in (True, False):
+        await one_prefill(runner, sender, target, acked, 512, layerwise, f"warm{layerwise}")
     for policy in ("on", "off", "auto"):
         rule = LayerwiseRule(policy)
         ready = []
