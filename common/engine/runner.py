@@ -100,14 +100,31 @@ class ModelRunner:
             q_start += n
         decode_slots = decode_mask = None
         if decodes:
-            ctx = [self.slots(d.block_table, 0, d.position + 1) for d in decodes]
-            slot_parts.extend(c[-1:] for c in ctx)
-            lengths = torch.tensor([len(c) for c in ctx], device=self.device)
-            decode_slots = torch.nn.utils.rnn.pad_sequence(ctx, batch_first=True)
-            width = decode_slots.shape[1]
-            decode_mask = torch.arange(width, device=self.device) < lengths.unsqueeze(1)
-            decode_mask = decode_mask[:, None, None, :]  # (B, 1, 1, L)
+            decode_slots, decode_mask, newest = self._decode_slots(decodes)
+            slot_parts.append(newest)
         return AttentionMetadata(torch.cat(slot_parts), spans, q_start, decode_slots, decode_mask)
+
+    def _decode_slots(
+        self, decodes: Sequence[DecodeWork]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every decoding sequence's context slots (B, L_max), padded, with their mask
+        (B, 1, 1, L_max) and the newest token's slot (B,): built for the whole batch at once
+        from one padded block-table tensor (one host-to-device copy, not tensors per
+        sequence: on CUDA each would be its own copy and launch)."""
+        bs = self.block_size
+        lengths_list = [d.position + 1 for d in decodes]
+        width = max(lengths_list)
+        nblocks = -(-width // bs)
+        tables = [d.block_table[:nblocks] + [0] * (nblocks - len(d.block_table[:nblocks]))
+                  for d in decodes]  # fmt: skip
+        table = torch.tensor(tables, dtype=torch.long).to(self.device, non_blocking=True)
+        lengths = torch.tensor(lengths_list, dtype=torch.long).to(self.device, non_blocking=True)
+        pos = torch.arange(width, device=self.device)  # (L_max,)
+        slots = table[:, pos // bs] * bs + pos % bs  # (B, L_max)
+        valid = pos.unsqueeze(0) < lengths.unsqueeze(1)  # (B, L_max)
+        slots = torch.where(valid, slots, torch.zeros_like(slots))  # padding: slot 0, masked
+        newest = slots.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)  # (B,)
+        return slots, valid[:, None, None, :], newest
 
     # -- Engine interface ----------------------------------------------------------------
     def step(
