@@ -1,0 +1,77 @@
+"""GGUF blocks kept quantized (common/engine/quant.py): unpacking the embedded SmolLM2's own
+Q4_1 and Q8_0 tensors reproduces the GGUF's dequantization exactly, the repacked int4
+kernel layout round-trips to it, and the quantized linear layers agree with float ones."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from pdserve.common.engine.quant import (
+    Int4Linear,
+    Int8Linear,
+    int8_per_channel,
+    unpack_q4,
+    unpack_q8,
+)
+from pdserve.common.model_config import resolve_model
+
+
+@pytest.fixture(scope="module")
+def tensors():
+    reader = GGUFReader(str(resolve_model(None).path))
+    return {t.name: t for t in reader.tensors}
+
+
+def _shape(t) -> tuple[int, int]:
+    cols, rows = (int(d) for d in t.shape)
+    return rows, cols
+
+
+def test_q4_1_blocks_unpack_to_exactly_the_gguf_dequantization(tensors):
+    t = tensors["blk.0.ffn_down.weight"]
+    assert GGMLQuantizationType(t.tensor_type).name == "Q4_1"
+    rows, cols = _shape(t)
+    q, scale, zero = unpack_q4(np.asarray(t.data), "Q4_1", rows, cols)
+    assert q.min() >= 0 and q.max() <= 15
+    ours = (q - 8) * np.repeat(scale, 32, axis=1) + np.repeat(zero, 32, axis=1)
+    theirs = dequantize(np.asarray(t.data), GGMLQuantizationType.Q4_1).reshape(rows, cols)
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6 * np.abs(theirs).max())
+
+
+def test_q8_0_blocks_unpack_to_exactly_the_gguf_dequantization(tensors):
+    t = tensors["token_embd.weight"]
+    rows, cols = _shape(t)
+    q, scale = unpack_q8(np.asarray(t.data), rows, cols)
+    theirs = dequantize(np.asarray(t.data), GGMLQuantizationType.Q8_0).reshape(rows, cols)
+    np.testing.assert_array_equal(q * np.repeat(scale, 32, axis=1), theirs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int4_kernel_layout_round_trips_and_multiplies_like_the_float_weight(tensors, dtype):
+    t = tensors["blk.3.attn_q.weight"]
+    rows, cols = _shape(t)
+    q, scale, zero = unpack_q4(np.asarray(t.data), "Q4_1", rows, cols)
+    layer = Int4Linear(q, scale, zero, dtype)
+    w = torch.from_numpy(
+        dequantize(np.asarray(t.data), GGMLQuantizationType.Q4_1).reshape(rows, cols)
+    )
+    if dtype == torch.float32:  # the layout itself is exact
+        torch.testing.assert_close(layer.dequantized(), w, rtol=0, atol=1e-5)
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(0))
+    ref = x @ w.T
+    out = layer(x.to(dtype)).float()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16 activations
+    assert (out - ref).abs().max() <= tol * ref.abs().max()
+
+
+def test_int8_per_channel_linear_is_close_to_the_float_one():
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(1))
+    q, scale = int8_per_channel(w)
+    layer = Int8Linear(q, scale, torch.float32)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(2))
+    ref = x @ w.T
+    assert (layer(x) - ref).abs().max() <= 0.02 * ref.abs().max()
