@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--quantization", default="none", choices=["auto", "none", "int4"])
     ap.add_argument("--prompt-len", type=int, default=500)
     ap.add_argument("--decode-context", type=int, default=128, help="prompt length before decode")
     ap.add_argument("--steps", type=int, default=32)
@@ -71,12 +72,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     runner = ModelRunner(
         EngineConfig(
-            dtype=args.dtype, num_kv_blocks=2048, num_threads=args.threads, device=args.device
+            dtype=args.dtype,
+            num_kv_blocks=2048,
+            num_threads=args.threads,
+            device=args.device,
+            quantization=args.quantization,
+            kv_shared_cache="off",
         )
     )
     result = {
         "dtype": args.dtype,
         "device": args.device,
+        "quantization": runner.cfg.quantization,
         "threads": args.threads,
         "prefill_tok_s": round(prefill_tok_s(runner, args.prompt_len, 5), 1),
     }

@@ -61,6 +61,11 @@ class EngineConfig:
     kv_disk_cache_dir: str = flag(
         "", "prefix cache tier: its directory (default: a per-process one in the pdserve cache)"
     )
+    quantization: Literal["auto", "none", "int4"] = flag(
+        "auto",
+        "weights: int4 keeps a GGUF's Q4_0/Q4_1 blocks quantized (CPU kernels); none "
+        "dequantizes; auto = int4 where it pays: a GGUF model on CPU in bfloat16",
+    )
     kv_shared_cache: Literal["auto", "on", "off"] = flag(
         "auto",
         "keep the KV cache in /dev/shm so a prefill node on this host writes KV straight into "
@@ -69,6 +74,14 @@ class EngineConfig:
     sim_profile: str = flag("h100-llama3.1-8b", "sim engine: GPU x model profile (costmodel)")
     sim_kv_scale: float = flag(1 / 16, "sim engine: KV payload size relative to the real model")
     sim_time_scale: float = flag(1.0, "sim engine: stretch modelled time by this factor")
+
+    @property
+    def numerics(self) -> str:
+        """What the KV depends on besides the model: dtype, and the weights' quantization
+        (nodes exchanging KV or prefix hashes must agree on it)."""
+        if self.engine != "torch":
+            return "sim"
+        return self.dtype if self.quantization == "none" else f"{self.dtype}+{self.quantization}"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -93,6 +106,10 @@ class EngineConfig:
             chosen, why = choose_dtype(self.device)
             logging.getLogger(__name__).info("--dtype auto: %s (%s)", chosen, why)
             object.__setattr__(self, "dtype", chosen)
+        if self.quantization == "auto":  # resolved here too: nodes compare the result
+            gguf = self.model is None or str(self.model).endswith(".gguf")
+            fits = self.engine == "torch" and self.device == "cpu" and self.dtype == "bfloat16"
+            object.__setattr__(self, "quantization", "int4" if gguf and fits else "none")
         if self.engine == "torch" and self.device == "cpu" and self.dtype == "float16":
             raise ConfigError("float16 on CPU is slow and inexact: use float32 or bfloat16")
 

@@ -16,7 +16,12 @@ from pdserve.common.engine.loader import iter_weights
 from pdserve.common.engine.model import AttentionMetadata, LlamaModel, PrefillSpan
 from pdserve.common.engine.sampler import sample
 from pdserve.common.errors import ConfigError
-from pdserve.common.model_config import ModelConfig, load_model_config, resolve_model
+from pdserve.common.model_config import (
+    ModelConfig,
+    ModelSource,
+    load_model_config,
+    resolve_model,
+)
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,6 +50,7 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = LlamaModel(self.model_config, self.max_model_len)
         self.model.load_weights(iter_weights(source, self.model_config), self.dtype)
+        self._quantize(cfg, source)
         self.model.eval()
         self.num_blocks = num_kv_blocks(cfg, self.model_config, self.dtype.itemsize)
         mc = self.model_config
@@ -66,6 +72,25 @@ class ModelRunner:
             self.num_blocks,
             cfg.block_size,
         )
+
+    def _quantize(self, cfg: EngineConfig, source: ModelSource) -> None:
+        """--quantization int4 (also what auto resolved to, common/config.py): keep the GGUF's
+        4-bit blocks for the projections (quant.py)."""
+        mode = cfg.quantization
+        why = ""
+        if mode == "none":
+            log.info("weights dequantized to %s (--quantization none)", cfg.dtype)
+            return
+        if source.kind != "gguf":
+            why = "not a GGUF file"
+        elif self.device.type != "cpu":
+            why = f"the int4 kernels here are CPU kernels, not {self.device.type}"
+        if why:
+            raise ConfigError(f"--quantization int4: {why}")
+        from pdserve.common.engine.quant import quantize_gguf_linears
+
+        n = quantize_gguf_linears(self.model, source.path, self.model_config, self.dtype)
+        log.info("--quantization %s: %d projections kept as 4-bit groups of 32", mode, n)
 
     def _share_cache(self, cfg: EngineConfig, tokens: int) -> bool:
         """Whether the KV cache goes to /dev/shm (--kv-shared-cache; shared_kv.py)."""

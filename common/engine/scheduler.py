@@ -70,7 +70,7 @@ class SchedulerConfig:
         record_events: bool = False,
     ) -> SchedulerConfig:
         """From an engine's settings (its batch limits, chunking, watermark, caching)."""
-        dtype = cfg.dtype if cfg.engine == "torch" else "sim"
+        dtype = cfg.numerics  # the KV depends on the dtype and the weights' quantization
         return cls(
             max_num_seqs=cfg.max_batch,
             max_batch_tokens=cfg.max_batch_tokens,

@@ -144,7 +144,7 @@ class NodeControl(ABC):
             data_address=self.data_address(),
             host_id=host_identity(),
             model_id=getattr(eng, "model_id", "unknown"),
-            dtype=self.ecfg.dtype if self.ecfg.engine == "torch" else "sim",
+            dtype=self.ecfg.numerics,  # "bfloat16", "bfloat16+int4", "sim": must match
             tokenizer_fingerprint=self.tokenizer.fingerprint(),
             kv_layout=eng.model_config.layout_fingerprint(),
             block_size=eng.block_size,

@@ -137,3 +137,30 @@ def test_a_conversation_reuses_its_kv_on_the_decode_node_and_matches_single_proc
             kept = smol_runner.kv_frame_bytes(held) * smol_runner.model_config.num_layers
             assert sent == full - kept, (sent, full, kept)
         history = prompt + expected.token_ids
+
+
+def test_cluster_with_4_bit_weights_matches_the_single_process_with_them(make_cluster, tokenizer):
+    """--quantization int4 (the GGUF's blocks kept, common/engine/quant.py) on both nodes: the
+    cluster's greedy text equals one process with the same weights, and a node whose weights
+    differ is refused (the KV would not match)."""
+    from pdserve.common.config import EngineConfig
+    from pdserve.common.engine.runner import ModelRunner
+
+    runner = ModelRunner(EngineConfig(quantization="int4", num_kv_blocks=512))
+    engine = make_engine(runner, tokenizer, prefix_caching="off")
+    ps = [chat_ids(tokenizer, p) for p in CHAT_PROMPTS[:4]]
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    expected = engine.generate(ps, greedy)
+    cluster = make_cluster(prefill=1, decode=1, node_flags=("--quantization", "int4"))
+    with ThreadPoolExecutor(len(ps)) as pool:  # all in flight together
+        results = list(pool.map(lambda p: complete(cluster, p), ps))
+    for exp, got in zip(expected, results, strict=True):
+        assert got["choices"][0]["text"] == exp.text
+    assert cluster.metric("pdserve:kv_transfer_bytes_total") > 0
+    plain = cluster.add_node("decode", "decode-plain", "--quantization", "none")
+    out, _ = plain.communicate(timeout=120)
+    assert (
+        plain.returncode != 0
+        and "float32+int4" in out
+        and "decode-plain" not in str(cluster.get("/health")[1])
+    )
