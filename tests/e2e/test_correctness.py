@@ -148,7 +148,7 @@ def test_cluster_with_4_bit_weights_matches_the_single_process_with_them(make_cl
 
     runner = ModelRunner(EngineConfig(quantization="int4", num_kv_blocks=512))
     engine = make_engine(runner, tokenizer, prefix_caching="off")
-    ps = [chat_ids(tokenizer, p) for p in CHAT_PROMPTS[:4]]
+    ps = [chat_ids(tokenizer, p) for p in CHAT_PROMPTS[:2]]
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     expected = engine.generate(ps, greedy)
     cluster = make_cluster(prefill=1, decode=1, node_flags=("--quantization", "int4"))
