@@ -1,7 +1,9 @@
 """GGUF's 4- and 8-bit blocks, kept quantized: repacked once into what torch's CPU kernels run.
 
-Not wired into the model yet (issue 16's first step): the repacking and the linear layers,
-each checked against the GGUF's own dequantization.
+`--quantization int4` (also what `auto` picks for a GGUF model on CPU in bfloat16, see
+common/config.py) replaces the model's projections after loading
+(`quantize_gguf_linears`, called by the runner); the unpacking is checked against the GGUF's
+own dequantization (tests/unit/test_quant.py).
 
 GGUF blocks hold 32 weights of one row:
     Q4_0  d: f16, qs: 16 bytes          w = (q - 8) * d          q: 4-bit, 0..15
