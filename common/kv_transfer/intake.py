@@ -277,7 +277,7 @@ class KvIntake:
         intake waits in quarantine and `expire` tries again."""
         receiver = self.receivers.get(intake.header.backend)
         if receiver is not None and not receiver.revoke(intake):
-            if intake not in self.quarantine:
+            if all(held is not intake for held in self.quarantine):  # by identity
                 self.quarantine.append(intake)  # a writer is inside its blocks: not yet
             return
         if intake.block_table:

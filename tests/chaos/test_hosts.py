@@ -38,7 +38,6 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -46,7 +45,7 @@ import pytest
 from pdserve.launch import stop_all, wait_healthy
 from tests.chaos.test_node_faults import _nodes
 from tests.e2e.conftest import Cluster, wait_for
-from tests.e2e.streams import run_streams
+from tests.e2e.streams import seeded_bodies, streams_in_background
 from tests.e2e.test_stress import sim_text
 
 PID = os.getpid()
@@ -273,17 +272,10 @@ def test_nodes_on_separate_hosts_move_kv_over_tcp_and_survive_a_cut_link(hosts, 
     assert len({where[n][1] for n in remote} | {here[1]}) == 4, where
     assert where["decode-local"] == where["prefill-0"]
 
-    bodies = [
-        {"prompt": list(range(1000 + 9 * i, 1300 + 9 * i)), "max_tokens": TOKENS, "seed": i,
-         "temperature": 1.0, "ignore_eos": True, "stream": True}
-        for i in range(160)
-    ]  # fmt: skip
+    bodies = seeded_bodies(160, TOKENS)
     results: list = []
-    load = threading.Thread(
-        target=lambda: results.extend(run_streams(cluster.url, bodies, 60, spacing=0.05))
-    )
     start = time.monotonic()
-    load.start()
+    load = streams_in_background(cluster.url, bodies, results)
     time.sleep(1.0)
     peers = _peers("p0")
     _lossy("d0", True)

@@ -14,12 +14,11 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
-from tests.e2e.streams import run_streams
+from tests.e2e.streams import seeded_bodies, streams_in_background
 from tests.e2e.test_stress import sim_text
 
 
@@ -119,16 +118,9 @@ def test_a_slow_lossy_then_cut_link_to_a_decode_node_changes_no_text(
     while "decode-remote" not in _nodes(cluster):
         assert time.monotonic() < deadline and remote.poll() is None, "the remote node never came"
         time.sleep(0.2)
-    bodies = [
-        {"prompt": list(range(1000 + 9 * i, 1300 + 9 * i)), "max_tokens": 40, "seed": i,
-         "temperature": 1.0, "ignore_eos": True, "stream": True}
-        for i in range(160)
-    ]  # fmt: skip
+    bodies = seeded_bodies(160, 40)
     results: list = []
-    load = threading.Thread(
-        target=lambda: results.extend(run_streams(cluster.url, bodies, 60, spacing=0.05))
-    )
-    load.start()
+    load = streams_in_background(cluster.url, bodies, results)
     time.sleep(1.0)
     _lossy(True)
     time.sleep(3.0)

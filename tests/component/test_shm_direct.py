@@ -181,3 +181,37 @@ def test_revoking_closes_a_grant_at_once_even_while_a_writer_is_inside():
     assert second is not None and second[0] != ticket  # FIFO: a ticket rests before reuse
     assert table.close(wait=0.1) == 0  # every ticket revoked, the file removed
     assert not os.path.exists(table.path)
+
+
+async def test_forged_grants_write_nothing_and_the_channel_goes_on():
+    """A KvGrant is input from another process: one for an unknown request is ignored, and
+    one with a wrong nonce, blocks outside the cache or too few blocks copies nothing."""
+    from pdserve.common.protocol import KvGrant
+
+    pair = await Pair("shm_direct", capacity=600).start()
+    try:
+        t = pair.sender.begin("real", pair.target, list(range(40)), 40, SamplingParams(), [0, 1, 2])
+        grant = await asyncio.wait_for(asyncio.shield(t.state.granted), 5)
+        sender = pair.sender.connector("shm_direct")
+        peer = next(iter(pair.sender.peers.values()))
+        stray = KvGrant(request_id="nobody", ticket=0, nonce=1, block_table=[0])
+        await pair.sender._on_reply(peer, stray)  # no such transfer: ignored
+        before = pair.dst.cache.data.clone()
+        forged = [
+            KvGrant(request_id="real", ticket=grant.ticket, nonce=grant.nonce ^ 1,
+                    block_table=grant.block_table),
+            KvGrant(request_id="real", ticket=grant.ticket, nonce=grant.nonce,
+                    block_table=[10**6, 0, 1]),
+            KvGrant(request_id="real", ticket=grant.ticket, nonce=grant.nonce, block_table=[0]),
+            KvGrant(request_id="real", ticket=10**9, nonce=grant.nonce,
+                    block_table=grant.block_table),
+        ]  # fmt: skip
+        for bad in forged:
+            assert sender._write(t, t.state, bad, 0, None) is False  # type: ignore[attr-defined]
+        assert torch.equal(pair.dst.cache.data, before)
+        pair.sender.push_all(t, pair.sender.stage_all(t))  # the real grant still works
+        pair.sender.done(t, 1)
+        intake = await asyncio.wait_for(pair.admitted.get(), 10)
+        assert digest(pair.dst, intake.block_table, 40) == digest(pair.src, [0, 1, 2], 40)
+    finally:
+        await pair.close()

@@ -4,6 +4,7 @@ every response read to its end, and each request's outcome (status, text, error,
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,3 +106,23 @@ def run_streams(
     """Send every body (all at once, or one every `spacing` seconds: a steady load) and wait
     for all of them; each ends or times out `timeout` seconds after it was sent."""
     return asyncio.run(_many(url, bodies, timeout, spacing))
+
+
+def seeded_bodies(count: int, max_tokens: int) -> list[dict[str, Any]]:
+    """`count` streamed seeded requests of 300-token prompts, all different (sim text known)."""
+    return [
+        {"prompt": list(range(1000 + 9 * i, 1300 + 9 * i)), "max_tokens": max_tokens, "seed": i,
+         "temperature": 1.0, "ignore_eos": True, "stream": True}
+        for i in range(count)
+    ]  # fmt: skip
+
+
+def streams_in_background(
+    url: str, bodies: list[dict[str, Any]], results: list[StreamResult]
+) -> threading.Thread:
+    """Start `bodies` as streams (one every 50 ms) on a thread filling `results`."""
+    load = threading.Thread(
+        target=lambda: results.extend(run_streams(url, bodies, 60, spacing=0.05))
+    )
+    load.start()
+    return load
