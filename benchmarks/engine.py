@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--quantization", default="none", choices=["auto", "none", "int4"])
+    ap.add_argument("--quantization", default="none", choices=["auto", "none", "int8", "int4"])
     ap.add_argument("--prompt-len", type=int, default=500)
     ap.add_argument("--decode-context", type=int, default=128, help="prompt length before decode")
     ap.add_argument("--steps", type=int, default=32)

@@ -61,10 +61,11 @@ class EngineConfig:
     kv_disk_cache_dir: str = flag(
         "", "prefix cache tier: its directory (default: a per-process one in the pdserve cache)"
     )
-    quantization: Literal["auto", "none", "int4"] = flag(
+    quantization: Literal["auto", "none", "int8", "int4"] = flag(
         "auto",
-        "weights: int4 keeps a GGUF's Q4_0/Q4_1 blocks quantized (CPU kernels); none "
-        "dequantizes; auto = int4 where it pays: a GGUF model on CPU in bfloat16",
+        "weights (CPU kernels): int4 keeps a GGUF's Q4_0/Q4_1 blocks quantized (LM head int8); "
+        "int8 quantizes any model at load, per output channel; none dequantizes; auto = int4 "
+        "where it pays: a GGUF model on CPU in bfloat16",
     )
     kv_shared_cache: Literal["auto", "on", "off"] = flag(
         "auto",

@@ -21,6 +21,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model name to send (default: the server's)")
     add_workload_flags(p)
     p.add_argument("--concurrency", type=int, default=0, help="closed loop with N in flight")
+    p.add_argument(
+        "--stagger", type=float, default=0.0,
+        help="closed loop: stream k starts k x this many seconds after the first",
+    )  # fmt: skip
+    p.add_argument(
+        "--fresh-connections", action="store_true",
+        help="a new connection per request (llama.cpp's server closes kept-alive ones)",
+    )  # fmt: skip
     p.add_argument("--warmup", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for requests.jsonl / summary.*")
     p.add_argument("--no-ignore-eos", action="store_true", help="let EOS end requests early")
@@ -101,6 +109,8 @@ def main(args: argparse.Namespace) -> int:
         ignore_eos=not args.no_ignore_eos,
         progress=not args.no_progress,
         endpoint=args.endpoint,
+        fresh_connections=args.fresh_connections,
+        stagger=args.stagger,
     )
     records = asyncio.run(run(specs, cfg))
     summary = summarize(records, parse_slo(args.slo))
@@ -111,6 +121,7 @@ def main(args: argparse.Namespace) -> int:
         "rate": args.rate,
         "burstiness": args.burstiness,
         "concurrency": args.concurrency,
+        "stagger": args.stagger,
         "endpoint": args.endpoint,
     }
     if args.out:

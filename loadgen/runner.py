@@ -32,6 +32,13 @@ class BenchConfig:
     timeout: float = 600.0
     progress: bool = True
     endpoint: str = "completions"  # or "chat" (text prompts as one user message)
+    # a new connection per request: llama.cpp's server closes keep-alive connections a client
+    # must not reuse (a reused one fails the request)
+    fresh_connections: bool = False
+    # closed loop: stream k sends its first request k x stagger seconds after stream 0, so
+    # that prompts keep arriving while others decode (0: every stream starts at once, and
+    # equal requests then run in lock-step waves)
+    stagger: float = 0.0
 
 
 async def _send(
@@ -44,7 +51,7 @@ async def _send(
 
 async def run(specs: list[RequestSpec], cfg: BenchConfig) -> list[RequestRecord]:
     """Records of the measured (post-warm-up) requests, in workload order."""
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, force_close=cfg.fresh_connections)
     async with aiohttp.ClientSession(connector=connector) as session:
         for i, spec in enumerate(specs[: cfg.warmup]):
             await _send(session, cfg, spec, -1 - i)
@@ -81,14 +88,15 @@ async def _closed_loop(
     queue = list(enumerate(specs))[::-1]
     records: list[RequestRecord] = []
 
-    async def worker() -> None:
+    async def worker(k: int) -> None:
+        await asyncio.sleep(k * cfg.stagger)
         while queue:
             i, spec = queue.pop()
             record = await _send(session, cfg, spec, i)
             progress.update(record)
             records.append(record)
 
-    await asyncio.gather(*(worker() for _ in range(cfg.concurrency)))
+    await asyncio.gather(*(worker(k) for k in range(cfg.concurrency)))
     return records
 
 

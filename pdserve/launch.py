@@ -67,17 +67,27 @@ def run_node(args: argparse.Namespace, role: str) -> int:
         ecfg = dataclasses.replace(ecfg, device=resolve_device(ecfg.device, ecfg.gpu_offset))
     ncfg = from_args(NodeConfig, args)
     tokenizer = Tokenizer.load(ecfg.model if ecfg.engine == "torch" else None)
-    engine = make_engine(ecfg, tokenizer.eos_token_ids)
+    executor, helpers = None, None
+    if ecfg.engine == "torch":  # all torch work on one engine thread (common/engine/threads.py)
+        from pdserve.common.engine import threads
+
+        executor, helpers = threads.engine_executor(ecfg.num_threads), threads.helper_executor()
+        engine = executor.submit(make_engine, ecfg, tokenizer.eos_token_ids).result()
+        threads.pin_threads(1)  # this thread runs the event loop
+    else:
+        engine = make_engine(ecfg, tokenizer.eos_token_ids)
     ids: list[str] = []
 
     def make(role: str) -> NodeBase:
         # a node switched to the other role keeps its id: the gateway knows it by that
         cfg = dataclasses.replace(ncfg, node_id=ids[0]) if ids else ncfg
-        node = node_class(role)(cfg, ecfg, engine, tokenizer)
+        node = node_class(role)(cfg, ecfg, engine, tokenizer, executor=executor)
         ids.append(node.node_id)
         return node
 
     async def main() -> None:
+        if helpers is not None:
+            asyncio.get_running_loop().set_default_executor(helpers)
         await serve_roles(role, make)
 
     _use_uvloop()

@@ -25,8 +25,6 @@ import logging
 import time
 from typing import Any
 
-from pdserve.common.config import EngineConfig, NodeConfig
-from pdserve.common.engine.interface import Engine
 from pdserve.common.engine.scheduler import SchedulerConfig, SchedulerOutput, step_work
 from pdserve.common.engine.sequence import Sequence, check_stop
 from pdserve.common.kv_transfer.base import Transfer
@@ -44,7 +42,6 @@ from pdserve.common.protocol import (
     RegisterAck,
     Reject,
 )
-from pdserve.common.tokenizer import Tokenizer
 from pdserve.prefill_node.layerwise import LayerwiseRule
 
 log = logging.getLogger(__name__)
@@ -55,12 +52,10 @@ class PrefillNode(KvHandoff):
     mode = "prefill"
     has_data_plane = True  # sends KV; receives prefix blocks it fetches
 
-    def __init__(
-        self, cfg: NodeConfig, ecfg: EngineConfig, engine: Engine, tokenizer: Tokenizer
-    ) -> None:
-        super().__init__(cfg, ecfg, engine, tokenizer)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.queueing = False  # until the gateway says otherwise at registration
-        self.layerwise = LayerwiseRule(cfg.layerwise, cfg.layerwise_min_tokens)
+        self.layerwise = LayerwiseRule(self.cfg.layerwise, self.cfg.layerwise_min_tokens)
 
     def scheduler_config(self) -> SchedulerConfig:
         # whole prompts (a chunk's KV would stream before the prompt is done) and no

@@ -74,23 +74,31 @@ class ModelRunner:
         )
 
     def _quantize(self, cfg: EngineConfig, source: ModelSource) -> None:
-        """--quantization int4 (also what auto resolved to, common/config.py): keep the GGUF's
-        4-bit blocks for the projections (quant.py)."""
+        """--quantization (auto is resolved in common/config.py): int4 keeps a GGUF's 4-bit
+        blocks for the projections and runs the LM head in int8; int8 quantizes every
+        projection and the LM head per output channel at load (quant.py)."""
         mode = cfg.quantization
-        why = ""
         if mode == "none":
             log.info("weights dequantized to %s (--quantization none)", cfg.dtype)
             return
-        if source.kind != "gguf":
-            why = "not a GGUF file"
-        elif self.device.type != "cpu":
-            why = f"the int4 kernels here are CPU kernels, not {self.device.type}"
-        if why:
-            raise ConfigError(f"--quantization int4: {why}")
-        from pdserve.common.engine.quant import quantize_gguf_linears
+        if self.device.type != "cpu":
+            raise ConfigError(
+                f"--quantization {mode}: its kernels are CPU kernels, not {self.device.type}"
+            )
+        from pdserve.common.engine import quant
 
-        n = quantize_gguf_linears(self.model, source.path, self.model_config, self.dtype)
-        log.info("--quantization %s: %d projections kept as 4-bit groups of 32", mode, n)
+        if mode == "int8":
+            n = quant.quantize_int8(self.model, self.dtype)
+            log.info("--quantization int8: %d layers as int8 per output channel", n)
+            return
+        if source.kind != "gguf":
+            raise ConfigError("--quantization int4: not a GGUF file (int8 quantizes any model)")
+        n = quant.quantize_gguf_linears(self.model, source.path, self.model_config, self.dtype)
+        head = quant.quantize_gguf_lm_head(self.model, source.path, self.dtype)
+        log.info(
+            "--quantization int4: %d projections kept as 4-bit groups of 32%s", n,
+            ", the LM head from its Q8_0 blocks" if head else "",
+        )  # fmt: skip
 
     def _share_cache(self, cfg: EngineConfig, tokens: int) -> bool:
         """Whether the KV cache goes to /dev/shm (--kv-shared-cache; shared_kv.py)."""
@@ -123,33 +131,31 @@ class ModelRunner:
             ctx_slots = None if p.start_pos == 0 else self.slots(p.block_table, 0, p.end_pos)
             spans.append(PrefillSpan(q_start, n, p.end_pos, ctx_slots))
             q_start += n
-        decode_slots = decode_mask = None
+        decode_blocks = decode_mask = None
         if decodes:
-            decode_slots, decode_mask, newest = self._decode_slots(decodes)
+            decode_blocks, decode_mask, newest = self._decode_slots(decodes)
             slot_parts.append(newest)
-        return AttentionMetadata(torch.cat(slot_parts), spans, q_start, decode_slots, decode_mask)
+        return AttentionMetadata(torch.cat(slot_parts), spans, q_start, decode_blocks, decode_mask)
 
     def _decode_slots(
         self, decodes: Sequence[DecodeWork]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every decoding sequence's context slots (B, L_max), padded, with their mask
-        (B, 1, 1, L_max) and the newest token's slot (B,): built for the whole batch at once
-        from one padded block-table tensor (one host-to-device copy, not tensors per
-        sequence: on CUDA each would be its own copy and launch)."""
+        """Every decoding sequence's block table (B, nb), padded with block 0, the mask of
+        its real slots (B, 1, 1, nb * block_size) and the newest token's slot (B,): built for
+        the whole batch at once from one padded tensor (one host-to-device copy, not tensors
+        per sequence: on CUDA each would be its own copy and launch)."""
         bs = self.block_size
         lengths_list = [d.position + 1 for d in decodes]
-        width = max(lengths_list)
-        nblocks = -(-width // bs)
+        nblocks = -(-max(lengths_list) // bs)
         tables = [d.block_table[:nblocks] + [0] * (nblocks - len(d.block_table[:nblocks]))
                   for d in decodes]  # fmt: skip
         table = torch.tensor(tables, dtype=torch.long).to(self.device, non_blocking=True)
         lengths = torch.tensor(lengths_list, dtype=torch.long).to(self.device, non_blocking=True)
-        pos = torch.arange(width, device=self.device)  # (L_max,)
-        slots = table[:, pos // bs] * bs + pos % bs  # (B, L_max)
-        valid = pos.unsqueeze(0) < lengths.unsqueeze(1)  # (B, L_max)
-        slots = torch.where(valid, slots, torch.zeros_like(slots))  # padding: slot 0, masked
-        newest = slots.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)  # (B,)
-        return slots, valid[:, None, None, :], newest
+        pos = torch.arange(nblocks * bs, device=self.device)  # (L,)
+        valid = pos.unsqueeze(0) < lengths.unsqueeze(1)  # (B, L)
+        last = lengths - 1
+        newest = table.gather(1, (last // bs).unsqueeze(1)).squeeze(1) * bs + last % bs  # (B,)
+        return table, valid[:, None, None, :], newest
 
     # -- Engine interface ----------------------------------------------------------------
     def step(

@@ -72,8 +72,15 @@ class NodeBase(NodeControl):
     has_data_plane = False  # KV arrives or leaves over the KV connectors
 
     def __init__(
-        self, cfg: NodeConfig, ecfg: EngineConfig, engine: Engine, tokenizer: Tokenizer
+        self,
+        cfg: NodeConfig,
+        ecfg: EngineConfig,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        executor: ThreadPoolExecutor | None = None,
     ) -> None:
+        """`executor`: the process's engine thread, kept across role switches (the launcher
+        builds the engine on it: common/engine/threads.py); None: a thread of its own."""
         super().__init__(cfg, ecfg, engine, tokenizer)
         self.scheduler = Scheduler(self.scheduler_config())
         self.blocks = self.scheduler.block_manager
@@ -82,7 +89,8 @@ class NodeBase(NodeControl):
         self.step_over: asyncio.Future[None] | None = None  # resolved when that step ends
         self.aborted: set[str] = set()  # ids to drop once the running step is over
         self.work = asyncio.Event()
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-engine")
+        self.own_executor = executor is None
+        self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-engine")
         self.tiers = make_tiers(ecfg, self.node_id)
         if self.tiers is not None:
             self.scheduler.attach_tiers(self.tiers, engine.read_block, engine.write_block)
@@ -307,7 +315,10 @@ class NodeBase(NodeControl):
     async def close_role(self) -> None:
         if self.kv is not None:
             await self.kv.close()
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        if self.own_executor:
+            self.executor.shutdown(wait=True, cancel_futures=True)
+        else:  # shared with the next role: wait out what this one queued on it
+            await self.run_engine(lambda: None)
         if self.tiers is not None:
             self.tiers.close()
 

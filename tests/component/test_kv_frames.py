@@ -86,3 +86,17 @@ def test_a_frame_of_the_wrong_size_is_refused():
     good = _cache(fill=True).export_frame(0, [0, 1], 8)
     with pytest.raises(ValueError, match="KV frame of"):
         cache.import_kv(0, [0, 1], 8, [bytes(good)[:-4]])
+
+
+def test_decode_attention_gathers_whole_blocks_as_the_slots_they_hold():
+    """gather_blocks (the decode step's read of block tables, head-major) holds, position by
+    position, what the token-by-token gather reads at the same slots."""
+    cache = _cache(fill=True)
+    tables = torch.tensor([[7, 2, 30], [0, 39, 5], [11, 12, 13]])  # (B, nb)
+    pos = torch.arange(3 * BS)
+    slots = tables[:, pos // BS] * BS + pos % BS  # (B, L)
+    for layer in range(LAYERS):
+        k, v = cache.gather_blocks(layer, tables)
+        k_ref, v_ref = cache.gather(layer, slots)  # (B, L, heads, dim)
+        assert k.is_contiguous() and k.shape == (3, HEADS, 3 * BS, DIM)
+        assert torch.equal(k, k_ref.transpose(1, 2)) and torch.equal(v, v_ref.transpose(1, 2))

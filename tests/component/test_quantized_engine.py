@@ -16,7 +16,7 @@ import torch
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.interface import PrefillWork
-from pdserve.common.engine.quant import DENSE_FROM, Int4Linear
+from pdserve.common.engine.quant import DENSE_FROM, Int4Linear, Q8Linear
 from pdserve.common.engine.runner import ModelRunner
 from pdserve.common.sampling import SamplingParams
 from tests.conftest import CHAT_PROMPTS, chat_ids, make_engine
@@ -83,6 +83,7 @@ def test_every_projection_keeps_its_4_bit_blocks(runners):
         )
     ]
     assert kinds == [Int4Linear] * (4 * len(layers))
+    assert isinstance(quantized.model.lm_head, Q8Linear)  # the GGUF's Q8_0 head, exactly
     assert isinstance(plain.model.layers[0].self_attn.qkv, torch.nn.Linear)
 
 
@@ -115,7 +116,7 @@ def test_perplexity_on_a_fixed_text_within_one_percent(runners, tokenizer):
     """In bfloat16 (float32 is exact: the greedy test and tests/unit/test_quant.py)."""
     quantized, plain = runners
     ids = tokenizer.encode(TEXT)
-    layers = [m for m in quantized.model.modules() if isinstance(m, Int4Linear)]
+    layers = [m for m in quantized.model.modules() if isinstance(m, Int4Linear | Q8Linear)]
     for m in layers:  # every row through the 4-bit kernel (a 260-token pass would run dense)
         m.dense_from = 1 << 30
     try:

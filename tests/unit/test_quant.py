@@ -13,6 +13,7 @@ from gguf.quants import dequantize
 from pdserve.common.engine.quant import (
     Int4Linear,
     Int8Linear,
+    Q8Linear,
     int8_per_channel,
     unpack_q4,
     unpack_q8,
@@ -48,6 +49,21 @@ def test_q8_0_blocks_unpack_to_exactly_the_gguf_dequantization(tensors):
     q, scale = unpack_q8(np.asarray(t.data), rows, cols)
     theirs = dequantize(np.asarray(t.data), GGMLQuantizationType.Q8_0).reshape(rows, cols)
     np.testing.assert_array_equal(q * np.repeat(scale, 32, axis=1), theirs)
+
+
+def test_q8_0_as_two_4_bit_planes_is_the_gguf_matrix_exactly(tensors):
+    """The LM head's Q8_0 blocks through the 4-bit kernel twice (hi and lo nibbles, per-32
+    scales kept): the identity through it gives back the GGUF's dequantization, bit for bit
+    in float32; from DENSE_FROM rows the float weight it was given runs instead."""
+    t = tensors["token_embd.weight"]
+    rows, cols = _shape(t)
+    q, scale = unpack_q8(np.asarray(t.data), rows, cols)
+    theirs = torch.from_numpy(
+        dequantize(np.asarray(t.data), GGMLQuantizationType.Q8_0).reshape(rows, cols)
+    )
+    head = Q8Linear(q[:4096], scale[:4096], torch.float32, theirs[:4096] * 2, dense_from=16)
+    assert torch.equal(head(torch.eye(cols)[:15]).T, theirs[:4096, :15])  # the 4-bit planes
+    assert torch.equal(head(torch.eye(cols)[:16]).T, 2 * theirs[:4096, :16])  # dense from 16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
