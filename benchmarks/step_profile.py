@@ -45,12 +45,20 @@ def main() -> None:
     p.add_argument("--quantization", default="auto")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--rows", type=int, default=15, help="profiler table rows")
+    p.add_argument(
+        "--dense-from", type=int, default=0,
+        help="quantized layers run dense from this many rows (0: quant.DENSE_FROM)",
+    )  # fmt: skip
     args = p.parse_args()
     cfg = EngineConfig(
         dtype=args.dtype, quantization=args.quantization, num_threads=args.threads,
         num_kv_blocks=args.batch * (args.context // 16 + 4), max_model_len=2048,
     )  # fmt: skip
     runner = ModelRunner(cfg)
+    if args.dense_from:
+        for m in runner.model.modules():
+            if hasattr(m, "dense_from") and getattr(m, "dense", None) is not None:
+                m.dense_from = args.dense_from
     per_seq = args.context // 16 + 4
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(args.batch)]
     last: list[int] = []

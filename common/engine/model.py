@@ -50,7 +50,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        if x.dtype == torch.float32:  # torch's fused kernel: the same values, one op not 7
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        x32 = x.float()  # as Hugging Face's: normalize in float32, round, then scale
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
@@ -119,11 +121,16 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         cache: KVCache,
     ) -> torch.Tensor:
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.n_heads, self.head_dim), *rope)  # (T, H, D)
-        k = apply_rotary(k.view(-1, self.n_kv, self.head_dim), *rope)  # (T, KVH, D)
-        v = v.view(-1, self.n_kv, self.head_dim)
+        qkv = self.qkv(x)
+        qk_size, heads = self.q_size + self.kv_size, self.n_heads + self.n_kv
+        # RoPE on Q and K together: half the small ops of a decode step's rotations
+        qk = apply_rotary(qkv[:, :qk_size].view(-1, heads, self.head_dim), *rope)  # (T, H+KVH, D)
+        q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]  # (T, H, D), (T, KVH, D)
+        v = qkv[:, qk_size:].view(-1, self.n_kv, self.head_dim)
         cache.write(self.layer, meta.slot_mapping, k, v)
+        if not meta.prefills and meta.decode_blocks is not None:  # a decode-only step
+            out = self._decode_attention(q, cache, meta.decode_blocks, meta.decode_mask)
+            return self.o_proj(out.reshape(-1, self.q_size))
         out = torch.empty_like(q)
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
