@@ -16,7 +16,7 @@ import torch
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.interface import PrefillWork
-from pdserve.common.engine.quant import DENSE_FROM, Int4Linear, Q8Linear
+from pdserve.common.engine.quant import DENSE_FROM, Int4Linear, Int8Linear, Q8Linear
 from pdserve.common.engine.runner import ModelRunner
 from pdserve.common.sampling import SamplingParams
 from tests.conftest import CHAT_PROMPTS, chat_ids, make_engine
@@ -126,4 +126,26 @@ def test_perplexity_on_a_fixed_text_within_one_percent(runners, tokenizer):
             m.dense_from = DENSE_FROM
     pp = _perplexity(plain, ids)
     print(f"\nperplexity on {len(ids)} tokens: int4 {pq:.4f}, dequantized {pp:.4f}")
+    assert abs(pq / pp - 1) <= 0.01
+
+
+def test_int8_at_load_quantizes_every_projection_within_one_percent_perplexity(tokenizer):
+    """--quantization int8 (any model; here the GGUF's weights dequantized, as a safetensors
+    model would arrive): every projection int8 per output channel, the LM head float.
+    Measured: perplexity +0.6 % (bf16) and +0.8 % (float32); greedy text in float32 agrees
+    for 32, 32, 22 and 22 of 32 tokens on the first four chat prompts: one scale per row
+    of weights that came as 4-bit groups is coarser than the groups, so int4 keeps those."""
+    cfg = dict(dtype="bfloat16", num_kv_blocks=64, kv_shared_cache="off")
+    q8 = ModelRunner(EngineConfig(quantization="int8", **cfg))  # type: ignore[arg-type]
+    assert EngineConfig(quantization="int8", dtype="bfloat16").numerics == "bfloat16+int8"
+    layers = q8.model.layers
+    kinds = {type(m) for layer in layers for m in (layer.self_attn.qkv, layer.mlp.down_proj)}
+    assert kinds == {Int8Linear} and isinstance(q8.model.lm_head, torch.nn.Linear)
+    for m in q8.model.modules():
+        if isinstance(m, Int8Linear):
+            m.dense_from = 1 << 30  # every row through the int8 kernel
+    plain = ModelRunner(EngineConfig(quantization="none", **cfg))  # type: ignore[arg-type]
+    ids = tokenizer.encode(TEXT)
+    pq, pp = _perplexity(q8, ids), _perplexity(plain, ids)
+    print(f"\nperplexity on {len(ids)} tokens: int8 {pq:.4f}, dequantized {pp:.4f}")
     assert abs(pq / pp - 1) <= 0.01

@@ -173,3 +173,36 @@ def test_sharegpt_file_gives_prompts_and_reply_sized_outputs(tmp_path):
     path.write_text("[]")
     with pytest.raises(ValueError, match="no conversations"):
         workloads.sharegpt(path, seed=1, n=5, rate=1.0, burstiness=1.0)
+
+
+async def test_closed_loop_staggers_stream_starts_and_can_use_a_connection_per_request():
+    """--stagger: stream k's first request leaves k x stagger s after stream 0's; with
+    --fresh-connections every request opens its own connection (llama.cpp's server closes
+    kept-alive ones), so the server sees as many peers as requests."""
+    peers: list[int] = []
+
+    async def counting(request: web.Request) -> web.StreamResponse:
+        peers.append(request.transport.get_extra_info("peername")[1])  # client port
+        return await fake_completions(request)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", counting)
+    server = TestServer(app)
+    await server.start_server()
+    try:
+        specs = workloads.synthetic(
+            1, 8, 0.0, 1.0, workloads.LengthDist.parse("8"), workloads.LengthDist.parse("8")
+        )
+        cfg = BenchConfig(
+            url=str(server.make_url("")).rstrip("/"), concurrency=4, progress=False,
+            stagger=0.1, fresh_connections=True,
+        )  # fmt: skip
+        records = await run(specs, cfg)
+    finally:
+        await server.close()
+    assert len(records) == 8 and all(r.ok for r in records)
+    firsts = sorted(r.sent for r in records)[:4]
+    gaps = np.diff(firsts)
+    assert all(0.09 <= g <= 0.2 for g in gaps), gaps  # a stream starts every 0.1 s (each
+    # request takes 0.55 s, so the first four sends are the four streams' first requests)
+    assert len(set(peers)) == 8  # a fresh connection (client port) per request
