@@ -56,9 +56,11 @@ def cases(args: argparse.Namespace) -> list[tuple[str, int, float]]:
 
 def measure(url: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     results = {}
-    for label, streams, stagger in cases(args):
+    for n, (label, streams, stagger) in enumerate(cases(args)):
+        # a seed per case: no prompt repeats across cases (either server's prompt cache
+        # would answer a repeat without prefilling it)
         specs = synthetic(
-            args.seed + streams, streams * (args.rounds + 1), 0.0, 1.0,
+            args.seed * 1000 + n, streams * (args.rounds + 1), 0.0, 1.0,
             LengthDist("fixed", args.prompt), LengthDist("fixed", args.output),
         )  # fmt: skip
         bench = BenchConfig(

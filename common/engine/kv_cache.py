@@ -52,6 +52,11 @@ class KVCache:
         else:  # touch pages now, not mid-run
             self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.staging = Staging(self.data.device)  # every byte to or from the host: staging.py
+        # per-layer views, made once: a decode step would otherwise index `data` 4 times a
+        # layer just to find them (small ops are most of a batch-1 step on CPU)
+        self.k_v = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
+        row = block_size * num_kv_heads * head_dim
+        self.block_rows = [self.data[i].view(2, num_blocks, row) for i in range(num_layers)]
         self._np_bytes: np.ndarray | None = None
 
     @property
@@ -73,8 +78,9 @@ class KVCache:
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """k, v: (T, kv_heads, head_dim) for the tokens whose slots are in slot_mapping (T,)."""
-        self.data[layer, 0].index_copy_(0, slot_mapping, k)
-        self.data[layer, 1].index_copy_(0, slot_mapping, v)
+        k_cache, v_cache = self.k_v[layer]
+        k_cache.index_copy_(0, slot_mapping, k)
+        v_cache.index_copy_(0, slot_mapping, v)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at `slots` (any shape S) as (*S, kv_heads, head_dim)."""
@@ -90,8 +96,7 @@ class KVCache:
         the matmuls that follow need no copies of their own."""
         _, _, _, heads, dim = self.data.shape
         b, nb = block_tables.shape
-        rows = self.data[layer].view(2, self.num_blocks, self.block_size * heads * dim)
-        kv = torch.index_select(rows, 1, block_tables.reshape(-1))
+        kv = torch.index_select(self.block_rows[layer], 1, block_tables.reshape(-1))
         kv = kv.view(2, b, nb * self.block_size, heads, dim).transpose(2, 3).contiguous()
         return kv[0], kv[1]
 

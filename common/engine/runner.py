@@ -131,17 +131,18 @@ class ModelRunner:
             ctx_slots = None if p.start_pos == 0 else self.slots(p.block_table, 0, p.end_pos)
             spans.append(PrefillSpan(q_start, n, p.end_pos, ctx_slots))
             q_start += n
-        decode_blocks = decode_mask = None
+        decode_blocks = decode_bias = None
         if decodes:
-            decode_blocks, decode_mask, newest = self._decode_slots(decodes)
+            decode_blocks, decode_bias, newest = self._decode_slots(decodes)
             slot_parts.append(newest)
-        return AttentionMetadata(torch.cat(slot_parts), spans, q_start, decode_blocks, decode_mask)
+        return AttentionMetadata(torch.cat(slot_parts), spans, q_start, decode_blocks, decode_bias)
 
     def _decode_slots(
         self, decodes: Sequence[DecodeWork]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every decoding sequence's block table (B, nb), padded with block 0, the mask of
-        its real slots (B, 1, 1, nb * block_size) and the newest token's slot (B,): built for
+        """Every decoding sequence's block table (B, nb), padded with block 0, the attention
+        bias of its slots (B, 1, 1, nb * block_size: 0 where real, -inf for padding) and the
+        newest token's slot (B,): built for
         the whole batch at once from one padded tensor (one host-to-device copy, not tensors
         per sequence: on CUDA each would be its own copy and launch)."""
         bs = self.block_size
@@ -153,9 +154,10 @@ class ModelRunner:
         lengths = torch.tensor(lengths_list, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.arange(nblocks * bs, device=self.device)  # (L,)
         valid = pos.unsqueeze(0) < lengths.unsqueeze(1)  # (B, L)
+        bias = torch.zeros(valid.shape, device=self.device).masked_fill_(~valid, float("-inf"))
         last = lengths - 1
         newest = table.gather(1, (last // bs).unsqueeze(1)).squeeze(1) * bs + last % bs  # (B,)
-        return table, valid[:, None, None, :], newest
+        return table, bias[:, None, None, :], newest
 
     # -- Engine interface ----------------------------------------------------------------
     def step(
