@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.engine import GREEDY
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.interface import DecodeWork, PrefillWork
+from pdserve.common.engine.quant import SmallBatchLinear
 from pdserve.common.engine.runner import ModelRunner
 from pdserve.common.engine.sampler import sample
 
@@ -57,7 +58,7 @@ def main() -> None:
     runner = ModelRunner(cfg)
     if args.dense_from:
         for m in runner.model.modules():
-            if hasattr(m, "dense_from") and getattr(m, "dense", None) is not None:
+            if isinstance(m, SmallBatchLinear) and m.dense is not None:
                 m.dense_from = args.dense_from
     per_seq = args.context // 16 + 4
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(args.batch)]

@@ -63,9 +63,9 @@ class EngineConfig:
     )
     quantization: Literal["auto", "none", "int8", "int4"] = flag(
         "auto",
-        "weights (CPU kernels): int4 keeps a GGUF's Q4_0/Q4_1 blocks quantized (LM head int8); "
-        "int8 quantizes any model at load, per output channel; none dequantizes; auto = int4 "
-        "where it pays: a GGUF model on CPU in bfloat16",
+        "weights (CPU kernels): int4 keeps a GGUF's Q4_0/Q4_1 blocks (and a Q8_0 LM head) "
+        "quantized; int8 quantizes any model's projections at load, per output channel; none "
+        "dequantizes; auto = int4 where it pays: a GGUF model on CPU in bfloat16",
     )
     kv_shared_cache: Literal["auto", "on", "off"] = flag(
         "auto",

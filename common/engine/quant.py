@@ -52,7 +52,29 @@ def unpack_q8(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.nda
     return q.reshape(rows, cols), d
 
 
-class Int4Linear(nn.Module):
+class SmallBatchLinear(nn.Module):
+    """A quantized kernel for few rows, a dense weight from `dense_from` rows on: the 4- and
+    8-bit kernels win while a decode step reads fewer bytes, a dense matmul wins once the
+    rows make it compute-bound (measured crossover 8-32 rows). `dense` None: kernel only."""
+
+    in_features: int
+    out_features: int
+    dense: torch.Tensor | None
+    dense_from: int
+
+    def kernel(self, flat: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.dense is not None and flat.shape[0] >= self.dense_from:
+            out = torch.nn.functional.linear(flat, self.dense)
+        else:
+            out = self.kernel(flat)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(SmallBatchLinear):
     """y = x @ W.T with W kept as 4-bit groups of 32 (CPU kernel).
 
     The 4-bit kernel wins while few rows go through (a decode step reads a quarter of the
@@ -87,13 +109,8 @@ class Int4Linear(nn.Module):
             dense = w.to(dtype).contiguous()  # (N, K)
         self.register_buffer("dense", dense)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if self.dense is not None and flat.shape[0] >= self.dense_from:
-            out = torch.nn.functional.linear(flat, self.dense)
-        else:
-            out = torch._weight_int4pack_mm_for_cpu(flat, self.packed, BLOCK, self.scales_zeros)
-        return out.view(*x.shape[:-1], self.out_features)
+    def kernel(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(flat, self.packed, BLOCK, self.scales_zeros)
 
     def dequantized(self) -> torch.Tensor:
         """W as float32: the identity matrix through the 4-bit kernel."""
@@ -109,7 +126,7 @@ def int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(SmallBatchLinear):
     """y = x @ W.T with W as int8 per output channel (torch._weight_int8pack_mm), and a
     dense copy of the same values from `dense_from` rows on, as Int4Linear."""
 
@@ -132,13 +149,8 @@ class Int8Linear(nn.Module):
     def from_float(cls, w: torch.Tensor, dtype: torch.dtype, dense_from: int = 0) -> Int8Linear:
         return cls(*int8_per_channel(w), dtype, dense_from)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if self.dense is not None and flat.shape[0] >= self.dense_from:
-            out = torch.nn.functional.linear(flat, self.dense)
-        else:
-            out = torch._weight_int8pack_mm(flat, self.weight, self.scale)
-        return out.view(*x.shape[:-1], self.out_features)
+    def kernel(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(flat, self.weight, self.scale)
 
 
 # -- a loaded model's linear layers, from the GGUF's own 4-bit blocks --------------------------
@@ -220,7 +232,7 @@ def quantize_int8(model: nn.Module, dtype: torch.dtype, dense_from: int = DENSE_
     return replaced
 
 
-class Q8Linear(nn.Module):
+class Q8Linear(SmallBatchLinear):
     """y = x @ W.T for a GGUF Q8_0 matrix (w = q * d, d per 32 weights), exactly, through the
     4-bit kernel twice: q = 16 * hi + lo with hi in -8..7 and lo in 0..15, so
     W = (hi + 8 - 8) * 16d + 0  +  (lo - 8) * d + 8d, two 4-bit planes with group scales
@@ -247,13 +259,8 @@ class Q8Linear(nn.Module):
         self.dense = dense  # not a buffer: shared with its owner (a tied embedding)
         self.dense_from = dense_from if dense is not None else 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if self.dense is not None and flat.shape[0] >= self.dense_from:
-            out = torch.nn.functional.linear(flat, self.dense)
-        else:
-            out = self.high(flat) + self.low(flat)
-        return out.view(*x.shape[:-1], self.out_features)
+    def kernel(self, flat: torch.Tensor) -> torch.Tensor:
+        return self.high(flat) + self.low(flat)
 
 
 def quantize_gguf_lm_head(model: nn.Module, path: object, dtype: torch.dtype) -> bool:

@@ -75,8 +75,9 @@ class ModelRunner:
 
     def _quantize(self, cfg: EngineConfig, source: ModelSource) -> None:
         """--quantization (auto is resolved in common/config.py): int4 keeps a GGUF's 4-bit
-        blocks for the projections and runs the LM head in int8; int8 quantizes every
-        projection and the LM head per output channel at load (quant.py)."""
+        blocks for the projections and its Q8_0 LM head exactly (two 4-bit planes); int8
+        quantizes every projection per output channel at load, the LM head stays float
+        (quant.py)."""
         mode = cfg.quantization
         if mode == "none":
             log.info("weights dequantized to %s (--quantization none)", cfg.dtype)
@@ -142,9 +143,9 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every decoding sequence's block table (B, nb), padded with block 0, the attention
         bias of its slots (B, 1, 1, nb * block_size: 0 where real, -inf for padding) and the
-        newest token's slot (B,): built for
-        the whole batch at once from one padded tensor (one host-to-device copy, not tensors
-        per sequence: on CUDA each would be its own copy and launch)."""
+        newest token's slot (B,): built for the whole batch at once from one padded tensor
+        (one host-to-device copy, not tensors per sequence: on CUDA each would be its own
+        copy and launch)."""
         bs = self.block_size
         lengths_list = [d.position + 1 for d in decodes]
         nblocks = -(-max(lengths_list) // bs)

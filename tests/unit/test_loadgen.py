@@ -4,7 +4,9 @@ are known exactly (the metric-truth test)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 
 import numpy as np
 import orjson
@@ -119,12 +121,21 @@ async def fake_completions(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def test_metrics_match_a_server_with_known_delays():
+@contextlib.asynccontextmanager
+async def completions_server(handler=fake_completions) -> AsyncIterator[str]:
+    """A real HTTP server answering /v1/completions with `handler`; yields its URL."""
     app = web.Application()
-    app.router.add_post("/v1/completions", fake_completions)
+    app.router.add_post("/v1/completions", handler)
     server = TestServer(app)
     await server.start_server()
     try:
+        yield str(server.make_url("")).rstrip("/")
+    finally:
+        await server.close()
+
+
+async def test_metrics_match_a_server_with_known_delays():
+    async with completions_server() as url:
         specs = workloads.synthetic(
             0,
             12,
@@ -133,11 +144,7 @@ async def test_metrics_match_a_server_with_known_delays():
             workloads.LengthDist.parse("fixed:16"),
             workloads.LengthDist.parse(f"fixed:{TOKENS}"),
         )
-        records = await run(
-            specs, BenchConfig(url=str(server.make_url("")).rstrip("/"), warmup=2, progress=False)
-        )
-    finally:
-        await server.close()
+        records = await run(specs, BenchConfig(url=url, warmup=2, progress=False))
     s = summarize(records)
     assert s["completed"] == 10 and s["failed"] == 0
     assert all(r.output_tokens == TOKENS for r in records)
@@ -185,21 +192,14 @@ async def test_closed_loop_staggers_stream_starts_and_can_use_a_connection_per_r
         peers.append(request.transport.get_extra_info("peername")[1])  # client port
         return await fake_completions(request)
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", counting)
-    server = TestServer(app)
-    await server.start_server()
-    try:
+    async with completions_server(counting) as url:
         specs = workloads.synthetic(
             1, 8, 0.0, 1.0, workloads.LengthDist.parse("8"), workloads.LengthDist.parse("8")
         )
         cfg = BenchConfig(
-            url=str(server.make_url("")).rstrip("/"), concurrency=4, progress=False,
-            stagger=0.1, fresh_connections=True,
-        )  # fmt: skip
+            url=url, concurrency=4, progress=False, stagger=0.1, fresh_connections=True
+        )
         records = await run(specs, cfg)
-    finally:
-        await server.close()
     assert len(records) == 8 and all(r.ok for r in records)
     firsts = sorted(r.sent for r in records)[:4]
     gaps = np.diff(firsts)
