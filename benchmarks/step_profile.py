@@ -44,6 +44,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="auto")
+    p.add_argument("--cpu-kernels", default="auto", help="auto: fused C kernels; off: eager ops")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--rows", type=int, default=15, help="profiler table rows")
     p.add_argument(
@@ -53,6 +54,7 @@ def main() -> None:
     args = p.parse_args()
     cfg = EngineConfig(
         dtype=args.dtype, quantization=args.quantization, num_threads=args.threads,
+        cpu_kernels=args.cpu_kernels,
         num_kv_blocks=args.batch * (args.context // 16 + 4), max_model_len=2048,
     )  # fmt: skip
     runner = ModelRunner(cfg)

@@ -67,6 +67,12 @@ class EngineConfig:
         "quantized; int8 quantizes any model's projections at load, per output channel; none "
         "dequantizes; auto = int4 where it pays: a GGUF model on CPU in bfloat16",
     )
+    cpu_kernels: Literal["auto", "off"] = flag(
+        "auto",
+        "fused C kernels for a CPU engine's small ops (norms, RoPE + KV write, decode "
+        "attention, SiLU), compiled for this CPU at first start with its C compiler; auto = "
+        "use them where they build (else eager torch ops, logged), off = eager torch ops",
+    )
     kv_shared_cache: Literal["auto", "on", "off"] = flag(
         "auto",
         "keep the KV cache in /dev/shm so a prefill node on this host writes KV straight into "

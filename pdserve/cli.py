@@ -103,6 +103,13 @@ def _add_serving(sub: argparse._SubParsersAction) -> None:
         help="colocated nodes (prefill + decode in one engine; use with "
         "--prefill 0 --decode 0 for the baseline)",
     )
+    for role in ("prefill", "decode"):
+        up.add_argument(
+            f"--{role}-threads", type=int, default=0,
+            help=f"torch CPU threads of each {role} node; 0 = --num-threads (CPU count / nodes "
+            "when that is 0 too). On one small box the phases mostly take turns, so each may "
+            "take every core",
+        )  # fmt: skip
     up.add_argument("--startup-timeout", type=float, default=300.0)
     add_flags(up, GatewayConfig, skip=("model",))
     add_flags(up, EngineConfig)

@@ -178,9 +178,11 @@ def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
     cmds = [gateway]
     roles = (("prefill", args.prefill), ("decode", args.decode), ("colocated", args.colocated))
     for role, count in roles:
+        threads = getattr(args, f"{role}_threads", 0)  # --prefill-threads, --decode-threads
+        role_cfg = dataclasses.replace(ecfg, num_threads=threads) if threads else ecfg
         for i in range(count):
             node = [*base, role, "--gateway", address, "--node-id", f"{role}-{i}"]
-            cmds.append([*node, *to_flags(ecfg), *node_flags])
+            cmds.append([*node, *to_flags(role_cfg), *node_flags])
     return cmds
 
 

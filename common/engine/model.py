@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.common.engine import fused
 from pdserve.common.engine.interface import LayerHook
+from pdserve.common.engine.kernels import CpuKernels
 from pdserve.common.engine.kv_cache import KVCache
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.model_config import ModelConfig
@@ -41,6 +43,7 @@ class AttentionMetadata:
     num_prefill_tokens: int
     decode_blocks: torch.Tensor | None  # (B, nb) block table per decoding sequence, padded
     decode_bias: torch.Tensor | None  # (B, 1, 1, nb * block_size) float32: 0 real, -inf padding
+    decode_lens: torch.Tensor | None = None  # (B,) int64: tokens of context, the newest included
 
 
 class RMSNorm(nn.Module):
@@ -132,6 +135,23 @@ class Attention(nn.Module):
         if not meta.prefills and meta.decode_blocks is not None:  # a decode-only step
             out = self._decode_attention(q, cache, meta)
             return self.o_proj(out.reshape(-1, self.q_size))
+        out = self.prefill_attention(q, k, v, meta, cache)
+        if meta.decode_blocks is not None:
+            out[meta.num_prefill_tokens :] = self._decode_attention(
+                q[meta.num_prefill_tokens :], cache, meta
+            )
+        return self.o_proj(out.view(-1, self.q_size))
+
+    def prefill_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """(T, H, D) with the prefill spans' rows filled (causal over each span's context);
+        the decode rows after them are left for the caller."""
         out = torch.empty_like(q)
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
@@ -155,11 +175,7 @@ class Attention(nn.Module):
                 enable_gqa=True,
             )
             out[rows] = o.squeeze(0).transpose(0, 1)
-        if meta.decode_blocks is not None:
-            out[meta.num_prefill_tokens :] = self._decode_attention(
-                q[meta.num_prefill_tokens :], cache, meta
-            )
-        return self.o_proj(out.view(-1, self.q_size))
+        return out
 
     def _decode_attention(
         self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata
@@ -213,6 +229,14 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.kernels: CpuKernels | None = None  # fused CPU kernels, once use_kernels is called
+        self.rope_f32: tuple[torch.Tensor, torch.Tensor] = (self.rotary.cos, self.rotary.sin)
+
+    def use_kernels(self, kernels: CpuKernels | None) -> None:
+        """Run forward on the fused CPU kernels (fused.py), or eager ops with None. After
+        load_weights: the kernels take RoPE tables in float32 whatever the model's dtype."""
+        self.kernels = kernels
+        self.rope_f32 = (self.rotary.cos.float().contiguous(), self.rotary.sin.float().contiguous())
 
     @torch.inference_mode()
     def forward(
@@ -225,6 +249,8 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Hidden states (T, hidden) after the final norm; KV of every layer lands in `cache`,
         and `on_layer(i)` runs as soon as layer i's KV is there (for layer-wise transfer)."""
+        if self.kernels is not None:
+            return fused.forward(self, self.kernels, input_ids, positions, meta, cache, on_layer)
         h = self.embed_tokens(input_ids)
         rope = self.rotary.table(positions, h.dtype)
         for i, layer in enumerate(self.decoder_layers):

@@ -51,6 +51,7 @@ class ModelRunner:
             self.model = LlamaModel(self.model_config, self.max_model_len)
         self.model.load_weights(iter_weights(source, self.model_config), self.dtype)
         self._quantize(cfg, source)
+        self._use_kernels(cfg)
         self.model.eval()
         self.num_blocks = num_kv_blocks(cfg, self.model_config, self.dtype.itemsize)
         mc = self.model_config
@@ -101,6 +102,20 @@ class ModelRunner:
             ", the LM head from its Q8_0 blocks" if head else "",
         )  # fmt: skip
 
+    def _use_kernels(self, cfg: EngineConfig) -> None:
+        """--cpu-kernels: the fused C kernels where they build (kernels.py), else eager ops."""
+        if cfg.cpu_kernels == "off":
+            return
+        from pdserve.common.engine.kernels import load
+
+        mc = self.model_config
+        got = load(self.dtype, self.device, mc.head_dim, mc.num_heads // mc.num_kv_heads)
+        if isinstance(got, str):
+            log.info("eager torch ops for norms, RoPE and attention: %s", got)
+            return
+        self.model.use_kernels(got)
+        log.info("fused CPU kernels for norms, RoPE + KV write, decode attention and SiLU")
+
     def _share_cache(self, cfg: EngineConfig, tokens: int) -> bool:
         """Whether the KV cache goes to /dev/shm (--kv-shared-cache; shared_kv.py)."""
         if cfg.kv_shared_cache == "off":
@@ -132,20 +147,22 @@ class ModelRunner:
             ctx_slots = None if p.start_pos == 0 else self.slots(p.block_table, 0, p.end_pos)
             spans.append(PrefillSpan(q_start, n, p.end_pos, ctx_slots))
             q_start += n
-        decode_blocks = decode_bias = None
+        decode_blocks = decode_bias = decode_lens = None
         if decodes:
-            decode_blocks, decode_bias, newest = self._decode_slots(decodes)
+            decode_blocks, decode_bias, decode_lens, newest = self._decode_slots(decodes)
             slot_parts.append(newest)
-        return AttentionMetadata(torch.cat(slot_parts), spans, q_start, decode_blocks, decode_bias)
+        return AttentionMetadata(
+            torch.cat(slot_parts), spans, q_start, decode_blocks, decode_bias, decode_lens
+        )
 
     def _decode_slots(
         self, decodes: Sequence[DecodeWork]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every decoding sequence's block table (B, nb), padded with block 0, the attention
-        bias of its slots (B, 1, 1, nb * block_size: 0 where real, -inf for padding) and the
-        newest token's slot (B,): built for the whole batch at once from one padded tensor
-        (one host-to-device copy, not tensors per sequence: on CUDA each would be its own
-        copy and launch)."""
+        bias of its slots (B, 1, 1, nb * block_size: 0 where real, -inf for padding), its
+        context length (B,) and the newest token's slot (B,): built for the whole batch at
+        once from one padded tensor (one host-to-device copy, not tensors per sequence: on
+        CUDA each would be its own copy and launch)."""
         bs = self.block_size
         lengths_list = [d.position + 1 for d in decodes]
         nblocks = -(-max(lengths_list) // bs)
@@ -158,7 +175,7 @@ class ModelRunner:
         bias = torch.zeros(valid.shape, device=self.device).masked_fill_(~valid, float("-inf"))
         last = lengths - 1
         newest = table.gather(1, (last // bs).unsqueeze(1)).squeeze(1) * bs + last % bs  # (B,)
-        return table, bias[:, None, None, :], newest
+        return table, bias[:, None, None, :], lengths, newest
 
     # -- Engine interface ----------------------------------------------------------------
     def step(

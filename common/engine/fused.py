@@ -1,0 +1,79 @@
+"""The decoder's forward on the fused CPU kernels (kernels.py, cpu_kernels.c).
+
+The same modules and weights as model.py's eager forward; only the small ops change. A layer
+is nine calls: add+RMSNorm, the QKV matmul, RoPE+cache write, attention, the output matmul,
+add+RMSNorm, the gate/up matmul, SiLU x up, the down matmul. The residual stream `h` is
+updated in place by each add+RMSNorm, which also normalizes it for the next block (so the
+final norm is the last layer's second add). Prefill spans still run torch's SDPA: they are
+compute, not dispatch. Tests hold this forward to the eager one (tests/unit/test_kernels.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from pdserve.common.engine.interface import LayerHook
+    from pdserve.common.engine.kernels import CpuKernels
+    from pdserve.common.engine.kv_cache import KVCache
+    from pdserve.common.engine.model import Attention, AttentionMetadata, LlamaModel
+
+
+def forward(
+    model: LlamaModel,
+    kern: CpuKernels,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    meta: AttentionMetadata,
+    cache: KVCache,
+    on_layer: LayerHook | None,
+) -> torch.Tensor:
+    layers, eps = model.decoder_layers, model.cfg.rms_norm_eps
+    h = model.embed_tokens(input_ids)  # (T, hidden), ours: updated in place below
+    x = kern.rms_norm(h, layers[0].input_layernorm.weight, eps)
+    for i, layer in enumerate(layers):
+        a = attention(layer.self_attn, kern, x, positions, meta, cache, model.rope_f32)
+        if on_layer is not None:
+            on_layer(i)
+        x = kern.add_rms_norm(h, a, layer.post_attention_layernorm.weight, eps)
+        m = layer.mlp.down_proj(kern.silu_mul(layer.mlp.gate_up(x)))
+        following = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
+        x = kern.add_rms_norm(h, m, following.weight, eps)
+    return x
+
+
+def attention(
+    attn: Attention,
+    kern: CpuKernels,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    meta: AttentionMetadata,
+    cache: KVCache,
+    rope: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    qkv = attn.qkv(x)  # (T, (H + 2 KVH) * D), contiguous
+    heads = (attn.n_heads, attn.n_kv, attn.head_dim)
+    k_cache, v_cache = cache.k_v[attn.layer]
+    kern.rope_write(qkv, *rope, positions, meta.slot_mapping, k_cache, v_cache, heads)
+    decoding = meta.decode_blocks is not None and meta.decode_lens is not None
+    if not meta.prefills and decoding:
+        assert meta.decode_blocks is not None and meta.decode_lens is not None
+        out = kern.decode_attention(
+            qkv, k_cache, v_cache, meta.decode_blocks, meta.decode_lens, heads, cache.block_size
+        )
+        return attn.o_proj(out)
+    qk_size = attn.q_size + attn.kv_size
+    q = qkv[:, : attn.q_size].view(-1, attn.n_heads, attn.head_dim)
+    k = qkv[:, attn.q_size : qk_size].view(-1, attn.n_kv, attn.head_dim)
+    v = qkv[:, qk_size:].view(-1, attn.n_kv, attn.head_dim)
+    out = attn.prefill_attention(q, k, v, meta, cache)  # (T, H, D)
+    if decoding:
+        assert meta.decode_blocks is not None and meta.decode_lens is not None
+        n = meta.num_prefill_tokens
+        out[n:] = kern.decode_attention(
+            qkv[n:], k_cache, v_cache, meta.decode_blocks, meta.decode_lens, heads,
+            cache.block_size,
+        ).view(-1, attn.n_heads, attn.head_dim)  # fmt: skip
+    return attn.o_proj(out.view(-1, attn.q_size))

@@ -1,0 +1,207 @@
+"""The fused CPU kernels of cpu_kernels.c: built on first use, loaded with ctypes.
+
+Why C and not torch ops: a batch-1 decode step is dominated by the dispatch of ~2,000 tiny
+ops, and these kernels do a layer's norms, RoPE, cache write, attention and SiLU in 5 calls
+instead of ~45 (benchmarks/step_profile.py measures both). Why built here and not shipped:
+`-march=native` code is right only for the CPU that compiled it, so the library is compiled
+on the machine that runs it (about a second with gcc) and cached under
+~/.cache/pdserve/kernels by a hash of the source, the compiler, its flags and the CPU's flags.
+
+Where no C compiler is found (a slim container image) or the model does not fit the kernels'
+limits, `load` returns None with the reason logged, and the model runs its eager torch ops.
+CUDA never uses these: they are CPU kernels on CPU tensors only (`load` checks the device).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().with_name("cpu_kernels.c")  # absolute: it includes itself
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC",
+         "-shared")  # fmt: skip
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+MAX_HEAD_DIM = 512  # rope_write's buffer on the C side
+_loaded: dict[str, ctypes.CDLL] = {}
+
+P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+SIGNATURES = {
+    "rms_norm": (P, P, P, I64, I64, F32),
+    "add_rms_norm": (P, P, P, P, I64, I64, F32),
+    "silu_mul": (P, P, I64, I64),
+    "rope_write": (P, P, P, P, P, P, P, I64, I64, I64, I64),
+    "decode_attention": (P, I64, P, P, P, I64, P, P, I64, I64, I64, I64, I64, F32),
+}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pdserve" / "kernels"
+
+
+def build() -> Path | str:
+    """The compiled library's path (compiled now if not cached), or why it cannot be."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        return "no C compiler (cc, gcc) on PATH"
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        "\n".join(
+            [SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags(), platform.machine()]
+        ).encode()
+    ).hexdigest()[:16]
+    out = cache_dir() / f"cpu_kernels-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # compiled to a temporary name, then renamed: nodes starting together may race here
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
+                          text=True)  # fmt: skip
+    if done.returncode != 0:
+        os.unlink(tmp)
+        return f"{Path(cc).name} failed: {done.stderr.strip()[-300:]}"
+    os.replace(tmp, out)
+    return out
+
+
+def _library() -> ctypes.CDLL | str:
+    if "lib" not in _loaded:
+        built = build()
+        if isinstance(built, str):
+            return built
+        lib = ctypes.CDLL(str(built))  # after torch: its libgomp is the one this binds to
+        for suffix in SUFFIX.values():
+            for name, args in SIGNATURES.items():
+                fn = getattr(lib, f"{name}_{suffix}")
+                fn.argtypes, fn.restype = list(args), None
+        _loaded["lib"] = lib
+    return _loaded["lib"]
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return int(t.data_ptr())
+
+
+class CpuKernels:
+    """The kernels for one dtype. Tensors must be CPU, of that dtype, and contiguous where
+    the docstrings say so (the callers in model.py make them so; asserts guard it)."""
+
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        suffix = SUFFIX[dtype]
+        self._rms_norm = getattr(lib, f"rms_norm_{suffix}")
+        self._add_rms_norm = getattr(lib, f"add_rms_norm_{suffix}")
+        self._silu_mul = getattr(lib, f"silu_mul_{suffix}")
+        self._rope_write = getattr(lib, f"rope_write_{suffix}")
+        self._decode_attention = getattr(lib, f"decode_attention_{suffix}")
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """x (T, n) contiguous -> a new (T, n)."""
+        assert x.is_contiguous() and x.dtype == self.dtype
+        out = torch.empty_like(x)
+        self._rms_norm(_ptr(x), _ptr(w), _ptr(out), x.shape[0], x.shape[1], eps)
+        return out
+
+    def add_rms_norm(
+        self, residual: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """residual += delta in place (both (T, n) contiguous); returns rms_norm(residual)."""
+        assert residual.is_contiguous() and delta.is_contiguous()
+        assert residual.shape == delta.shape and delta.dtype == residual.dtype == self.dtype
+        out = torch.empty_like(residual)
+        n = residual.shape[1]
+        self._add_rms_norm(
+            _ptr(residual), _ptr(delta), _ptr(w), _ptr(out), residual.shape[0], n, eps
+        )
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up (T, 2I) contiguous -> silu(gate) * up, (T, I)."""
+        assert gate_up.is_contiguous() and gate_up.dtype == self.dtype
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((rows, inter), dtype=self.dtype)
+        self._silu_mul(_ptr(gate_up), _ptr(out), rows, inter)
+        return out
+
+    def rope_write(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        heads: tuple[int, int, int],
+    ) -> None:
+        """RoPE in place on qkv's Q and K (qkv (T, (H + 2 KVH) D) contiguous; cos and signed
+        sin float32 (P, D); positions, slots int64 (T,)), then K and V to cache rows `slots`
+        of k_cache, v_cache ((slots, KVH, D) contiguous each)."""
+        h, kvh, d = heads
+        assert qkv.is_contiguous() and qkv.shape[1] == (h + 2 * kvh) * d
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert positions.dtype == slots.dtype == torch.int64 and cos.dtype == torch.float32
+        self._rope_write(
+            _ptr(qkv), _ptr(cos), _ptr(sin), _ptr(positions), _ptr(slots), _ptr(k_cache),
+            _ptr(v_cache), qkv.shape[0], h, kvh, d,
+        )  # fmt: skip
+
+    def decode_attention(
+        self,
+        qkv: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        lens: torch.Tensor,
+        heads: tuple[int, int, int],
+        block_size: int,
+    ) -> torch.Tensor:
+        """One query per sequence (the first H * D of each qkv row, (B, *) contiguous) against
+        its first lens[b] cached tokens through block_tables (B, nb) -> (B, H * D)."""
+        h, kvh, d = heads
+        b, nb = block_tables.shape
+        assert qkv.is_contiguous() and qkv.shape[0] == b == lens.shape[0]
+        assert block_tables.is_contiguous() and block_tables.dtype == lens.dtype == torch.int64
+        out = torch.empty((b, h * d), dtype=self.dtype)
+        self._decode_attention(
+            _ptr(qkv), qkv.shape[1], _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), nb,
+            _ptr(lens), _ptr(out), b, h, kvh, d, block_size, d**-0.5,
+        )  # fmt: skip
+        return out
+
+
+def load(dtype: torch.dtype, device: torch.device, head_dim: int, group: int) -> CpuKernels | str:
+    """The kernels for this engine, or why it runs eager torch ops instead."""
+    if device.type != "cpu":
+        return f"{device.type} runs torch's own kernels"
+    if dtype not in SUFFIX:
+        return f"no fused CPU kernels for {dtype} (float32 and bfloat16 only)"
+    if head_dim > MAX_HEAD_DIM or head_dim % 2 or group < 1:
+        return f"head_dim {head_dim}, GQA group {group}: beyond the kernels' limits"
+    lib = _library()
+    if isinstance(lib, str):
+        return lib
+    return CpuKernels(lib, dtype)
