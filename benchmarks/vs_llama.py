@@ -78,10 +78,12 @@ def pdserve_args(kind: str, args: argparse.Namespace) -> list[str]:
     if kind == "colocated":
         return ["--prefill", "0", "--decode", "0", "--colocated", "1", *common,
                 "--num-threads", str(args.threads)]  # fmt: skip
-    # 1P1D on one 2-core box: a core each, so neither phase waits on the other's threads
-    per_node = max(1, args.threads // 2)
-    return ["--prefill", "1", "--decode", "1", *common, "--num-threads", str(per_node),
-            "--kv-backend", args.kv_backend]  # fmt: skip
+    # 1P1D on one box: --prefill-threads and --decode-threads (default: the cores shared out)
+    half = str(max(1, args.threads // 2))
+    return ["--prefill", "1", "--decode", "1", *common, "--kv-backend", args.kv_backend,
+            "--prefill-threads", str(args.prefill_threads or half),
+            "--decode-threads", str(args.decode_threads or half),
+            "--prefill-nice", str(args.prefill_nice)]  # fmt: skip
 
 
 def run_pdserve(kind: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -143,6 +145,9 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--output", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prefill-threads", type=int, default=0, help="1P1D; 0: --threads / 2")
+    p.add_argument("--decode-threads", type=int, default=0, help="1P1D; 0: --threads / 2")
+    p.add_argument("--prefill-nice", type=int, default=0, help="1P1D: the prefill node's nice")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="auto")
     p.add_argument("--kv-backend", default="tcp")

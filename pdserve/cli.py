@@ -110,6 +110,11 @@ def _add_serving(sub: argparse._SubParsersAction) -> None:
             "when that is 0 too). On one small box the phases mostly take turns, so each may "
             "take every core",
         )  # fmt: skip
+        up.add_argument(
+            f"--{role}-nice", type=int, default=0,
+            help=f"CPU niceness added to each {role} node (os.nice): on one host, a prefill "
+            "node at +10 gives way to decode steps instead of stalling the streams",
+        )  # fmt: skip
     up.add_argument("--startup-timeout", type=float, default=300.0)
     add_flags(up, GatewayConfig, skip=("model",))
     add_flags(up, EngineConfig)

@@ -186,8 +186,31 @@ def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
     return cmds
 
 
-def _spawn(child: Child) -> subprocess.Popen:
-    return subprocess.Popen(child.command, preexec_fn=_child_death_signal)
+def _spawn(child: Child, nice: int = 0, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def before_exec() -> None:
+        _child_death_signal()
+        if nice:
+            os.nice(nice)
+
+    return subprocess.Popen(child.command, preexec_fn=before_exec, env=env)
+
+
+def node_spawn_options(args: argparse.Namespace, commands: list[list[str]]) -> dict[str, Any]:
+    """Per node: its niceness (--prefill-nice, --decode-nice) and environment. When the nodes'
+    torch threads outnumber the cores, their OpenMP threads wait passively (OMP_WAIT_POLICY,
+    unless set): a thread spinning between parallel regions holds a core that another node's
+    thread needs, and a team with one thread descheduled stalls at every barrier (measured on
+    2 cores, 1P1D with 2 threads each: ITL p99 490 ms spinning, 115 ms passive)."""
+    nodes = [c for c in commands if "--node-id" in c]
+    threads = sum(int(c[c.index("--num-threads") + 1]) for c in nodes if "--num-threads" in c)
+    env = None
+    if threads > (os.cpu_count() or 1) and "OMP_WAIT_POLICY" not in os.environ:
+        env = {**os.environ, "OMP_WAIT_POLICY": "passive"}
+    out = {}
+    for c in nodes:
+        name = c[c.index("--node-id") + 1]
+        out[name] = {"nice": getattr(args, f"{name.split('-')[0]}_nice", 0), "env": env}
+    return out
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -209,7 +232,8 @@ def run_up(args: argparse.Namespace) -> int:
         for cmd in cluster_commands(args)
     ]
     children[0].essential = True  # the gateway
-    supervisor = Supervisor(children, _spawn)
+    options = node_spawn_options(args, [c.command for c in children])
+    supervisor = Supervisor(children, lambda c: _spawn(c, **options.get(c.name, {})))
     try:
         supervisor.start(time.monotonic())
         procs = list(supervisor.running())

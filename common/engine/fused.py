@@ -30,6 +30,7 @@ def forward(
     cache: KVCache,
     on_layer: LayerHook | None,
 ) -> torch.Tensor:
+    check_bounds(model, meta, cache, positions)
     layers, eps = model.decoder_layers, model.cfg.rms_norm_eps
     h = model.embed_tokens(input_ids)  # (T, hidden), ours: updated in place below
     x = kern.rms_norm(h, layers[0].input_layernorm.weight, eps)
@@ -42,6 +43,27 @@ def forward(
         following = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
         x = kern.add_rms_norm(h, m, following.weight, eps)
     return x
+
+
+def _within(t: torch.Tensor | None, low: int, high: int, what: str) -> None:
+    if t is None or t.numel() == 0:
+        return
+    lo, hi = (int(v) for v in torch.aminmax(t))
+    if lo < low or hi >= high:
+        raise IndexError(f"{what} out of range: [{lo}, {hi}] outside [{low}, {high})")
+
+
+def check_bounds(
+    model: LlamaModel, meta: AttentionMetadata, cache: KVCache, positions: torch.Tensor
+) -> None:
+    """What the C kernels index with, checked once a step (~10 us): a bad index is an
+    IndexError, as with torch's own ops, never a read or write outside a tensor."""
+    _within(positions, 0, model.rope_f32[0].shape[0], "positions")
+    _within(meta.slot_mapping, 0, cache.k_v[0][0].shape[0], "KV slots")
+    if meta.decode_blocks is not None and meta.decode_lens is not None:
+        _within(meta.decode_blocks, 0, cache.num_blocks, "decode block ids")
+        _within(meta.decode_lens, 1, meta.decode_blocks.shape[1] * cache.block_size + 1,
+                "decode context lengths")  # fmt: skip
 
 
 def attention(

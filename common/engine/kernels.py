@@ -65,25 +65,28 @@ def build() -> Path | str:
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         return "no C compiler (cc, gcc) on PATH"
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(
-        "\n".join(
-            [SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags(), platform.machine()]
-        ).encode()
-    ).hexdigest()[:16]
-    out = cache_dir() / f"cpu_kernels-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # compiled to a temporary name, then renamed: nodes starting together may race here
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
-                          text=True)  # fmt: skip
-    if done.returncode != 0:
-        os.unlink(tmp)
-        return f"{Path(cc).name} failed: {done.stderr.strip()[-300:]}"
-    os.replace(tmp, out)
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+        parts = [SOURCE.read_text(), " ".join(FLAGS), version.stdout, _cpu_flags()]
+        key = hashlib.sha256("\n".join([*parts, platform.machine()]).encode()).hexdigest()[:16]
+        out = cache_dir() / f"cpu_kernels-{key}.so"
+        if out.exists():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # compiled to a temporary name, then renamed: nodes starting together may race here
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        try:
+            done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
+                                  capture_output=True, text=True, timeout=300)  # fmt: skip
+            if done.returncode != 0:
+                return f"{Path(cc).name} failed: {done.stderr.strip()[-300:]}"
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except (OSError, subprocess.SubprocessError) as e:  # a read-only cache, a hung compiler
+        return f"cannot build them: {e}"
     return out
 
 
@@ -92,7 +95,10 @@ def _library() -> ctypes.CDLL | str:
         built = build()
         if isinstance(built, str):
             return built
-        lib = ctypes.CDLL(str(built))  # after torch: its libgomp is the one this binds to
+        try:
+            lib = ctypes.CDLL(str(built))  # after torch: its libgomp is the one this binds to
+        except OSError as e:  # e.g. a cache on a noexec mount
+            return f"cannot load {built}: {e}"
         for suffix in SUFFIX.values():
             for name, args in SIGNATURES.items():
                 fn = getattr(lib, f"{name}_{suffix}")

@@ -70,3 +70,15 @@ def test_perplexity_in_bfloat16_int4_within_half_a_percent(tokenizer):
     pf, pe = _perplexity(fused, ids), _perplexity(eager, ids)
     print(f"\nperplexity on {len(ids)} tokens, bf16+int4: fused {pf:.4f}, eager {pe:.4f}")
     assert abs(pf / pe - 1) <= 0.005
+
+
+def test_an_index_outside_the_cache_is_an_error_not_a_stray_write(runners32):
+    fused, _ = runners32
+    before = fused.kv_cache.data.clone()
+    for work in (
+        DecodeWork("x", 1, 5, [fused.num_blocks + 3], GREEDY),  # a block past the cache
+        DecodeWork("x", 1, 10**6, list(range(8)), GREEDY),  # a position past the RoPE table
+    ):
+        with pytest.raises(IndexError):
+            fused.step([], [work])
+    assert torch.equal(fused.kv_cache.data, before)

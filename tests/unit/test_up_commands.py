@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from pdserve import launch
 from pdserve.cli import build_parser
 
@@ -23,8 +25,38 @@ def test_each_role_takes_its_own_thread_count_or_the_shared_one():
 
 
 def test_without_any_the_cores_are_shared_out():
-    import os
 
     got = threads_by_node("--prefill", "1", "--decode", "1")
     assert got == {"prefill-0": max(1, (os.cpu_count() or 2) // 2), "decode-0": got["decode-0"]}
     assert got["decode-0"] == got["prefill-0"]
+
+
+def spawn_options(*argv: str) -> dict:
+    args = build_parser().parse_args(["up", "--engine", "torch", *argv])
+    return launch.node_spawn_options(args, launch.cluster_commands(args))
+
+
+def test_prefill_nodes_can_give_way_and_crowded_threads_wait_passively(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: 2)
+    opts = spawn_options("--prefill-threads", "2", "--decode-threads", "2", "--prefill-nice", "10")
+    assert opts["prefill-0"]["nice"] == 10 and opts["decode-0"]["nice"] == 0
+    assert all(o["env"]["OMP_WAIT_POLICY"] == "passive" for o in opts.values())  # 4 on 2 cores
+    opts = spawn_options("--num-threads", "1")  # one core each: spinning costs nobody
+    assert all(o["env"] is None and o["nice"] == 0 for o in opts.values())
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")  # the user's choice stands
+    assert spawn_options("--num-threads", "2")["decode-0"]["env"] is None
+
+
+def test_a_spawned_node_runs_at_its_niceness_with_its_environment(tmp_path):
+    import sys
+
+    from pdserve.supervisor import Child
+
+    out = tmp_path / "seen"
+    code = "import os, sys; open(sys.argv[1], 'w').write(f'{os.nice(0)} {os.environ[\"X\"]}')"
+    base = os.nice(0)
+    proc = launch._spawn(Child("n", [sys.executable, "-c", code, str(out)]), nice=5,
+                         env={**os.environ, "X": "passive"})  # fmt: skip
+    assert proc.wait(timeout=30) == 0
+    assert out.read_text() == f"{min(base + 5, 19)} passive"
