@@ -3,17 +3,17 @@
     .venv/bin/python -m benchmarks.vs_llama --out results/vs-llama
 
 Each server in turn (llama-server with 16 slots and flash attention; pdserve colocated; pdserve
-1P1D) serves closed-loop streams of token-id prompts (256 tokens, 128 output tokens with
-ignore_eos, random ids: no prefix is shared, so neither side's prompt cache helps) at 1 and 16
-concurrent streams, through loadgen's streaming client (a new connection per request, which
-llama-server needs). 16 streams run in two shapes: all starting at once ("16": equal
-requests then run in lock-step waves, so no prompt ever arrives while others decode; the
-shape issue 16 measured) and "16 staggered" (stream k starts k x --stagger s later, so
-prompts keep arriving mid-decode, as in a service). The report gives each pdserve figure as
-a ratio to llama-server's from the same run, against issue 16's targets: colocated output
-tok/s >= 1.0x llama-server's at 16 streams and >= 0.8x at 1 stream; 1P1D ITL p99 at 16
-streams <= 0.5x llama-server's. Where llama-server cannot be found or built
-(benchmarks/llama_server.py) the run says so and measures pdserve alone.
+1P1D, both nodes on every core; the same with prefill under SCHED_IDLE, "1p1d-idle") serves
+closed-loop streams of token-id prompts (256 tokens, 128 output tokens with ignore_eos, random
+ids: no prefix is shared, so neither side's prompt cache helps) at 1 and 16 concurrent streams,
+through loadgen's streaming client (a new connection per request, which llama-server needs). 16
+streams run in two shapes: all starting at once ("16": equal requests then run in lock-step
+waves, so no prompt ever arrives while others decode; the shape issue 16 measured) and "16
+staggered" (stream k starts k x --stagger s later, so prompts keep arriving mid-decode, as in a
+service). The report gives each pdserve figure as a ratio to llama-server's from the same run,
+against issue 16's targets: colocated output tok/s >= 1.0x llama-server's at 16 streams and >=
+0.8x at 1 stream; 1P1D ITL p99 at 16 streams <= 0.5x llama-server's. Where llama-server cannot
+be found or built (benchmarks/llama_server.py) the run says so and measures pdserve alone.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ TARGETS = {  # (server, case, key): (bound, "min" = at least bound x llama-serve
     ("colocated", "1", "output_throughput"): (0.8, "min"),
     ("1p1d", "16", "itl_ms_p99"): (0.5, "max"),
     ("1p1d", "16 staggered", "itl_ms_p99"): (0.5, "max"),
+    ("1p1d-idle", "16", "itl_ms_p99"): (0.5, "max"),
+    ("1p1d-idle", "16 staggered", "itl_ms_p99"): (0.5, "max"),
 }
 
 
@@ -78,12 +80,13 @@ def pdserve_args(kind: str, args: argparse.Namespace) -> list[str]:
     if kind == "colocated":
         return ["--prefill", "0", "--decode", "0", "--colocated", "1", *common,
                 "--num-threads", str(args.threads)]  # fmt: skip
-    # 1P1D on one box: --prefill-threads and --decode-threads (default: the cores shared out)
-    half = str(max(1, args.threads // 2))
+    # 1P1D on one box: both nodes take every core (--prefill-threads, --decode-threads), which
+    # makes `pdserve up` wait passively; "1p1d-idle" also runs prefill under SCHED_IDLE
+    priority = "idle" if kind == "1p1d-idle" else args.prefill_priority
     return ["--prefill", "1", "--decode", "1", *common, "--kv-backend", args.kv_backend,
-            "--prefill-threads", str(args.prefill_threads or half),
-            "--decode-threads", str(args.decode_threads or half),
-            "--prefill-nice", str(args.prefill_nice)]  # fmt: skip
+            "--prefill-threads", str(args.prefill_threads or args.threads),
+            "--decode-threads", str(args.decode_threads or args.threads),
+            "--prefill-nice", str(args.prefill_nice), "--prefill-priority", priority]  # fmt: skip
 
 
 def run_pdserve(kind: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -138,16 +141,17 @@ def report(results: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespa
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="results/vs-llama")
-    p.add_argument("--only", default="llama-server,colocated,1p1d")
+    p.add_argument("--only", default="llama-server,colocated,1p1d,1p1d-idle")
     p.add_argument("--streams", default="1,16")
     p.add_argument("--rounds", type=int, default=3, help="requests per stream, after a warm-up")
     p.add_argument("--stagger", type=float, default=0.5, help="seconds between stream starts")
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--output", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--prefill-threads", type=int, default=0, help="1P1D; 0: --threads / 2")
-    p.add_argument("--decode-threads", type=int, default=0, help="1P1D; 0: --threads / 2")
+    p.add_argument("--prefill-threads", type=int, default=0, help="1P1D; 0: --threads")
+    p.add_argument("--decode-threads", type=int, default=0, help="1P1D; 0: --threads")
     p.add_argument("--prefill-nice", type=int, default=0, help="1P1D: the prefill node's nice")
+    p.add_argument("--prefill-priority", default="normal", help="1P1D: normal or idle")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="auto")
     p.add_argument("--kv-backend", default="tcp")

@@ -115,6 +115,11 @@ def _add_serving(sub: argparse._SubParsersAction) -> None:
             help=f"CPU niceness added to each {role} node (os.nice): on one host, a prefill "
             "node at +10 gives way to decode steps instead of stalling the streams",
         )  # fmt: skip
+    up.add_argument(
+        "--prefill-priority", choices=("normal", "idle"), default="normal",
+        help="idle: prefill nodes run under SCHED_IDLE (Linux), on the CPU time decode nodes "
+        "leave: on one host, a prompt never slows the streams decoding (TTFT pays instead)",
+    )  # fmt: skip
     up.add_argument("--startup-timeout", type=float, default=300.0)
     add_flags(up, GatewayConfig, skip=("model",))
     add_flags(up, EngineConfig)

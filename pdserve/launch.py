@@ -186,11 +186,15 @@ def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
     return cmds
 
 
-def _spawn(child: Child, nice: int = 0, env: dict[str, str] | None = None) -> subprocess.Popen:
+def _spawn(
+    child: Child, nice: int = 0, idle: bool = False, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     def before_exec() -> None:
         _child_death_signal()
         if nice:
             os.nice(nice)
+        if idle:  # Linux; allowed without privileges
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
     return subprocess.Popen(child.command, preexec_fn=before_exec, env=env)
 
@@ -209,7 +213,9 @@ def node_spawn_options(args: argparse.Namespace, commands: list[list[str]]) -> d
     out = {}
     for c in nodes:
         name = c[c.index("--node-id") + 1]
-        out[name] = {"nice": getattr(args, f"{name.split('-')[0]}_nice", 0), "env": env}
+        role = name.split("-")[0]
+        idle = getattr(args, f"{role}_priority", "normal") == "idle"
+        out[name] = {"nice": getattr(args, f"{role}_nice", 0), "idle": idle, "env": env}
     return out
 
 
