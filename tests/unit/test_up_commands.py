@@ -41,6 +41,9 @@ def test_prefill_nodes_can_give_way_and_crowded_threads_wait_passively(monkeypat
     monkeypatch.setattr(launch.os, "cpu_count", lambda: 2)
     opts = spawn_options("--prefill-threads", "2", "--decode-threads", "2", "--prefill-nice", "10")
     assert opts["prefill-0"]["nice"] == 10 and opts["decode-0"]["nice"] == 0
+    assert not opts["prefill-0"]["idle"]
+    assert spawn_options("--prefill-priority", "idle")["prefill-0"]["idle"]
+    assert not spawn_options("--prefill-priority", "idle")["decode-0"]["idle"]
     assert all(o["env"]["OMP_WAIT_POLICY"] == "passive" for o in opts.values())  # 4 on 2 cores
     opts = spawn_options("--num-threads", "1")  # one core each: spinning costs nobody
     assert all(o["env"] is None and o["nice"] == 0 for o in opts.values())
@@ -54,9 +57,12 @@ def test_a_spawned_node_runs_at_its_niceness_with_its_environment(tmp_path):
     from pdserve.supervisor import Child
 
     out = tmp_path / "seen"
-    code = "import os, sys; open(sys.argv[1], 'w').write(f'{os.nice(0)} {os.environ[\"X\"]}')"
+    code = (
+        "import os, sys; open(sys.argv[1], 'w').write("
+        "f'{os.nice(0)} {os.environ[\"X\"]} {os.sched_getscheduler(0) == os.SCHED_IDLE}')"
+    )
     base = os.nice(0)
-    proc = launch._spawn(Child("n", [sys.executable, "-c", code, str(out)]), nice=5,
+    proc = launch._spawn(Child("n", [sys.executable, "-c", code, str(out)]), nice=5, idle=True,
                          env={**os.environ, "X": "passive"})  # fmt: skip
     assert proc.wait(timeout=30) == 0
-    assert out.read_text() == f"{min(base + 5, 19)} passive"
+    assert out.read_text() == f"{min(base + 5, 19)} passive True"
