@@ -17,6 +17,7 @@
  */
 #ifndef KTYPE
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -218,16 +219,19 @@ static inline __attribute__((always_inline)) void NAME(attend)(
 /* One query token per sequence against its context in the paged cache, in float:
  * q rows of q_stride elements (B, H * D at the row's start); block_tables (B, nb); lens (B,);
  * out (B, H * D). Each (sequence, KV head) is one task: its G = H / KVH query heads share
- * every K and V row read. */
-void NAME(decode_attention)(const KTYPE *q, int64_t q_stride, const KTYPE *k_cache,
+ * every K and V row read. Returns 0, or -1 when the scores' buffer cannot be allocated. */
+int NAME(decode_attention)(const KTYPE *q, int64_t q_stride, const KTYPE *k_cache,
                             const KTYPE *v_cache, const int64_t *block_tables, int64_t nb,
                             const int64_t *lens, KTYPE *out, int64_t B, int64_t H,
                             int64_t KVH, int64_t D, int64_t bs, float scale) {
     int64_t G = H / KVH, max_len = 0;
     for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
-#pragma omp parallel if (B * KVH * max_len * G * D >= PAR_MIN)
+    int par = B * KVH * max_len * G * D >= PAR_MIN, teams = par ? omp_get_max_threads() : 1;
+    float *scores = malloc(sizeof(float) * (size_t)(teams * G * max_len)); /* a row per thread */
+    if (scores == NULL) return -1;
+#pragma omp parallel if (par)
     {
-        float *p = malloc(sizeof(float) * (size_t)(G * max_len));
+        float *p = scores + (size_t)omp_get_thread_num() * (size_t)(G * max_len);
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < B * KVH; task++) {
             int64_t b = task / KVH, kh = task % KVH;
@@ -241,7 +245,8 @@ void NAME(decode_attention)(const KTYPE *q, int64_t q_stride, const KTYPE *k_cac
             else
                 NAME(attend)(qh, k_cache, v_cache, table, lens[b], KVH, kh, D, G, bs, scale, p, o);
         }
-        free(p);
     }
+    free(scores);
+    return 0;
 }
 #endif

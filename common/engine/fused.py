@@ -5,7 +5,9 @@ is nine calls: add+RMSNorm, the QKV matmul, RoPE+cache write, attention, the out
 add+RMSNorm, the gate/up matmul, SiLU x up, the down matmul. The residual stream `h` is
 updated in place by each add+RMSNorm, which also normalizes it for the next block (so the
 final norm is the last layer's second add). Prefill spans still run torch's SDPA: they are
-compute, not dispatch. Tests hold this forward to the eager one (tests/unit/test_kernels.py).
+compute, not dispatch. Tests hold this forward to the eager one
+(tests/component/test_fused_engine.py) and each kernel to the ops it replaces
+(tests/unit/test_kernels.py).
 """
 
 from __future__ import annotations
@@ -79,23 +81,16 @@ def attention(
     heads = (attn.n_heads, attn.n_kv, attn.head_dim)
     k_cache, v_cache = cache.k_v[attn.layer]
     kern.rope_write(qkv, *rope, positions, meta.slot_mapping, k_cache, v_cache, heads)
-    decoding = meta.decode_blocks is not None and meta.decode_lens is not None
-    if not meta.prefills and decoding:
-        assert meta.decode_blocks is not None and meta.decode_lens is not None
-        out = kern.decode_attention(
-            qkv, k_cache, v_cache, meta.decode_blocks, meta.decode_lens, heads, cache.block_size
-        )
-        return attn.o_proj(out)
+    blocks, lens, bs = meta.decode_blocks, meta.decode_lens, cache.block_size
+    if not meta.prefills and blocks is not None and lens is not None:  # a decode-only step
+        return attn.o_proj(kern.decode_attention(qkv, k_cache, v_cache, blocks, lens, heads, bs))
     qk_size = attn.q_size + attn.kv_size
     q = qkv[:, : attn.q_size].view(-1, attn.n_heads, attn.head_dim)
     k = qkv[:, attn.q_size : qk_size].view(-1, attn.n_kv, attn.head_dim)
     v = qkv[:, qk_size:].view(-1, attn.n_kv, attn.head_dim)
     out = attn.prefill_attention(q, k, v, meta, cache)  # (T, H, D)
-    if decoding:
-        assert meta.decode_blocks is not None and meta.decode_lens is not None
+    if blocks is not None and lens is not None:  # the decode rows after the prefill spans
         n = meta.num_prefill_tokens
-        out[n:] = kern.decode_attention(
-            qkv[n:], k_cache, v_cache, meta.decode_blocks, meta.decode_lens, heads,
-            cache.block_size,
-        ).view(-1, attn.n_heads, attn.head_dim)  # fmt: skip
+        decoded = kern.decode_attention(qkv[n:], k_cache, v_cache, blocks, lens, heads, bs)
+        out[n:] = decoded.view(-1, attn.n_heads, attn.head_dim)
     return attn.o_proj(out.view(-1, attn.q_size))

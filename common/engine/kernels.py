@@ -8,7 +8,7 @@ on the machine that runs it (about a second with gcc) and cached under
 ~/.cache/pdserve/kernels by a hash of the source, the compiler, its flags and the CPU's flags.
 
 Where no C compiler is found (a slim container image) or the model does not fit the kernels'
-limits, `load` returns None with the reason logged, and the model runs its eager torch ops.
+limits, `load` returns the reason (the runner logs it), and the model runs its eager torch ops.
 CUDA never uses these: they are CPU kernels on CPU tensors only (`load` checks the device).
 """
 
@@ -102,7 +102,8 @@ def _library() -> ctypes.CDLL | str:
         for suffix in SUFFIX.values():
             for name, args in SIGNATURES.items():
                 fn = getattr(lib, f"{name}_{suffix}")
-                fn.argtypes, fn.restype = list(args), None
+                fn.argtypes = list(args)
+                fn.restype = ctypes.c_int if name == "decode_attention" else None
         _loaded["lib"] = lib
     return _loaded["lib"]
 
@@ -192,10 +193,12 @@ class CpuKernels:
         assert qkv.is_contiguous() and qkv.shape[0] == b == lens.shape[0]
         assert block_tables.is_contiguous() and block_tables.dtype == lens.dtype == torch.int64
         out = torch.empty((b, h * d), dtype=self.dtype)
-        self._decode_attention(
+        status = self._decode_attention(
             _ptr(qkv), qkv.shape[1], _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), nb,
             _ptr(lens), _ptr(out), b, h, kvh, d, block_size, d**-0.5,
         )  # fmt: skip
+        if status != 0:
+            raise MemoryError("decode attention: no memory for its score buffer")
         return out
 
 

@@ -157,11 +157,11 @@ class ModelRunner:
 
     def _decode_slots(
         self, decodes: Sequence[DecodeWork]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Every decoding sequence's block table (B, nb), padded with block 0, the attention
-        bias of its slots (B, 1, 1, nb * block_size: 0 where real, -inf for padding), its
-        context length (B,) and the newest token's slot (B,): built for the whole batch at
-        once from one padded tensor (one host-to-device copy, not tensors per sequence: on
+        bias of its slots (B, 1, 1, nb * block_size: 0 where real, -inf for padding; None
+        with the fused kernels, which need none), its context length (B,) and the newest
+        token's slot (B,): built for the whole batch at once from one padded tensor (one host-to-device copy, not tensors per sequence: on
         CUDA each would be its own copy and launch)."""
         bs = self.block_size
         lengths_list = [d.position + 1 for d in decodes]
@@ -170,11 +170,13 @@ class ModelRunner:
                   for d in decodes]  # fmt: skip
         table = torch.tensor(tables, dtype=torch.long).to(self.device, non_blocking=True)
         lengths = torch.tensor(lengths_list, dtype=torch.long).to(self.device, non_blocking=True)
+        last = lengths - 1
+        newest = table.gather(1, (last // bs).unsqueeze(1)).squeeze(1) * bs + last % bs  # (B,)
+        if self.model.kernels is not None:  # the fused attention reads `lengths` instead
+            return table, None, lengths, newest
         pos = torch.arange(nblocks * bs, device=self.device)  # (L,)
         valid = pos.unsqueeze(0) < lengths.unsqueeze(1)  # (B, L)
         bias = torch.zeros(valid.shape, device=self.device).masked_fill_(~valid, float("-inf"))
-        last = lengths - 1
-        newest = table.gather(1, (last // bs).unsqueeze(1)).squeeze(1) * bs + last % bs  # (B,)
         return table, bias[:, None, None, :], lengths, newest
 
     # -- Engine interface ----------------------------------------------------------------
