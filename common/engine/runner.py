@@ -161,8 +161,9 @@ class ModelRunner:
         """Every decoding sequence's block table (B, nb), padded with block 0, the attention
         bias of its slots (B, 1, 1, nb * block_size: 0 where real, -inf for padding; None
         with the fused kernels, which need none), its context length (B,) and the newest
-        token's slot (B,): built for the whole batch at once from one padded tensor (one host-to-device copy, not tensors per sequence: on
-        CUDA each would be its own copy and launch)."""
+        token's slot (B,): built for the whole batch at once from one padded tensor (one
+        host-to-device copy, not tensors per sequence: on CUDA each would be its own copy
+        and launch)."""
         bs = self.block_size
         lengths_list = [d.position + 1 for d in decodes]
         nblocks = -(-max(lengths_list) // bs)
