@@ -60,7 +60,7 @@ def main() -> None:
     runner = ModelRunner(cfg)
     if args.dense_from:
         for m in runner.model.modules():
-            if isinstance(m, SmallBatchLinear) and m.dense is not None:
+            if isinstance(m, SmallBatchLinear) and m.dense_from:
                 m.dense_from = args.dense_from
     per_seq = args.context // 16 + 4
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(args.batch)]

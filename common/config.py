@@ -70,8 +70,15 @@ class EngineConfig:
     cpu_kernels: Literal["auto", "off"] = flag(
         "auto",
         "fused C kernels for a CPU engine's small ops (norms, RoPE + KV write, decode "
-        "attention, SiLU), compiled for this CPU at first start with its C compiler; auto = "
-        "use them where they build (else eager torch ops, logged), off = eager torch ops",
+        "attention, SiLU), compiled for this CPU at first start with its C compiler, and bf16 "
+        "weights packed once in oneDNN's layout; auto = use them where they build (else eager "
+        "torch ops, logged), off = eager torch ops and plain weights",
+    )
+    engine_priority: Literal["normal", "idle"] = flag(
+        "normal",
+        "idle: the engine thread and its OpenMP workers run under SCHED_IDLE (Linux), on CPU "
+        "time the host's other processes leave; the node's event loop (tokens, KV pushes, "
+        "heartbeats) keeps normal priority. pdserve up --prefill-priority idle sets it",
     )
     kv_shared_cache: Literal["auto", "on", "off"] = flag(
         "auto",

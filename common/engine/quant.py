@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from pdserve.common.engine.packed import packed_linear
+
 BLOCK = 32
 LAYOUTS = {"Q4_0": (2, 16), "Q4_1": (4, 16), "Q8_0": (2, 32)}  # (header bytes, qs bytes)
 
@@ -61,13 +63,16 @@ class SmallBatchLinear(nn.Module):
     out_features: int
     dense: torch.Tensor | None
     dense_from: int
+    packed_dense: torch.Tensor | None = None  # `dense` in oneDNN's layout (packed.py)
 
     def kernel(self, flat: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.dense is not None and flat.shape[0] >= self.dense_from:
+        if self.packed_dense is not None and flat.shape[0] >= self.dense_from:
+            out = packed_linear(flat, self.packed_dense, None)
+        elif self.dense is not None and flat.shape[0] >= self.dense_from:
             out = torch.nn.functional.linear(flat, self.dense)
         else:
             out = self.kernel(flat)

@@ -107,6 +107,10 @@ class ModelRunner:
         if cfg.cpu_kernels == "off":
             return
         from pdserve.common.engine.kernels import load
+        from pdserve.common.engine.packed import prepack
+
+        if packed := prepack(self.model):
+            log.info("%d linear layers' bf16 weights packed in oneDNN's layout", packed)
 
         mc = self.model_config
         got = load(self.dtype, self.device, mc.head_dim, mc.num_heads // mc.num_kv_heads)

@@ -16,6 +16,7 @@ import torch
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.interface import PrefillWork
+from pdserve.common.engine.packed import PackedLinear
 from pdserve.common.engine.quant import DENSE_FROM, Int4Linear, Int8Linear, Q8Linear
 from pdserve.common.engine.runner import ModelRunner
 from pdserve.common.sampling import SamplingParams
@@ -84,7 +85,8 @@ def test_every_projection_keeps_its_4_bit_blocks(runners):
     ]
     assert kinds == [Int4Linear] * (4 * len(layers))
     assert isinstance(quantized.model.lm_head, Q8Linear)  # the GGUF's Q8_0 head, exactly
-    assert isinstance(plain.model.layers[0].self_attn.qkv, torch.nn.Linear)
+    # a float layer: in bf16 with its weight packed for oneDNN (packed.py)
+    assert isinstance(plain.model.layers[0].self_attn.qkv, torch.nn.Linear | PackedLinear)
 
 
 def test_greedy_text_agrees_for_30_of_32_tokens_per_prompt(runners32, tokenizer):
@@ -140,7 +142,7 @@ def test_int8_at_load_quantizes_every_projection_within_one_percent_perplexity(t
     assert EngineConfig(quantization="int8", dtype="bfloat16").numerics == "bfloat16+int8"
     layers = q8.model.layers
     kinds = {type(m) for layer in layers for m in (layer.self_attn.qkv, layer.mlp.down_proj)}
-    assert kinds == {Int8Linear} and isinstance(q8.model.lm_head, torch.nn.Linear)
+    assert kinds == {Int8Linear} and isinstance(q8.model.lm_head, torch.nn.Linear | PackedLinear)
     for m in q8.model.modules():
         if isinstance(m, Int8Linear):
             m.dense_from = 1 << 30  # every row through the int8 kernel
