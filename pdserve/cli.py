@@ -117,8 +117,9 @@ def _add_serving(sub: argparse._SubParsersAction) -> None:
         )  # fmt: skip
     up.add_argument(
         "--prefill-priority", choices=("normal", "idle"), default="normal",
-        help="idle: prefill nodes run under SCHED_IDLE (Linux), on the CPU time decode nodes "
-        "leave: on one host, a prompt never slows the streams decoding (TTFT pays instead)",
+        help="idle: prefill nodes' engine threads run under SCHED_IDLE (Linux, "
+        "--engine-priority idle), on the CPU time decode nodes leave: on one host, a prompt "
+        "never slows the streams decoding (TTFT pays instead)",
     )  # fmt: skip
     up.add_argument("--startup-timeout", type=float, default=300.0)
     add_flags(up, GatewayConfig, skip=("model",))

@@ -13,6 +13,7 @@ loop's thread and helper threads run torch ops on one thread, so they never open
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -25,10 +26,26 @@ def pin_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
-def engine_executor(num_threads: int) -> ThreadPoolExecutor:
-    """The engine thread: `num_threads` for torch (0: torch's default, the CPU count)."""
+def idle_priority() -> None:
+    """This thread under SCHED_IDLE (Linux; lowering needs no privilege). Threads it creates
+    inherit the policy, so the OpenMP team it opens later is idle too, while the process's
+    other threads (the event loop that sends first tokens and KV) keep theirs: an idle
+    process would starve its own KV pushes behind the decode steps they feed (measured, 1P1D
+    on 2 cores: a 6 s gap after a stream's first token)."""
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+def engine_executor(num_threads: int, idle: bool = False) -> ThreadPoolExecutor:
+    """The engine thread: `num_threads` for torch (0: torch's default, the CPU count); with
+    `idle`, it and its OpenMP workers under SCHED_IDLE (--engine-priority)."""
     n = num_threads or torch.get_num_threads()
-    return ThreadPoolExecutor(1, "engine", initializer=pin_threads, initargs=(n,))
+
+    def start() -> None:
+        if idle:  # before the first parallel region, which creates the team
+            idle_priority()
+        pin_threads(n)
+
+    return ThreadPoolExecutor(1, "engine", initializer=start)
 
 
 def helper_executor() -> ThreadPoolExecutor:

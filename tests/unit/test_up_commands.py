@@ -8,10 +8,15 @@ from pdserve import launch
 from pdserve.cli import build_parser
 
 
-def threads_by_node(*argv: str) -> dict[str, int]:
+def commands(*argv: str) -> list[list[str]]:
+    """The nodes' commands (the gateway's comes first and is left out)."""
     args = build_parser().parse_args(["up", "--engine", "torch", *argv])
+    return launch.cluster_commands(args)[1:]
+
+
+def threads_by_node(*argv: str) -> dict[str, int]:
     out = {}
-    for cmd in launch.cluster_commands(args)[1:]:  # the gateway first, then the nodes
+    for cmd in commands(*argv):
         out[cmd[cmd.index("--node-id") + 1]] = int(cmd[cmd.index("--num-threads") + 1])
     return out
 
@@ -41,10 +46,15 @@ def test_prefill_nodes_can_give_way_and_crowded_threads_wait_passively(monkeypat
     monkeypatch.setattr(launch.os, "cpu_count", lambda: 2)
     opts = spawn_options("--prefill-threads", "2", "--decode-threads", "2", "--prefill-nice", "10")
     assert opts["prefill-0"]["nice"] == 10 and opts["decode-0"]["nice"] == 0
-    assert not opts["prefill-0"]["idle"]
-    assert spawn_options("--prefill-priority", "idle")["prefill-0"]["idle"]
-    assert not spawn_options("--prefill-priority", "idle")["decode-0"]["idle"]
+    cmds = {c[c.index("--node-id") + 1]: c for c in commands("--prefill-priority", "idle")}
+    assert cmds["prefill-0"][cmds["prefill-0"].index("--engine-priority") + 1] == "idle"
+    assert "--engine-priority" not in cmds["decode-0"]
     assert all(o["env"]["OMP_WAIT_POLICY"] == "passive" for o in opts.values())  # 4 on 2 cores
+    # an idle prefill node takes no core from the decode node: only the idle one waits passively
+    opts = spawn_options("--prefill-threads", "2", "--decode-threads", "2",
+                         "--prefill-priority", "idle")  # fmt: skip
+    assert opts["decode-0"]["env"] is None
+    assert opts["prefill-0"]["env"]["OMP_WAIT_POLICY"] == "passive"
     opts = spawn_options("--num-threads", "1")  # one core each: spinning costs nobody
     assert all(o["env"] is None and o["nice"] == 0 for o in opts.values())
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")  # the user's choice stands
@@ -62,7 +72,9 @@ def test_a_spawned_node_runs_at_its_niceness_with_its_environment(tmp_path):
         "f'{os.nice(0)} {os.environ[\"X\"]} {os.sched_getscheduler(0) == os.SCHED_IDLE}')"
     )
     base = os.nice(0)
-    proc = launch._spawn(Child("n", [sys.executable, "-c", code, str(out)]), nice=5, idle=True,
+    proc = launch._spawn(Child("n", [sys.executable, "-c", code, str(out)]), nice=5,
                          env={**os.environ, "X": "passive"})  # fmt: skip
     assert proc.wait(timeout=30) == 0
-    assert out.read_text() == f"{min(base + 5, 19)} passive True"
+    # the process keeps the normal policy: only an idle engine's own thread drops it
+    # (tests/unit/test_engine_threads.py)
+    assert out.read_text() == f"{min(base + 5, 19)} passive False"
