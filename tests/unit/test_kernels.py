@@ -99,10 +99,16 @@ def reference_attention(q, k_cache, v_cache, table, length, block_size, group):
     return torch.einsum("hl,lhd->hd", scores.softmax(-1), values)
 
 
+# (heads, KV heads, head_dim): SmolLM2's, then every other path of the kernel's dispatch
+# (head_dim 64 and 128 with the group a constant or a variable, any other head_dim)
+SHAPES = [(9, 3, 64), (8, 2, 64), (6, 3, 64), (16, 2, 128), (8, 2, 128), (6, 2, 128), (4, 2, 80)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_reads_the_paged_cache_and_ignores_the_batch(dtype):
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode_attention_reads_the_paged_cache_and_ignores_the_batch(dtype, shape):
     g = torch.Generator().manual_seed(2)
-    heads, kv_heads, dim, bs, blocks = 9, 3, 64, 16, 64
+    (heads, kv_heads, dim), bs, blocks = shape, 16, 64
     k = kern(dtype)
     k_cache = torch.randn(blocks * bs, kv_heads, dim, generator=g).to(dtype)
     v_cache = torch.randn(blocks * bs, kv_heads, dim, generator=g).to(dtype)
@@ -117,7 +123,9 @@ def test_decode_attention_reads_the_paged_cache_and_ignores_the_batch(dtype):
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
     for b in range(len(lens)):
         q = qkv[b, : heads * dim].view(heads, dim)
-        want = reference_attention(q, k_cache, v_cache, tables[b].tolist(), int(lens[b]), bs, 3)
+        want = reference_attention(
+            q, k_cache, v_cache, tables[b].tolist(), int(lens[b]), bs, heads // kv_heads
+        )
         got = out[b].view(heads, dim).double()
         assert torch.allclose(got, want, rtol=tol, atol=tol), (b, (got - want).abs().max())
         # alone, with its own table trimmed to its blocks: the same bits
