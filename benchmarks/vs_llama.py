@@ -154,7 +154,11 @@ def main() -> None:
     p.add_argument("--prefill-priority", default="normal", help="1P1D: normal or idle")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="auto")
-    p.add_argument("--kv-backend", default="tcp")
+    p.add_argument(
+        "--kv-backend", default="auto",
+        help="1P1D's KV transfer; auto, pdserve's default, is shared memory on one host "
+        "(measured, 1P1D idle, 16 lock-step streams: ITL p99 57.6 and 58.5 ms, tcp 72.7)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-build", action="store_true", help="use llama-server only if found")
     args = p.parse_args()
