@@ -103,7 +103,8 @@ class ModelRunner:
         )  # fmt: skip
 
     def _use_kernels(self, cfg: EngineConfig) -> None:
-        """--cpu-kernels: the fused C kernels where they build (kernels.py), else eager ops."""
+        """--cpu-kernels auto: bf16 weights packed for oneDNN (packed.py), and the fused C
+        kernels where they build (kernels.py), else eager ops; off: neither."""
         if cfg.cpu_kernels == "off":
             return
         from pdserve.common.engine.kernels import load
