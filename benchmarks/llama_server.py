@@ -101,9 +101,35 @@ def _download_source() -> Path:
 
 def start(
     binary: Path, gguf: Path, port: int, threads: int, slots: int, ctx_per_slot: int, log: Path
-) -> subprocess.Popen:
+) -> tuple[subprocess.Popen, list[str]]:
     """llama-server with `slots` parallel sequences (continuous batching), flash attention,
-    `threads` threads for both prompt and generation; returns once /health answers."""
+    `threads` threads for both prompt and generation; returns once /health answers, with the
+    extra flags it needed (see NO_REPACK_WHY)."""
+    try:
+        return _start(binary, gguf, port, threads, slots, ctx_per_slot, log, []), []
+    except CrashedError:
+        log.rename(log.with_suffix(".crashed.log"))
+        flags = ["--no-repack"]
+        return _start(binary, gguf, port, threads, slots, ctx_per_slot, log, flags), flags
+
+
+# llama.cpp's AMX path (weights repacked into its "AMX" buffer on CPUs with AMX-INT8) dies by
+# SIGSEGV in ggml_backend_amx_mul_mat on its warm-up run on some machines: measured on a 2-vCPU
+# KVM Xeon with AMX (ggml-org/llama.cpp#20824; #26954 names the cause, tile-data permission
+# asked on the main thread only). Where it crashes, it is restarted with --no-repack: plain
+# ggml CPU kernels, its path on any CPU without AMX. SmolLM2's Q4_1 blocks have no other
+# repacked form; its Q8_0 LM head loses the AVX-512 repacked one.
+NO_REPACK_WHY = "its AMX path crashed on this CPU (SIGSEGV), so it ran with --no-repack"
+
+
+class CrashedError(RuntimeError):
+    """llama-server died by a signal before it answered /health."""
+
+
+def _start(
+    binary: Path, gguf: Path, port: int, threads: int, slots: int, ctx_per_slot: int,
+    log: Path, extra: list[str],
+) -> subprocess.Popen:  # fmt: skip
     cmd = [
         str(binary),
         "-m", str(gguf),
@@ -115,6 +141,7 @@ def start(
         "-c", str(slots * ctx_per_slot),
         "-fa", "on",
         "--no-webui",
+        *extra,
     ]  # fmt: skip
     with open(log, "w") as out:  # a file, not a pipe: its chatter must never block it
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
@@ -122,7 +149,8 @@ def start(
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = log.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"llama-server exited {proc.returncode}: {tail}")
+            error = CrashedError if proc.returncode < 0 else RuntimeError
+            raise error(f"llama-server exited {proc.returncode}: {tail}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
                 if resp.status == 200:

@@ -13,7 +13,9 @@ staggered" (stream k starts k x --stagger s later, so prompts keep arriving mid-
 service). The report gives each pdserve figure as a ratio to llama-server's from the same run,
 against issue 16's targets: colocated output tok/s >= 1.0x llama-server's at 16 streams and >=
 0.8x at 1 stream; 1P1D ITL p99 at 16 streams <= 0.5x llama-server's. Where llama-server cannot
-be found or built (benchmarks/llama_server.py) the run says so and measures pdserve alone.
+be found or built (benchmarks/llama_server.py) the run says so and measures pdserve alone;
+where it crashes on start (its AMX path on some CPUs) it runs with --no-repack, and the report
+says so.
 """
 
 from __future__ import annotations
@@ -101,7 +103,10 @@ def run_llama(binary: Path, args: argparse.Namespace) -> dict[str, dict[str, Any
     port = free_port()
     gguf = Path(str(resolve_model(None).path))
     log = Path(args.out) / "llama-server.log"
-    proc = llama_server.start(binary, gguf, port, args.threads, 16, 2048, log)
+    proc, flags = llama_server.start(binary, gguf, port, args.threads, 16, 2048, log)
+    if flags:
+        args.llama_note = f"llama-server: {llama_server.NO_REPACK_WHY}."
+        print(args.llama_note, flush=True)
     try:
         return measure(f"http://127.0.0.1:{port}", args)
     finally:
@@ -122,6 +127,8 @@ def report(results: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespa
         for s, row in by_streams.items():
             cells = " | ".join(str(row[k]) for k in KEYS)
             lines.append(f"| {server} | {s} | {cells} |")
+    if note := getattr(args, "llama_note", ""):
+        lines += ["", note]
     ref = results.get("llama-server")
     if ref:
         lines += ["", "Targets (ratio to llama-server in this run):", ""]

@@ -180,6 +180,15 @@ static inline __attribute__((always_inline)) const float *NAME(widen)(const KTYP
     return buf;
 }
 
+/* Asks for n cached rows (D elements each, row_stride apart) to be brought into cache. */
+static inline __attribute__((always_inline)) void NAME(prefetch_rows)(const KTYPE *x, int64_t n,
+                                                                     int64_t row_stride,
+                                                                     const int64_t D) {
+    for (int64_t j = 0; j < n; j++, x += row_stride)
+        for (int64_t b = 0; b < D * (int64_t)sizeof(KTYPE); b += 64)
+            __builtin_prefetch((const char *)x + b, 0, 3);
+}
+
 /* One sequence's G query heads (q: G * D contiguous) sharing KV head kh, over its first L
  * cached tokens: scores in p (G * L), output into out (G * D). Each K and V row is widened to
  * float once and used by all G heads (it was read and widened once per head: 16 sequences of
@@ -195,9 +204,17 @@ static inline __attribute__((always_inline)) void NAME(attend)(
     int64_t row_stride = KVH * D;
     float qf[G * D], wide[D], inv[G], acc[G * D];
     for (int64_t i = 0; i < G * D; i++) qf[i] = LD(q[i]);
+    NAME(prefetch_rows)(k_cache + (table[0] * bs * KVH + kh) * D, L < bs ? L : bs, row_stride, D);
     for (int64_t start = 0; start < L; start += bs) {
         int64_t n = L - start < bs ? L - start : bs;
         const KTYPE *k = k_cache + (table[start / bs] * bs * KVH + kh) * D;
+        /* the next K block and this V block, on their way while this block's scores run */
+        if (start + bs < L) {
+            int64_t next = L - start - bs < bs ? L - start - bs : bs;
+            NAME(prefetch_rows)(k_cache + (table[start / bs + 1] * bs * KVH + kh) * D, next,
+                                row_stride, D);
+        }
+        NAME(prefetch_rows)(v_cache + (table[start / bs] * bs * KVH + kh) * D, n, row_stride, D);
         for (int64_t j = 0; j < n; j++, k += row_stride) {
             const float *row = NAME(widen)(k, wide, D);
             for (int64_t g = 0; g < G; g++) p[g * L + start + j] = dot_f(qf + g * D, row, D) * scale;

@@ -3,7 +3,8 @@ same engine on eager torch ops (--cpu-kernels off), on the real SmolLM2.
 
 float32: greedy text equal for 32 of 32 tokens on the chat prompts, and the logits of a mixed
 step (a prompt's second chunk over its cached first chunk, beside decoding sequences) within
-1e-4. bfloat16 + int4 (what `auto` runs here): perplexity within 0.5 %; greedy text is not
+1e-4. bfloat16 + int4 (what `auto` runs here): perplexity within 0.5 % of float32 on the same
+weights, and no further from it than eager bf16's; greedy text is not
 compared there, since eager bf16 rounds attention scores and probabilities to bf16 where the
 kernels keep float (more accurate, so the texts part at near-ties)."""
 
@@ -65,11 +66,22 @@ def test_a_mixed_step_gives_the_eager_logits(runners32, tokenizer):
 
 
 def test_perplexity_in_bfloat16_int4_within_half_a_percent(tokenizer):
+    """Both bf16 engines against float32 on the same 4-bit weights: the fused one within
+    0.5 % of it, and no further from it than the eager one.
+    Not fused against eager: eager bf16 is the less accurate one, by a margin that depends on
+    the CPU (measured: fp32 11.977; fused 11.958, eager 12.051 on a Xeon with AMX, 0.77 %
+    apart, where an AMD EPYC had them within 0.5 %)."""
     fused, eager = _pair(dtype="bfloat16", quantization="int4", num_threads=2)
+    reference = ModelRunner(
+        EngineConfig(num_kv_blocks=128, kv_shared_cache="off", dtype="float32",
+                     quantization="int4", cpu_kernels="off", num_threads=2)
+    )  # fmt: skip
     ids = tokenizer.encode(TEXT)
-    pf, pe = _perplexity(fused, ids), _perplexity(eager, ids)
-    print(f"\nperplexity on {len(ids)} tokens, bf16+int4: fused {pf:.4f}, eager {pe:.4f}")
-    assert abs(pf / pe - 1) <= 0.005
+    pf, pe, pr = (_perplexity(r, ids) for r in (fused, eager, reference))
+    print(f"\nperplexity on {len(ids)} tokens, int4: bf16 fused {pf:.4f}, bf16 eager {pe:.4f}, "
+          f"float32 {pr:.4f}")  # fmt: skip
+    assert abs(pf / pr - 1) <= 0.005
+    assert abs(pf / pr - 1) <= abs(pe / pr - 1) + 0.001
 
 
 def test_an_index_outside_the_cache_is_an_error_not_a_stray_write(runners32):

@@ -48,19 +48,31 @@ def test_norms_and_silu_equal_the_eager_ops(dtype, rows):
     k = kern(dtype)
     x, d = (torch.randn(rows, 576, generator=g).to(dtype) for _ in range(2))
     w = (torch.rand(576, generator=g) + 0.5).to(dtype)
-    exact = dtype == torch.bfloat16  # float32: the sum of squares adds in another order
+    exact = dtype == torch.bfloat16  # float32: sums add in another order
     check = torch.equal if exact else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    # RMSNorm's sum of squares adds in the compiler's vector order, torch's in its own: the
+    # float results differ in the last bits, which in bf16 flips a rounding about once in
+    # 150,000 elements (measured on a Xeon with AMX; none at these seeds on an AMD EPYC): so
+    # bf16 norms are held to within one bf16 ulp and to at most 1 element in 10,000 unequal
+    norm_check = check if not exact else near_bf16
 
-    assert check(k.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5))
+    assert norm_check(k.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5))
 
     h = x.clone()
     normed = k.add_rms_norm(h, d, w, 1e-5)
     assert torch.equal(h, x + d)  # the residual add rounds as eager's, in every dtype
-    assert check(normed, F.rms_norm(x + d, (576,), w, 1e-5))
+    assert norm_check(normed, F.rms_norm(x + d, (576,), w, 1e-5))
 
     gate_up = torch.randn(rows, 2 * 1536, generator=g).to(dtype) * 4
     gate, up = gate_up.split(1536, dim=-1)
     assert check(k.silu_mul(gate_up), F.silu(gate) * up)
+
+
+def near_bf16(a: torch.Tensor, b: torch.Tensor) -> bool:
+    unequal = int((a != b).sum())
+    return unequal * 10_000 <= max(a.numel(), 10_000) and torch.allclose(
+        a.float(), b.float(), rtol=2**-7, atol=0
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -42,3 +42,37 @@ def test_the_report_gives_ratios_to_llama_server_and_says_met_or_not():
     assert "colocated output_throughput at 1 streams: 0.83x (target >= 0.8x): met" in text
     assert "1p1d itl_ms_p99 at 16 streams: 0.60x (target <= 0.5x): NOT met" in text
     assert "16 staggered" not in text  # cases not run are left out, not invented
+
+
+FAKE_SERVER = """#!/bin/sh
+# a stand-in llama-server: dies by SIGSEGV as llama.cpp's AMX path does on some CPUs, unless
+# started with --no-repack; then answers /health (a file named health) on its --port
+port=0; repack=1
+while [ $# -gt 0 ]; do
+  case "$1" in --port) port=$2; shift ;; --no-repack) repack=0 ;; esac; shift
+done
+echo "args: $port $repack"
+[ "$repack" = 1 ] && kill -SEGV $$
+cd "$(dirname "$0")/www" && exec python3 -m http.server "$port" --bind 127.0.0.1
+"""
+
+
+def test_a_server_that_crashes_on_start_is_restarted_without_repacking(tmp_path):
+    fake = tmp_path / "llama-server"
+    fake.write_text(FAKE_SERVER)
+    fake.chmod(0o755)
+    (tmp_path / "www").mkdir()
+    (tmp_path / "www" / "health").write_text("ok")
+    from pdserve.common.transport import free_port
+
+    log = tmp_path / "server.log"
+    proc, flags = llama_server.start(fake, tmp_path / "m.gguf", free_port(), 2, 4, 128, log)
+    try:
+        assert flags == ["--no-repack"]
+        assert proc.poll() is None
+        assert (tmp_path / "server.crashed.log").read_text().strip().endswith(" 1")  # repacking
+    finally:
+        llama_server.stop(proc)
+    args = argparse.Namespace(threads=2, prompt=256, output=128, dtype="auto", quantization="auto")
+    args.llama_note = f"llama-server: {llama_server.NO_REPACK_WHY}."
+    assert "--no-repack" in vs_llama.report({}, args)
