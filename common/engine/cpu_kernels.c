@@ -196,7 +196,10 @@ static inline __attribute__((always_inline)) void NAME(prefetch_rows)(const KTYP
  * it was, in the same order (dot_f's tree, then the softmax, then the weighted sum of V rows
  * token by token), so results are unchanged bit for bit and do not depend on the batch.
  * Always inlined where D and G are constants (64, 128; 3, 4, 8): the loops unroll and the
- * accumulators stay in registers. Positions go block by block (no division per token). */
+ * accumulators stay in registers. Positions go block by block (no division per token).
+ * A step reads each layer's cache cold (the weights streamed since evicted it), so the next
+ * K block and the current V block are prefetched while a block's scores run: 16 x 320 tokens
+ * in bf16 from a cold cache, 627 -> ~320 us a layer (a Xeon with AMX; hot, 260 us either way). */
 static inline __attribute__((always_inline)) void NAME(attend)(
     const KTYPE *q, const KTYPE *k_cache, const KTYPE *v_cache, const int64_t *table, int64_t L,
     int64_t KVH, int64_t kh, const int64_t D, const int64_t G, int64_t bs, float scale, float *p,

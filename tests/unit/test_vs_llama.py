@@ -4,6 +4,7 @@ report's ratios against the targets. The comparison itself is a benchmark, not a
 from __future__ import annotations
 
 import argparse
+import sys
 
 from benchmarks import llama_server, vs_llama
 
@@ -53,13 +54,13 @@ while [ $# -gt 0 ]; do
 done
 echo "args: $port $repack"
 [ "$repack" = 1 ] && kill -SEGV $$
-cd "$(dirname "$0")/www" && exec python3 -m http.server "$port" --bind 127.0.0.1
+cd "$(dirname "$0")/www" && exec {python} -m http.server "$port" --bind 127.0.0.1
 """
 
 
 def test_a_server_that_crashes_on_start_is_restarted_without_repacking(tmp_path):
     fake = tmp_path / "llama-server"
-    fake.write_text(FAKE_SERVER)
+    fake.write_text(FAKE_SERVER.format(python=sys.executable))
     fake.chmod(0o755)
     (tmp_path / "www").mkdir()
     (tmp_path / "www" / "health").write_text("ok")
