@@ -207,17 +207,16 @@ static inline __attribute__((always_inline)) void NAME(attend)(
     int64_t row_stride = KVH * D;
     float qf[G * D], wide[D], inv[G], acc[G * D];
     for (int64_t i = 0; i < G * D; i++) qf[i] = LD(q[i]);
-    NAME(prefetch_rows)(k_cache + (table[0] * bs * KVH + kh) * D, L < bs ? L : bs, row_stride, D);
+    /* whole blocks: a block's bs rows are all in the cache tensor, and a prefetch never faults */
+    NAME(prefetch_rows)(k_cache + (table[0] * bs * KVH + kh) * D, bs, row_stride, D);
     for (int64_t start = 0; start < L; start += bs) {
         int64_t n = L - start < bs ? L - start : bs;
         const KTYPE *k = k_cache + (table[start / bs] * bs * KVH + kh) * D;
         /* the next K block and this V block, on their way while this block's scores run */
-        if (start + bs < L) {
-            int64_t next = L - start - bs < bs ? L - start - bs : bs;
-            NAME(prefetch_rows)(k_cache + (table[start / bs + 1] * bs * KVH + kh) * D, next,
+        if (start + bs < L)
+            NAME(prefetch_rows)(k_cache + (table[start / bs + 1] * bs * KVH + kh) * D, bs,
                                 row_stride, D);
-        }
-        NAME(prefetch_rows)(v_cache + (table[start / bs] * bs * KVH + kh) * D, n, row_stride, D);
+        NAME(prefetch_rows)(v_cache + (table[start / bs] * bs * KVH + kh) * D, bs, row_stride, D);
         for (int64_t j = 0; j < n; j++, k += row_stride) {
             const float *row = NAME(widen)(k, wide, D);
             for (int64_t g = 0; g < G; g++) p[g * L + start + j] = dot_f(qf + g * D, row, D) * scale;
