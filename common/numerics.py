@@ -1,16 +1,50 @@
-"""`--dtype auto`: which dtype this device runs best. Torch-free (the config imports it, and
-the gateway imports the config)."""
+"""What this CPU can do, and `--dtype auto`: which dtype this device runs best. Torch-free
+(the config imports it, and the gateway imports the config).
+
+`PDSERVE_CPU_ISA=avx2` makes the project behave as it would on an x86-64 CPU with AVX2 and
+FMA only (no AVX-512, no AMX, no native bf16), so a developer on a fast CPU sees what a slow
+one does: `cpu_flags()` drops the newer features (so `--dtype auto` picks float32), the fused
+C kernels build for x86-64-v3 instead of the native CPU (kernels.py), and `limit_torch()`
+sets PyTorch's, oneDNN's and MKL's own limits (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA,
+MKL_ENABLE_INSTRUCTIONS), which they read when first used. Unset or `native`: the CPU as it is.
+"""
 
 from __future__ import annotations
 
+import os
+
 # CPU features that run bfloat16 matmuls natively (x86: AVX512-BF16 or AMX; arm64: BF16).
-# Without them torch emulates bf16 and runs ~10x slower than float32 (measured on a 2-core
-# AMD EPYC without AVX512-BF16: prefill 71 tok/s in bf16 against several hundred in fp32).
+# Without them torch emulates bf16 and prefill runs ~6x slower than in float32 (measured on a
+# 2-vCPU AVX2-only AMD EPYC, benchmarks/engine.py --threads 2: 76 against 479 tok/s).
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16", "bf16")
+ISA_ENV = "PDSERVE_CPU_ISA"
+ISAS = ("native", "avx2")
+# Flags an AVX2-only x86-64 CPU lacks (prefixes): AVX-512 in all its forms, AMX, and the
+# VEX-encoded VNNI / bf16 conversions that came with them (oneDNN uses avx_ne_convert for bf16).
+_BEYOND_AVX2 = ("avx512", "amx", "avx_vnni", "avx_ne_convert", "avx_ifma")
+# What PyTorch and oneDNN are told under PDSERVE_CPU_ISA=avx2.
+TORCH_LIMITS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                "MKL_ENABLE_INSTRUCTIONS": "AVX2"}  # fmt: skip
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags, from /proc/cpuinfo (x86 `flags`, arm64 `Features`)."""
+def cpu_isa() -> str:
+    """The CPU level the project runs as: "native" or "avx2" (from PDSERVE_CPU_ISA)."""
+    isa = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    if isa not in ISAS:
+        raise ValueError(f"{ISA_ENV}={isa!r}: expected one of {', '.join(ISAS)}")
+    return isa
+
+
+def limit_torch() -> None:
+    """Under PDSERVE_CPU_ISA=avx2, set PyTorch's and oneDNN's ISA limits in this process's
+    environment (and so its children's) unless already set. They take effect when torch
+    first dispatches, so call it before any tensor op (pdserve's package import does)."""
+    if cpu_isa() == "avx2":
+        for key, value in TORCH_LIMITS.items():
+            os.environ.setdefault(key, value)
+
+
+def _raw_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -20,6 +54,19 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def limited(flags: set[str], isa: str) -> set[str]:
+    """`flags` as a CPU of level `isa` would show them."""
+    if isa == "native":
+        return set(flags)
+    return {f for f in flags if not f.startswith(_BEYOND_AVX2) and f != "bf16"}
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags, from /proc/cpuinfo (x86 `flags`, arm64 `Features`), as
+    PDSERVE_CPU_ISA limits them."""
+    return limited(_raw_flags(), cpu_isa())
 
 
 def choose_dtype(device: str, flags: set[str] | None = None) -> tuple[str, str]:
@@ -32,5 +79,5 @@ def choose_dtype(device: str, flags: set[str] | None = None) -> tuple[str, str]:
         return "bfloat16", f"this CPU has native bfloat16 ({', '.join(sorted(have))})"
     return (
         "float32",
-        "this CPU lacks native bfloat16 (no avx512_bf16/amx_bf16): bf16 is ~10x slower",
+        "this CPU lacks native bfloat16 (no avx512_bf16/amx_bf16): bf16 prefill is ~6x slower",
     )

@@ -14,3 +14,7 @@ imports as it installs; a built wheel holds real files under `pdserve/` only. Th
 (roles and loadgen above common, nodes independent of each other, no torch in the gateway or
 loadgen) is checked by import-linter (`make lint`, `.importlinter`).
 """
+
+from pdserve.common.numerics import limit_torch
+
+limit_torch()  # PDSERVE_CPU_ISA=avx2 limits torch's and oneDNN's ISA: before their first use

@@ -7,6 +7,8 @@ import os
 
 import pytest
 
+import pdserve  # noqa: F401  (PDSERVE_CPU_ISA=avx2 limits torch here, before any test uses it)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

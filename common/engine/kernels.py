@@ -26,11 +26,15 @@ from pathlib import Path
 
 import torch
 
+from pdserve.common.numerics import cpu_flags, cpu_isa
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().with_name("cpu_kernels.c")  # absolute: it includes itself
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC",
-         "-shared")  # fmt: skip
+FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
+# The CPU the code is built for: this one, or under PDSERVE_CPU_ISA=avx2 the x86-64-v3 level
+# (AVX2, FMA, BMI2: what an AVX2-only EPYC has), so a fast CPU runs a slow one's code.
+MARCH = {"native": "-march=native", "avx2": "-march=x86-64-v3"}
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 MAX_HEAD_DIM = 512  # rope_write's buffer on the C side
 _loaded: dict[str, ctypes.CDLL] = {}
@@ -46,13 +50,15 @@ SIGNATURES = {
 
 
 def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+    return " ".join(sorted(cpu_flags())) or platform.processor()
+
+
+def compile_flags() -> list[str]:
+    """The compiler's flags for the CPU level the project runs as (numerics.cpu_isa)."""
+    isa = cpu_isa()
+    if isa != "native" and platform.machine().lower() not in ("x86_64", "amd64"):
+        isa = "native"  # the forced-down levels are x86 levels; elsewhere the CPU as it is
+    return [MARCH[isa], *FLAGS]
 
 
 def cache_dir() -> Path:
@@ -67,7 +73,8 @@ def build() -> Path | str:
         return "no C compiler (cc, gcc) on PATH"
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
-        parts = [SOURCE.read_text(), " ".join(FLAGS), version.stdout, _cpu_flags()]
+        flags = compile_flags()
+        parts = [SOURCE.read_text(), " ".join(flags), version.stdout, _cpu_flags()]
         key = hashlib.sha256("\n".join([*parts, platform.machine()]).encode()).hexdigest()[:16]
         out = cache_dir() / f"cpu_kernels-{key}.so"
         if out.exists():
@@ -77,7 +84,7 @@ def build() -> Path | str:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
+            done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"],
                                   capture_output=True, text=True, timeout=300)  # fmt: skip
             if done.returncode != 0:
                 return f"{Path(cc).name} failed: {done.stderr.strip()[-300:]}"

@@ -3,12 +3,14 @@ same engine on eager torch ops (--cpu-kernels off), on the real SmolLM2.
 
 float32: greedy text equal for 32 of 32 tokens on the chat prompts, and the logits of a mixed
 step (a prompt's second chunk over its cached first chunk, beside decoding sequences) within
-1e-4. bfloat16 + int4 (what `auto` runs here): perplexity within 0.5 % of float32 on the same
-weights, and no further from it than eager bf16's; greedy text is not
+1e-4. bfloat16 + int4 (what `auto` runs on a CPU with native bf16): within bf16's rounding of
+float32 on the same weights (KL and perplexity), as close as eager bf16's; greedy text is not
 compared there, since eager bf16 rounds attention scores and probabilities to bf16 where the
 kernels keep float (more accurate, so the texts part at near-ties)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -18,8 +20,10 @@ from pdserve.common.engine.interface import DecodeWork, PrefillWork
 from pdserve.common.engine.kernels import CpuKernels
 from pdserve.common.engine.runner import ModelRunner
 from pdserve.common.sampling import SamplingParams
-from tests.component.test_quantized_engine import TEXT, _perplexity
+from tests.component.test_quantized_engine import TEXT
 from tests.conftest import CHAT_PROMPTS, chat_ids, make_engine
+
+pytestmark = pytest.mark.cpu  # make test-cpu-variants: native and AVX2-only
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
@@ -65,23 +69,37 @@ def test_a_mixed_step_gives_the_eager_logits(runners32, tokenizer):
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
 
 
-def test_perplexity_in_bfloat16_int4_within_half_a_percent(tokenizer):
-    """Both bf16 engines against float32 on the same 4-bit weights: the fused one within
-    0.5 % of it, and no further from it than the eager one.
-    Not fused against eager: eager bf16 is the less accurate one, by a margin that depends on
-    the CPU (measured: fp32 11.977; fused 11.958, eager 12.051 on a Xeon with AMX, 0.77 %
-    apart, where an AMD EPYC had them within 0.5 %)."""
+def _log_probs(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    table = list(range(-(-len(ids) // 16)))
+    logits = runner.forward([PrefillWork("ppl", ids, 0, table, None)], [], all_rows=True)
+    return torch.log_softmax(logits[:-1].float(), dim=-1)
+
+
+def test_bfloat16_int4_stays_within_bf16_rounding_of_float32(tokenizer):
+    """Both bf16 engines against float32 on the same 4-bit weights, by the mean KL divergence
+    of each next-token distribution from float32's (what rounding does to every prediction)
+    and by perplexity. Not by perplexity alone: bf16 rounding moves it either way by a margin
+    that depends on the CPU's kernels (measured, fused: +0.23 % on AVX512-BF16 (Zen 5), -0.16 %
+    with AMX, -0.62 % on an AVX2-only EPYC and at PDSERVE_CPU_ISA=avx2), a lower perplexity
+    being no loss, while the KL stays ~0.001 nats everywhere (fused 0.00103 / 0.00098, eager
+    0.00102 / 0.00088 on AVX512-BF16 / the avx2 level). Bounds: KL 3x the largest measured;
+    perplexity 1 % (the spread above with margin); the fused kernels (which keep attention in
+    float) no further from float32 than eager ops by more than 1.5x (measured 1.01-1.11x)."""
     fused, eager = _pair(dtype="bfloat16", quantization="int4", num_threads=2)
     reference = ModelRunner(
         EngineConfig(num_kv_blocks=128, kv_shared_cache="off", dtype="float32",
                      quantization="int4", cpu_kernels="off", num_threads=2)
     )  # fmt: skip
     ids = tokenizer.encode(TEXT)
-    pf, pe, pr = (_perplexity(r, ids) for r in (fused, eager, reference))
-    print(f"\nperplexity on {len(ids)} tokens, int4: bf16 fused {pf:.4f}, bf16 eager {pe:.4f}, "
-          f"float32 {pr:.4f}")  # fmt: skip
-    assert abs(pf / pr - 1) <= 0.005
-    assert abs(pf / pr - 1) <= abs(pe / pr - 1) + 0.001
+    target = torch.tensor(ids[1:]).unsqueeze(1)
+    lr, lf, le = (_log_probs(r, ids) for r in (reference, fused, eager))
+    pr, pf, pe = (math.exp(float(-lp.gather(1, target).mean())) for lp in (lr, lf, le))
+    kf, ke = (float((lr.exp() * (lr - lp)).sum(-1).mean()) for lp in (lf, le))
+    print(f"\nint4 on {len(ids)} tokens: perplexity bf16 fused {pf:.4f}, bf16 eager {pe:.4f}, "
+          f"float32 {pr:.4f}; KL from float32 fused {kf:.5f}, eager {ke:.5f}")  # fmt: skip
+    assert kf <= 0.003 and ke <= 0.003
+    assert abs(pf / pr - 1) <= 0.01
+    assert kf <= 1.5 * ke
 
 
 def test_an_index_outside_the_cache_is_an_error_not_a_stray_write(runners32):

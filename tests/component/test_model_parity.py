@@ -13,6 +13,8 @@ from pdserve.common.engine.runner import ModelRunner
 from pdserve.common.sampling import SamplingParams
 from tests.conftest import CHAT_PROMPTS, chat_ids, make_engine
 
+pytestmark = pytest.mark.cpu  # make test-cpu-variants: native and AVX2-only
+
 GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from pdserve.common.engine.interface import DecodeWork, PrefillWork
 from pdserve.common.engine.kv_cache import KVCache
 from pdserve.common.sampling import SamplingParams
 from tests.conftest import CHAT_PROMPTS, chat_ids, make_engine
+
+pytestmark = pytest.mark.cpu  # make test-cpu-variants: native and AVX2-only
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 

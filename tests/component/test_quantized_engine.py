@@ -22,6 +22,8 @@ from pdserve.common.engine.runner import ModelRunner
 from pdserve.common.sampling import SamplingParams
 from tests.conftest import CHAT_PROMPTS, chat_ids, make_engine
 
+pytestmark = pytest.mark.cpu  # make test-cpu-variants: native and AVX2-only
+
 GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 TEXT = (
     "The Roman Empire was the post-Republican state of ancient Rome. It included territory "
@@ -134,23 +136,34 @@ def test_perplexity_on_a_fixed_text_within_one_percent(runners, tokenizer):
 def test_int8_at_load_quantizes_every_projection_within_one_percent_perplexity(tokenizer):
     """--quantization int8 (any model; here the GGUF's weights dequantized, as a safetensors
     model would arrive): every projection int8 per output channel, the LM head float.
-    Measured: perplexity +0.6 % (bf16) and +0.8 % (float32); greedy text in float32 agrees
-    for 32, 32, 22 and 22 of 32 tokens on the first four chat prompts: one scale per row
-    of weights that came as 4-bit groups is coarser than the groups, so int4 keeps those."""
-    cfg = dict(dtype="bfloat16", num_kv_blocks=64, kv_shared_cache="off")
-    q8 = ModelRunner(EngineConfig(quantization="int8", **cfg))  # type: ignore[arg-type]
-    assert EngineConfig(quantization="int8", dtype="bfloat16").numerics == "bfloat16+int8"
-    layers = q8.model.layers
-    kinds = {type(m) for layer in layers for m in (layer.self_attn.qkv, layer.mlp.down_proj)}
-    assert kinds == {Int8Linear} and isinstance(q8.model.lm_head, torch.nn.Linear | PackedLinear)
-    for m in q8.model.modules():
-        if isinstance(m, Int8Linear):
-            m.dense_from = 1 << 30  # every row through the int8 kernel
-    plain = ModelRunner(EngineConfig(quantization="none", **cfg))  # type: ignore[arg-type]
-    ids = tokenizer.encode(TEXT)
-    pq, pp = _perplexity(q8, ids), _perplexity(plain, ids)
-    print(f"\nperplexity on {len(ids)} tokens: int8 {pq:.4f}, dequantized {pp:.4f}")
-    assert abs(pq / pp - 1) <= 0.01
+    The loss is measured in float32, where it is the same on every CPU: +0.83 % (12.0764
+    against 11.9768 on AVX512-BF16 and at PDSERVE_CPU_ISA=avx2 alike, equal to 1e-5); one
+    scale per row of weights that came as 4-bit groups is coarser than the groups, so int4
+    keeps those. In bfloat16 the same ratio is that loss plus bf16 rounding, which depends on
+    the CPU's kernels (measured: +0.09 % on AVX512-BF16, +1.04 % on an AVX2-only EPYC and at
+    the avx2 level), so bf16 is held to float32 instead: each bf16 perplexity within 1 % of its
+    float32 one (measured spread -0.62 % to +0.23 % for the plain weights, -0.52 % to -0.41 %
+    for int8, across those CPUs)."""
+    pairs = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = dict(dtype=dtype, num_kv_blocks=64, kv_shared_cache="off")
+        q8 = ModelRunner(EngineConfig(quantization="int8", **cfg))  # type: ignore[arg-type]
+        assert EngineConfig(quantization="int8", dtype=dtype).numerics == f"{dtype}+int8"
+        layers = q8.model.layers
+        kinds = {type(m) for layer in layers for m in (layer.self_attn.qkv, layer.mlp.down_proj)}
+        assert kinds == {Int8Linear}
+        assert isinstance(q8.model.lm_head, torch.nn.Linear | PackedLinear)
+        for m in q8.model.modules():  # bf16: every row through the int8 kernel; float32:
+            if isinstance(m, Int8Linear) and dtype == "bfloat16":  # its dense copy holds the
+                m.dense_from = 1 << 30  # same int8 values exactly, and runs 10x faster
+        plain = ModelRunner(EngineConfig(quantization="none", **cfg))  # type: ignore[arg-type]
+        ids = tokenizer.encode(TEXT)
+        pairs[dtype] = (_perplexity(q8, ids), _perplexity(plain, ids))
+        print(f"\nperplexity on {len(ids)} tokens, {dtype}: int8 {pairs[dtype][0]:.4f}, "
+              f"dequantized {pairs[dtype][1]:.4f}")  # fmt: skip
+    (q32, p32), (q16, p16) = pairs["float32"], pairs["bfloat16"]
+    assert abs(q32 / p32 - 1) <= 0.01  # the quantization's own loss
+    assert abs(q16 / q32 - 1) <= 0.01 and abs(p16 / p32 - 1) <= 0.01  # bf16's rounding
 
 
 def test_a_safetensors_model_is_quantized_to_int8_at_load(tmp_path):

@@ -66,18 +66,20 @@ def test_advertised_addresses():
     assert resolve_tokens_address("tcp://gw:9", "tcp://gateway:8001") == "tcp://gw:9"
 
 
+@pytest.mark.cpu
 def test_dtype_auto_is_bfloat16_only_where_it_runs_natively():
     from pdserve.common.numerics import choose_dtype
 
     assert choose_dtype("cuda:0", set())[0] == "bfloat16"
     assert choose_dtype("cuda", {"sse2"})[0] == "bfloat16"
-    dtype, why = choose_dtype("cpu", {"avx2", "avx512f", "fma"})  # e.g. this box's AMD EPYC
+    dtype, why = choose_dtype("cpu", {"avx2", "avx512f", "fma"})  # AVX-512, no AVX512-BF16
     assert dtype == "float32" and "lacks native bfloat16" in why
     for native in ("avx512_bf16", "amx_bf16", "bf16"):  # x86 AVX512-BF16, AMX, arm64
         dtype, why = choose_dtype("cpu", {"avx2", native})
         assert dtype == "bfloat16" and native in why
 
 
+@pytest.mark.cpu
 def test_dtype_auto_is_resolved_once_in_the_config(caplog):
     import logging
 

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from pdserve.common.engine import kernels
 from pdserve.common.engine.model import apply_rotary
 
+pytestmark = pytest.mark.cpu  # make test-cpu-variants: native and AVX2-only
+
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16]
 
