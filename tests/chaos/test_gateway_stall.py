@@ -13,9 +13,11 @@ import signal
 import threading
 import time
 
+from pdserve.common.transport import free_port
 from pdserve.decode_node.server import DecodeNode
 from pdserve.gateway.requests import Done
 from pdserve.prefill_node.server import PrefillNode
+from tests.chaos.test_node_faults import DECODES, _running
 from tests.component.cluster import SIM, Cluster, outcome, prompt
 from tests.e2e.conftest import wait_for
 from tests.e2e.streams import run_streams
@@ -23,18 +25,28 @@ from tests.e2e.test_faults import _blocks_in_use, _bodies, _check_texts
 
 
 def test_a_frozen_gateway_keeps_its_nodes_and_every_stream(make_cluster, tokenizer):
+    ports = {d: free_port() for d in DECODES}
     cluster = make_cluster(
         engine="sim",
         prefill=1,
         decode=2,
         node_flags=("--sim-time-scale", "0.2", "--kv-backend", "tcp"),
+        extra={d: ("--metrics-port", str(port)) for d, port in ports.items()},
     )
     gateway = cluster.procs[0]
     bodies = _bodies(120, 40)
     results: list = []
     load = threading.Thread(target=lambda: results.extend(run_streams(cluster.url, bodies, 60)))
     load.start()
-    time.sleep(0.5)  # streams are running on both decode nodes
+    # frozen only once streams run on both decode nodes (their own /metrics, read the instant
+    # before), not after a fixed sleep: with nothing in flight the freeze would test nothing
+    running: dict[str, int] = {}
+
+    def busy() -> bool:
+        running.update({d: _running(ports[d]) for d in DECODES})
+        return min(running.values()) > 0
+
+    assert wait_for(busy, timeout=60, interval=0.01), f"no streams on both nodes: {running}"
     os.kill(gateway.pid, signal.SIGSTOP)
     time.sleep(4.0)  # the heartbeat timeout is 2 s
     os.kill(gateway.pid, signal.SIGCONT)

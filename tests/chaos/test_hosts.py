@@ -45,7 +45,7 @@ import pytest
 from pdserve.launch import stop_all, wait_healthy
 from tests.chaos.test_node_faults import _nodes
 from tests.e2e.conftest import Cluster, wait_for
-from tests.e2e.streams import seeded_bodies, streams_in_background
+from tests.e2e.streams import SteadyLoad, seeded_bodies
 from tests.e2e.test_stress import sim_text
 
 PID = os.getpid()
@@ -272,15 +272,30 @@ def test_nodes_on_separate_hosts_move_kv_over_tcp_and_survive_a_cut_link(hosts, 
     assert len({where[n][1] for n in remote} | {here[1]}) == 4, where
     assert where["decode-local"] == where["prefill-0"]
 
-    bodies = seeded_bodies(160, TOKENS)
-    results: list = []
+    # the load of 160 streams (one every 50 ms), now open-ended: it runs until decode-0's
+    # link has been shaped, cut and restored, however slow this machine, and is at least 160
+    # long; each fault waits for the state it needs instead of a sleep
+    n, spacing = 160, 0.05
+    pool = seeded_bodies(n, TOKENS)
     start = time.monotonic()
-    load = streams_in_background(cluster.url, bodies, results)
-    time.sleep(1.0)
+    load = SteadyLoad(cluster.url, lambda i: {**pool[i % n], "seed": i}, spacing).start()
+
+    def flowing() -> bool:  # KV has reached both decode hosts (their own /metrics)
+        return all(_received(node_metrics[d]).get("tcp", 0) > 0 for d in ("decode-0", "decode-1"))
+
+    assert wait_for(flowing, timeout=60), "KV never reached both decode hosts"
     peers = _peers("p0")
     _lossy("d0", True)
-    time.sleep(3.0)
-    held = sum(cluster.metric(f"pdserve:num_requests_{s}", node="decode-0") for s in STATES)
+    time.sleep(3.0)  # the slow, lossy spell
+
+    held = 0.0
+
+    def holding() -> bool:  # the cut hits requests in flight on decode-0
+        nonlocal held
+        held = sum(cluster.metric(f"pdserve:num_requests_{s}", node="decode-0") for s in STATES)
+        return held > 0
+
+    assert wait_for(holding, timeout=60), "decode-0 held nothing to cut"
     cut = time.monotonic()
     _link("d0", up=False)  # the cable is pulled
     detected = wait_for(lambda: "decode-0" not in _nodes(cluster), timeout=3.0, interval=0.05)
@@ -291,11 +306,13 @@ def test_nodes_on_separate_hosts_move_kv_over_tcp_and_survive_a_cut_link(hosts, 
     back = time.monotonic()
     lost = _dropped("d0")
     _lossy("d0", False)
+    assert wait_for(lambda: len(load.bodies) >= n, timeout=n * spacing + 30)
+    load.stop()
     assert wait_for(lambda: "decode-0" in _nodes(cluster), timeout=30), "decode-0 never returned"
     back_s = time.monotonic() - back
-    load.join(150)
-    assert not load.is_alive()
+    assert load.join(), "the load generator itself hung"
     elapsed = time.monotonic() - start
+    bodies, results = load.bodies, load.results
 
     hung = [r for r in results if "TimeoutError" in r.error]
     assert not hung, [r.error for r in hung[:3]]

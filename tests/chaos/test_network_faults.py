@@ -18,7 +18,8 @@ import time
 
 import pytest
 
-from tests.e2e.streams import seeded_bodies, streams_in_background
+from tests.e2e.conftest import wait_for
+from tests.e2e.streams import SteadyLoad, seeded_bodies
 from tests.e2e.test_stress import sim_text
 
 
@@ -118,19 +119,35 @@ def test_a_slow_lossy_then_cut_link_to_a_decode_node_changes_no_text(
     while "decode-remote" not in _nodes(cluster):
         assert time.monotonic() < deadline and remote.poll() is None, "the remote node never came"
         time.sleep(0.2)
-    bodies = seeded_bodies(160, 40)
-    results: list = []
-    load = streams_in_background(cluster.url, bodies, results)
-    time.sleep(1.0)
+    # the load of 160 streams (one every 50 ms), now open-ended: it runs until the link has
+    # been shaped, cut and restored, however slow this machine, and is at least 160 long
+    n, spacing = 160, 0.05
+    pool = seeded_bodies(n, 40)
+    load = SteadyLoad(cluster.url, lambda i: {**pool[i % n], "seed": i}, spacing).start()
+
+    def held() -> float:  # requests on the remote node, decoding or their KV arriving
+        states = ("running", "waiting")
+        return sum(
+            cluster.metric(f"pdserve:num_requests_{s}", node="decode-remote") for s in states
+        )
+
+    # each fault once the remote node holds work (the gateway's view), not after a sleep
+    assert wait_for(lambda: held() > 0, timeout=60), "the remote node never took work"
     _lossy(True)
-    time.sleep(3.0)
+    time.sleep(3.0)  # the slow, lossy spell
+    assert wait_for(lambda: held() > 0, timeout=60), "the remote node held nothing to cut"
+    cut = time.monotonic()
     sh("ip", "link", "set", HOST_IF, "down")  # the cable is pulled
-    time.sleep(3.0)
+    # for 3 s, and until the gateway has dropped the node (its requests re-placed)
+    assert wait_for(lambda: "decode-remote" not in _nodes(cluster), timeout=30)
+    time.sleep(max(0.0, cut + 3.0 - time.monotonic()))
     sh("ip", "link", "set", HOST_IF, "up")
     lost = _dropped()
     _lossy(False)
-    load.join(150)
-    assert not load.is_alive()
+    assert wait_for(lambda: len(load.bodies) >= n, timeout=n * spacing + 30)
+    load.stop()
+    assert load.join(), "the load generator itself hung"
+    bodies, results = load.bodies, load.results
     hung = [r for r in results if "TimeoutError" in r.error]
     assert not hung, [r.error for r in hung[:3]]
     failed = [r for r in results if not r.ok]

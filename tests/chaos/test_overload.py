@@ -9,6 +9,7 @@ import asyncio
 import json
 import socket
 import time
+from collections.abc import Awaitable
 
 import aiohttp
 
@@ -66,8 +67,8 @@ async def test_past_max_waiting_requests_get_429_with_retry_after_at_once(tokeni
         await until(lambda: not c.gw.table, what="every request finished")
 
 
-async def _slow_stream(url: str, body: dict, pause: float) -> bytes:
-    """POST with a 4 KiB receive buffer, read nothing for `pause` seconds, then all of it
+async def _slow_stream(url: str, body: dict, behind: Awaitable[None]) -> bytes:
+    """POST with a 4 KiB receive buffer, read nothing until `behind` is done, then all of it
     (HTTP/1.0: the body is the raw event stream, ended by the server closing)."""
     host, port, path = url.removeprefix("http://").replace("/", ":", 1).split(":", 2)
     payload = json.dumps(body).encode()
@@ -79,7 +80,7 @@ async def _slow_stream(url: str, body: dict, pause: float) -> bytes:
     head = f"POST /{path} HTTP/1.0\r\nContent-Type: application/json\r\n"
     head += f"Content-Length: {len(payload)}\r\n\r\n"
     await loop.sock_sendall(sock, head.encode() + payload)
-    await asyncio.sleep(pause)
+    await behind
     data = b""
     while chunk := await loop.sock_recv(sock, 1 << 16):
         data += chunk
@@ -95,8 +96,12 @@ async def test_a_slow_reader_gets_several_tokens_per_chunk_and_the_exact_text(to
         runner, url = await _serve(c.gw)
         n, seed, ids = 3000, 5, prompt(40, 3000)
         body = {"prompt": ids, "max_tokens": n, "temperature": 1.0, "seed": seed}
+        # the reader reads nothing until the gateway has every token (not for a fixed 4 s, which
+        # a slow machine spends generating only part of them): the whole stream came meanwhile
+        done = c.gw.metrics.requests.labels("ok")
+        behind = until(lambda: done._value.get() == 1, 60, "every token generated")
         try:
-            raw = await _slow_stream(url, {**body, "stream": True, "ignore_eos": True}, 4.0)
+            raw = await _slow_stream(url, {**body, "stream": True, "ignore_eos": True}, behind)
         finally:
             await runner.cleanup()
         head, _, stream = raw.partition(b"\r\n\r\n")
@@ -108,7 +113,8 @@ async def test_a_slow_reader_gets_several_tokens_per_chunk_and_the_exact_text(to
         ]
         chunks = [t for t in texts if t]
         assert "".join(chunks) == sim_text(tokenizer, ids, seed, n)
-        # the reader fell ~4 s behind: what came meanwhile went out joined, a chunk per write
+        # the reader fell the whole stream behind: what came meanwhile went out joined, a chunk
+        # per write
         assert len(chunks) < n / 2, len(chunks)
         print(f"\nslow reader: {n} tokens in {len(chunks)} chunks")
         await until(lambda: not c.gw.table, what="the request finished")

@@ -93,14 +93,25 @@ async def test_the_gateway_switches_a_decode_node_when_prefill_is_short(tokenize
         await until(lambda: _role(c, "d0") == _role(c, "d1") == "decode", 30, "both register")
         params = SamplingParams(max_tokens=4, temperature=1.0, seed=2, ignore_eos=True)
         reqs, runs = [], []
-        for i in range(60):
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+
+        def took_prompts() -> bool:  # a decode node switched and prefilled some
+            return any(r.ran_on.get("prefill") in swings for r in reqs)
+
+        # at least the 60 requests of 2.4 s, then on until the switch has happened and the
+        # switched node took prompts, however slow this machine: a fixed-length load could end
+        # first; each sent on a schedule, so a busy loop does not lower the rate
+        while len(reqs) < 60 or not took_prompts():
+            i = len(reqs)
+            assert i < 1500, "no decode node switched to prefill and took prompts"
             req = c.request(f"p{i}", prompt(4000, 30_000 + 4001 * i), params)
             reqs.append(req)
             runs.append(asyncio.create_task(c.gw.run(req)))
-            await asyncio.sleep(0.04)
+            await asyncio.sleep(max(0.0, start + (i + 1) * 0.04 - loop.time()))
         results = [await outcome(r, 60) for r in reqs]
         await asyncio.gather(*runs)
-        assert results == [Done("length")] * 60
+        assert results == [Done("length")] * len(reqs)
         for r in reqs:
             assert r.output_ids == _sim_ids(r.prompt_ids, 2, 4), r.request_id
         assert sorted([_role(c, "d0"), _role(c, "d1")]) == ["decode", "prefill"]
@@ -118,7 +129,8 @@ def test_pdserve_processes_switch_a_role_and_rebind_their_ports(make_cluster, to
     import json
 
     from pdserve.common.transport import free_port
-    from tests.e2e.streams import run_streams
+    from tests.e2e.conftest import wait_for
+    from tests.e2e.streams import SteadyLoad
     from tests.e2e.test_stress import sim_text
 
     ports = {d: (free_port(), free_port()) for d in ("decode-0", "decode-1")}
@@ -132,17 +144,30 @@ def test_pdserve_processes_switch_a_role_and_rebind_their_ports(make_cluster, to
         extra={d: ("--data-port", str(a), "--metrics-port", str(m)) for d, (a, m) in ports.items()},
     )  # fmt: skip
     pids = {p.pid for p in cluster.procs}
-    bodies = [
-        {"prompt": [1000 + (613 * i + k) % 47000 for k in range(4000)], "max_tokens": 4,
-         "temperature": 1.0, "seed": i, "ignore_eos": True, "stream": True}
-        for i in range(60)
-    ]  # fmt: skip
-    results = run_streams(cluster.url, bodies, 90, spacing=0.04)
+
+    def body(i: int) -> dict:
+        return {"prompt": [1000 + (613 * i + k) % 47000 for k in range(4000)], "max_tokens": 4,
+                "temperature": 1.0, "seed": i, "ignore_eos": True, "stream": True}  # fmt: skip
+
+    # 60 requests at 25/s, now open-ended: the load runs until the gateway has switched a node,
+    # however slow this machine (a fixed-length one could end before the rule fires)
+    load = SteadyLoad(cluster.url, body, 0.04, 90).start()
+    fired = wait_for(lambda: cluster.metric("pdserve:role_switches_total") >= 1, timeout=60)
+    assert wait_for(lambda: len(load.bodies) >= 60, timeout=30)
+    load.stop()
+    assert load.join(), "the load generator itself hung"
+    assert fired, "the gateway switched no node"
+    bodies, results = load.bodies, load.results
     assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
-    for body, r in zip(bodies, results, strict=True):
-        assert r.text == sim_text(tokenizer, body["prompt"], body["seed"], 4)
-    _, text = cluster.get("/health")
-    roles = json.loads(text)["nodes"]
+    for b, r in zip(bodies, results, strict=True):
+        assert r.text == sim_text(tokenizer, b["prompt"], b["seed"], 4)
+
+    def node_roles() -> dict[str, str]:
+        return json.loads(cluster.get("/health")[1])["nodes"]
+
+    # the switched node registers again, as prefill, once its sequences have moved
+    wait_for(lambda: sorted(node_roles().values()) == ["decode", "prefill", "prefill"], 30)
+    roles = node_roles()
     assert sorted(roles.values()) == ["decode", "prefill", "prefill"], roles
     assert cluster.metric("pdserve:role_switches_total") == 1
     switched = next(n for n in ports if roles.get(n) == "prefill")

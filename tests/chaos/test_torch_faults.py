@@ -11,6 +11,8 @@ import threading
 import time
 
 from pdserve.common.sampling import SamplingParams
+from pdserve.common.transport import free_port
+from tests.chaos.test_node_faults import DECODES, _running
 from tests.conftest import CHAT_PROMPTS, chat_ids, make_engine
 from tests.e2e.conftest import wait_for
 from tests.e2e.streams import run_streams
@@ -22,7 +24,13 @@ def test_greedy_text_survives_a_killed_decode_node(make_cluster, smol_runner, to
     prompts = [chat_ids(tokenizer, p) for p in CHAT_PROMPTS]
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     expected = make_engine(smol_runner, tokenizer, prefix_caching="off").generate(prompts, greedy)
-    cluster = make_cluster(prefill=1, decode=2, engine="torch")
+    ports = {d: free_port() for d in DECODES}
+    cluster = make_cluster(
+        prefill=1,
+        decode=2,
+        engine="torch",
+        extra={d: ("--metrics-port", str(port)) for d, port in ports.items()},
+    )
     bodies = [
         {"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
          "stream": True}
@@ -32,11 +40,16 @@ def test_greedy_text_survives_a_killed_decode_node(make_cluster, smol_runner, to
     load = threading.Thread(target=lambda: results.extend(run_streams(cluster.url, bodies, 120)))
     load.start()
 
-    def running(node: str) -> float:
-        return cluster.metric("pdserve:num_requests_running", node=node)
+    # the victim is chosen by the nodes' own /metrics, read the instant before the kill (a
+    # heartbeat's report may be stale by then), and it must hold sequences when killed
+    running: dict[str, int] = {}
 
-    assert wait_for(lambda: running("decode-0") + running("decode-1") >= 3, timeout=60)
-    victim = max(("decode-0", "decode-1"), key=running)
+    def busy() -> bool:
+        running.update({d: _running(ports[d]) for d in DECODES})
+        return sum(running.values()) >= 3
+
+    assert wait_for(busy, timeout=60, interval=0.01), f"fewer than 3 streams ran: {running}"
+    victim = max(DECODES, key=lambda d: running[d])
     cluster.procs[2 + int(victim[-1])].kill()  # procs: gateway, prefill-0, decode-0, decode-1
     killed = time.monotonic()
     cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "decode"]

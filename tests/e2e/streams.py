@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,6 +116,53 @@ def seeded_bodies(count: int, max_tokens: int) -> list[dict[str, Any]]:
          "temperature": 1.0, "ignore_eos": True, "stream": True}
         for i in range(count)
     ]  # fmt: skip
+
+
+class SteadyLoad:
+    """A steady stream load that runs until told to stop: body `make_body(i)` is sent every
+    `spacing` seconds from a thread (at most `cap`) until `stop()`; each request ends or
+    times out `timeout` seconds after it was sent. A fault test keeps it running until every
+    fault has been driven, however slow the machine, instead of betting on a fixed length."""
+
+    def __init__(
+        self,
+        url: str,
+        make_body: Callable[[int], dict[str, Any]],
+        spacing: float,
+        timeout: float = 60.0,
+        cap: int = 10_000,
+    ) -> None:
+        self.url, self.make_body, self.spacing = url, make_body, spacing
+        self.timeout, self.cap = timeout, cap
+        self.bodies: list[dict[str, Any]] = []
+        self.results: list[StreamResult] = []
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def start(self) -> SteadyLoad:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Send no more; `join` waits for those sent to end."""
+        self._stop.set()
+
+    def join(self) -> bool:
+        """Wait for every request sent to end (each within its timeout); False if hung."""
+        self.thread.join(self.timeout * 2 + 30)
+        return not self.thread.is_alive()
+
+    async def _run(self) -> None:
+        start = time.monotonic()
+        tasks: list[asyncio.Task[StreamResult]] = []
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            while not self._stop.is_set() and len(tasks) < self.cap:
+                body = self.make_body(len(tasks))
+                self.bodies.append(body)
+                tasks.append(asyncio.create_task(_one(session, self.url, body, self.timeout)))
+                next_at = start + len(tasks) * self.spacing
+                await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            self.results = list(await asyncio.gather(*tasks))
 
 
 def streams_in_background(

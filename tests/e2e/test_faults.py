@@ -20,7 +20,7 @@ import zmq
 from pdserve.common.kv_transfer.tcp import ID_BYTES, frame_head
 from pdserve.common.protocol import Heartbeat, Load, TokenBatch, encode
 from pdserve.common.transport import free_port
-from tests.e2e.conftest import wait_for
+from tests.e2e.conftest import Cluster, wait_for
 from tests.e2e.streams import run_streams
 from tests.e2e.test_stress import sim_text
 
@@ -140,7 +140,8 @@ def test_pdserve_up_restarts_a_killed_node_while_in_flight_requests_complete(tok
     port = free_port()
     cmd = [sys.executable, "-m", "pdserve.cli", "up", "--engine", "sim", "--prefill", "2"]
     cmd += ["--decode", "2", "--port", str(port), "--control-port", str(free_port())]
-    cmd += ["--tokens-port", str(free_port()), "--startup-timeout", "60"]
+    # 180 s, as start_cluster waits: five processes starting at once on two slow cores
+    cmd += ["--tokens-port", str(free_port()), "--startup-timeout", "180"]
     env = {**os.environ, "PDSERVE_HEARTBEAT_INTERVAL": "0.2"}
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
@@ -160,10 +161,19 @@ def test_pdserve_up_restarts_a_killed_node_while_in_flight_requests_complete(tok
             target=lambda: results.extend(run_streams(f"http://127.0.0.1:{port}", bodies, 60))
         )
         load.start()
-        time.sleep(1.0)  # streams are running on both decode nodes
+        # killed once the gateway sees it run streams, not after a fixed sleep: a node that
+        # holds nothing when killed leaves no in-flight request to complete elsewhere
+        gateway = Cluster(url=f"http://127.0.0.1:{port}", control="")
+
+        def running() -> float:
+            return gateway.metric("pdserve:num_requests_running", node="decode-1")
+
+        assert wait_for(lambda: running() > 0, timeout=60), "decode-1 never ran a stream"
         os.kill(before["decode-1"], signal.SIGKILL)
         load.join(90)
         _check_texts(tokenizer, bodies, results)
+        # the kill bit: decode-1's streams were re-placed
+        assert gateway.metric("pdserve:request_replacements_total") > 0
         assert proc.poll() is None, "the launcher stopped the cluster"
 
         def restarted() -> bool:
@@ -174,7 +184,8 @@ def test_pdserve_up_restarts_a_killed_node_while_in_flight_requests_complete(tok
                 s.sendall(b"GET /health HTTP/1.0\r\n\r\n")
                 return b'"decode-1"' in s.makefile("rb").read()
 
-        assert wait_for(restarted, timeout=20)
+        # the restart includes a fresh process's start-up: seconds on a slow, busy CPU
+        assert wait_for(restarted, timeout=60)
         assert _children(proc.pid)["prefill-0"] == before["prefill-0"]  # the rest untouched
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
