@@ -12,6 +12,7 @@ import functools
 import hashlib
 import importlib.metadata
 import json
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -152,20 +153,17 @@ def _config_from_hf(folder: Path) -> ModelConfig:
 
 @functools.lru_cache(maxsize=4)
 def open_gguf(path: Path) -> Any:
-    """Parsing the metadata (50k-entry vocabularies) takes seconds: do it once per process."""
-    import gguf  # imported here: numpy-heavy, and only loaders need it
+    """The file's metadata and tensor views (gguf_file.GgufFile), read once per process."""
+    from pdserve.common.gguf_file import GgufFile  # numpy-heavy, and only loaders need it
 
     try:
-        return gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises bare ValueError/struct errors on bad files
+        return GgufFile(path)
+    except (ValueError, KeyError, struct.error, OSError, MemoryError) as exc:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
 
 
 def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    field_ = reader.fields.get(key)
-    if field_ is None:
-        return default
-    return field_.contents()
+    return reader.fields.get(key, default)
 
 
 def _config_from_gguf(path: Path) -> ModelConfig:

@@ -19,10 +19,11 @@ memory to view; tests/unit/test_staging.py scans the package for any other such 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from pdserve.common.engine.staged import Staged as Staged  # where it lives (torch-free)
 
 
 def host_bytes(t: torch.Tensor) -> memoryview:
@@ -30,27 +31,6 @@ def host_bytes(t: torch.Tensor) -> memoryview:
     if t.device.type != "cpu":
         raise ValueError(f"host_bytes of a {t.device} tensor: stage it to the host first")
     return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy().data)
-
-
-@dataclass
-class Staged:
-    """A frame on its way to the host: `host` holds its bytes once `wait()` returns."""
-
-    host: torch.Tensor
-    event: Any = None  # torch.cuda.Event, None on CPU
-    buffer: torch.Tensor | None = None  # the pooled pinned buffer it lives in
-
-    def wait(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
-
-    @property
-    def done(self) -> bool:
-        return self.event is None or bool(self.event.query())
-
-    def bytes(self) -> memoryview:
-        self.wait()
-        return host_bytes(self.host)
 
 
 class Staging:

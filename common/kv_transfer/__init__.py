@@ -28,6 +28,7 @@ take falls back to zmq rather than failing the request.
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -67,10 +68,17 @@ def choose(forced: str, usable: Callable[[str, str], bool], endpoints: dict[str,
     return next((name for _, name in ranked if usable(name, endpoints[name])), "zmq")
 
 
+# Backends that copy between torch caches directly (direct.py): they need a torch engine's
+# cache, so a process that has not loaded torch (a sim node) has none to offer and does not
+# import them, nor torch with them (1.5 s of every sim node's start).
+DIRECT = ("shm_direct", "cuda_ipc")
+
+
 def receivers_for(local: Local) -> dict[str, ReceiveConnector]:
-    """A decode node's receiving side of every backend (each decides at `listen` whether it
-    is offered)."""
-    return {name: backend(name).receive(local) for name in BACKENDS}
+    """A decode node's receiving side of every backend it can have (each decides at `listen`
+    whether it is offered)."""
+    names = [n for n in BACKENDS if n not in DIRECT or "torch" in sys.modules]
+    return {name: backend(name).receive(local) for name in names}
 
 
 async def listen_all(receivers: dict[str, ReceiveConnector], sink: object) -> dict[str, str]:

@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pdserve.common.engine.staging import Staged
+from pdserve.common.engine.staged import Staged
 from pdserve.common.kv_transfer import backend, choose
 from pdserve.common.kv_transfer.base import Local, SendConnector, Transfer
 from pdserve.common.protocol import (

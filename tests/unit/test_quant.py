@@ -20,6 +20,8 @@ from pdserve.common.engine.quant import (
 )
 from pdserve.common.model_config import resolve_model
 
+pytestmark = pytest.mark.cpu  # make test-cpu-variants: native and AVX2-only
+
 
 @pytest.fixture(scope="module")
 def tensors():
@@ -91,3 +93,21 @@ def test_int8_per_channel_linear_is_close_to_the_float_one():
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(2))
     ref = x @ w.T
     assert (layer(x) - ref).abs().max() <= 0.02 * ref.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_the_loaders_torch_dequantization_is_gguf_s_bit_for_bit(tensors, kind):
+    """loader.dequantize_blocks (torch, a node's start) against gguf's numpy dequantize: on
+    random weights quantized by gguf, and on every tensor of that type in the embedded file."""
+    from gguf.quants import quantize
+
+    from pdserve.common.engine.loader import dequantize_blocks
+
+    qtype = GGMLQuantizationType[kind]
+    x = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)
+    raws = [quantize(x, qtype)]
+    raws += [np.asarray(t.data) for t in tensors.values() if t.tensor_type == qtype]
+    for raw in raws:
+        want = dequantize(raw, qtype).reshape(-1)
+        got = dequantize_blocks(raw, kind).numpy()
+        assert np.array_equal(want.view(np.uint32), got.view(np.uint32))

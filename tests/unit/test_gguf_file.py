@@ -1,0 +1,52 @@
+"""The project's GGUF reader (common/gguf_file.py) against the `gguf` package's GGUFReader on
+the embedded SmolLM2 file: every metadata field the same value, every tensor the same name,
+type, shape, dtype and bytes; in a fraction of the time; and a damaged file is a ValueError."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from pdserve.common.gguf_file import GgufFile
+from pdserve.common.model_config import resolve_model
+
+
+@pytest.fixture(scope="module")
+def path():
+    return resolve_model(None).path
+
+
+def test_every_field_and_tensor_equals_gguf_readers(path):
+    start = time.perf_counter()
+    ours = GgufFile(path)
+    ours_s = time.perf_counter() - start
+    start = time.perf_counter()
+    ref = GGUFReader(str(path))
+    ref_s = time.perf_counter() - start
+    theirs = {k: f for k, f in ref.fields.items() if not k.startswith("GGUF.")}  # its header
+    assert ours.fields.keys() == theirs.keys()
+    for key, field in theirs.items():
+        assert ours.fields[key] == field.contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for mine, theirs in zip(ours.tensors, ref.tensors, strict=True):
+        assert mine.tensor_type == int(theirs.tensor_type)
+        assert mine.shape == tuple(int(d) for d in theirs.shape)
+        assert mine.data.dtype == theirs.data.dtype and mine.data.shape == theirs.data.shape
+        assert np.array_equal(mine.data.view(np.uint8), theirs.data.view(np.uint8))
+    # the point of it (measured ~0.1 s against ~3.7 s on an AMD EPYC): a wide margin
+    assert ours_s < ref_s / 4, (ours_s, ref_s)
+
+
+@pytest.mark.parametrize("cut", [3, 20, 5000, -100])
+def test_a_damaged_file_is_a_value_error(path, tmp_path, cut):
+    data = path.read_bytes()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(data[:cut])  # the header, a field, a tensor cut short
+    with pytest.raises(ValueError):
+        GgufFile(bad)
+    bad.write_bytes(b"GGUF\x09\x00\x00\x00" + data[8:64])  # a version it does not read
+    with pytest.raises(ValueError, match="version"):
+        GgufFile(bad)
