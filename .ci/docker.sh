@@ -11,9 +11,11 @@ export PDSERVE_TEST_BASE_IMAGE=local/pdserve-python
 
 docker_start() {
     mkdir -p "$PDSERVE_CI_DIR" "$DOCKER_CONFIG/cli-plugins"
-    if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null; then
+    # iptables: also what tests/chaos/test_hosts.py and test_network_faults.py shape links with
+    if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null ||
+        ! command -v iptables >/dev/null; then
         apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io debootstrap >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io debootstrap iptables >/dev/null
     fi
     if [ ! -x "$PDSERVE_CI_DIR/compose-venv/bin/docker-compose" ]; then
         python3 -m venv "$PDSERVE_CI_DIR/compose-venv"
