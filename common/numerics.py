@@ -22,7 +22,7 @@ ISAS = ("native", "avx2")
 # Flags an AVX2-only x86-64 CPU lacks (prefixes): AVX-512 in all its forms, AMX, and the
 # VEX-encoded VNNI / bf16 conversions that came with them (oneDNN uses avx_ne_convert for bf16).
 _BEYOND_AVX2 = ("avx512", "amx", "avx_vnni", "avx_ne_convert", "avx_ifma")
-# What PyTorch and oneDNN are told under PDSERVE_CPU_ISA=avx2.
+# What PyTorch, oneDNN and MKL are told under PDSERVE_CPU_ISA=avx2.
 TORCH_LIMITS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
                 "MKL_ENABLE_INSTRUCTIONS": "AVX2"}  # fmt: skip
 
@@ -36,7 +36,7 @@ def cpu_isa() -> str:
 
 
 def limit_torch() -> None:
-    """Under PDSERVE_CPU_ISA=avx2, set PyTorch's and oneDNN's ISA limits in this process's
+    """Under PDSERVE_CPU_ISA=avx2, set PyTorch's, oneDNN's and MKL's ISA limits in this process's
     environment (and so its children's) unless already set. They take effect when torch
     first dispatches, so call it before any tensor op (pdserve's package import does)."""
     if cpu_isa() == "avx2":
