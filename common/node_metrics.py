@@ -19,6 +19,7 @@ from aiohttp import web
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -172,6 +173,14 @@ class NodeMetrics:
             ("result",),
         )
         r.register(_LoadCollector(node, role, load, num_blocks))
+
+    def engine_info(self, dtype: str, quantization: str, kernels: str) -> None:
+        """pdserve:engine_info{dtype,quantization,kernels} = 1: which path this node runs
+        (kernels "fused", "fused+gguf", "eager" when the C kernels did not build, "sim")."""
+        names = [*self.labels, "dtype", "quantization", "kernels"]
+        doc = "The engine's numerics and code path (value 1)"
+        info = Gauge("pdserve:engine_info", doc, names, registry=self.registry)
+        info.labels(**self.labels, dtype=dtype, quantization=quantization, kernels=kernels).set(1)
 
     def kv_send_mode(self, layerwise: bool, why: str) -> None:
         mode = "layerwise" if layerwise else "at_end"

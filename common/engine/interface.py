@@ -46,6 +46,7 @@ class Engine(Protocol):
     num_blocks: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    kernels: str  # which code runs the model, for /metrics: "fused+gguf", "eager", "sim", ...
 
     def step(
         self,

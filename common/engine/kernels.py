@@ -23,14 +23,19 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pdserve.common.numerics import cpu_flags, cpu_isa
 
+if TYPE_CHECKING:
+    from pdserve.common.engine.gguf_linear import GgufOps
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().with_name("cpu_kernels.c")  # absolute: it includes itself
+SOURCES = (SOURCE, SOURCE.with_name("gguf_matmul.c"))  # one library
 FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 # The CPU the code is built for: this one, or under PDSERVE_CPU_ISA=avx2 the x86-64-v3 level
 # (AVX2, FMA, BMI2: what an AVX2-only EPYC has), so a fast CPU runs a slow one's code.
@@ -39,13 +44,19 @@ SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 MAX_HEAD_DIM = 512  # rope_write's buffer on the C side
 _loaded: dict[str, ctypes.CDLL] = {}
 
-P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-SIGNATURES = {
+P, I64, F32, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+SIGNATURES: dict[str, tuple[type[ctypes._SimpleCData[Any]], ...]] = {
     "rms_norm": (P, P, P, I64, I64, F32),
     "add_rms_norm": (P, P, P, P, I64, I64, F32),
     "silu_mul": (P, P, I64, I64),
     "rope_write": (P, P, P, P, P, P, P, I64, I64, I64, I64),
     "decode_attention": (P, I64, P, P, P, I64, P, P, I64, I64, I64, I64, I64, F32),
+}
+
+# gguf_matmul.c: float32 activations only
+GGUF_SIGNATURES: dict[str, tuple[type[ctypes._SimpleCData[Any]], ...]] = {
+    "gguf_matmul_f32": (P, I64, I64, P, I64, INT, P),
+    "gguf_dequantize_f32": (P, I64, I64, INT, P),
 }
 
 
@@ -74,7 +85,7 @@ def build() -> Path | str:
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
         flags = compile_flags()
-        parts = [SOURCE.read_text(), " ".join(flags), version.stdout, _cpu_flags()]
+        parts = [*(s.read_text() for s in SOURCES), " ".join(flags), version.stdout, _cpu_flags()]
         key = hashlib.sha256("\n".join([*parts, platform.machine()]).encode()).hexdigest()[:16]
         out = cache_dir() / f"cpu_kernels-{key}.so"
         if out.exists():
@@ -84,7 +95,7 @@ def build() -> Path | str:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"],
+            done = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"],
                                   capture_output=True, text=True, timeout=300)  # fmt: skip
             if done.returncode != 0:
                 return f"{Path(cc).name} failed: {done.stderr.strip()[-300:]}"
@@ -111,8 +122,23 @@ def _library() -> ctypes.CDLL | str:
                 fn = getattr(lib, f"{name}_{suffix}")
                 fn.argtypes = list(args)
                 fn.restype = ctypes.c_int if name == "decode_attention" else None
+        for name, args in GGUF_SIGNATURES.items():
+            getattr(lib, name).argtypes = list(args)
+        lib.gguf_matmul_f32.restype = ctypes.c_int
+        lib.gguf_dequantize_f32.restype = None
         _loaded["lib"] = lib
     return _loaded["lib"]
+
+
+def gguf_ops() -> tuple[GgufOps, str] | str:
+    """gguf_matmul.c's kernels and the key of their build (cache key of measurements), or why
+    there are none."""
+    lib = _library()
+    if isinstance(lib, str):
+        return lib
+    from pdserve.common.engine.gguf_linear import GgufOps
+
+    return GgufOps(lib), Path(lib._name).stem
 
 
 def _ptr(t: torch.Tensor) -> int:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.common.engine import fused
+from pdserve.common.engine.gguf_linear import StepRows
 from pdserve.common.engine.interface import LayerHook
 from pdserve.common.engine.kernels import CpuKernels
 from pdserve.common.engine.kv_cache import KVCache
@@ -246,6 +247,7 @@ class LlamaModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.kernels: CpuKernels | None = None  # fused CPU kernels, once use_kernels is called
+        self.step_rows = StepRows()  # the step's prompt rows, for layers that treat them apart
         self.rope_f32: tuple[torch.Tensor, torch.Tensor] = (self.rotary.cos, self.rotary.sin)
 
     def use_kernels(self, kernels: CpuKernels | None) -> None:
@@ -265,6 +267,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Hidden states (T, hidden) after the final norm; KV of every layer lands in `cache`,
         and `on_layer(i)` runs as soon as layer i's KV is there (for layer-wise transfer)."""
+        self.step_rows.prompt = meta.num_prefill_tokens  # prompt rows come first
         if self.kernels is not None:
             return fused.forward(self, self.kernels, input_ids, positions, meta, cache, on_layer)
         h = self.embed_tokens(input_ids)

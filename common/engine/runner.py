@@ -50,6 +50,7 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = LlamaModel(self.model_config, self.max_model_len)
         self.model.load_weights(iter_weights(source, self.model_config), self.dtype)
+        self.kernels = "eager"  # what runs the model (engine_info on /metrics): set below
         self._quantize(cfg, source)
         self._use_kernels(cfg)
         self.model.eval()
@@ -95,12 +96,32 @@ class ModelRunner:
             return
         if source.kind != "gguf":
             raise ConfigError("--quantization int4: not a GGUF file (int8 quantizes any model)")
+        if self.dtype == torch.float32 and self._gguf_blocks(cfg, source):
+            return
         n = quant.quantize_gguf_linears(self.model, source.path, self.model_config, self.dtype)
         head = quant.quantize_gguf_lm_head(self.model, source.path, self.dtype)
         log.info(
             "--quantization int4: %d projections kept as 4-bit groups of 32%s", n,
             ", the LM head from its Q8_0 blocks" if head else "",
         )  # fmt: skip
+
+    def _gguf_blocks(self, cfg: EngineConfig, source: ModelSource) -> bool:
+        """float32 --quantization int4 on gguf_matmul.c's kernels (gguf_linear.py); False,
+        logged, where they do not build: torch's 4-bit kernel then, ~9x slower than these."""
+        from pdserve.common.engine.gguf_linear import quantize_gguf
+        from pdserve.common.engine.kernels import gguf_ops
+
+        got = gguf_ops() if cfg.cpu_kernels == "auto" else "--cpu-kernels off"
+        if isinstance(got, str):
+            log.warning("--quantization int4 in float32 on torch's 4-bit kernel (slow): %s", got)
+            return False
+        n, head = quantize_gguf(self.model, source.path, self.model_config, got[0])
+        self.kernels = "gguf"
+        log.info(
+            "--quantization int4: %d projections on their GGUF blocks for generated tokens "
+            "(dense float32 for prompt tokens)%s", n, ", the LM head on its blocks" if head else "",
+        )  # fmt: skip
+        return True
 
     def _use_kernels(self, cfg: EngineConfig) -> None:
         """--cpu-kernels auto: bf16 weights packed for oneDNN (packed.py), and the fused C
@@ -115,10 +136,12 @@ class ModelRunner:
 
         mc = self.model_config
         got = load(self.dtype, self.device, mc.head_dim, mc.num_heads // mc.num_kv_heads)
-        if isinstance(got, str):
-            log.info("eager torch ops for norms, RoPE and attention: %s", got)
+        if isinstance(got, str):  # on CPU a WARNING: a node this slow should say why
+            warn = log.warning if self.device.type == "cpu" else log.info
+            warn("eager torch ops for norms, RoPE and attention: %s", got)
             return
         self.model.use_kernels(got)
+        self.kernels = "fused" if self.kernels == "eager" else f"fused+{self.kernels}"
         log.info("fused CPU kernels for norms, RoPE + KV write, decode attention and SiLU")
 
     def _share_cache(self, cfg: EngineConfig, tokens: int) -> bool:

@@ -36,6 +36,7 @@ class SimEngine:
         self.eos_token_ids: tuple[int, ...] = ()
         self.block_size = cfg.block_size
         self.max_model_len = cfg.max_model_len or m.max_context
+        self.kernels = "sim"
         self.num_blocks = cfg.num_kv_blocks or max(
             1, self.cost.kv_capacity_tokens() // cfg.block_size
         )

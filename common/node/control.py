@@ -96,6 +96,7 @@ class NodeControl(ABC):
         self.tokens_sock: zmq.asyncio.Socket | None = None
         self.background: set[asyncio.Future] = set()
         self.metrics = NodeMetrics(self.node_id, self.role, self.load, engine.num_blocks)
+        self.metrics.engine_info(ecfg.dtype, ecfg.quantization, engine.kernels)
         self.http: Any = None
 
     # -- to implement ----------------------------------------------------------------------

@@ -5,7 +5,7 @@ then `down`. It needs a Docker engine: `.ci/run` starts one when CI=true (where 
 must not skip); elsewhere it skips with the reason.
 
 Offline by design: the wheels are downloaded on the host (docker/wheels.sh) and the base
-image is PDSERVE_TEST_BASE_IMAGE (CI builds `local/pdserve-python` with debootstrap).
+image is PDSERVE_TEST_BASE_IMAGE (CI builds `local/pdserve-python-cc` with debootstrap).
 """
 
 from __future__ import annotations
@@ -249,6 +249,9 @@ def test_compose_stack_serves_streams_benches_and_reports(stack, smol_runner, to
     node_metrics = run("exec", "-T", "prefill", "python3", "-c", probe, timeout=60).stdout
     assert _metric(node_metrics, "pdserve:offers_total", decision="accept") > 0
     assert "pdserve:kv_cache_usage_perc{" in node_metrics
+    # the image has a compiler and built the C kernels: the node does not run eager ops
+    info = [ln for ln in node_metrics.splitlines() if ln.startswith("pdserve:engine_info{")]
+    assert len(info) == 1 and 'kernels="fused' in info[0], info
 
     # the per-request timeline is a JSON line under the client's request id
     logs = run("logs", "--no-color", "gateway", timeout=60).stdout

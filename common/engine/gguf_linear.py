@@ -1,0 +1,237 @@
+"""GGUF's 4- and 8-bit blocks as shipped, times float32 activations (gguf_matmul.c).
+
+`--quantization int4` in float32 on CPU (also what `auto` picks where the kernel beats a dense
+float32 matmul in a measurement taken once per CPU and kernel build, `kernel_pays`): each
+projection keeps its GGUF blocks for the rows of generated tokens, the ones a decode step
+reads all the weights for, and its dense float weight (the model's own, no copy) for the rows
+of prompt tokens, where a dense matmul is compute-bound and wins. Which rows are which comes
+from the step (`StepRows`, set by the model's forward), never from the batch's size: a
+generated token's row takes the same path whatever else is batched with it, which the
+float32 token-for-token invariant needs. The LM head (SmolLM2: its tied Q8_0 embedding,
+49,152 x 576) runs the kernel for every row.
+
+torch's own 4-bit kernel (quant.Int4Linear) stays for bfloat16: with float32 activations it
+is ~9x slower than dense.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # gguf_matmul.c's `kind`
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # a block holds 32 weights
+BLOCK = 32
+
+
+@dataclass
+class StepRows:
+    """How many of a forward's first rows are prompt tokens (LlamaModel.forward sets it)."""
+
+    prompt: int = 0
+
+
+class GgufOps:
+    """gguf_matmul.c's two entry points on torch tensors (CPU, contiguous)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._matmul = lib.gguf_matmul_f32
+        self._dequantize = lib.gguf_dequantize_f32
+
+    def matmul(self, x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
+        """x (T, K) float32 @ W.T, W (N, K) as `blocks` (N, K / 32 * block bytes) -> (T, N)."""
+        assert x.dtype == torch.float32 and x.is_contiguous() and blocks.is_contiguous()
+        rows, k = x.shape
+        n = blocks.shape[0]
+        assert blocks.shape[1] * BLOCK == k * BLOCK_BYTES[kind], (blocks.shape, k, kind)
+        out = torch.empty((rows, n), dtype=torch.float32)
+        status = self._matmul(x.data_ptr(), rows, k, blocks.data_ptr(), n, KINDS[kind],
+                              out.data_ptr())  # fmt: skip
+        if status != 0:
+            raise ValueError(f"gguf_matmul_f32: {kind} with K={k}")
+        return out
+
+    def dequantize(self, blocks: torch.Tensor, kind: str) -> torch.Tensor:
+        """W (N, K) float32: the values the kernel multiplies by."""
+        assert blocks.is_contiguous() and blocks.dtype == torch.uint8
+        n, k = blocks.shape[0], blocks.shape[1] * BLOCK // BLOCK_BYTES[kind]
+        out = torch.empty((n, k), dtype=torch.float32)
+        self._dequantize(blocks.data_ptr(), n, k, KINDS[kind], out.data_ptr())
+        return out
+
+
+class GgufLinear(nn.Module):
+    """y = x @ W.T: prompt rows on `dense` (when given), the other rows on the blocks."""
+
+    blocks: torch.Tensor
+
+    def __init__(
+        self,
+        ops: GgufOps,
+        blocks: torch.Tensor,
+        kind: str,
+        dense: torch.Tensor | None = None,
+        rows: StepRows | None = None,
+    ) -> None:
+        super().__init__()
+        self.ops, self.kind = ops, kind
+        self.register_buffer("blocks", blocks.contiguous())  # (N, K / 32 * block bytes)
+        self.out_features = blocks.shape[0]
+        self.in_features = blocks.shape[1] * BLOCK // BLOCK_BYTES[kind]
+        self.dense = dense  # not a buffer: the float weight the model loaded (tied, maybe)
+        self.rows = rows if dense is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        prompt = min(self.rows.prompt, flat.shape[0]) if self.rows is not None else 0
+        if prompt == 0 or self.dense is None:
+            out = self.ops.matmul(flat.contiguous(), self.blocks, self.kind)
+        elif prompt == flat.shape[0]:
+            out = nn.functional.linear(flat, self.dense)
+        else:
+            generated = self.ops.matmul(flat[prompt:].contiguous(), self.blocks, self.kind)
+            out = torch.cat([nn.functional.linear(flat[:prompt], self.dense), generated])
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+# -- the model's projections and LM head from the GGUF's blocks --------------------------------
+def _blocks(tensor: Any, heads: int) -> tuple[str, np.ndarray] | None:
+    """(kind, (rows, row bytes) uint8) of a block-quantized GGUF tensor, rows un-permuted for
+    RoPE when `heads` (as the float loader does); None for other types."""
+    from gguf import GGMLQuantizationType
+
+    kind = GGMLQuantizationType(tensor.tensor_type).name
+    if kind not in KINDS:
+        return None
+    raw = np.asarray(tensor.data, dtype=np.uint8)
+    if heads:
+        from pdserve.common.engine.loader import _unpermute
+
+        raw = _unpermute(raw, heads)
+    return kind, raw
+
+
+def _group(
+    tensors: dict[str, Any], i: int, names: list[tuple[str, int]]
+) -> tuple[str, np.ndarray] | None:
+    """One fused projection's parts as one block matrix, if all exist with one kind."""
+    parts: list[tuple[str, np.ndarray]] = []
+    for name, heads in names:
+        t = tensors.get(f"blk.{i}.{name}.weight")
+        got = _blocks(t, heads) if t is not None else None
+        if got is None or (parts and got[0] != parts[0][0]):
+            return None
+        parts.append(got)
+    return parts[0][0], np.concatenate([p[1] for p in parts])
+
+
+def quantize_gguf(model: nn.Module, path: object, cfg: Any, ops: GgufOps) -> tuple[int, bool]:
+    """Replace the projections (fused qkv, o_proj, gate_up, down_proj) and the LM head by
+    GgufLinear on the GGUF's blocks; (projections replaced, whether the head was)."""
+    from pdserve.common.model_config import open_gguf
+
+    tensors = {t.name: t for t in open_gguf(path).tensors}  # type: ignore[arg-type]
+    rows: StepRows = model.step_rows  # type: ignore[assignment]
+    replaced = 0
+    for i, layer in enumerate(model.layers):  # type: ignore[union-attr, arg-type]
+        attn, mlp = layer.self_attn, layer.mlp
+        groups = {
+            (attn, "qkv"): [("attn_q", cfg.num_heads), ("attn_k", cfg.num_kv_heads), ("attn_v", 0)],
+            (attn, "o_proj"): [("attn_output", 0)],
+            (mlp, "gate_up"): [("ffn_gate", 0), ("ffn_up", 0)],
+            (mlp, "down_proj"): [("ffn_down", 0)],
+        }
+        for (owner, attr), names in groups.items():
+            linear = getattr(owner, attr)
+            got = _group(tensors, i, names)
+            if not isinstance(linear, nn.Linear) or linear.bias is not None or got is None:
+                continue
+            kind, raw = got
+            q = GgufLinear(ops, torch.from_numpy(np.ascontiguousarray(raw)), kind,
+                           linear.weight.data, rows)  # fmt: skip
+            assert (q.out_features, q.in_features) == tuple(linear.weight.shape)
+            setattr(owner, attr, q)
+            replaced += 1
+    head = model.lm_head  # type: ignore[union-attr]
+    t = tensors.get("output.weight", tensors.get("token_embd.weight"))
+    got = _blocks(t, 0) if t is not None else None
+    if isinstance(head, nn.Linear) and head.bias is None and got is not None:
+        raw = np.array(got[1])  # a copy: the file's map is read-only
+        q = GgufLinear(ops, torch.from_numpy(raw), got[0])
+        assert (q.out_features, q.in_features) == tuple(head.weight.shape)
+        model.lm_head = q  # type: ignore[union-attr]
+        return replaced, True
+    return replaced, False
+
+
+# -- whether the kernel pays on this CPU ---------------------------------------------------------
+def kernel_pays(kernel_s: float, dense_s: float) -> bool:
+    """The blocks for decode rows where one row through them beats one dense float32 row by a
+    margin the measurement's noise cannot fake (10 %)."""
+    return kernel_s < 0.9 * dense_s
+
+
+def _timed(fn: Any, repeats: int = 5) -> float:
+    fn()  # warm: the OpenMP team, page faults
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(ops: GgufOps, n: int = 1536, k: int = 576, count: int = 64) -> tuple[float, float]:
+    """(kernel, dense) seconds of one row through an n x k Q4_1 matrix (SmolLM2's gate/up,
+    the shape of most of a small model's decode reads), each a sweep over `count` matrices
+    as a decode step sweeps its layers: 35 MB of blocks and 226 MB dense, more than a
+    server CPU's last-level cache, so both read memory as in a step (~0.5 s in all)."""
+    gen = np.random.default_rng(0)
+    blocks = gen.integers(0, 256, (n, k // BLOCK, BLOCK_BYTES["Q4_1"]), dtype=np.uint8)
+    blocks[..., 0:4] = np.array([0.01, 0.001], dtype=np.float16).view(np.uint8)
+    one = torch.from_numpy(blocks.reshape(n, -1))
+    ws = [one.clone() for _ in range(count)]
+    dense = [ops.dequantize(one, "Q4_1") for _ in range(count)]
+    x = torch.randn(1, k)
+    kernel_s = _timed(lambda: [ops.matmul(x, w, "Q4_1") for w in ws])
+    dense_s = _timed(lambda: [nn.functional.linear(x, d) for d in dense])
+    return kernel_s / count, dense_s / count
+
+
+def choice(ops: GgufOps, key: str, cache: Any) -> tuple[bool, str]:
+    """(whether auto picks the kernel, why), measured once per kernel build (`key`) and
+    cached as JSON in `cache` (a directory); nodes starting together measure once, in turn."""
+    path = cache / f"gguf-choice-{key}.json"
+    try:
+        with open(cache / f"gguf-choice-{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            kernel_s, dense_s = _cached(path, ops)
+    except OSError as e:  # a read-only cache: measured again next start
+        log.info("cannot cache the 4-bit kernel's timing: %s", e)
+        kernel_s, dense_s = measure(ops)
+    pays = kernel_pays(kernel_s, dense_s)
+    why = (f"a 1536x576 row: 4-bit blocks {kernel_s * 1e6:.0f} us, "
+           f"dense float32 {dense_s * 1e6:.0f} us")  # fmt: skip
+    return pays, why
+
+
+def _cached(path: Any, ops: GgufOps) -> tuple[float, float]:
+    try:
+        kernel_s, dense_s = json.loads(path.read_text())
+        return float(kernel_s), float(dense_s)
+    except (OSError, ValueError, TypeError):
+        got = measure(ops)
+        path.write_text(json.dumps(list(got)))
+        return got

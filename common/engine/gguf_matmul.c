@@ -1,0 +1,194 @@
+/* y = x @ W.T with W kept as GGUF's blocks (Q4_0, Q4_1, Q8_0) as shipped, x float32.
+ *
+ * A decode step of a small model reads every weight once per step: in float32 that is 4 bytes
+ * a weight, in these blocks 0.56-1.06. So where a CPU has no fast bf16 (an AVX2-only EPYC:
+ * torch's 4-bit kernel then takes float activations ~9x slower than dense), these kernels
+ * read the blocks and widen each to floats in registers, then multiply-add them with the
+ * float activations. Built with cpu_kernels.c into one library (kernels.py).
+ *
+ * Blocks hold 32 weights of one row, `qs` byte j holding weight j (low nibble) and j + 16
+ * (high nibble) for the 4-bit kinds:
+ *   Q4_0  d: f16, qs: 16 bytes   w = (q - 8) * d
+ *   Q4_1  d: f16, m: f16, qs     w = q * d + m
+ *   Q8_0  d: f16, qs: 32 x int8  w = q * d
+ * q * d is exact in float32 (4 or 8 bits times 11), so the widened weights equal gguf's own
+ * dequantization bit for bit, whichever of fma or mul + add makes them.
+ *
+ * Each output is a sum of K products kept in 32 lanes (lane l sums k = l mod 32) over the
+ * blocks in order, then folded in a fixed tree: the same operations for a row whatever else
+ * is in the batch (rows are split across threads, never a sum), as the cluster's
+ * token-for-token invariant needs.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#define QK 32
+#define GG_PAR_MIN 32768 /* multiply-adds below which a fork costs more than it saves */
+
+enum { GG_Q4_0 = 0, GG_Q4_1 = 1, GG_Q8_0 = 2 };
+
+static const int64_t gg_block_bytes[3] = {18, 20, 34};
+
+/* IEEE half to float, exact (subnormals included); per block, so plain C is fast enough. */
+static inline float gg_half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    uint32_t bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal half: man * 2^-24, exact in float */
+        float f = (float)man * (1.0f / 16777216.0f);
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Block b's 32 weights widened to float (the portable path; the AVX2 one widens in
+ * registers the same way). */
+static inline void gg_widen(const uint8_t *blk, int kind, float *w) {
+    const float d = gg_half(blk);
+    if (kind == GG_Q8_0) {
+        const int8_t *q = (const int8_t *)(blk + 2);
+        for (int j = 0; j < QK; j++) w[j] = (float)q[j] * d;
+        return;
+    }
+    const uint8_t *qs = blk + (kind == GG_Q4_1 ? 4 : 2);
+    const float m = kind == GG_Q4_1 ? gg_half(blk + 2) : 0.0f;
+    const int off = kind == GG_Q4_1 ? 0 : 8;
+    for (int j = 0; j < 16; j++) {
+        w[j] = (float)((qs[j] & 0x0F) - off) * d + m;
+        w[j + 16] = (float)((qs[j] >> 4) - off) * d + m;
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+typedef struct {
+    __m256 v[4];
+} gg_w8x4;
+
+static inline __attribute__((always_inline)) gg_w8x4 gg_widen_avx2(const uint8_t *blk,
+                                                                  const int kind) {
+    gg_w8x4 w;
+    const __m256 d = _mm256_set1_ps(gg_half(blk));
+    if (kind == GG_Q8_0) {
+        const uint8_t *q = blk + 2;
+        for (int c = 0; c < 4; c++) {
+            __m128i b = _mm_loadl_epi64((const __m128i *)(q + 8 * c));
+            w.v[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d);
+        }
+        return w;
+    }
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (kind == GG_Q4_1 ? 4 : 2)));
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(raw, nib), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nib);
+    if (kind == GG_Q4_0) {
+        lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
+        hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+    }
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    if (kind == GG_Q4_1) {
+        const __m256 m = _mm256_set1_ps(gg_half(blk + 2));
+        for (int c = 0; c < 4; c++)  /* q * d is exact: the fma rounds as mul + add would */
+            w.v[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[c])), d, m);
+    } else {
+        for (int c = 0; c < 4; c++)
+            w.v[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[c])), d);
+    }
+    return w;
+}
+
+static inline float gg_fold(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 s = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+/* Output n for rows x0 (and x1 when not NULL): each block widened once for both rows. */
+static inline __attribute__((always_inline)) void gg_rows(const uint8_t *wr, int64_t nb,
+                                                         const int kind, const float *x0,
+                                                         const float *x1, float *y0,
+                                                         float *y1) {
+    const int64_t bs = gg_block_bytes[kind];
+    __m256 a[4], b[4];
+    for (int c = 0; c < 4; c++) a[c] = b[c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < nb; k++) {
+        const gg_w8x4 w = gg_widen_avx2(wr + k * bs, kind);
+        const float *p = x0 + k * QK;
+        for (int c = 0; c < 4; c++) a[c] = _mm256_fmadd_ps(w.v[c], _mm256_loadu_ps(p + 8 * c), a[c]);
+        if (x1) {
+            const float *r = x1 + k * QK;
+            for (int c = 0; c < 4; c++)
+                b[c] = _mm256_fmadd_ps(w.v[c], _mm256_loadu_ps(r + 8 * c), b[c]);
+        }
+    }
+    *y0 = gg_fold(a[0], a[1], a[2], a[3]);
+    if (x1) *y1 = gg_fold(b[0], b[1], b[2], b[3]);
+}
+#else
+static inline void gg_rows(const uint8_t *wr, int64_t nb, const int kind, const float *x0,
+                           const float *x1, float *y0, float *y1) {
+    const int64_t bs = gg_block_bytes[kind];
+    float a[QK] = {0}, b[QK] = {0}, w[QK];
+    for (int64_t k = 0; k < nb; k++) {
+        gg_widen(wr + k * bs, kind, w);
+        for (int j = 0; j < QK; j++) a[j] += w[j] * x0[k * QK + j];
+        if (x1)
+            for (int j = 0; j < QK; j++) b[j] += w[j] * x1[k * QK + j];
+    }
+    for (int s = 16; s >= 1; s /= 2)
+        for (int j = 0; j < s; j++) {
+            a[j] += a[j + s];
+            b[j] += b[j + s];
+        }
+    *y0 = a[0];
+    if (x1) *y1 = b[0];
+}
+#endif
+
+/* The kinds as constants, so each loop is compiled for one block layout. */
+static inline __attribute__((always_inline)) void gg_matmul_kind(const float *x, int64_t rows, int64_t K, const uint8_t *w, int64_t N,
+                           float *out, const int kind) {
+    const int64_t nb = K / QK, row_bytes = nb * gg_block_bytes[kind];
+#pragma omp parallel for schedule(static) if (N * K * rows >= GG_PAR_MIN)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *wr = w + n * row_bytes;
+        int64_t r = 0;
+        for (; r + 1 < rows; r += 2)
+            gg_rows(wr, nb, kind, x + r * K, x + (r + 1) * K, out + r * N + n,
+                    out + (r + 1) * N + n);
+        if (r < rows) gg_rows(wr, nb, kind, x + r * K, NULL, out + r * N + n, NULL);
+    }
+}
+
+/* out (rows, N) = x (rows, K) @ W.T, W (N, K) as blocks of `kind`, K a multiple of 32.
+ * Returns 0, or -1 for an unknown kind or a K the blocks cannot tile. */
+int gguf_matmul_f32(const float *x, int64_t rows, int64_t K, const uint8_t *w, int64_t N,
+                    int kind, float *out) {
+    if (kind < 0 || kind > 2 || K % QK || rows < 0 || N < 0) return -1;
+    switch (kind) {
+        case GG_Q4_0: gg_matmul_kind(x, rows, K, w, N, out, GG_Q4_0); break;
+        case GG_Q4_1: gg_matmul_kind(x, rows, K, w, N, out, GG_Q4_1); break;
+        default: gg_matmul_kind(x, rows, K, w, N, out, GG_Q8_0); break;
+    }
+    return 0;
+}
+
+/* W's rows widened to float (N, K): the reference the tests hold the kernel to. */
+void gguf_dequantize_f32(const uint8_t *w, int64_t N, int64_t K, int kind, float *out) {
+    const int64_t nb = K / QK, bs = gg_block_bytes[kind];
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t k = 0; k < nb; k++) gg_widen(w + (n * nb + k) * bs, kind, out + n * K + k * QK);
+}

@@ -1,0 +1,116 @@
+"""gguf_matmul.c (through gguf_linear.py): GGUF's Q4_0, Q4_1 and Q8_0 blocks times float32
+activations, against gguf's own dequantization and a float64 matmul; rows independent of the
+batch; the prompt / generated row split; auto's choice from injected timings."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from pdserve.common.engine import gguf_linear as gl
+from pdserve.common.engine.kernels import gguf_ops
+from pdserve.common.engine.loader import dequantize_blocks
+
+pytestmark = pytest.mark.cpu  # make test-cpu-variants: native and AVX2-only
+
+KINDS = ("Q4_0", "Q4_1", "Q8_0")
+
+
+@pytest.fixture(scope="module")
+def ops() -> gl.GgufOps:
+    got = gguf_ops()
+    if isinstance(got, str):  # the suite's machines have gcc: this would be a real failure
+        pytest.fail(f"gguf kernels do not build: {got}")
+    return got[0]
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """(n, k / 32, block bytes) uint8: random quants, scales of a real model's size (and a
+    subnormal half among them), Q4_1 mins of both signs."""
+    gen = np.random.default_rng(seed)
+    blocks = gen.integers(0, 256, (n, k // 32, gl.BLOCK_BYTES[kind]), dtype=np.uint8)
+    d = gen.uniform(0.001, 0.05, (n, k // 32)).astype(np.float16)
+    d.flat[0] = np.float16(3e-6)  # subnormal in half precision
+    blocks[..., 0:2] = d[..., None].view(np.uint8)
+    if kind == "Q4_1":
+        m = gen.uniform(-0.2, 0.2, (n, k // 32)).astype(np.float16)
+        blocks[..., 2:4] = m[..., None].view(np.uint8)
+    return blocks
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_widened_weights_equal_ggufs_dequantization_bit_for_bit(ops, kind):
+    blocks = random_blocks(kind, 37, 96)
+    ours = ops.dequantize(torch.from_numpy(blocks.reshape(37, -1)), kind)
+    theirs = dequantize_blocks(blocks.reshape(-1), kind).reshape(37, 96)
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (37, 96), (577, 576), (64, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 17])
+def test_kernel_equals_the_dequantized_product(ops, kind, n, k, rows):
+    blocks = torch.from_numpy(random_blocks(kind, n, k).reshape(n, -1))
+    w = ops.dequantize(blocks, kind).double()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n + k + rows))
+    got = ops.matmul(x, blocks, kind).double()
+    exact = x.double() @ w.T
+    # float32 sums of k products, in any order: |error| <= k * 2^-24 * sum |w x| (Higham's
+    # bound, first order); the products are exact enough that this is the whole error
+    bound = k * 2.0**-24 * (x.double().abs() @ w.abs().T) + 1e-30
+    assert got.shape == (rows, n)
+    assert bool(((got - exact).abs() <= bound).all()), float(((got - exact).abs() / bound).max())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rows_result_does_not_depend_on_the_batch(ops, kind):
+    """The token-for-token invariant: row r alone, or anywhere in batches of any size, gives
+    the same bits (rows go in pairs through the kernel, a last odd row alone)."""
+    blocks = torch.from_numpy(random_blocks(kind, 129, 576).reshape(129, -1))
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(1))
+    alone = torch.cat([ops.matmul(x[r : r + 1], blocks, kind) for r in range(9)])
+    for size in (2, 3, 5, 9):
+        batched = torch.cat([ops.matmul(x[i : i + size], blocks, kind) for i in range(0, 9, size)])
+        assert torch.equal(batched, alone), size
+
+
+def test_a_k_the_blocks_cannot_tile_is_refused(ops):
+    blocks = torch.from_numpy(random_blocks("Q4_1", 4, 64).reshape(4, -1))
+    with pytest.raises(AssertionError):
+        ops.matmul(torch.randn(1, 48), blocks, "Q4_1")
+
+
+def test_prompt_rows_run_dense_and_generated_rows_the_blocks(ops):
+    kind, n, k = "Q4_1", 96, 128
+    blocks = torch.from_numpy(random_blocks(kind, n, k).reshape(n, -1))
+    dense = ops.dequantize(blocks, kind)
+    step = gl.StepRows()
+    layer = gl.GgufLinear(ops, blocks, kind, dense, step)
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(2))
+    for prompt in (0, 3, 7, 9):  # none, some, all (and a count past the rows) prompt rows
+        step.prompt = prompt
+        out = layer(x)
+        p = min(prompt, 7)
+        assert torch.equal(out[:p], torch.nn.functional.linear(x[:p], dense))
+        assert torch.equal(out[p:], ops.matmul(x[p:].contiguous(), blocks, kind))
+    head = gl.GgufLinear(ops, blocks, kind)  # no dense weight: every row on the blocks
+    step.prompt = 7
+    assert torch.equal(head(x), ops.matmul(x, blocks, kind))
+
+
+def test_auto_picks_the_kernel_only_by_a_clear_margin(ops, tmp_path):
+    assert gl.kernel_pays(50e-6, 230e-6)
+    assert not gl.kernel_pays(95e-6, 100e-6)  # within the measurement's noise: stay dense
+    assert not gl.kernel_pays(300e-6, 100e-6)
+    # the cached measurement decides, per kernel build: injected timings
+    (tmp_path / "gguf-choice-fast.json").write_text(json.dumps([40e-6, 200e-6]))
+    (tmp_path / "gguf-choice-slow.json").write_text(json.dumps([400e-6, 200e-6]))
+    assert gl.choice(ops, "fast", tmp_path)[0]
+    assert not gl.choice(ops, "slow", tmp_path)[0]
+    # none cached: measured (both sides real) and written for the next start
+    pays, why = gl.choice(ops, "new", tmp_path)
+    kernel_s, dense_s = json.loads((tmp_path / "gguf-choice-new.json").read_text())
+    assert pays == gl.kernel_pays(kernel_s, dense_s) and "dense float32" in why
