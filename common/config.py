@@ -135,14 +135,14 @@ class EngineConfig:
             return "int4"
         if self.dtype != "float32" or self.cpu_kernels == "off":
             return "none"
-        from pdserve.common.engine.gguf_linear import choice
-        from pdserve.common.engine.kernels import cache_dir, gguf_ops
+        from pdserve.common.cbuild import build
+        from pdserve.common.quant_choice import choice
 
-        got = gguf_ops()
-        if isinstance(got, str):
-            logging.getLogger(__name__).warning("--quantization auto: none (%s)", got)
+        built = build()
+        if isinstance(built, str):
+            logging.getLogger(__name__).warning("--quantization auto: none (%s)", built)
             return "none"
-        pays, why = choice(got[0], got[1], cache_dir())
+        pays, why = choice(built.stem, built.parent)
         logging.getLogger(__name__).info("--quantization auto: %s (%s)",
                                          "int4" if pays else "none", why)  # fmt: skip
         return "int4" if pays else "none"

@@ -1,7 +1,8 @@
 """GGUF's 4- and 8-bit blocks as shipped, times float32 activations (gguf_matmul.c).
 
 `--quantization int4` in float32 on CPU (also what `auto` picks where the kernel beats a dense
-float32 matmul in a measurement taken once per CPU and kernel build, `kernel_pays`): each
+float32 matmul in a measurement taken once per CPU and kernel build, common/quant_choice.py):
+each
 projection keeps its GGUF blocks for the rows of generated tokens, the ones a decode step
 reads all the weights for, and its dense float weight (the model's own, no copy) for the rows
 of prompt tokens, where a dense matmul is compute-bound and wins. Which rows are which comes
@@ -17,9 +18,7 @@ is ~9x slower than dense.
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import json
-import logging
 import statistics
 import time
 from dataclasses import dataclass
@@ -28,8 +27,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-
-log = logging.getLogger(__name__)
 
 KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # gguf_matmul.c's `kind`
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # a block holds 32 weights
@@ -176,13 +173,7 @@ def quantize_gguf(model: nn.Module, path: object, cfg: Any, ops: GgufOps) -> tup
     return replaced, False
 
 
-# -- whether the kernel pays on this CPU ---------------------------------------------------------
-def kernel_pays(kernel_s: float, dense_s: float) -> bool:
-    """The blocks for decode rows where one row through them beats one dense float32 row by a
-    margin the measurement's noise cannot fake (10 %)."""
-    return kernel_s < 0.9 * dense_s
-
-
+# -- the measurement behind `--quantization auto` (common/quant_choice.py runs it) ----------------
 def _timed(fn: Any, repeats: int = 5) -> float:
     fn()  # warm: the OpenMP team, page faults
     times = []
@@ -210,28 +201,10 @@ def measure(ops: GgufOps, n: int = 1536, k: int = 576, count: int = 64) -> tuple
     return kernel_s / count, dense_s / count
 
 
-def choice(ops: GgufOps, key: str, cache: Any) -> tuple[bool, str]:
-    """(whether auto picks the kernel, why), measured once per kernel build (`key`) and
-    cached as JSON in `cache` (a directory); nodes starting together measure once, in turn."""
-    path = cache / f"gguf-choice-{key}.json"
-    try:
-        with open(cache / f"gguf-choice-{key}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            kernel_s, dense_s = _cached(path, ops)
-    except OSError as e:  # a read-only cache: measured again next start
-        log.info("cannot cache the 4-bit kernel's timing: %s", e)
-        kernel_s, dense_s = measure(ops)
-    pays = kernel_pays(kernel_s, dense_s)
-    why = (f"a 1536x576 row: 4-bit blocks {kernel_s * 1e6:.0f} us, "
-           f"dense float32 {dense_s * 1e6:.0f} us")  # fmt: skip
-    return pays, why
+if __name__ == "__main__":  # quant_choice.py: one JSON line, [kernel seconds, dense seconds]
+    from pdserve.common.engine.kernels import gguf_ops
 
-
-def _cached(path: Any, ops: GgufOps) -> tuple[float, float]:
-    try:
-        kernel_s, dense_s = json.loads(path.read_text())
-        return float(kernel_s), float(dense_s)
-    except (OSError, ValueError, TypeError):
-        got = measure(ops)
-        path.write_text(json.dumps(list(got)))
-        return got
+    got = gguf_ops()
+    if isinstance(got, str):
+        raise SystemExit(got)
+    print(json.dumps(measure(got[0])))

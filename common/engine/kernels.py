@@ -7,6 +7,7 @@ instead of ~45 (benchmarks/step_profile.py measures both). Why built here and no
 on the machine that runs it (about a second with gcc) and cached under
 ~/.cache/pdserve/kernels by a hash of the source, the compiler, its flags and the CPU's flags.
 
+The build itself is torch-free (common/cbuild.py): config resolution reads its key too.
 Where no C compiler is found (a slim container image) or the model does not fit the kernels'
 limits, `load` returns the reason (the runner logs it), and the model runs its eager torch ops.
 CUDA never uses these: they are CPU kernels on CPU tensors only (`load` checks the device).
@@ -15,31 +16,19 @@ CUDA never uses these: they are CPU kernels on CPU tensors only (`load` checks t
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pdserve.common.numerics import cpu_flags, cpu_isa
+from pdserve.common.cbuild import build, cache_dir, compile_flags  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from pdserve.common.engine.gguf_linear import GgufOps
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().with_name("cpu_kernels.c")  # absolute: it includes itself
-SOURCES = (SOURCE, SOURCE.with_name("gguf_matmul.c"))  # one library
-FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
-# The CPU the code is built for: this one, or under PDSERVE_CPU_ISA=avx2 the x86-64-v3 level
-# (AVX2, FMA, BMI2: what an AVX2-only EPYC has), so a fast CPU runs a slow one's code.
-MARCH = {"native": "-march=native", "avx2": "-march=x86-64-v3"}
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 MAX_HEAD_DIM = 512  # rope_write's buffer on the C side
 _loaded: dict[str, ctypes.CDLL] = {}
@@ -58,54 +47,6 @@ GGUF_SIGNATURES: dict[str, tuple[type[ctypes._SimpleCData[Any]], ...]] = {
     "gguf_matmul_f32": (P, I64, I64, P, I64, INT, P),
     "gguf_dequantize_f32": (P, I64, I64, INT, P),
 }
-
-
-def _cpu_flags() -> str:
-    return " ".join(sorted(cpu_flags())) or platform.processor()
-
-
-def compile_flags() -> list[str]:
-    """The compiler's flags for the CPU level the project runs as (numerics.cpu_isa)."""
-    isa = cpu_isa()
-    if isa != "native" and platform.machine().lower() not in ("x86_64", "amd64"):
-        isa = "native"  # the forced-down levels are x86 levels; elsewhere the CPU as it is
-    return [MARCH[isa], *FLAGS]
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "pdserve" / "kernels"
-
-
-def build() -> Path | str:
-    """The compiled library's path (compiled now if not cached), or why it cannot be."""
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        return "no C compiler (cc, gcc) on PATH"
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
-        flags = compile_flags()
-        parts = [*(s.read_text() for s in SOURCES), " ".join(flags), version.stdout, _cpu_flags()]
-        key = hashlib.sha256("\n".join([*parts, platform.machine()]).encode()).hexdigest()[:16]
-        out = cache_dir() / f"cpu_kernels-{key}.so"
-        if out.exists():
-            return out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        # compiled to a temporary name, then renamed: nodes starting together may race here
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        try:
-            done = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"],
-                                  capture_output=True, text=True, timeout=300)  # fmt: skip
-            if done.returncode != 0:
-                return f"{Path(cc).name} failed: {done.stderr.strip()[-300:]}"
-            os.replace(tmp, out)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    except (OSError, subprocess.SubprocessError) as e:  # a read-only cache, a hung compiler
-        return f"cannot build them: {e}"
-    return out
 
 
 def _library() -> ctypes.CDLL | str:

@@ -15,13 +15,14 @@ import math
 import pytest
 import torch
 
+from pdserve.common.cbuild import build
 from pdserve.common.config import EngineConfig
-from pdserve.common.engine.gguf_linear import GgufLinear, choice
+from pdserve.common.engine.gguf_linear import GgufLinear
 from pdserve.common.engine.interface import PrefillWork
-from pdserve.common.engine.kernels import cache_dir, gguf_ops
 from pdserve.common.engine.packed import PackedLinear
 from pdserve.common.engine.quant import DENSE_FROM, Int4Linear, Int8Linear, Q8Linear
 from pdserve.common.engine.runner import ModelRunner
+from pdserve.common.quant_choice import choice
 from pdserve.common.sampling import SamplingParams
 from tests.conftest import CHAT_PROMPTS, chat_ids, make_engine
 
@@ -69,8 +70,9 @@ def runners32():
 def test_auto_keeps_4_bit_blocks_only_where_they_pay():
     assert EngineConfig(dtype="bfloat16").quantization == "int4"  # embedded GGUF, CPU
     # float32: where this CPU's measurement (cached per kernel build) says the kernel wins
-    ops, key = gguf_ops()  # type: ignore[misc]
-    pays = choice(ops, key, cache_dir())[0]
+    built = build()
+    assert not isinstance(built, str), built
+    pays = choice(built.stem, built.parent)[0]
     assert EngineConfig(dtype="float32").quantization == ("int4" if pays else "none")
     assert EngineConfig(dtype="float32", cpu_kernels="off").quantization == "none"
     assert EngineConfig(dtype="bfloat16", engine="sim").quantization == "none"

@@ -1,0 +1,74 @@
+"""Compiling the project's C kernels (common/engine/cpu_kernels.c and gguf_matmul.c) into one
+library for the CPU that runs them, cached by a hash of the sources, the compiler, its flags
+and the CPU's flags. torch-free: the config resolving `--quantization auto` keys its cached
+measurement by this build, in processes that never load the engine (common/engine/kernels.py
+loads the library).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from pdserve.common.numerics import cpu_flags, cpu_isa
+
+ENGINE = Path(__file__).resolve().parent / "engine"
+SOURCE = ENGINE / "cpu_kernels.c"  # absolute: it includes itself
+SOURCES = (SOURCE, ENGINE / "gguf_matmul.c")  # one library
+FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
+# The CPU the code is built for: this one, or under PDSERVE_CPU_ISA=avx2 the x86-64-v3 level
+# (AVX2, FMA, BMI2: what an AVX2-only EPYC has), so a fast CPU runs a slow one's code.
+MARCH = {"native": "-march=native", "avx2": "-march=x86-64-v3"}
+
+
+def _cpu_flags() -> str:
+    return " ".join(sorted(cpu_flags())) or platform.processor()
+
+
+def compile_flags() -> list[str]:
+    """The compiler's flags for the CPU level the project runs as (numerics.cpu_isa)."""
+    isa = cpu_isa()
+    if isa != "native" and platform.machine().lower() not in ("x86_64", "amd64"):
+        isa = "native"  # the forced-down levels are x86 levels; elsewhere the CPU as it is
+    return [MARCH[isa], *FLAGS]
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pdserve" / "kernels"
+
+
+def build() -> Path | str:
+    """The compiled library's path (compiled now if not cached), or why it cannot be."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        return "no C compiler (cc, gcc) on PATH"
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+        flags = compile_flags()
+        parts = [*(s.read_text() for s in SOURCES), " ".join(flags), version.stdout, _cpu_flags()]
+        key = hashlib.sha256("\n".join([*parts, platform.machine()]).encode()).hexdigest()[:16]
+        out = cache_dir() / f"cpu_kernels-{key}.so"
+        if out.exists():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # compiled to a temporary name, then renamed: nodes starting together may race here
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        try:
+            done = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"],
+                                  capture_output=True, text=True, timeout=300)  # fmt: skip
+            if done.returncode != 0:
+                return f"{Path(cc).name} failed: {done.stderr.strip()[-300:]}"
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except (OSError, subprocess.SubprocessError) as e:  # a read-only cache, a hung compiler
+        return f"cannot build them: {e}"
+    return out

@@ -1,0 +1,68 @@
+"""`--quantization auto` in float32: whether gguf_matmul.c's kernel beats a dense float32
+matmul on this CPU, measured once per kernel build and cached as JSON beside the library.
+
+torch-free, as EngineConfig is resolved in processes that never load the engine (`pdserve up`'s
+launcher); the measurement itself runs in a child process (`python -m
+pdserve.common.engine.gguf_linear`, ~3 s once per machine), under a lock so that nodes
+starting together measure once and on a quiet CPU.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def kernel_pays(kernel_s: float, dense_s: float) -> bool:
+    """The blocks for decode rows where one row through them beats one dense float32 row by a
+    margin the measurement's noise cannot fake (10 %)."""
+    return kernel_s < 0.9 * dense_s
+
+
+def _measured() -> tuple[float, float] | str:
+    cmd = [sys.executable, "-m", "pdserve.common.engine.gguf_linear"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"the measurement did not run: {e}"
+    try:
+        kernel_s, dense_s = json.loads(done.stdout.strip().splitlines()[-1])
+        return float(kernel_s), float(dense_s)
+    except (ValueError, IndexError, TypeError):
+        return f"the measurement failed: {done.stderr.strip()[-300:]}"
+
+
+def _cached(path: Path) -> tuple[float, float] | str:
+    try:
+        kernel_s, dense_s = json.loads(path.read_text())
+        return float(kernel_s), float(dense_s)
+    except (OSError, ValueError, TypeError):
+        got = _measured()
+        if not isinstance(got, str):
+            path.write_text(json.dumps(list(got)))
+        return got
+
+
+def choice(key: str, cache: Path) -> tuple[bool, str]:
+    """(whether auto picks the kernel, why) for the kernel build `key`, cached in `cache`."""
+    path = cache / f"gguf-choice-{key}.json"
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with open(cache / f"gguf-choice-{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            got = _cached(path)
+    except OSError as e:  # a read-only cache: measured again next start
+        log.info("cannot cache the 4-bit kernel's timing: %s", e)
+        got = _measured()
+    if isinstance(got, str):
+        return False, got
+    kernel_s, dense_s = got
+    why = (f"a 1536x576 row: 4-bit blocks {kernel_s * 1e6:.0f} us, "
+           f"dense float32 {dense_s * 1e6:.0f} us")  # fmt: skip
+    return kernel_pays(kernel_s, dense_s), why
