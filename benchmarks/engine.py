@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=500)
     ap.add_argument("--decode-context", type=int, default=128, help="prompt length before decode")
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     runner = ModelRunner(
@@ -87,7 +88,7 @@ def main() -> None:
         "threads": args.threads,
         "prefill_tok_s": round(prefill_tok_s(runner, args.prompt_len, 5), 1),
     }
-    for b in (1, 8, 32):
+    for b in (int(x) for x in args.batches.split(",")):
         result[f"decode_tok_s_b{b}"] = round(
             decode_tok_s(runner, b, args.decode_context, args.steps), 1
         )

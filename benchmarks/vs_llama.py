@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks import llama_server
 from pdserve.common.model_config import resolve_model
+from pdserve.common.numerics import cpu_description
 from pdserve.common.transport import free_port
 from pdserve.loadgen.compare import start_cluster, stop_cluster
 from pdserve.loadgen.metrics import summarize
@@ -115,7 +115,7 @@ def run_llama(binary: Path, args: argparse.Namespace) -> dict[str, dict[str, Any
 
 def report(results: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespace) -> str:
     lines = [
-        f"# pdserve against llama-server ({platform.processor() or platform.machine()}, "
+        f"# pdserve against llama-server ({cpu_description()}, "
         f"{args.threads} threads, {args.prompt}-token prompts, {args.output} output tokens, "
         f"pdserve --dtype {args.dtype} --quantization {args.quantization})",
         "",

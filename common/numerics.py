@@ -12,6 +12,8 @@ MKL_ENABLE_INSTRUCTIONS), which they read when first used. Unset or `native`: th
 from __future__ import annotations
 
 import os
+import platform
+from pathlib import Path
 
 # CPU features that run bfloat16 matmuls natively (x86: AVX512-BF16 or AMX; arm64: BF16).
 # Without them torch emulates bf16 and prefill runs ~6x slower than in float32 (measured on a
@@ -81,3 +83,20 @@ def choose_dtype(device: str, flags: set[str] | None = None) -> tuple[str, str]:
         "float32",
         "this CPU lacks native bfloat16 (no avx512_bf16/amx_bf16): bf16 prefill is ~6x slower",
     )
+
+
+def cpu_description() -> str:
+    """The CPU's model name and the flags that pick pdserve's paths, with the forced level if
+    any: what a benchmark report names its CPU by."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")
+    flags = ", ".join(f for f in wanted if f in cpu_flags()) or "no AVX2, AVX-512 or AMX"
+    level = "" if cpu_isa() == "native" else f"; as PDSERVE_CPU_ISA={cpu_isa()}"
+    return f"{name} ({flags}{level})"

@@ -142,22 +142,22 @@ def test_a_conversation_reuses_its_kv_on_the_decode_node_and_matches_single_proc
 
 
 def test_cluster_with_4_bit_weights_matches_the_single_process_with_them(make_cluster, tokenizer):
-    """--quantization int4 (the GGUF's blocks kept, common/engine/quant.py) on both nodes: the
-    cluster's greedy text equals one process with the same weights, and a node whose weights
-    or dtype differ is refused (the KV would not match)."""
+    """--quantization int4 (the GGUF's blocks kept: in float32 gguf_matmul.c's kernel for the
+    generated tokens, dense for the prompt's) on both nodes: the cluster's greedy text equals
+    one process with the same weights with requests in flight together, and a node whose
+    weights or dtype differ is refused (the KV would not match)."""
     from pdserve.common.config import EngineConfig
     from pdserve.common.engine.runner import ModelRunner
 
     runner = ModelRunner(EngineConfig(quantization="int4", num_kv_blocks=512))
+    assert runner.kernels == "fused+gguf"  # the C kernels, as the nodes on this CPU run them
     engine = make_engine(runner, tokenizer, prefix_caching="off")
-    ps = [chat_ids(tokenizer, p) for p in CHAT_PROMPTS[:2]]
-    # 12 tokens: the 4-bit kernel with float32 activations runs a step ~3x slower than dense
-    # float32, and the KV and decode path are the same from the first token on
-    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    ps = [chat_ids(tokenizer, p) for p in CHAT_PROMPTS[:4]]
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     expected = engine.generate(ps, greedy)
     cluster = make_cluster(prefill=1, decode=1, node_flags=("--quantization", "int4"))
-    with ThreadPoolExecutor(len(ps)) as pool:  # all in flight together
-        results = list(pool.map(lambda p: complete(cluster, p, max_tokens=12), ps))
+    with ThreadPoolExecutor(len(ps)) as pool:  # all in flight together: batched decode rows
+        results = list(pool.map(lambda p: complete(cluster, p), ps))
     for exp, got in zip(expected, results, strict=True):
         assert got["choices"][0]["text"] == exp.text
     assert cluster.metric("pdserve:kv_transfer_bytes_total") > 0

@@ -87,6 +87,7 @@ def test_node_metrics_and_health_over_http():
     metrics.offer(True)
     metrics.offer(False)
     metrics.kv_sent("shm", 4096, 0.01, 0.004)
+    metrics.engine_info("float32", "int4", "fused+gguf")
     state = {"reason": "not registered"}
     port = free_port()
 
@@ -117,3 +118,5 @@ def test_node_metrics_and_health_over_http():
     assert 'pdserve:kv_cache_usage_perc{node="p0",role="prefill"} 0.08' in body
     assert 'pdserve:offers_total{decision="reject",node="p0",role="prefill"} 1.0' in body
     assert 'backend="shm",direction="out",node="p0",role="prefill"} 4096.0' in body
+    info = 'dtype="float32",kernels="fused+gguf",node="p0",quantization="int4",role="prefill"'
+    assert f"pdserve:engine_info{{{info}}} 1.0" in body
