@@ -1,7 +1,8 @@
 """GGUF's 4- and 8-bit blocks, kept quantized: repacked once into what torch's CPU kernels run.
 
-`--quantization int4` (also what `auto` picks for a GGUF model on CPU in bfloat16, see
-common/config.py) replaces the model's projections after loading
+`--quantization int4` in bfloat16 (also what `auto` picks for a GGUF model on CPU in
+bfloat16, see common/config.py; float32 runs gguf_linear.py's C kernel instead) replaces the
+model's projections after loading
 (`quantize_gguf_linears`, called by the runner); the unpacking is checked against the GGUF's
 own dequantization (tests/unit/test_quant.py).
 
