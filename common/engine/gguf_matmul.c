@@ -14,7 +14,7 @@
  * q * d is exact in float32 (4 or 8 bits times 11), so the widened weights equal gguf's own
  * dequantization bit for bit, whichever of fma or mul + add makes them.
  *
- * Each output is a sum of K products kept in 32 lanes (lane l sums k = l mod 32) over the
+ * Each output is a sum of K products kept in 16 lanes (lane l sums k = l mod 16) over the
  * blocks in order, then folded in a fixed tree: the same operations for a row whatever else
  * is in the batch (rows are split across threads, never a sum), as the cluster's
  * token-for-token invariant needs.
@@ -117,53 +117,58 @@ static inline __attribute__((always_inline)) gg_w8x4 gg_widen_avx2(const uint8_t
     return w;
 }
 
-static inline float gg_fold(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-    __m256 s = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+static inline float gg_fold(__m256 a0, __m256 a1) {
+    __m256 s = _mm256_add_ps(a0, a1);
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     h = _mm_add_ss(h, _mm_movehdup_ps(h));
     return _mm_cvtss_f32(h);
 }
 
-/* Output n for rows x0 (and x1 when not NULL): each block widened once for both rows. */
-static inline __attribute__((always_inline)) void gg_rows(const uint8_t *wr, int64_t nb,
-                                                         const int kind, const float *x0,
-                                                         const float *x1, float *y0,
-                                                         float *y1) {
+/* Output n for R rows (1, 2 or 4): each block widened once for all of them. A row keeps two
+ * accumulators (chunks 0 and 2 in one, 1 and 3 in the other): 2 x R of them and the block's
+ * 4 vectors fit AVX2's 16 registers at R = 4. */
+static inline __attribute__((always_inline)) void gg_tile(const uint8_t *wr, int64_t nb,
+                                                         const int kind, const float *x,
+                                                         int64_t K, float *y, int64_t N,
+                                                         const int R) {
     const int64_t bs = gg_block_bytes[kind];
-    __m256 a[4], b[4];
-    for (int c = 0; c < 4; c++) a[c] = b[c] = _mm256_setzero_ps();
+    __m256 a[4][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
     for (int64_t k = 0; k < nb; k++) {
         const gg_w8x4 w = gg_widen_avx2(wr + k * bs, kind);
-        const float *p = x0 + k * QK;
-        for (int c = 0; c < 4; c++) a[c] = _mm256_fmadd_ps(w.v[c], _mm256_loadu_ps(p + 8 * c), a[c]);
-        if (x1) {
-            const float *r = x1 + k * QK;
-            for (int c = 0; c < 4; c++)
-                b[c] = _mm256_fmadd_ps(w.v[c], _mm256_loadu_ps(r + 8 * c), b[c]);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const float *p = x + r * K + k * QK;
+            a[r][0] = _mm256_fmadd_ps(w.v[0], _mm256_loadu_ps(p), a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(w.v[1], _mm256_loadu_ps(p + 8), a[r][1]);
+            a[r][0] = _mm256_fmadd_ps(w.v[2], _mm256_loadu_ps(p + 16), a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(w.v[3], _mm256_loadu_ps(p + 24), a[r][1]);
         }
     }
-    *y0 = gg_fold(a[0], a[1], a[2], a[3]);
-    if (x1) *y1 = gg_fold(b[0], b[1], b[2], b[3]);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) y[r * N] = gg_fold(a[r][0], a[r][1]);
 }
 #else
-static inline void gg_rows(const uint8_t *wr, int64_t nb, const int kind, const float *x0,
-                           const float *x1, float *y0, float *y1) {
+/* The same sums in portable C: 16 lanes (a row's two 8-lane accumulators), the same fold. */
+static inline void gg_tile(const uint8_t *wr, int64_t nb, const int kind, const float *x,
+                           int64_t K, float *y, int64_t N, const int R) {
     const int64_t bs = gg_block_bytes[kind];
-    float a[QK] = {0}, b[QK] = {0}, w[QK];
+    float a[4][16] = {{0}}, w[QK];
     for (int64_t k = 0; k < nb; k++) {
         gg_widen(wr + k * bs, kind, w);
-        for (int j = 0; j < QK; j++) a[j] += w[j] * x0[k * QK + j];
-        if (x1)
-            for (int j = 0; j < QK; j++) b[j] += w[j] * x1[k * QK + j];
-    }
-    for (int s = 16; s >= 1; s /= 2)
-        for (int j = 0; j < s; j++) {
-            a[j] += a[j + s];
-            b[j] += b[j + s];
+        for (int r = 0; r < R; r++) {
+            const float *p = x + r * K + k * QK;
+            for (int j = 0; j < 16; j++) a[r][j] += w[j] * p[j];
+            for (int j = 0; j < 16; j++) a[r][j] += w[j + 16] * p[j + 16];
         }
-    *y0 = a[0];
-    if (x1) *y1 = b[0];
+    }
+    for (int r = 0; r < R; r++) {
+        for (int s = 8; s >= 1; s /= 2)
+            for (int j = 0; j < s; j++) a[r][j] += a[r][j + s];
+        y[r * N] = a[r][0];
+    }
 }
 #endif
 
@@ -177,10 +182,12 @@ static inline void gg_rows(const uint8_t *wr, int64_t nb, const int kind, const 
         for (int64_t n = 0; n < N; n++) {                                                      \
             const uint8_t *wr = w + n * row_bytes;                                             \
             int64_t r = 0;                                                                     \
-            for (; r + 1 < rows; r += 2)                                                       \
-                gg_rows(wr, nb, KIND, x + r * K, x + (r + 1) * K, out + r * N + n,             \
-                        out + (r + 1) * N + n);                                                \
-            if (r < rows) gg_rows(wr, nb, KIND, x + r * K, NULL, out + r * N + n, NULL);       \
+            for (; r + 4 <= rows; r += 4) gg_tile(wr, nb, KIND, x + r * K, K, out + r * N + n, N, 4); \
+            if (r + 2 <= rows) {                                                               \
+                gg_tile(wr, nb, KIND, x + r * K, K, out + r * N + n, N, 2);                    \
+                r += 2;                                                                        \
+            }                                                                                  \
+            if (r < rows) gg_tile(wr, nb, KIND, x + r * K, K, out + r * N + n, N, 1);          \
         }                                                                                      \
     }
 GG_MATMUL(gg_matmul_q4_0, GG_Q4_0)
