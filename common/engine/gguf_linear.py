@@ -50,6 +50,7 @@ class GgufOps:
     def matmul(self, x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
         """x (T, K) float32 @ W.T, W (N, K) as `blocks` (N, K / 32 * block bytes) -> (T, N)."""
         assert x.dtype == torch.float32 and x.is_contiguous() and blocks.is_contiguous()
+        assert x.device.type == blocks.device.type == "cpu"  # raw pointers: host memory only
         rows, k = x.shape
         n = blocks.shape[0]
         assert blocks.shape[1] * BLOCK == k * BLOCK_BYTES[kind], (blocks.shape, k, kind)
