@@ -20,6 +20,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from pdserve.common.errors import ConfigError
 from pdserve.common.numerics import choose_dtype
+from pdserve.common.quant_choice import auto_quantization
 
 T = TypeVar("T")
 
@@ -122,31 +123,11 @@ class EngineConfig:
             logging.getLogger(__name__).info("--dtype auto: %s (%s)", chosen, why)
             object.__setattr__(self, "dtype", chosen)
         if self.quantization == "auto":  # resolved here too: nodes compare the result
-            object.__setattr__(self, "quantization", self._auto_quantization())
+            chosen = auto_quantization(self.model, self.engine, self.device, self.dtype,
+                                       self.cpu_kernels)  # fmt: skip
+            object.__setattr__(self, "quantization", chosen)
         if self.engine == "torch" and self.device == "cpu" and self.dtype == "float16":
             raise ConfigError("float16 on CPU is slow and inexact: use float32 or bfloat16")
-
-    def _auto_quantization(self) -> str:
-        """int4 for a GGUF model on CPU: in bfloat16 always (torch's 4-bit kernel); in float32
-        where gguf_matmul.c's kernel beats dense in a measurement cached per CPU and build."""
-        gguf = self.model is None or str(self.model).endswith(".gguf")
-        if not gguf or self.engine != "torch" or self.device != "cpu":
-            return "none"
-        if self.dtype == "bfloat16":
-            return "int4"
-        if self.dtype != "float32" or self.cpu_kernels == "off":
-            return "none"
-        from pdserve.common.cbuild import build
-        from pdserve.common.quant_choice import choice
-
-        built = build()
-        if isinstance(built, str):
-            logging.getLogger(__name__).warning("--quantization auto: none (%s)", built)
-            return "none"
-        pays, why = choice(built.stem, built.parent)
-        logging.getLogger(__name__).info("--quantization auto: %s (%s)",
-                                         "int4" if pays else "none", why)  # fmt: skip
-        return "int4" if pays else "none"
 
 
 def _flag_name(name: str) -> str:

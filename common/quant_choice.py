@@ -66,3 +66,24 @@ def choice(key: str, cache: Path) -> tuple[bool, str]:
     why = (f"a 1536x576 row: 4-bit blocks {kernel_s * 1e6:.0f} us, "
            f"dense float32 {dense_s * 1e6:.0f} us")  # fmt: skip
     return kernel_pays(kernel_s, dense_s), why
+
+
+def auto_quantization(model: str | None, engine: str, device: str, dtype: str, kernels: str) -> str:
+    """`--quantization auto` resolved: int4 for a GGUF model on CPU, in bfloat16 always (torch's
+    4-bit kernel), in float32 where gguf_matmul.c's kernel beats dense (`choice`); else none."""
+    gguf = model is None or str(model).endswith(".gguf")
+    if not gguf or engine != "torch" or device != "cpu":
+        return "none"
+    if dtype == "bfloat16":
+        return "int4"
+    if dtype != "float32" or kernels == "off":
+        return "none"
+    from pdserve.common.cbuild import build
+
+    built = build()
+    if isinstance(built, str):
+        log.warning("--quantization auto: none (%s)", built)
+        return "none"
+    pays, why = choice(built.stem, built.parent)
+    log.info("--quantization auto: %s (%s)", "int4" if pays else "none", why)
+    return "int4" if pays else "none"
