@@ -27,7 +27,8 @@ def test_the_wheel_installs_only_pdserve_with_every_layer_inside(tmp_path):
     for layer in ("common", "gateway", "prefill_node", "decode_node", "colocated_node", "loadgen"):
         assert (pkg / layer / "__init__.py").is_file() and not (pkg / layer).is_symlink()
     assert (pkg / "common" / "engine" / "model.py").is_file()
-    assert (pkg / "common" / "engine" / "cpu_kernels.c").is_file()  # built where it runs
+    for source in ("cpu_kernels.c", "gguf_matmul.c"):  # built where they run (cbuild.py)
+        assert (pkg / "common" / "engine" / source).is_file()
     assert not any(os.path.islink(os.path.join(d, f)) for d, _, fs in os.walk(pkg) for f in fs)
     code = "import pdserve.cli, pdserve.common.protocol; print(pdserve.cli.__file__)"
     out = subprocess.run(
