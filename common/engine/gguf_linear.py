@@ -138,19 +138,14 @@ def _group(
 def quantize_gguf(model: nn.Module, path: object, cfg: Any, ops: GgufOps) -> tuple[int, bool]:
     """Replace the projections (fused qkv, o_proj, gate_up, down_proj) and the LM head by
     GgufLinear on the GGUF's blocks; (projections replaced, whether the head was)."""
+    from pdserve.common.engine.quant import gguf_projections
     from pdserve.common.model_config import open_gguf
 
     tensors = {t.name: t for t in open_gguf(path).tensors}  # type: ignore[arg-type]
     rows: StepRows = model.step_rows  # type: ignore[assignment]
     replaced = 0
     for i, layer in enumerate(model.layers):  # type: ignore[union-attr, arg-type]
-        attn, mlp = layer.self_attn, layer.mlp
-        groups = {
-            (attn, "qkv"): [("attn_q", cfg.num_heads), ("attn_k", cfg.num_kv_heads), ("attn_v", 0)],
-            (attn, "o_proj"): [("attn_output", 0)],
-            (mlp, "gate_up"): [("ffn_gate", 0), ("ffn_up", 0)],
-            (mlp, "down_proj"): [("ffn_down", 0)],
-        }
+        groups = gguf_projections(layer, cfg)
         for (owner, attr), names in groups.items():
             linear = getattr(owner, attr)
             got = _group(tensors, i, names)

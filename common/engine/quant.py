@@ -21,6 +21,8 @@ activations the same kernel takes 936 us, so the int4 path is for bf16 activatio
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import nn
@@ -179,6 +181,18 @@ def _q4(tensor: object, rows: int, cols: int, heads: int = 0) -> tuple[np.ndarra
 DENSE_FROM = 16  # rows from which a projection runs dense (measured crossover: 8-32 rows)
 
 
+def gguf_projections(layer: Any, cfg: Any) -> dict[tuple[Any, str], list[tuple[str, int]]]:
+    """A decoder layer's fused projections -> the GGUF tensors they are made of, each with the
+    head count to un-permute its rows by for RoPE (0: none), in the order they are stacked."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return {
+        (attn, "qkv"): [("attn_q", cfg.num_heads), ("attn_k", cfg.num_kv_heads), ("attn_v", 0)],
+        (attn, "o_proj"): [("attn_output", 0)],
+        (mlp, "gate_up"): [("ffn_gate", 0), ("ffn_up", 0)],
+        (mlp, "down_proj"): [("ffn_down", 0)],
+    }
+
+
 def quantize_gguf_linears(model: nn.Module, path: object, cfg: object, dtype: torch.dtype) -> int:
     """Replace the model's projections (fused qkv, o_proj, fused gate_up, down_proj) by
     Int4Linear built from the GGUF's Q4 blocks; how many were replaced. A projection any of
@@ -188,14 +202,7 @@ def quantize_gguf_linears(model: nn.Module, path: object, cfg: object, dtype: to
     tensors = {t.name: t for t in open_gguf(path).tensors}  # type: ignore[arg-type]
     replaced = 0
     for i, layer in enumerate(model.layers):  # type: ignore[union-attr, arg-type]
-        attn, mlp = layer.self_attn, layer.mlp
-        groups = {
-            (attn, "qkv"): [("attn_q", cfg.num_heads), ("attn_k", cfg.num_kv_heads),  # type: ignore[attr-defined]
-                            ("attn_v", 0)],
-            (attn, "o_proj"): [("attn_output", 0)],
-            (mlp, "gate_up"): [("ffn_gate", 0), ("ffn_up", 0)],
-            (mlp, "down_proj"): [("ffn_down", 0)],
-        }  # fmt: skip
+        groups = gguf_projections(layer, cfg)
         for (owner, attr), names in groups.items():
             linear = getattr(owner, attr)
             if not isinstance(linear, nn.Linear) or linear.bias is not None:
