@@ -96,7 +96,7 @@ def study(name: str, specs: list[RequestSpec], slo_text: str, scale: float) -> l
     slo = parse_slo(slo_text)
     base = SimConfig(1, 1, PROFILE)
     start = time.perf_counter()
-    ranked = plan_splits(specs, slo, BUDGET, base)
+    ranked = plan_splits(specs, slo, BUDGET, base).ranked
     took = time.perf_counter() - start
     best = ranked[0].cfg
     predicted: dict[tuple[int, int, int], Candidate] = {
@@ -107,7 +107,9 @@ def study(name: str, specs: list[RequestSpec], slo_text: str, scale: float) -> l
         cfg = dataclasses.replace(best, prefill=x, decode=y)
         key = (x, y, cfg.prefill_max_batch)
         if key not in predicted:
-            predicted[key] = evaluate(specs, cfg, slo)
+            c = evaluate(specs, cfg, slo)
+            assert isinstance(c, Candidate)  # nothing to beat: it runs to its end
+            predicted[key] = c
         p = predicted[key].row()
         m = measure(specs, slo, cfg, scale)
         row = {

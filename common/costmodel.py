@@ -160,16 +160,36 @@ class CostModel:
         context length of every decoding sequence. 0 for an empty step."""
         if not prefills and not decode_contexts:
             return 0.0
+        return self._roofline(
+            sum(n for n, _ in prefills) + len(decode_contexts),
+            sum(n * (cached + (n + 1) / 2) for n, cached in prefills) + sum(decode_contexts),
+            sum(cached for _, cached in prefills) + sum(decode_contexts),
+        )
+
+    def decode_batch_seconds(self, batch: int, total_context: int) -> float:
+        """A decode step of `batch` sequences whose contexts sum to `total_context`: the
+        same float as `step_seconds((), contexts)` (the planner's decode runs rely on it)."""
+        if batch <= 0:
+            return 0.0
+        return self._roofline(batch, total_context, total_context)
+
+    def _roofline(self, new_tokens: int, attn_work: float, kv_read: int) -> float:
         m, g = self.model, self.gpu
         q_dim = m.num_heads * m.head_dim
-        new_tokens = sum(n for n, _ in prefills) + len(decode_contexts)
-        attn_work = sum(n * (cached + (n + 1) / 2) for n, cached in prefills) + sum(decode_contexts)
         flops = 2 * m.params * new_tokens + 4 * m.num_layers * q_dim * attn_work
-        kv_read = sum(cached for _, cached in prefills) + sum(decode_contexts)
         bytes_moved = m.weight_bytes + m.kv_bytes_per_token * (kv_read + new_tokens)
         compute = flops / (g.peak_flops * g.mfu)
         memory = bytes_moved / (g.mem_bw * g.bw_eff)
         return (max(compute, memory) + g.step_overhead_s) * self.time_scale
+
+    def prefill_compute_seconds(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """The FLOP term alone of prefilling these tokens: what a prompt adds to any step it
+        shares (a batched step lasts at least the sum of its prompts' terms)."""
+        m, g = self.model, self.gpu
+        q_dim = m.num_heads * m.head_dim
+        attn_work = new_tokens * (cached_tokens + (new_tokens + 1) / 2)
+        flops = 2 * m.params * new_tokens + 4 * m.num_layers * q_dim * attn_work
+        return flops / (g.peak_flops * g.mfu) * self.time_scale
 
     def prefill_seconds(self, new_tokens: int, cached_tokens: int = 0) -> float:
         return self.step_seconds([(new_tokens, cached_tokens)])

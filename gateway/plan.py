@@ -84,13 +84,30 @@ def plan(
     index: PrefixIndex | None = None,
 ) -> list[Pair]:
     colocated = views(cluster, table, "colocated", index, need)
-    if colocated:  # the colocated baseline: one engine runs both phases of a request
-        return [(n, n) for n in policy.prefill_order(colocated, need)]
-    decode = policy.pick_decode(views(cluster, table, "decode", index, need), need)
-    if decode is None:
+    if colocated:
+        return choose(policy, colocated, [], [], need)
+    decode = views(cluster, table, "decode", index, need)
+    if not decode:
         return []
     prefill = views(cluster, table, "prefill", index, need, fetch_holders(cluster, index, need))
-    return [(n, decode) for n in policy.prefill_order(prefill, need)]
+    return choose(policy, [], decode, prefill, need)
+
+
+def choose(
+    policy: Policy,
+    colocated: list[NodeView],
+    decode: list[NodeView],
+    prefill: list[NodeView],
+    need: Need,
+) -> list[Pair]:
+    """The pairs to offer, from the nodes' views (`plan` derives them; the planner's
+    simulation keeps them between decisions while no node changed)."""
+    if colocated:  # the colocated baseline: one engine runs both phases of a request
+        return [(n, n) for n in policy.prefill_order(colocated, need)]
+    picked = policy.pick_decode(decode, need)
+    if picked is None:
+        return []
+    return [(n, picked) for n in policy.prefill_order(prefill, need)]
 
 
 def redirect(

@@ -5,17 +5,21 @@
 
 The workload flags are `pdserve bench`'s (synthetic lengths and arrivals, or a Mooncake
 trace): the workload planned is the one a benchmark would send. Prints the recommended
-split with its predicted TTFT/TPOT p50/p99 and goodput, then the runners-up.
+split with its predicted TTFT/TPOT p50/p99 and goodput, then the runners-up. While it
+searches, a progress line on stderr shows each simulation in flight and the best split so
+far; `--max-seconds` answers with the best found when the time is up.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 from pdserve.loadgen.bench import add_workload_flags, build_workload
 from pdserve.loadgen.metrics import parse_slo
+from pdserve.planner.progress import Progress, cores
 from pdserve.planner.search import plan_splits
 from pdserve.planner.sim import SimConfig
 
@@ -37,7 +41,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scheduler", default="on_demand", help="placement policy")
     p.add_argument("--admission", default="spf", help="admission order")
     p.add_argument("--prefix-caching", choices=["on", "off"], default="on")
+    p.add_argument("--max-prefill", type=int, default=None, help="most prefill nodes")
+    p.add_argument("--max-decode", type=int, default=None, help="most decode nodes")
+    p.add_argument("--workers", type=int, default=0, help="simulations at once (0: one per core)")
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="answer with the best split found when this much time has passed",
+    )
     p.add_argument("--show", type=int, default=5, help="runners-up printed")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     p.set_defaults(func=main)
 
@@ -59,13 +73,44 @@ def main(args: argparse.Namespace) -> int:
     )
     batches = tuple(int(b) for b in args.try_max_batch.split(",") if b.strip())
     start = time.perf_counter()
-    ranked = plan_splits(specs, slo, args.budget, base, batches)
+    line = Progress(sys.stderr, start) if not args.no_progress else None
+    plan = plan_splits(
+        specs,
+        slo,
+        args.budget,
+        base,
+        batches,
+        max_prefill=args.max_prefill,
+        max_decode=args.max_decode,
+        workers=args.workers or cores(),
+        max_seconds=args.max_seconds,
+        progress=line,
+    )
+    if line is not None:
+        line.close()
     took = time.perf_counter() - start
-    rows = [c.row() for c in ranked]
+    if not plan.ranked:
+        print(f"no split simulated to its end within --max-seconds {args.max_seconds}")
+        return 1
+    rows = [c.row() for c in plan.ranked]
     if args.json:
-        print(json.dumps({"recommended": rows[0], "tried": rows, "seconds": round(took, 2)}))
+        print(
+            json.dumps(
+                {
+                    "recommended": rows[0],
+                    "tried": rows,
+                    "skipped_by_bound": plan.skipped,
+                    "stopped_early": plan.cut,
+                    "notes": plan.notes,
+                    "finished": plan.finished,
+                    "seconds": round(took, 2),
+                }
+            )
+        )
         return 0
     best = rows[0]
+    if not plan.finished:
+        print(f"--max-seconds {args.max_seconds} ran out: the best split found so far")
     print(
         f"recommended: {best['split']} (prefill --max-batch {best['prefill_max_batch']}): "
         f"goodput {best['goodput']} req/s ({best['goodput_per_node']} per node), "
@@ -77,5 +122,12 @@ def main(args: argparse.Namespace) -> int:
     print("\n| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
     for row in rows[: args.show + 1]:
         print("| " + " | ".join(str(row[k]) for k in keys) + " |")
-    print(f"\n{len(rows)} configurations simulated in {took:.1f} s ({len(specs)} requests each)")
+    for note in plan.notes:
+        print(f"\n{note}")
+    print(
+        f"\n{len(rows)} configurations simulated in {took:.1f} s ({len(specs)} requests "
+        f"each); {plan.cut} more stopped early once their missed requests showed they could "
+        f"not win, {plan.skipped} more skipped: the cost model bounds their goodput per "
+        "node below the recommendation's"
+    )
     return 0

@@ -5,72 +5,64 @@ Objective: goodput per node (requests meeting every SLO per second, the load gen
 definition, divided by the nodes used), then total goodput, then fewer nodes. A budget is
 a ceiling, not a target: for the workload as given (its arrival rate included), the planner
 right-sizes, and a split that serves everything within SLO on fewer nodes beats a larger
-one. Splits are tried by total size upward (every xPyD with x + y = n); once some split of
-n nodes meets the SLOs for (nearly) every request, no larger one can do better per node
-and the search stops. The best few splits are then tried with other prefill batch limits
-(`--max-batch`, the on-demand accept rule's `bp`); a decode node always runs every sequence
-it holds.
+one.
+
+Branch and bound: every split within the budget (and the per-role ceilings) gets an upper
+bound on its goodput per node from the cost model (planner/bounds.py), and splits are
+simulated best bound first, one process per core. A simulation also bounds itself as it
+goes (the requests it has already lost, candidate.py `missed`): it stops once that bound
+falls below the best split simulated (the split is dropped) or well below the next split's
+bound (it goes back in the queue with its new bound, and when that is the highest left
+runs again, then until it cannot beat the best). A large workload's first split is the one
+its first eighth's plan recommends, run to its end, so that the others have a best to beat
+from the start. The search ends when no bound left beats the best split. The best few are
+then tried with other prefill batch limits (`--max-batch`, the on-demand accept rule's
+`bp`) unless the limit never bound: a limit above the largest batch a prefill node ever
+held changes nothing.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
-from pdserve.loadgen.metrics import meets, summarize
+from pdserve.common.costmodel import CostModel
 from pdserve.loadgen.workloads import RequestSpec
+from pdserve.planner.bounds import Bounds
+from pdserve.planner.candidate import Candidate, Stopped, evaluate
+from pdserve.planner.pool import Pool
 from pdserve.planner.sim import ClusterSim, SimConfig
 
-SATURATED = 0.99  # SLO attainment past which more nodes cannot raise goodput per node
+__all__ = ["Candidate", "Plan", "evaluate", "plan_splits", "splits"]
+
 REFINE = 3  # splits tried with the other prefill batch limits
+TIE = 1e-6  # goodput per node is compared rounded to this (Candidate.key)
+DEFER = 0.8  # a simulation is put back once its bound falls below this x the next one's
+SEED_AT = 2000  # from this many requests, a plan of the first eighth picks the first split
 
 
 @dataclass
-class Candidate:
-    cfg: SimConfig
-    summary: dict[str, Any]
-    attainment: float  # share of requests meeting every SLO
-    replacements: int  # preemptions re-placed (recomputed)
-    seconds: float  # simulation wall time
-
-    @property
-    def nodes(self) -> int:
-        return self.cfg.prefill + self.cfg.decode
-
-    @property
-    def goodput_per_node(self) -> float:
-        return float(self.summary["goodput"]) / self.nodes
-
-    def key(self) -> tuple[float, float, int]:
-        return (-round(self.goodput_per_node, 6), -float(self.summary["goodput"]), self.nodes)
-
-    def row(self) -> dict[str, Any]:
-        s = self.summary
-        return {
-            "split": f"{self.cfg.prefill}P{self.cfg.decode}D",
-            "prefill_max_batch": self.cfg.prefill_max_batch,
-            "goodput": s["goodput"],
-            "goodput_per_node": round(self.goodput_per_node, 4),
-            "slo_attainment": round(self.attainment, 4),
-            "ttft_ms_p50": s["ttft_ms_p50"],
-            "ttft_ms_p99": s["ttft_ms_p99"],
-            "tpot_ms_p50": s["tpot_ms_p50"],
-            "tpot_ms_p99": s["tpot_ms_p99"],
-            "recomputed": self.replacements,
-        }
+class Plan:
+    ranked: list[Candidate]  # every split simulated, best first
+    skipped: int = 0  # splits whose bound could not beat the best
+    cut: int = 0  # simulations stopped once their misses showed they could not beat it
+    notes: list[str] = field(default_factory=list)
+    finished: bool = True  # False: --max-seconds ran out (the best found so far)
 
 
-def evaluate(specs: list[RequestSpec], cfg: SimConfig, slo: dict[str, float]) -> Candidate:
-    start = time.perf_counter()
-    sim = ClusterSim(cfg)
-    records = sim.run(specs)
-    summary = summarize(records, slo)
-    good = sum(meets(r, slo) for r in records)
-    return Candidate(
-        cfg, summary, good / max(1, len(records)), sim.replacements, time.perf_counter() - start
-    )
+def splits(
+    budget: int, max_prefill: int | None = None, max_decode: int | None = None
+) -> Iterator[tuple[int, int]]:
+    """Every xPyD with x + y <= budget within the per-role ceilings."""
+    if budget < 2:
+        raise ValueError("a node budget of at least 2 (one prefill, one decode) is needed")
+    for n in range(2, budget + 1):
+        for x in range(1, n):
+            if x <= (max_prefill or n) and n - x <= (max_decode or n):
+                yield x, n - x
 
 
 def plan_splits(
@@ -79,23 +71,130 @@ def plan_splits(
     budget: int,
     base: SimConfig,
     batches: tuple[int, ...] = (),
-) -> list[Candidate]:
-    """Every split tried, best first (see the module's note for the order and the cut)."""
-    if budget < 2:
-        raise ValueError("a node budget of at least 2 (one prefill, one decode) is needed")
-    tried: list[Candidate] = []
-    for n in range(2, budget + 1):
-        size = [
-            evaluate(specs, dataclasses.replace(base, prefill=x, decode=n - x), slo)
-            for x in range(1, n)
-        ]
-        tried += size
-        if max(c.attainment for c in size) >= SATURATED:
-            break
-    tried.sort(key=Candidate.key)
-    for c in tried[:REFINE]:
-        for b in batches:
-            if b != c.cfg.prefill_max_batch:
-                tried.append(evaluate(specs, dataclasses.replace(c.cfg, prefill_max_batch=b), slo))
-    tried.sort(key=Candidate.key)
-    return tried
+    *,
+    max_prefill: int | None = None,
+    max_decode: int | None = None,
+    workers: int = 1,
+    max_seconds: float | None = None,
+    progress: Callable[[Pool, Candidate | None], None] | None = None,
+) -> Plan:
+    """The splits simulated, best first (see the module's note for the order and the cut)."""
+    cost = CostModel.named(base.profile)
+    probe = ClusterSim(dataclasses.replace(base, prefill=1, decode=1))
+    node = probe.nodes["decode-0"].info
+    bounds = Bounds.of(
+        specs, slo, cost, node.block_size, node.num_blocks * node.block_size, base.step_overhead_s
+    )
+    # (bound, x, y): best bound first; a split stopped early comes back with the (lower)
+    # bound its lost requests left it
+    todo = [
+        (bounds.goodput_per_node(x, y), x, y) for x, y in splits(budget, max_prefill, max_decode)
+    ]
+    todo.sort(key=_order)
+    seed = _seed(specs, slo, budget, base, max_prefill, max_decode, workers, max_seconds)
+    if seed is not None:  # first, and run to its end: the best to beat from then on
+        at = next(i for i, t in enumerate(todo) if t[1:] == seed)
+        todo.insert(0, todo.pop(at))
+    deadline = time.monotonic() + max_seconds if max_seconds else None
+    deferred: set[tuple[int, int]] = set()
+    plan = Plan([])
+    with Pool(specs, slo, workers, deadline, bounds.prefill_work.tolist()) as pool:
+
+        def best() -> float:
+            return max((c.goodput_per_node for c in plan.ranked), default=-1.0)
+
+        def collect() -> None:
+            for c in pool.wait():
+                if isinstance(c, Stopped):
+                    if c.bound < best() - TIE:
+                        plan.cut += 1
+                    else:  # behind the splits whose bounds are higher now
+                        item = (c.bound, c.cfg.prefill, c.cfg.decode)
+                        bisect.insort(todo, item, key=_order)
+                        deferred.add(item[1:])
+                    continue
+                plan.ranked.append(c)
+                if progress is not None:
+                    progress(pool, c)
+
+        while todo and not pool.expired:
+            bound, x, y = todo[0]
+            if bound < best() - TIE:
+                break  # no split left can beat the best one simulated
+            if pool.full:
+                collect()
+                continue
+            todo.pop(0)
+            # stop it once it cannot beat the best, or falls well below the next split's
+            # bound (it comes back when that is the highest left: each time >= 1/DEFER lower)
+            ask = max(best() - TIE, DEFER * todo[0][0] if todo else -1.0)
+            if (x, y) in deferred:  # put back once already: it runs until it cannot win
+                ask = best() - TIE
+            if (x, y) == seed:
+                ask, seed = -1.0, None
+            cfg = dataclasses.replace(base, prefill=x, decode=y)
+            pool.submit(cfg, bound, (ask, bounds.least_end))
+            if progress is not None:
+                progress(pool, None)
+        while pool.busy and not pool.expired:
+            collect()
+        plan.skipped = len(todo)
+        plan.ranked.sort(key=Candidate.key)
+        same: dict[str, list[int]] = {}  # split -> limits not simulated (never bound)
+        for c in plan.ranked[:REFINE]:
+            for b in batches:
+                if b == c.cfg.prefill_max_batch or pool.expired:
+                    continue
+                if c.peak_batch < min(b, c.cfg.prefill_max_batch):
+                    same.setdefault(f"{c.name} (held <= {c.peak_batch})", []).append(b)
+                    continue
+                retry = dataclasses.replace(c.cfg, prefill_max_batch=b)
+                pool.submit(retry, c.bound, (best() - TIE, bounds.least_end))
+        if same:
+            plan.notes.append(
+                f"the prefill batch limit never bound in {', '.join(same)}: the prefill nodes "
+                f"never held as many sequences as --max-batch {base.prefill_max_batch} or "
+                f"{', '.join(str(b) for b in sorted({b for v in same.values() for b in v}))} "
+                "allow, so those limits give the same results and were not simulated"
+            )
+        while pool.busy and not pool.expired:
+            collect()
+        plan.finished = not pool.expired
+    plan.ranked.sort(key=Candidate.key)
+    return plan
+
+
+def _order(item: tuple[float, int, int]) -> tuple[float, int, int]:
+    bound, x, y = item
+    return (-bound, x + y, x)
+
+
+def _seed(
+    specs: list[RequestSpec],
+    slo: dict[str, float],
+    budget: int,
+    base: SimConfig,
+    max_prefill: int | None,
+    max_decode: int | None,
+    workers: int,
+    max_seconds: float | None,
+) -> tuple[int, int] | None:
+    """For a large workload: the best split for its first eighth (planned the same way), a
+    guess at the best for the whole. Simulated first, it gives the others a goodput per node
+    to beat at once, so the overloaded splits the loose bounds rank first stop early."""
+    if len(specs) < SEED_AT:
+        return None
+    part = sorted(specs, key=lambda s: s.arrival)[: len(specs) // 8]
+    quick = plan_splits(
+        part,
+        slo,
+        budget,
+        base,
+        max_prefill=max_prefill,
+        max_decode=max_decode,
+        workers=workers,
+        max_seconds=max_seconds / 4 if max_seconds else None,
+    )
+    if not quick.ranked:
+        return None
+    return quick.ranked[0].cfg.prefill, quick.ranked[0].cfg.decode

@@ -3,12 +3,17 @@
 Nothing is re-implemented that the cluster already has. Each node is the engine's own
 `Scheduler` (common/engine/scheduler.py) in its role's mode, and a step lasts what the cost
 model says (common/costmodel.py: the formulas the sim engine sleeps for). Placement is the
-gateway's own: waiting requests take turns in the admission order (gateway/admission.py),
-each asks `plan()` (gateway/plan.py) with the configured policy over a `ClusterView` and
-`RequestTable`, and each prefill node asked answers at once by its scheduler's `can_take`
-(on-demand forwarding). Decode blocks are reserved at placement, the KV arrives
-`transfer_seconds` after the prefill step ends, and a decode node preempting hands the
-request back to be placed again, as the real ones do.
+gateway's own round (planner/rounds.py): waiting requests take turns in the admission order
+(gateway/admission.py), each asks the gateway's policy over the nodes' views, and each
+prefill node asked answers at once by its scheduler's `can_take` (on-demand forwarding). As
+the gateway's, a round runs when capacity may have freed or a request arrived, not after a
+decode step that only grew its sequences. Decode blocks are reserved at placement, the KV
+arrives `transfer_seconds` after the prefill step ends, and a decode node preempting hands
+the request back to be placed again, as the real ones do.
+
+Cost: one event per request phase, not per token. A decode node steps in runs between the
+events that change its batch (planner/decode_run.py), with the same tokens and times as
+stepping it (`decode_runs=False`, kept for the tests that say so).
 
 What it leaves out: message latency and the gateway's view lagging the nodes' (it reads
 their state at each decision), and the cluster's prefix index (placement is cache-blind;
@@ -22,65 +27,28 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Literal, cast
 
-from pdserve.common.config import EngineConfig
 from pdserve.common.costmodel import CostModel
-from pdserve.common.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.common.engine.sequence import SeqStatus, Sequence
-from pdserve.common.protocol import Load, NodeInfo
+from pdserve.common.protocol import Load
 from pdserve.common.sampling import SamplingParams
-from pdserve.gateway.admission import Waiting, order
+from pdserve.gateway.admission import Waiting
 from pdserve.gateway.cluster import ClusterView
-from pdserve.gateway.plan import plan
-from pdserve.gateway.policies import Need, make_policy
+from pdserve.gateway.policies import make_policy
 from pdserve.gateway.requests import GatewayRequest
 from pdserve.gateway.table import RequestTable
 from pdserve.loadgen.metrics import RequestRecord
 from pdserve.loadgen.workloads import RequestSpec
+from pdserve.planner.decode_run import TOKEN, DecodeRun, plan_run
+from pdserve.planner.rounds import Rounds
+from pdserve.planner.simnodes import FINGERPRINT, SimConfig, SimNode, SimRequest, make_node
 
-FINGERPRINT = "sim"
+__all__ = ["ClusterSim", "SimConfig"]
 
-
-@dataclass(frozen=True)
-class SimConfig:
-    prefill: int
-    decode: int
-    profile: str = "h100-llama3.1-8b"
-    prefill_max_batch: int = 32
-    decode_max_batch: int = 1 << 30  # a decode node runs every sequence it holds
-    max_batch_tokens: int = 8192
-    chunk_size: int = 0
-    num_kv_blocks: int = 0  # 0: what the profile's memory holds
-    prefix_caching: bool = True
-    policy: str = "on_demand"
-    decode_placement: str = "spread"
-    admission: str = "spf"
-    admission_max_wait: float = 3.0
-    admission_aging: float = 0.5
-    step_overhead_s: float = 0.0  # added to every step (the real nodes' loop, if measured)
-
-
-@dataclass(eq=False)
-class _Node:
-    info: NodeInfo
-    sched: Scheduler
-    busy: bool = False
-    out: SchedulerOutput | None = None
-
-
-@dataclass(eq=False)
-class _Request:
-    spec: RequestSpec
-    index: int
-    req: GatewayRequest
-    record: RequestRecord
-    entry: Waiting
-    prefill: str = ""  # node ids of its current attempt
-    decode: str = ""
-    reserved: list[int] = field(default_factory=list)  # decode blocks held for its KV
-    seq: Sequence | None = None
+PROGRESS_EVERY = 1024  # events between progress reports (and give-up checks), at most
+PROGRESS_MIN = 64
 
 
 class ClusterSim:
@@ -90,55 +58,41 @@ class ClusterSim:
         self.policy = make_policy(cfg.policy, cfg.profile, cfg.decode_placement)
         self.cluster = ClusterView(math.inf)
         self.table = RequestTable()
-        self.nodes: dict[str, _Node] = {}
+        self.nodes: dict[str, SimNode] = {}
         self.now = 0.0
-        self.events: list[tuple[float, int, str, str]] = []
+        self.events: list[tuple[float, int, str, str, int]] = []
         self._ticket = itertools.count()
-        self.waiting: dict[str, _Request] = {}  # by request id, arrival order
-        self.requests: dict[str, _Request] = {}  # by wire id, placed
+        self.waiting: dict[str, SimRequest] = {}  # by request id, arrival order
+        self.requests: dict[str, SimRequest] = {}  # by wire id, placed
         self.replacements = 0
+        self.finished = 0
+        self.events_done = 0  # events processed (a decode run is one)
+        self.arrived: dict[int, SimRequest] = {}  # by index in the workload
+        self.total = 0
+        self.rounds = Rounds(self, self._commit)
+        self._changed = False  # capacity may have freed, or a request arrived: a round is due
+        self._kick: set[str] = set()  # nodes that may start a step
         for i in range(cfg.prefill):
             self._add_node("prefill", f"prefill-{i}")
         for i in range(cfg.decode):
             self._add_node("decode", f"decode-{i}")
 
+    @property
+    def peak_prefill_batch(self) -> int:
+        """The most sequences any prefill node's batch held: a batch limit above it never
+        bound (every offer refused was refused for tokens or KV, not for the count)."""
+        return max((n.peak_batch for n in self.nodes.values()), default=0)
+
     # -- set-up ------------------------------------------------------------------------------
     def _add_node(self, role: Literal["prefill", "decode"], node_id: str) -> None:
-        cfg = self.cfg
-        ecfg = EngineConfig(
-            engine="sim",
-            sim_profile=cfg.profile,
-            max_batch=cfg.prefill_max_batch if role == "prefill" else cfg.decode_max_batch,
-            max_batch_tokens=cfg.max_batch_tokens if role == "prefill" else 1 << 30,
-            chunk_size=cfg.chunk_size if role == "prefill" else 0,
-            prefix_caching="on" if cfg.prefix_caching else "off",
-        )
-        block = ecfg.block_size
-        blocks = cfg.num_kv_blocks or max(1, self.cost.kv_capacity_tokens() // block)
-        model_id = f"sim-{cfg.profile}"
-        sched = Scheduler(SchedulerConfig.of(ecfg, blocks, block, role, model_id))
-        info = NodeInfo(
-            node_id=node_id,
-            role=role,
-            data_address="",
-            host_id="sim",
-            model_id=model_id,
-            dtype="sim",
-            tokenizer_fingerprint=FINGERPRINT,
-            kv_layout="sim",
-            block_size=block,
-            num_blocks=blocks,
-            max_batch=ecfg.max_batch,
-            max_batch_tokens=ecfg.max_batch_tokens,
-            max_model_len=self.cost.model.max_context,
-        )
-        refused = self.cluster.register(info, node_id.encode(), 0.0, FINGERPRINT)
+        node = make_node(self.cfg, self.cost, role, node_id, len(self.nodes))
+        refused = self.cluster.register(node.info, node_id.encode(), 0.0, FINGERPRINT)
         assert refused is None, refused
-        self.nodes[node_id] = _Node(info, sched)
+        self.nodes[node_id] = node
         self._report(node_id)
 
-    def _report(self, node_id: str) -> None:
-        """The node's load as its heartbeat would say it, now (no reporting lag)."""
+    def _report(self, node_id: str, at: float | None = None) -> None:
+        """The node's load as its heartbeat would say it (no reporting lag)."""
         node = self.nodes[node_id]
         sched, bm = node.sched, node.sched.block_manager
         load = Load(
@@ -150,37 +104,50 @@ class ClusterSim:
             blocks_cached=0,
             blocks_in_use=bm.num_in_use_blocks,
         )
-        self.cluster.heartbeat(node_id, node_id.encode(), load, self.now)
+        self.cluster.heartbeat(node_id, node_id.encode(), load, self.now if at is None else at)
+        self.rounds.forget(node_id)
 
     # -- the run -----------------------------------------------------------------------------
-    def run(self, specs: list[RequestSpec]) -> list[RequestRecord]:
-        """Every request to its end; their records (sent = arrival offset)."""
-        records = []
+    def run(
+        self, specs: list[RequestSpec], watch: Callable[[ClusterSim], None] | None = None
+    ) -> list[RequestRecord]:
+        """Every request to its end; their records (sent = arrival offset). `watch` is
+        called now and then (it may end the run by raising)."""
         for i, spec in enumerate(specs):
             self._push(spec.arrival, "arrive", str(i))
-        by_index: dict[int, _Request] = {}
+        self.total = len(specs)
+        every = max(PROGRESS_MIN, min(PROGRESS_EVERY, len(specs) // 8))
+        by_index = self.arrived
         while self.events:
-            self.now, _, kind, key = heapq.heappop(self.events)
+            self.events_done += 1
+            if watch is not None and self.events_done % every == 0:
+                watch(self)
+            self.now, _, kind, key, gen = heapq.heappop(self.events)
             if kind == "arrive":
                 r = self._arrive(specs[int(key)], int(key))
                 by_index[r.index] = r
-            elif kind == "step":
-                self._step_done(self.nodes[key])
             elif kind == "kv":
                 self._kv_arrived(key)
-            self._place()
-            for node in self.nodes.values():
-                if not node.busy:
-                    self._start_step(node)
-        for i in range(len(specs)):
-            records.append(by_index[i].record)
-        return records
+            elif self.nodes[key].gen != gen:
+                continue  # a run cut short: its end moved
+            elif kind == "step":
+                self._step_done(self.nodes[key])
+            else:
+                self._run_done(self.nodes[key])
+            if self._changed:
+                self._changed = False
+                self._sync_decodes()
+                self.rounds.run()
+            for node_id in sorted(self._kick, key=lambda n: self.nodes[n].index):
+                self._start_step(self.nodes[node_id])
+            self._kick.clear()
+        return [by_index[i].record for i in range(len(specs))]
 
-    def _push(self, at: float, kind: str, key: str) -> None:
-        heapq.heappush(self.events, (at, next(self._ticket), kind, key))
+    def _push(self, at: float, kind: str, key: str, gen: int = 0) -> None:
+        heapq.heappush(self.events, (at, next(self._ticket), kind, key, gen))
 
-    def _arrive(self, spec: RequestSpec, index: int) -> _Request:
-        prompt = spec.prompt if isinstance(spec.prompt, list) else [1000] * spec.prompt_len
+    def _arrive(self, spec: RequestSpec, index: int) -> SimRequest:
+        prompt = spec.prompt if isinstance(spec.prompt, list) else [TOKEN] * spec.prompt_len
         params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True)
         req = GatewayRequest(
             request_id=f"r{index}",
@@ -195,50 +162,21 @@ class ClusterSim:
         entry = Waiting(
             key=index, arrived=self.now, prefill_s=self.cost.prefill_seconds(len(prompt))
         )
-        r = _Request(spec, index, req, RequestRecord(index, sent=self.now), entry)
+        r = SimRequest(spec, index, req, RequestRecord(index, sent=self.now), entry)
         r.record.prompt_tokens = len(prompt)
         self.table.open(req, len(prompt))
         self.waiting[req.request_id] = r
+        self.rounds.add(r)
+        self._changed = True
         return r
 
-    # -- placement (the gateway's round) ------------------------------------------------------
-    def _place(self) -> None:
-        if not self.waiting:
-            return
-        cfg = self.cfg
-        ordered = order(
-            cfg.admission,
-            [r.entry for r in self.waiting.values()],
-            self.now,
-            cfg.admission_max_wait,
-            cfg.admission_aging,
-        )
-        by_key = {r.entry.key: r for r in self.waiting.values()}
-        full: set[str] = set()  # prefill nodes that said no this round
-        for entry in ordered:
-            if len(full) >= self.cfg.prefill:
-                break
-            r = by_key[entry.key]
-            prompt = r.req.prompt_ids + r.req.output_ids  # a re-placement recomputes both
-            need = Need(len(prompt), output_len=r.spec.max_tokens - len(r.req.output_ids))
-            for p, d in plan(self.policy, self.cluster, self.table, need):
-                if p.node_id in full:
-                    continue
-                pnode, dnode = self.nodes[p.node_id], self.nodes[d.node_id]
-                if pnode.sched.can_take(len(prompt), self.policy.queueing) is not None:
-                    full.add(p.node_id)
-                    continue
-                bm = dnode.sched.block_manager
-                blocks = bm.blocks_needed(len(prompt) + 1)
-                if not bm.can_allocate(blocks, reserve=dnode.sched.cfg.watermark_blocks):
-                    continue
-                self._commit(r, prompt, pnode, dnode, bm.allocate(blocks))
-                break
-
-    def _commit(
-        self, r: _Request, prompt: list[int], pnode: _Node, dnode: _Node, blocks: list[int]
-    ) -> None:
+    def _commit(self, r: SimRequest, prompt: list[int], pnode: SimNode, dnode: SimNode) -> None:
+        if dnode.run is not None:  # fewer free blocks: its run may end sooner
+            self._cut(dnode)
+        bm = dnode.sched.block_manager
+        blocks = bm.allocate(bm.blocks_needed(len(prompt) + 1))
         del self.waiting[r.req.request_id]
+        self.rounds.remove(r)
         attempt = self.table.current(r.req)
         assert attempt is not None
         self.table.commit(attempt, pnode.info.node_id, dnode.info.node_id, len(blocks), self.now)
@@ -246,11 +184,29 @@ class ClusterSim:
         r.seq = Sequence.new(attempt.wire_id, prompt, r.req.params)
         self.requests[attempt.wire_id] = r
         pnode.sched.add(r.seq)
+        sched = pnode.sched
+        pnode.peak_batch = max(pnode.peak_batch, len(sched.running) + len(sched.waiting))
+        self._kick.add(pnode.info.node_id)
         self._report(pnode.info.node_id)
         self._report(dnode.info.node_id)
 
     # -- engines -----------------------------------------------------------------------------
-    def _start_step(self, node: _Node) -> None:
+    def _start_step(self, node: SimNode) -> None:
+        if node.busy:
+            return
+        self.rounds.forget(node.info.node_id)  # its batch changes: so does its room
+        if node.info.role == "decode" and self.cfg.decode_runs:
+            remaining = [
+                self.requests[s.seq_id].spec.max_tokens
+                - len(self.requests[s.seq_id].req.output_ids)
+                for s in node.sched.running
+            ]
+            run = plan_run(node.sched, remaining, self.now, self.cost, self.cfg.step_overhead_s)
+            if run is not None:
+                run.begin()  # its first step takes its blocks now
+                node.busy, node.run, node.gen = True, run, node.gen + 1
+                self._push(run.end, "run", node.info.node_id, node.gen)
+                return
         out = node.sched.schedule()
         if out.empty:
             return
@@ -258,19 +214,57 @@ class ClusterSim:
             [(n, seq.num_computed_tokens) for seq, n in out.prefills],
             [seq.num_tokens for seq in out.decodes],
         )
-        node.busy, node.out = True, out
-        self._push(self.now + seconds + self.cfg.step_overhead_s, "step", node.info.node_id)
+        node.busy, node.out, node.gen = True, out, node.gen + 1
+        end = self.now + seconds + self.cfg.step_overhead_s
+        self._push(end, "step", node.info.node_id, node.gen)
 
-    def _step_done(self, node: _Node) -> None:
+    def _sync_decodes(self) -> None:
+        """Bring every decode node in a run to now (its blocks and load, as a round reads)."""
+        for node in self.nodes.values():
+            if node.run is not None:
+                self._advance(node, node.run)
+
+    def _advance(self, node: SimNode, run: DecodeRun) -> None:
+        if run.to(self.now):  # reported as at its last step's end, before the next began
+            self._report(node.info.node_id, run.ends[run.done - 1])
+        run.begin()
+
+    def _cut(self, node: SimNode) -> None:
+        run = node.run
+        assert run is not None
+        self._advance(node, run)
+        end = run.end
+        run.cut()
+        if run.end != end:
+            node.gen += 1
+            self._push(run.end, "run", node.info.node_id, node.gen)
+
+    def _run_done(self, node: SimNode) -> None:
+        run = node.run
+        assert run is not None
+        run.to(self.now)
+        seqs, times = run.flush()
+        node.busy, node.run = False, None
+        for seq in seqs:
+            r = self.requests[seq.seq_id]
+            r.record.chunk_times.extend(times)
+            r.req.output_ids.extend([TOKEN] * len(times))
+            if len(r.req.output_ids) >= r.spec.max_tokens:
+                node.sched.finish(seq, "length")
+                self._finish(r)
+        self._report(node.info.node_id)
+        self._kick.add(node.info.node_id)
+
+    def _step_done(self, node: SimNode) -> None:
         out, node.busy, node.out = node.out, False, None
         assert out is not None
         finishing = sum(s.num_computed_tokens + n == s.num_tokens for s, n in out.prefills)
-        grew = node.sched.on_step_done(out, [1000] * (finishing + len(out.decodes)))
+        grew = node.sched.on_step_done(out, [TOKEN] * (finishing + len(out.decodes)))
         node_id = node.info.node_id
         for seq in grew:
             r = self.requests[seq.seq_id]
             r.record.chunk_times.append(self.now)
-            r.req.output_ids.append(1000)
+            r.req.output_ids.append(TOKEN)
             if node.info.role == "prefill":
                 kv = self.cost.transfer_seconds(seq.num_tokens - 1)  # the prompt's KV
                 self._push(self.now + kv, "kv", seq.seq_id)
@@ -279,18 +273,24 @@ class ClusterSim:
                 self._finish(r)
         for seq in out.preempted:  # decode mode: handed back, its blocks freed
             self._replace(self.requests.pop(seq.seq_id))
+        if node.info.role == "prefill":
+            self._changed = True  # its batch has room again
         self._report(node_id)
+        self._kick.add(node_id)
 
     def _kv_arrived(self, wire_id: str) -> None:
         r = self.requests.get(wire_id)
         if r is None or r.seq is None:
             return
+        dnode = self.nodes[r.decode]
+        if dnode.run is not None:  # its batch grows after the step in flight
+            self._cut(dnode)
         self.nodes[r.prefill].sched.release(wire_id)
         attempt = self.table.get(wire_id)
         assert attempt is not None
         self.table.prefilled(attempt)
         if len(r.req.output_ids) >= r.spec.max_tokens:  # a one-token request ends here
-            self.nodes[r.decode].sched.block_manager.free(r.reserved)
+            dnode.sched.block_manager.free(r.reserved)
             self._finish(r)
         else:
             seq = Sequence(
@@ -303,18 +303,22 @@ class ClusterSim:
                 status=SeqStatus.RUNNING,
             )
             r.seq = seq
-            self.nodes[r.decode].sched.admit_prefilled(seq)
+            dnode.sched.admit_prefilled(seq)
             self.table.delivered(attempt, self.now)
+        self._changed = True  # the prefill node's blocks are free
+        self._kick.update((r.prefill, r.decode))
         self._report(r.prefill)
         self._report(r.decode)
 
-    def _finish(self, r: _Request) -> None:
+    def _finish(self, r: SimRequest) -> None:
         self.requests.pop(r.seq.seq_id if r.seq else "", None)
         self.table.close(r.req.wire_id)
         r.record.done = self.now
         r.record.output_tokens = len(r.req.output_ids)
+        self.finished += 1
+        self._changed = True  # its decode blocks are free
 
-    def _replace(self, r: _Request) -> None:
+    def _replace(self, r: SimRequest) -> None:
         """A decode node preempted it: placed again, prompt + output recomputed."""
         self.replacements += 1
         self.table.close(r.req.wire_id)
@@ -325,3 +329,5 @@ class ClusterSim:
             key=r.entry.key, arrived=r.entry.arrived, prefill_s=r.entry.prefill_s, resumed=True
         )
         self.waiting[r.req.request_id] = r
+        self.rounds.add(r)
+        self._changed = True
