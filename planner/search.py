@@ -91,11 +91,11 @@ def plan_splits(
         (bounds.goodput_per_node(x, y), x, y) for x, y in splits(budget, max_prefill, max_decode)
     ]
     todo.sort(key=_order)
+    deadline = time.monotonic() + max_seconds if max_seconds else None  # the seed's time too
     seed = _seed(specs, slo, budget, base, max_prefill, max_decode, workers, max_seconds)
     if seed is not None:  # first, and run to its end: the best to beat from then on
         at = next(i for i, t in enumerate(todo) if t[1:] == seed)
         todo.insert(0, todo.pop(at))
-    deadline = time.monotonic() + max_seconds if max_seconds else None
     deferred: set[tuple[int, int]] = set()
     plan = Plan([])
     with Pool(specs, slo, workers, deadline, bounds.prefill_work.tolist()) as pool:
