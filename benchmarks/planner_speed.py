@@ -158,7 +158,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--measure", type=int, default=400, help="requests run on the cluster")
-    p.add_argument("--scale", type=float, default=2.0, help="--sim-time-scale of the cluster")
+    p.add_argument("--scale", type=float, default=4.0, help="--sim-time-scale of the cluster")
     p.add_argument("--cases", default="0,1,2", help="which of CASES to plan")
     args = p.parse_args()
     out = Path(args.out)
