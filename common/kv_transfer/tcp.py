@@ -29,6 +29,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import Coroutine, Sequence
 from typing import Any, Protocol
 
@@ -47,6 +48,7 @@ MAGIC = b"PDKV"
 HEAD = struct.Struct("<4sIQH")  # magic, layer, payload bytes, request id bytes
 MAX_ID = 512
 CHUNK = 1 << 20  # discarded payloads are read through a buffer of this size
+MAX_READERS = 256  # connections read at once (a thread each): a flood of them is refused
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +107,8 @@ class TcpListener:
         self.conns: dict[str, socket.socket] = {}
         self.lock = threading.Lock()  # conns: reader threads and close()
         self.stats = WireStats()
+        self.readers = 0  # reader threads alive (counted on the event loop)
+        self.warned = -1e9
         self.closing = False
         self.accepting: asyncio.Task | None = None
 
@@ -122,9 +126,17 @@ class TcpListener:
                 log.warning("KV listener cannot accept: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
+            if self.readers >= MAX_READERS:
+                conn.close()
+                now = time.monotonic()
+                if now - self.warned >= 10.0:  # a flood must not flood the log too
+                    self.warned = now
+                    log.warning("KV listener full (%d streams): refused %s", MAX_READERS, addr)
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             set_timeouts(conn, self.timeout, self.timeout)
             name = f"kv-tcp-in-{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "kv-tcp-in"
+            self.readers += 1
             threading.Thread(target=self._serve, args=(conn, addr), name=name, daemon=True).start()
 
     def _call(self, coro: Coroutine[Any, Any, Any]) -> Any:
@@ -146,6 +158,19 @@ class TcpListener:
                 raise ConnectionError("the node is closing") from None
 
     def _serve(self, conn: socket.socket, addr: Any = None) -> None:
+        try:
+            self._serve_conn(conn, addr)
+        finally:
+            try:
+                assert self.loop is not None
+                self.loop.call_soon_threadsafe(self._reader_gone)
+            except RuntimeError:
+                pass  # the loop is closed: nobody counts any more
+
+    def _reader_gone(self) -> None:
+        self.readers -= 1
+
+    def _serve_conn(self, conn: socket.socket, addr: Any) -> None:
         ident = bytearray(ID_BYTES + (MAC_BYTES if self.key else 0))
         try:
             if self.key is not None:

@@ -5,10 +5,12 @@ read or an intermediate copy comes back (issue 30). Real sockets on loopback."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Sequence
 
 import numpy as np
 
+from pdserve.common.kv_transfer import tcp
 from pdserve.common.kv_transfer.tcp import TcpListener, TcpStream
 
 FRAMES = 8
@@ -69,3 +71,40 @@ async def test_scattered_frames_land_in_few_receives() -> None:
     frames = FRAMES + 1
     assert listener.stats.recv_calls <= 4 * frames, listener.stats
     assert listener.stats.recv_bytes >= FRAMES * FRAME
+
+
+async def test_a_flood_of_connections_is_refused_and_the_stream_still_served(monkeypatch) -> None:
+    """Each stream is read by a thread: past MAX_READERS open connections the listener
+    closes new ones at once, and serves again as soon as one ends."""
+
+    monkeypatch.setattr(tcp, "MAX_READERS", 3)
+    sink = Sink()
+    listener = TcpListener("127.0.0.1", timeout=10.0)
+    listener.start(sink)
+    host, port = "127.0.0.1", int(listener.address.rpartition(":")[2])
+    idle = [socket.create_connection((host, port)) for _ in range(3)]
+
+    async def until(cond) -> None:  # wait on the listener's own count, not on time
+        for _ in range(500):
+            if cond():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the listener never got there")
+
+    try:
+        await until(lambda: listener.readers == 3)
+        extra = socket.create_connection((host, port))
+        extra.settimeout(5)
+        assert await asyncio.to_thread(extra.recv, 1) == b""  # closed by the listener
+        extra.close()
+        idle.pop().close()
+        await until(lambda: listener.readers == 2)
+        stream = TcpStream(listener.address, "p")
+        await stream.send("big", 0, [memoryview(payload(0))])
+        await until(lambda: bool(sink.landed))
+        assert sink.landed == [("big", 0, True)]
+        stream.close()
+    finally:
+        for s in idle:
+            s.close()
+        await listener.close()
