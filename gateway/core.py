@@ -69,7 +69,7 @@ class Gateway(NodeMessages, PoolCare):
             f"tcp://{_bind_host(cfg.host)}:{cfg.tokens_port}",
             max_msg=TOKENS_MAX_MSG,
         )
-        # an empty host tells each node to use the host it registered through (common/node.py)
+        # an empty host tells each node to use the host it registered through (common/node/host.py)
         self.tokens_address = f"tcp://{cfg.advertise_host}:{cfg.tokens_port}"
         self.placer = Placer(
             self.cluster,

@@ -229,7 +229,7 @@ def node_spawn_options(args: argparse.Namespace, commands: list[list[str]]) -> d
 
 def run_up(args: argparse.Namespace) -> int:
     """Start the cluster, wait until every node registered, then supervise it: a child that
-    dies is restarted and the others keep serving (common/supervisor.py). A child that fails
+    dies is restarted and the others keep serving (pdserve/supervisor.py). A child that fails
     before the cluster is up is a configuration error and stops everything."""
     gcfg = from_args(GatewayConfig, args)
     url = f"http://{gcfg.host}:{gcfg.port}"

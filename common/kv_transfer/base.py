@@ -14,7 +14,7 @@ The life of a transfer, and what each side of a connector is asked:
     stage(t, i)   engine thread: layer i's frame
     descriptor(t, i, payload)
                   -> ZeroMQ parts after the KvLayer message, or None: no descriptor at all
-    send(peer, t, i, payload)                     frame(rec, i, parts) -> the frame to land
+    send(t, i, payload)                           frame(rec, i, parts) -> the frame to land
                   out-of-band bytes, in order       (descriptor backends), or the backend
                                                     lands frames itself (tcp: FrameSink)
     end(t)        acked or aborted: give back     close()
@@ -37,7 +37,7 @@ class Local:
     """What a connector knows of the node it runs in."""
 
     node_id: str
-    host_id: str  # same value = same host and IPC namespace (common/node.py)
+    host_id: str  # same value = same host and IPC namespace (common/node/host.py)
     advertise_host: str
     engine: Engine
     data_address: str = ""  # decode: its ZeroMQ data socket (descriptors, and zmq's frames)

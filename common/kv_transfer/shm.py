@@ -1,7 +1,7 @@
 """The shm backend: same-host KV transfer through files in /dev/shm, mapped by both sides.
 
 Used between nodes that registered the same host identity (kernel boot id and IPC namespace,
-common/node.py): the prefill node exports each layer straight into a segment lent to the
+common/node/host.py): the prefill node exports each layer straight into a segment lent to the
 request, only a descriptor crosses ZeroMQ, and the decode node copies once into its cache.
 
 The prefill node keeps a pool of segments and reuses them (fresh pages cost 3-7x a warm

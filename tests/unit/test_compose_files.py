@@ -17,7 +17,7 @@ from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig
 from tests.docker_util import compose_cli
 
 ROOT = Path(__file__).resolve().parents[2]
-# read outside the config dataclasses: common/cli.py (logging), common/devices.py
+# read outside the config dataclasses: pdserve/cli.py (logging), common/devices.py
 EXTRA_VARIABLES = {"PDSERVE_LOG_LEVEL", "PDSERVE_LOG_FORMAT", "PDSERVE_REPLICA"}
 
 
