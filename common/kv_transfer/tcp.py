@@ -40,7 +40,7 @@ from pdserve.common.kv_transfer.base import (
     SendConnector,
     Transfer,
 )
-from pdserve.common.kv_transfer.tcp_wire import WireStats, recv_views, set_timeouts
+from pdserve.common.kv_transfer.tcp_wire import WireStats, recv_views, set_timeout
 from pdserve.common.security import MAC_BYTES, NONCE_BYTES, REFUSALS, ClusterKey, new_nonce
 
 ID_BYTES = 64
@@ -134,7 +134,7 @@ class TcpListener:
                     log.warning("KV listener full (%d streams): refused %s", MAX_READERS, addr)
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            set_timeouts(conn, self.timeout, self.timeout)
+            set_timeout(conn, self.timeout)
             name = f"kv-tcp-in-{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "kv-tcp-in"
             self.readers += 1
             threading.Thread(target=self._serve, args=(conn, addr), name=name, daemon=True).start()

@@ -17,7 +17,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-IOV_MAX = 1024  # Linux's limit on the buffers of one recvmsg/sendmsg
+IOV_MAX = 1024  # Linux's limit on the buffers of one recvmsg
 
 
 class Stalled(TimeoutError):
@@ -33,25 +33,24 @@ class WireStats:
     recv_bytes: int = 0
 
 
-def set_timeouts(sock: socket.socket, recv_s: float | None, send_s: float | None) -> None:
-    """Blocking socket with kernel timeouts (None: wait for ever)."""
+def set_timeout(sock: socket.socket, seconds: float) -> None:
+    """Blocking socket whose reads and writes fail after `seconds` without progress."""
     sock.settimeout(None)
-    for opt, seconds in ((socket.SO_RCVTIMEO, recv_s), (socket.SO_SNDTIMEO, send_s)):
-        whole = int(seconds or 0)
-        micro = int(((seconds or 0) - whole) * 1e6)
-        sock.setsockopt(socket.SOL_SOCKET, opt, struct.pack("ll", whole, micro))
+    whole = int(seconds)
+    timeval = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    for opt in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+        sock.setsockopt(socket.SOL_SOCKET, opt, timeval)
 
 
 def _advance(views: list[memoryview], n: int) -> list[memoryview]:
-    """The views left after the first `n` bytes were moved."""
-    while n and views:
-        if n >= len(views[0]):
-            n -= len(views[0])
-            views = views[1:]
-        else:
-            views = [views[0][n:], *views[1:]]
-            n = 0
-    return views
+    """The views left after the first `n` bytes were moved (one pass, one slice)."""
+    i = 0
+    while i < len(views) and n >= len(views[i]):
+        n -= len(views[i])
+        i += 1
+    if n and i < len(views):
+        return [views[i][n:], *views[i + 1 :]]
+    return views[i:]
 
 
 def recv_views(
