@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from pdserve.common.errors import ConfigError
+from pdserve.common.kv_backends import CHOICES as KV_BACKENDS
 from pdserve.common.numerics import choose_dtype
 from pdserve.common.quant_choice import auto_quantization
 
@@ -367,7 +368,7 @@ class NodeConfig:
     kv_backend: str = flag(
         "auto",
         "KV transfer: auto (shm on one host, else tcp), or a backend by name (zmq, tcp, "
-        "shm, ucx, or any in common/kv_transfer BACKENDS)",
+        "shm, ucx, or any in common/kv_backends.py)",
     )
     kv_tcp_port: int = flag(0, "decode: port of the in-place TCP KV listener; 0 = any free")
     cluster_key: str = flag(
@@ -394,7 +395,7 @@ class NodeConfig:
             )
         if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError("--heartbeat-timeout must exceed --heartbeat-interval (> 0)")
-        from pdserve.common.kv_transfer import CHOICES
-
-        if self.kv_backend not in CHOICES:
-            raise ConfigError(f"--kv-backend {self.kv_backend!r}: choose one of {list(CHOICES)}")
+        if self.kv_backend not in KV_BACKENDS:
+            raise ConfigError(
+                f"--kv-backend {self.kv_backend!r}: choose one of {list(KV_BACKENDS)}"
+            )

@@ -31,7 +31,7 @@ from pdserve.common.engine.sequence import SeqStatus, Sequence, check_stop
 from pdserve.common.kv_transfer.base import Intake
 from pdserve.common.node import NodeRequest
 from pdserve.common.node.handoff import KvHandoff
-from pdserve.common.node.kv import reserve_blocks
+from pdserve.common.node.reserve import reserve_blocks
 from pdserve.common.protocol import (
     Abort,
     Accept,

@@ -22,11 +22,14 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+
+from pdserve.common.engine.kernels import library
 
 KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # gguf_matmul.c's `kind`
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # a block holds 32 weights
@@ -68,6 +71,15 @@ class GgufOps:
         out = torch.empty((n, k), dtype=torch.float32)
         self._dequantize(blocks.data_ptr(), n, k, KINDS[kind], out.data_ptr())
         return out
+
+
+def gguf_ops() -> tuple[GgufOps, str] | str:
+    """gguf_matmul.c's kernels and the key of their build (cache key of measurements), or why
+    there are none."""
+    lib = library()
+    if isinstance(lib, str):
+        return lib
+    return GgufOps(lib), Path(lib._name).stem
 
 
 class GgufLinear(nn.Module):
@@ -198,8 +210,6 @@ def measure(ops: GgufOps, n: int = 1536, k: int = 576, count: int = 64) -> tuple
 
 
 if __name__ == "__main__":  # quant_choice.py: one JSON line, [kernel seconds, dense seconds]
-    from pdserve.common.engine.kernels import gguf_ops
-
     got = gguf_ops()
     if isinstance(got, str):
         raise SystemExit(got)

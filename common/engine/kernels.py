@@ -17,15 +17,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from pdserve.common.cbuild import build, cache_dir, compile_flags  # noqa: F401 (re-exported)
-
-if TYPE_CHECKING:
-    from pdserve.common.engine.gguf_linear import GgufOps
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +45,7 @@ GGUF_SIGNATURES: dict[str, tuple[type[ctypes._SimpleCData[Any]], ...]] = {
 }
 
 
-def _library() -> ctypes.CDLL | str:
+def library() -> ctypes.CDLL | str:
     if "lib" not in _loaded:
         built = build()
         if isinstance(built, str):
@@ -69,17 +65,6 @@ def _library() -> ctypes.CDLL | str:
         lib.gguf_dequantize_f32.restype = None
         _loaded["lib"] = lib
     return _loaded["lib"]
-
-
-def gguf_ops() -> tuple[GgufOps, str] | str:
-    """gguf_matmul.c's kernels and the key of their build (cache key of measurements), or why
-    there are none."""
-    lib = _library()
-    if isinstance(lib, str):
-        return lib
-    from pdserve.common.engine.gguf_linear import GgufOps
-
-    return GgufOps(lib), Path(lib._name).stem
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -184,7 +169,7 @@ def load(dtype: torch.dtype, device: torch.device, head_dim: int, group: int) ->
         return f"no fused CPU kernels for {dtype} (float32 and bfloat16 only)"
     if head_dim > MAX_HEAD_DIM or head_dim % 2 or group < 1:
         return f"head_dim {head_dim}, GQA group {group}: beyond the kernels' limits"
-    lib = _library()
+    lib = library()
     if isinstance(lib, str):
         return lib
     return CpuKernels(lib, dtype)

@@ -11,7 +11,7 @@ not change. float32 stays on F.linear: oneDNN's fp32 kernel differs from it in t
 and, at some shapes, by row count, which would break the float32 invariant that a
 sequence's tokens do not depend on its batch.
 
-`prepack(model)` (the runner calls it with --cpu-kernels auto) swaps every bf16 CPU
+`quant.prepack(model)` (the runner calls it with --cpu-kernels auto) swaps every bf16 CPU
 nn.Linear for a PackedLinear and gives every quantized layer's dense weight (quant.py's
 `SmallBatchLinear.dense`, used from DENSE_FROM rows) its packed twin.
 """
@@ -61,24 +61,3 @@ class PackedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         out = packed_linear(flat, self.packed, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
-
-
-def prepack(model: nn.Module) -> int:
-    """Pack the model's bf16 CPU weights in place; how many layers now run packed. A
-    quantized layer drops its plain dense copy once packed (the embedding an LM head is tied
-    to keeps its own reference to the shared tensor)."""
-    from pdserve.common.engine.quant import SmallBatchLinear
-
-    count = 0
-    for owner in list(model.modules()):
-        for name, child in list(owner.named_children()):
-            if isinstance(child, SmallBatchLinear) and child.dense is not None:
-                packed = pack(child.dense)
-                if packed is not None:
-                    child.packed_dense, child.dense = packed, None
-                    child.dense_from = min(child.dense_from, PACKED_DENSE_FROM)
-                    count += 1
-            elif type(child) is nn.Linear and (packed := pack(child.weight.data)) is not None:
-                setattr(owner, name, PackedLinear(child, packed))
-                count += 1
-    return count

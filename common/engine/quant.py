@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pdserve.common.engine.packed import packed_linear
+from pdserve.common.engine.packed import PACKED_DENSE_FROM, PackedLinear, pack, packed_linear
 
 BLOCK = 32
 LAYOUTS = {"Q4_0": (2, 16), "Q4_1": (4, 16), "Q8_0": (2, 32)}  # (header bytes, qs bytes)
@@ -297,3 +297,22 @@ def quantize_gguf_lm_head(model: nn.Module, path: object, dtype: torch.dtype) ->
     assert (rows, cols) == tuple(head.weight.shape), ((rows, cols), head.weight.shape)
     model.lm_head = Q8Linear(q, scale, dtype, head.weight.data, DENSE_FROM)  # type: ignore[union-attr]
     return True
+
+
+def prepack(model: nn.Module) -> int:
+    """Pack the model's bf16 CPU weights in place; how many layers now run packed. A
+    quantized layer drops its plain dense copy once packed (the embedding an LM head is tied
+    to keeps its own reference to the shared tensor)."""
+    count = 0
+    for owner in list(model.modules()):
+        for name, child in list(owner.named_children()):
+            if isinstance(child, SmallBatchLinear) and child.dense is not None:
+                packed = pack(child.dense)
+                if packed is not None:
+                    child.packed_dense, child.dense = packed, None
+                    child.dense_from = min(child.dense_from, PACKED_DENSE_FROM)
+                    count += 1
+            elif type(child) is nn.Linear and (packed := pack(child.weight.data)) is not None:
+                setattr(owner, name, PackedLinear(child, packed))
+                count += 1
+    return count

@@ -108,8 +108,7 @@ class ModelRunner:
     def _gguf_blocks(self, cfg: EngineConfig, source: ModelSource) -> bool:
         """float32 --quantization int4 on gguf_matmul.c's kernels (gguf_linear.py); False,
         logged, where they do not build: torch's 4-bit kernel then, ~9x slower than these."""
-        from pdserve.common.engine.gguf_linear import quantize_gguf
-        from pdserve.common.engine.kernels import gguf_ops
+        from pdserve.common.engine.gguf_linear import gguf_ops, quantize_gguf
 
         got = gguf_ops() if cfg.cpu_kernels == "auto" else "--cpu-kernels off"
         if isinstance(got, str):
@@ -129,7 +128,7 @@ class ModelRunner:
         if cfg.cpu_kernels == "off":
             return
         from pdserve.common.engine.kernels import load
-        from pdserve.common.engine.packed import prepack
+        from pdserve.common.engine.quant import prepack
 
         if packed := prepack(self.model):
             log.info("%d linear layers' bf16 weights packed in oneDNN's layout", packed)

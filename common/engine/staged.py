@@ -4,6 +4,7 @@ pay torch's import (1.5 s a process) for that question."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,9 @@ class Staged:
     host: torch.Tensor
     event: Any = None  # torch.cuda.Event, None on CPU
     buffer: torch.Tensor | None = None  # the pooled pinned buffer it lives in
+    # how its host tensor becomes bytes: staging.host_bytes, handed in by Staging (the one
+    # place that reads tensor memory, and this module stays free of torch)
+    reader: Callable[[torch.Tensor], memoryview] | None = None
 
     def wait(self) -> None:
         if self.event is not None:
@@ -28,7 +32,6 @@ class Staged:
         return self.event is None or bool(self.event.query())
 
     def bytes(self) -> memoryview:
-        from pdserve.common.engine.staging import host_bytes  # torch is loaded by now
-
+        assert self.reader is not None, "a Staged is made by Staging, which sets its reader"
         self.wait()
-        return host_bytes(self.host)
+        return self.reader(self.host)

@@ -49,7 +49,7 @@ class Staging:
     def to_host(self, t: torch.Tensor) -> Staged:
         """Start copying `t` to host memory; on CPU `t` itself (no copy)."""
         if not self.cuda:
-            return Staged(t.contiguous())
+            return Staged(t.contiguous(), reader=host_bytes)
         assert self.stream is not None
         nbytes = t.numel() * t.element_size()
         buf = self._take(nbytes)
@@ -60,7 +60,7 @@ class Staging:
             t.record_stream(self.stream)  # the allocator must not reuse t's memory early
             event = torch.cuda.Event()
             event.record(self.stream)
-        return Staged(host, event, buf)
+        return Staged(host, event, buf, reader=host_bytes)
 
     def give_back(self, staged: Staged) -> None:
         """The host bytes are no longer needed (sent, or copied elsewhere)."""

@@ -32,19 +32,10 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from pdserve.common.kv_backends import BACKENDS, CHOICES
+
 if TYPE_CHECKING:
     from pdserve.common.kv_transfer.base import Backend, Local, ReceiveConnector
-
-# name -> module defining CONNECTOR. Adding a backend: a module, and one line here.
-BACKENDS: dict[str, str] = {
-    "zmq": "pdserve.common.kv_transfer.zmq_parts",
-    "tcp": "pdserve.common.kv_transfer.tcp",
-    "shm": "pdserve.common.kv_transfer.shm",
-    "shm_direct": "pdserve.common.kv_transfer.shm_direct",
-    "cuda_ipc": "pdserve.common.kv_transfer.cuda_ipc",
-    "ucx": "pdserve.common.kv_transfer.ucx",
-}
-CHOICES = ("auto", *BACKENDS)
 
 
 def backend(name: str) -> Backend:

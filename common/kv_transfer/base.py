@@ -5,7 +5,7 @@ same for every backend and lives in sender.py and intake.py.
 
 A backend is one module that defines a `SendConnector` (prefill side), a `ReceiveConnector`
 (decode side) and `CONNECTOR = Backend(...)`, plus one line in `BACKENDS`
-(common/kv_transfer/__init__.py). docs/architecture.md walks through the tcp backend.
+(common/kv_backends.py). docs/architecture.md walks through the tcp backend.
 
 The life of a transfer, and what each side of a connector is asked:
 

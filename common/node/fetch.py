@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.kv_transfer.base import Intake
+from pdserve.common.node.reserve import reserve_blocks
 from pdserve.common.protocol import PREFIX_GONE, DecodeTarget, KvFetch, KvHeader, PrefillOffer
 from pdserve.common.sampling import SamplingParams
 
@@ -106,8 +107,6 @@ class PrefixFetches:
 
     def reserve(self, h: KvHeader) -> list[int] | str:
         """Blocks for a fetch's KV: those we pinned, then new ones."""
-        from pdserve.common.node.kv import reserve_blocks
-
         f = self.fetching.get(h.request_id)
         n, bm = len(h.prompt_ids), self.node.blocks
         if f is None or f.reserved or h.prefill_node != f.holder.node_id:

@@ -14,13 +14,12 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from pdserve.common.engine.block_manager import BlockManager
 from pdserve.common.kv_transfer import listen_all, receivers_for
 from pdserve.common.kv_transfer.base import Intake, Transfer
 from pdserve.common.kv_transfer.intake import KvIntake
 from pdserve.common.kv_transfer.sender import KvSender
 from pdserve.common.node.fetch import PrefixFetches
-from pdserve.common.protocol import PREFIX_GONE, DecodeTarget, KvHeader
+from pdserve.common.protocol import DecodeTarget, KvHeader
 from pdserve.common.security import watch_handshakes
 from pdserve.common.transport import TOKENS_MAX_MSG, bound_address, make_socket
 
@@ -106,19 +105,3 @@ class NodeKv:
     async def _on_refuse(self, rid: str, peer: str, why: str) -> None:
         if not self.fetches.served(rid, acked=False):
             await self.node.kv_refused(rid, peer, why)
-
-
-def reserve_blocks(
-    bm: BlockManager, prompt_ids: list[int], skip: int, num_tokens: int, keep_free: int
-) -> list[int] | str:
-    """Blocks for KV arriving for `num_tokens` tokens of which this node holds the first
-    `skip` (whole blocks of its prefix cache, taken here): the block table, or why not."""
-    hits = bm.match(bm.hashes(prompt_ids[:skip])) if skip else []
-    if len(hits) * bm.block_size < skip:
-        return f"{PREFIX_GONE}: {len(hits) * bm.block_size} of {skip} tokens here"
-    need = bm.blocks_needed(num_tokens) - len(hits)
-    idle = sum(1 for b in hits if bm.ref_counts[b] == 0)  # cached: in the free queue
-    if not bm.can_allocate(need + idle, reserve=keep_free):
-        return f"needs {need} KV blocks, {bm.num_free_blocks} free"
-    bm.take(hits)
-    return [*hits, *bm.allocate(need)]

@@ -12,7 +12,7 @@ import torch
 
 from pdserve.common import quant_choice
 from pdserve.common.engine import gguf_linear as gl
-from pdserve.common.engine.kernels import gguf_ops
+from pdserve.common.engine.gguf_linear import gguf_ops
 from pdserve.common.engine.loader import dequantize_blocks
 
 pytestmark = pytest.mark.cpu  # make test-cpu-variants: native and AVX2-only

@@ -20,9 +20,8 @@ from pdserve.common.engine.packed import (
     PackedLinear,
     pack,
     packed_linear,
-    prepack,
 )
-from pdserve.common.engine.quant import DENSE_FROM, Int4Linear, Q8Linear
+from pdserve.common.engine.quant import DENSE_FROM, Int4Linear, Q8Linear, prepack
 
 pytestmark = pytest.mark.cpu  # make test-cpu-variants: native and AVX2-only
 
