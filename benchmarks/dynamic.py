@@ -42,12 +42,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from pdserve.common.costmodel import DEFAULT_PROFILE
 from pdserve.loadgen.compare import start_cluster, stop_cluster
 from pdserve.loadgen.metrics import RequestRecord, meets, parse_slo, summarize
 from pdserve.loadgen.runner import BenchConfig, run
 from pdserve.loadgen.workloads import LengthDist, RequestSpec, synthetic
 
-BASE = ["--engine", "sim", "--sim-profile", "h100-llama3.1-8b", "--placement-timeout", "900"]
+BASE = ["--engine", "sim", "--sim-profile", DEFAULT_PROFILE, "--placement-timeout", "900"]
 SWITCH_SLO = "ttft=1000,tpot=15"
 SELECTIVE_SLO = "ttft=1000,tpot=20"
 HALF = 300  # requests per phase of the shifting workload

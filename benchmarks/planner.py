@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdserve.common.costmodel import DEFAULT_PROFILE
 from pdserve.loadgen.compare import start_cluster, stop_cluster
 from pdserve.loadgen.metrics import meets, parse_slo, summarize
 from pdserve.loadgen.runner import BenchConfig, run
@@ -41,7 +42,7 @@ from pdserve.planner.search import Candidate, evaluate, plan_splits
 from pdserve.planner.sim import SimConfig
 
 BUDGET = 4
-PROFILE = "h100-llama3.1-8b"
+PROFILE = DEFAULT_PROFILE
 TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_synthetic_trace.jsonl"
 
 

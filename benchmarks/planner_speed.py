@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.planner import measure
+from pdserve.common.costmodel import DEFAULT_PROFILE
 from pdserve.common.numerics import cpu_description
 from pdserve.loadgen.metrics import parse_slo
 from pdserve.loadgen.workloads import mooncake
@@ -40,7 +41,7 @@ from pdserve.planner.search import plan_splits
 from pdserve.planner.sim import ClusterSim, SimConfig
 
 SLO = "ttft=2000,tpot=50"
-PROFILE = "h100-llama3.1-8b"
+PROFILE = DEFAULT_PROFILE
 CASES = [  # (requests, budget, per-role ceiling, arrival-time scale)
     (2000, 16, None, 1.0),
     (10000, 128, 64, 1.0),

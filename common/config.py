@@ -1,33 +1,23 @@
 """Frozen configuration dataclasses, built once from CLI flags and PDSERVE_* variables.
 
 Each field is one concept with one flag (`--max-batch`) and one variable
-(`PDSERVE_MAX_BATCH`). The default lives on the dataclass; `add_flags` turns the fields
-into argparse options and `from_args` builds the dataclass, so every command that shares a
-concept shares its definition. Validation happens in `__post_init__` with messages that say
-what to change.
+(`PDSERVE_MAX_BATCH`). The default lives on the dataclass; common/flags.py turns the fields
+into options, so every command that shares a concept shares its definition. Validation
+happens in `__post_init__` with messages that say what to change.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import logging
-import os
-import types
-import typing
-from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from dataclasses import dataclass
+from typing import Literal
 
+from pdserve.common.costmodel import DEFAULT_PROFILE
 from pdserve.common.errors import ConfigError
+from pdserve.common.flags import flag
 from pdserve.common.kv_backends import CHOICES as KV_BACKENDS
 from pdserve.common.numerics import choose_dtype
 from pdserve.common.quant_choice import auto_quantization
-
-T = TypeVar("T")
-
-
-def flag(default: Any, help: str, **kw: Any) -> Any:
-    return field(default=default, metadata={"help": help, **kw})
 
 
 @dataclass(frozen=True)
@@ -88,7 +78,7 @@ class EngineConfig:
         "keep the KV cache in /dev/shm so a prefill node on this host writes KV straight into "
         "it (shm_direct: one copy); auto = on CPU when /dev/shm has room",
     )
-    sim_profile: str = flag("h100-llama3.1-8b", "sim engine: GPU x model profile (costmodel)")
+    sim_profile: str = flag(DEFAULT_PROFILE, "sim engine: GPU x model profile (costmodel)")
     sim_kv_scale: float = flag(1 / 16, "sim engine: KV payload size relative to the real model")
     sim_time_scale: float = flag(1.0, "sim engine: stretch modelled time by this factor")
 
@@ -131,82 +121,6 @@ class EngineConfig:
             raise ConfigError("float16 on CPU is slow and inexact: use float32 or bfloat16")
 
 
-def _flag_name(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _base_type(tp: Any) -> tuple[type, tuple[Any, ...] | None]:
-    """(python type, choices) for a field annotation such as `int`, `str | None`, Literal."""
-    origin = get_origin(tp)
-    if origin is Literal:
-        values = get_args(tp)
-        return type(values[0]), values
-    if origin in (typing.Union, types.UnionType):
-        inner = [a for a in get_args(tp) if a is not type(None)]
-        return _base_type(inner[0])
-    return tp, None
-
-
-def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """Adds one option per dataclass field; the default is resolved later (env, then field)."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in skip or any(a.dest == f.name for a in parser._actions):
-            continue
-        tp, choices = _base_type(hints[f.name])
-        help_text = (
-            f"{f.metadata.get('help', '')} (default: {f.default}; env PDSERVE_{f.name.upper()})"
-        )
-        if tp is bool:
-            parser.add_argument(
-                _flag_name(f.name),
-                dest=f.name,
-                action=argparse.BooleanOptionalAction,
-                default=None,
-                help=help_text,
-            )
-        else:
-            parser.add_argument(
-                _flag_name(f.name),
-                dest=f.name,
-                type=tp,
-                choices=choices,
-                default=None,
-                help=help_text,
-            )
-
-
-def _parse_env(raw: str, tp: type, name: str) -> Any:
-    if tp is bool:
-        return raw.strip().lower() in ("1", "true", "yes", "on")
-    try:
-        return tp(raw)
-    except ValueError as exc:
-        raise ConfigError(f"PDSERVE_{name.upper()}={raw!r} is not a valid {tp.__name__}") from exc
-
-
-def from_args(cls: type[T], args: argparse.Namespace | None = None, **overrides: Any) -> T:
-    """Flag value if given, else PDSERVE_<NAME> from the environment, else the field default."""
-    hints = typing.get_type_hints(cls)
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if f.name in overrides:
-            values[f.name] = overrides[f.name]
-            continue
-        given = getattr(args, f.name, None) if args is not None else None
-        if given is not None:
-            values[f.name] = given
-            continue
-        env = os.environ.get(f"PDSERVE_{f.name.upper()}")
-        if env is not None:
-            tp, choices = _base_type(hints[f.name])
-            value = _parse_env(env, tp, f.name)
-            if choices and value not in choices:
-                raise ConfigError(f"PDSERVE_{f.name.upper()}={env!r}: choose one of {choices}")
-            values[f.name] = value
-    return cls(**values)
-
-
 @dataclass(frozen=True)
 class GatewayConfig:
     """The gateway process: HTTP front end, node registry and placement."""
@@ -227,7 +141,7 @@ class GatewayConfig:
         "decode node for a request (on_demand, kv_aware): the most free KV, the tightest fit "
         "for its final KV (prompt + max_tokens), or long requests together then best fit",
     )
-    cost_profile: str = flag("h100-llama3.1-8b", "kv_aware: GPU x model profile of its estimates")
+    cost_profile: str = flag(DEFAULT_PROFILE, "kv_aware: GPU x model profile of its estimates")
     cost_time_scale: float = flag(
         1.0,
         "multiply the cost model's times (kv_aware, sizing, local prefill): S for sim engines "

@@ -128,6 +128,8 @@ MODELS = {
         "Meta Llama 3.1 model card / config.json: 70.6B params, 80 layers, 8 KV heads x 128",
     ),
 }
+# the profile every command and study uses unless told otherwise
+DEFAULT_PROFILE = "h100-llama3.1-8b"
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ from typing import Any
 
 import msgspec
 
-from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig, add_flags, from_args
-from pdserve.common.errors import PdserveError
+from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig
+from pdserve.common.errors import ConfigError, PdserveError
+from pdserve.common.flags import add_config_flag, add_flags, apply_config_file, from_args
 from pdserve.common.logs import setup_logging
 
 Command = Callable[[argparse.Namespace], int]
@@ -86,14 +87,17 @@ def _add_serving(sub: argparse._SubParsersAction) -> None:
     from pdserve import launch
 
     g = sub.add_parser("gateway", help="the HTTP gateway (one process)")
+    add_config_flag(g)
     add_flags(g, GatewayConfig)
     g.set_defaults(func=launch.run_gateway)
     for role in ("prefill", "decode", "colocated"):
         p = sub.add_parser(role, help=f"one {role} node; it registers with --gateway")
+        add_config_flag(p)
         add_flags(p, NodeConfig)
         add_flags(p, EngineConfig)
         p.set_defaults(func=lambda args, role=role: launch.run_node(args, role))
     up = sub.add_parser("up", help="local cluster: gateway + nodes as child processes")
+    add_config_flag(up)
     up.add_argument("--prefill", type=int, default=1, help="prefill nodes")
     up.add_argument("--decode", type=int, default=1, help="decode nodes")
     up.add_argument(
@@ -122,6 +126,20 @@ def _add_serving(sub: argparse._SubParsersAction) -> None:
         "never slows the streams decoding (TTFT pays instead)",
     )  # fmt: skip
     up.add_argument("--startup-timeout", type=float, default=300.0)
+    up.add_argument(
+        "--heartbeat-timeout", type=float, default=None,
+        help="both heartbeat timeouts below at once (default: 2.0; env "
+        "PDSERVE_HEARTBEAT_TIMEOUT)",
+    )  # fmt: skip
+    up.add_argument(
+        "--gateway-heartbeat-timeout", type=float, default=None,
+        help="seconds of silence before the gateway drops a node (default: --heartbeat-timeout)",
+    )  # fmt: skip
+    up.add_argument(
+        "--node-heartbeat-timeout", type=float, default=None,
+        help="seconds without a gateway reply before a node re-registers (default: "
+        "--heartbeat-timeout)",
+    )  # fmt: skip
     add_flags(up, GatewayConfig, skip=("model",))
     add_flags(up, EngineConfig)
     add_flags(up, NodeConfig, skip=launch.PER_NODE)
@@ -161,9 +179,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse twice when a sub-command is given `--config FILE`: the file's values become that
+    command's defaults, so the flags on the command line still win."""
+    args = parser.parse_args(argv)
+    path = getattr(args, "config_file", None)
+    if path:
+        command = _subcommands(parser)[args.command]
+        try:
+            apply_config_file(command, path)
+        except ConfigError as exc:  # exit 2, as a bad flag does
+            print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
+            sys.exit(2)
+        args = parser.parse_args(argv)
+    return args
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     try:
         setup_logging(args.log_level, args.log_format)
         return int(args.func(args))

@@ -17,7 +17,8 @@ import urllib.error
 import urllib.request
 from typing import TYPE_CHECKING, Any
 
-from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig, from_args
+from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig
+from pdserve.common.flags import from_args
 from pdserve.supervisor import Child, Supervisor
 
 if TYPE_CHECKING:
@@ -155,10 +156,25 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float, nodes:
     raise RuntimeError(f"the cluster did not become healthy within {timeout:.0f} s")
 
 
+def up_configs(args: argparse.Namespace) -> tuple[GatewayConfig, NodeConfig]:
+    """`pdserve up`'s gateway and node settings. They share every flag but the heartbeat
+    timeouts: --gateway-heartbeat-timeout / --node-heartbeat-timeout set one side each,
+    --heartbeat-timeout both."""
+    gateway_side = getattr(args, "gateway_heartbeat_timeout", None)
+    node_side = getattr(args, "node_heartbeat_timeout", None)
+    gcfg = from_args(GatewayConfig, args, **_given(heartbeat_timeout=gateway_side))
+    ncfg = from_args(NodeConfig, args, **_given(heartbeat_timeout=node_side))
+    return gcfg, ncfg
+
+
+def _given(**values: Any) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if v is not None}
+
+
 def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
-    gcfg = from_args(GatewayConfig, args)
+    gcfg, ncfg = up_configs(args)
     ecfg = from_args(EngineConfig, args)
-    node_flags = to_flags(from_args(NodeConfig, args), skip=PER_NODE)
+    node_flags = to_flags(ncfg, skip=PER_NODE)
     nodes = args.prefill + args.decode + args.colocated
     if ecfg.engine == "torch" and not ecfg.num_threads:
         ecfg = dataclasses.replace(ecfg, num_threads=max(1, (os.cpu_count() or 2) // nodes))
@@ -231,7 +247,7 @@ def run_up(args: argparse.Namespace) -> int:
     """Start the cluster, wait until every node registered, then supervise it: a child that
     dies is restarted and the others keep serving (pdserve/supervisor.py). A child that fails
     before the cluster is up is a configuration error and stops everything."""
-    gcfg = from_args(GatewayConfig, args)
+    gcfg, _ = up_configs(args)
     url = f"http://{gcfg.host}:{gcfg.port}"
     stop = False
 

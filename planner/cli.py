@@ -1,7 +1,7 @@
 """`pdserve plan`: the best prefill/decode split of a node budget for a workload and SLOs.
 
     pdserve plan --budget 8 --input-len 4000 --output-len 100 --rate 6 --num-requests 400 \\
-        --slo ttft=1000,tpot=50 [--sim-profile h100-llama3.1-8b] [--json]
+        --slo ttft=1000,tpot=50 [--sim-profile GPU-MODEL] [--json]
 
 The workload flags are `pdserve bench`'s (synthetic lengths and arrivals, or a Mooncake
 trace): the workload planned is the one a benchmark would send. Prints the recommended
@@ -17,6 +17,8 @@ import json
 import sys
 import time
 
+from pdserve.common.config import EngineConfig, GatewayConfig
+from pdserve.common.flags import add_shared_flags
 from pdserve.loadgen.bench import add_workload_flags, build_workload
 from pdserve.loadgen.metrics import parse_slo
 from pdserve.planner.progress import Progress, cores
@@ -30,17 +32,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_workload_flags(p)
     p.add_argument("--budget", type=int, default=8, help="most nodes (prefill + decode)")
-    p.add_argument("--sim-profile", default="h100-llama3.1-8b", help="GPU x model (costmodel)")
-    p.add_argument("--max-batch", type=int, default=32, help="prefill batch limit (bp)")
+    # what the planner models of the serving commands: their flags, their defaults
+    add_shared_flags(p, EngineConfig, ("sim_profile", "max_batch", "max_batch_tokens"))
     p.add_argument(
         "--try-max-batch",
         default="8,64",
         help="other prefill batch limits tried on the best splits (comma list; empty: none)",
     )
-    p.add_argument("--max-batch-tokens", type=int, default=8192)
-    p.add_argument("--scheduler", default="on_demand", help="placement policy")
-    p.add_argument("--admission", default="spf", help="admission order")
-    p.add_argument("--prefix-caching", choices=["on", "off"], default="on")
+    add_shared_flags(p, EngineConfig, ("prefix_caching",))
+    add_shared_flags(p, GatewayConfig, ("scheduler", "admission"))
     p.add_argument("--max-prefill", type=int, default=None, help="most prefill nodes")
     p.add_argument("--max-decode", type=int, default=None, help="most decode nodes")
     p.add_argument("--workers", type=int, default=0, help="simulations at once (0: one per core)")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pdserve.common.config import EngineConfig
-from pdserve.common.costmodel import CostModel
+from pdserve.common.costmodel import DEFAULT_PROFILE, CostModel
 from pdserve.common.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.protocol import NodeInfo
@@ -19,16 +19,17 @@ from pdserve.loadgen.workloads import RequestSpec
 from pdserve.planner.decode_run import DecodeRun
 
 FINGERPRINT = "sim"
+_ENGINE = EngineConfig(engine="sim")  # defaults only
 
 
 @dataclass(frozen=True)
 class SimConfig:
     prefill: int
     decode: int
-    profile: str = "h100-llama3.1-8b"
-    prefill_max_batch: int = 32
+    profile: str = DEFAULT_PROFILE
+    prefill_max_batch: int = _ENGINE.max_batch  # the serving commands' defaults
     decode_max_batch: int = 1 << 30  # a decode node runs every sequence it holds
-    max_batch_tokens: int = 8192
+    max_batch_tokens: int = _ENGINE.max_batch_tokens
     chunk_size: int = 0
     num_kv_blocks: int = 0  # 0: what the profile's memory holds
     prefix_caching: bool = True

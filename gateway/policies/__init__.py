@@ -15,7 +15,7 @@ import dataclasses
 import importlib
 import pkgutil
 
-from pdserve.common.costmodel import CostModel
+from pdserve.common.costmodel import DEFAULT_PROFILE, CostModel
 from pdserve.gateway.policies.base import Need, NodeView, Policy
 
 __all__ = ["Need", "NodeView", "Policy", "make_policy", "names", "register"]
@@ -36,7 +36,7 @@ def names() -> list[str]:
 
 def make_policy(
     name: str,
-    cost_profile: str = "h100-llama3.1-8b",
+    cost_profile: str = DEFAULT_PROFILE,
     decode_fit: str = "spread",
     time_scale: float = 1.0,
 ) -> Policy:

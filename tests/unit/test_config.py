@@ -2,8 +2,9 @@ import argparse
 
 import pytest
 
-from pdserve.common.config import EngineConfig, add_flags, from_args
+from pdserve.common.config import EngineConfig
 from pdserve.common.errors import ConfigError
+from pdserve.common.flags import add_flags, from_args
 
 
 def parse(argv):

@@ -30,7 +30,8 @@ import yaml
 from kubernetes_validate.utils import latest_version
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig, from_args
+from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig
+from pdserve.common.flags import from_args
 from pdserve.common.security import ClusterKey
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.metrics import GatewayMetrics
