@@ -1,9 +1,9 @@
 """The gateway's HTTP side: OpenAI-compatible routes, SSE streaming, health and metrics.
 
-`create_app(config)` builds the aiohttp application; the ZeroMQ side (`Gateway`) starts and
-stops in its cleanup context. Every error leaves as OpenAI's JSON error object, including
-aiohttp's own (404, 405, 413). A streaming handler that finds its client gone aborts the
-request on every node that holds it.
+`create_app(config)` builds the aiohttp application; the gateway (gateway/core.py) starts and
+stops in its cleanup context, and the handlers talk to its `RequestService` only. Every error
+leaves as OpenAI's JSON error object, including aiohttp's own (404, 405, 413). A streaming
+handler that finds its client gone aborts the request on every node that holds it.
 """
 
 from __future__ import annotations
@@ -29,16 +29,16 @@ from pdserve.gateway.openai_api import (
     chunk,
     error_body,
     final_response,
-    parse_request,
     usage,
     usage_chunk,
 )
 from pdserve.gateway.openapi import spec
 from pdserve.gateway.requests import Delta, Done, Failed, GatewayRequest
+from pdserve.gateway.service import RequestService
 
 log = logging.getLogger(__name__)
 timeline_log = logging.getLogger("pdserve.timeline")
-GATEWAY = web.AppKey("gateway", Gateway)
+SERVICE = web.AppKey("service", RequestService)
 # Kernel send buffer of a streaming response. Linux grows it up to 4 MB per connection, so a
 # client that reads slowly would park megabytes in the kernel, one chunk per token, before
 # the handler felt any back-pressure; at 64 KiB (a few hundred chunks) the handler's write
@@ -119,22 +119,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _generate(
     request: web.Request, kind: Literal["chat", "completion"]
 ) -> web.StreamResponse:
-    gw = request.app[GATEWAY]
+    service = request.app[SERVICE]
     body = await read_json(request)
-    reason = gw.cluster.health()
+    reason = service.health()
     if reason is not None:
         raise ApiError(503, f"the cluster cannot serve yet: {reason}", code="service_unavailable")
-    # tokenizing a multi-megabyte prompt takes seconds: off the event loop, which must keep
-    # answering nodes (an offer unanswered for --offer-timeout is lost)
-    parsed = await asyncio.get_running_loop().run_in_executor(
-        gw.parser,
-        parse_request,
-        kind,
-        body,
-        gw.tokenizer,
-        gw.model_id,
-        gw.cluster.max_model_len,
-    )
+    parsed = await service.parse(kind, body)
     # the wire id is always ours: clients may send one x-request-id on concurrent requests
     rid = secrets.token_hex(12)
     echo_id = request.headers.get("x-request-id") or rid
@@ -147,26 +137,25 @@ async def _generate(
         params=parsed.params,
         stream=parsed.stream,
         include_usage=parsed.include_usage,
-        tokenizer=gw.tokenizer,
+        tokenizer=service.tokenizer,
         return_token_ids=parsed.return_token_ids,
     )
-    placing = asyncio.create_task(_place(gw, req))
+    placing = asyncio.create_task(_place(service, req))
     try:
         if parsed.stream:
-            return await _stream(request, gw, req, prefix + rid, echo_id)
+            return await _stream(request, req, prefix + rid, echo_id)
         return await _collect(req, prefix + rid, echo_id)
     finally:
-        if not req.finished or gw.table.current(req) is not None:
-            gw.abort(req)
+        service.end(req)
         if not placing.done():
             placing.cancel()
         _log_timeline(req, echo_id)
 
 
-async def _place(gw: Gateway, req: GatewayRequest) -> None:
+async def _place(service: RequestService, req: GatewayRequest) -> None:
     """Every request ends: a bug in placement answers 500 rather than leaving it waiting."""
     try:
-        await gw.run(req)
+        await service.run(req)
     except Exception as exc:
         log.exception("placing %s failed", req.request_id)
         req.finish(Failed(500, f"internal error while placing the request: {exc!r}"))
@@ -214,7 +203,7 @@ async def _collect(req: GatewayRequest, rid: str, echo_id: str) -> web.Response:
 
 
 async def _stream(
-    request: web.Request, gw: Gateway, req: GatewayRequest, rid: str, echo_id: str
+    request: web.Request, req: GatewayRequest, rid: str, echo_id: str
 ) -> web.StreamResponse:
     first = await req.events.get()
     if isinstance(first, Failed):  # nothing sent yet: a proper HTTP error
@@ -287,43 +276,43 @@ async def _events(first: Any, req: GatewayRequest) -> AsyncIterator[Any]:
 
 
 async def models(request: web.Request) -> web.Response:
-    gw = request.app[GATEWAY]
+    service = request.app[SERVICE]
     data = []
-    if gw.model_id:
+    if service.model_id:
         data.append(
             {
-                "id": gw.model_id,
+                "id": service.model_id,
                 "object": "model",
                 "created": int(time.time()),
                 "owned_by": "pdserve",
-                "max_model_len": gw.cluster.max_model_len,
+                "max_model_len": service.max_model_len,
             }
         )
     return json_response({"object": "list", "data": data})
 
 
 async def health(request: web.Request) -> web.Response:
-    gw = request.app[GATEWAY]
-    reason = gw.cluster.health()
-    nodes = {n.node_id: n.info.role for n in gw.cluster.nodes.values()}
+    service = request.app[SERVICE]
+    reason = service.health()
+    nodes = service.nodes()
     if reason is None:
         return json_response({"status": "ok", "nodes": nodes})
     return json_response({"status": "unavailable", "reason": reason, "nodes": nodes}, 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[GATEWAY].metrics.render()
+    body = request.app[SERVICE].metrics_text()
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return json_response(spec(request.app[GATEWAY].model_id))
+    return json_response(spec(request.app[SERVICE].model_id))
 
 
 async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     gw = Gateway(cfg, Tokenizer.load(cfg.model))
-    app[GATEWAY] = gw
+    app[SERVICE] = gw.service
     await gw.start()
     yield
     await gw.stop()

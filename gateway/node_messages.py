@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
-import zmq
-
-from pdserve.common.config import GatewayConfig
 from pdserve.common.protocol import (
     NODE_DECODER,
     TOKENS_DECODER,
@@ -40,53 +37,47 @@ from pdserve.common.protocol import (
     Reject,
     TokenBatch,
 )
-from pdserve.common.transport import decode_or_none, send
+from pdserve.common.transport import decode_or_none
 from pdserve.gateway.cluster import ClusterView
+from pdserve.gateway.link import NodeLink
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.placement import Placer
 from pdserve.gateway.plan import redirect
 from pdserve.gateway.policies import Need, Policy
+from pdserve.gateway.pools import PoolCare
 from pdserve.gateway.prefix_index import PrefixIndex
-from pdserve.gateway.roles import RoleSwitcher
+from pdserve.gateway.service import RequestService
 from pdserve.gateway.table import Attempt, RequestTable
-
-if TYPE_CHECKING:
-    import zmq.asyncio
-
-    from pdserve.gateway.metrics import GatewayMetrics
-    from pdserve.gateway.placement import Placer
-    from pdserve.gateway.requests import GatewayRequest
 
 log = logging.getLogger(__name__)
 Handler = Callable[[Any, bytes, Any], Coroutine[Any, Any, None]]
 
 
 class NodeMessages:
-    cfg: GatewayConfig
-    cluster: ClusterView
-    table: RequestTable
-    index: PrefixIndex
-    policy: Policy
-    placer: Placer
-    metrics: GatewayMetrics
-    control: zmq.asyncio.Socket
-    tokens: zmq.asyncio.Socket
-    tokens_address: str
-    tokenizer_fingerprint: str
-
-    # provided by Gateway
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None: ...
-    def _on_token(
-        self, req: GatewayRequest, index: int, token: int, reason: str | None
-    ) -> None: ...
-    async def replace(self, attempt: Attempt, reason: str, kind: str = "lost") -> None: ...
-    async def _drop_node(self, node_id: str, why: str) -> None: ...
-
-    switching: dict[str, tuple[str, float]]
-    switcher: RoleSwitcher
+    def __init__(
+        self,
+        cluster: ClusterView,
+        table: RequestTable,
+        index: PrefixIndex,
+        policy: Policy,
+        placer: Placer,
+        metrics: GatewayMetrics,
+        link: NodeLink,
+        service: RequestService,
+        pools: PoolCare,
+        drop: Callable[[str, str], Awaitable[None]],
+        tokenizer_fingerprint: str,
+    ) -> None:
+        self.cluster, self.table, self.index, self.policy = cluster, table, index, policy
+        self.placer, self.metrics, self.link = placer, metrics, link
+        self.service, self.pools = service, pools
+        self.drop = drop  # a node gone: its requests are re-placed (gateway/liveness.py)
+        self.tokenizer_fingerprint = tokenizer_fingerprint
 
     # -- loops -----------------------------------------------------------------------------
-    async def _control_loop(self) -> None:
+    async def control_loop(self) -> None:
         while True:
-            frames = await self.control.recv_multipart()
+            frames = await self.link.control.recv_multipart()
             msg = decode_or_none(NODE_DECODER, frames[1]) if len(frames) == 2 else None
             handler = CONTROL.get(type(msg))
             if handler is None:
@@ -101,9 +92,9 @@ class NodeMessages:
             except Exception:
                 log.exception("handling %s failed", type(msg).__name__)
 
-    async def _tokens_loop(self) -> None:
+    async def tokens_loop(self) -> None:
         while True:
-            msg = decode_or_none(TOKENS_DECODER, await self.tokens.recv())
+            msg = decode_or_none(TOKENS_DECODER, await self.link.tokens.recv())
             handler = TOKENS.get(type(msg))
             if handler is None:
                 log.warning("dropping malformed token message")
@@ -121,37 +112,26 @@ class NodeMessages:
             return None
         return attempt
 
-    async def _reply(self, identity: bytes, msg: Any) -> None:
-        try:
-            await send(self.control, msg, to=identity)
-        except zmq.ZMQError as exc:  # the peer is gone (ROUTER_MANDATORY): liveness drops it
-            log.info("no reply to a node that left (%s): %s", type(msg).__name__, exc)
-
     # -- control socket --------------------------------------------------------------------
     async def _on_register(self, identity: bytes, msg: Register) -> None:
         info = msg.info
-        switched = self.switching.get(info.node_id)
-        old = self.cluster.nodes.get(info.node_id)
-        if switched and switched[0] == info.role and old is not None and old.identity != identity:
-            # back in its new role before its old self's Deregister (another socket) arrived
-            await self._drop_node(info.node_id, f"switched to {info.role}")
+        if self.pools.switched_away(info, identity):
+            await self.drop(info.node_id, f"switched to {info.role}")
         reason = self.cluster.register(info, identity, time.monotonic(), self.tokenizer_fingerprint)
         if reason is not None:
             log.warning("refused node %s: %s", info.node_id, reason)
-            await self._reply(identity, RegisterRefuse(node_id=info.node_id, reason=reason))
+            await self.link.reply(identity, RegisterRefuse(node_id=info.node_id, reason=reason))
             return
         log.info("registered %s node %s (%s)", info.role, info.node_id, info.model_id)
-        if switched:  # back in its new role; or restarted in its old one: the switch is over
-            del self.switching[info.node_id]
-        self.switcher.registered(info.node_id, time.monotonic())
+        self.pools.registered(info.node_id, time.monotonic())
         self.index.drop(info.node_id)  # a new process: its snapshot follows
         ack = RegisterAck(
             node_id=info.node_id,
-            tokens_address=self.tokens_address,
+            tokens_address=self.link.tokens_address,
             # the policy decides how prefill nodes take offers: one rule, whatever launched them
             queueing=self.policy.queueing,
         )
-        await self._reply(identity, ack)
+        await self.link.reply(identity, ack)
         self.placer.capacity_changed()
 
     async def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
@@ -164,7 +144,7 @@ class NodeMessages:
             known and msg.node_id in self.index.nodes and self.index.needs_snapshot(msg.node_id)
         )
         reply = HeartbeatReply(stale=stale, unknown_node=not known, kv_resync=resync)
-        await self._reply(identity, reply)
+        await self.link.reply(identity, reply)
         self.placer.capacity_changed()
 
     async def _on_answer(self, identity: bytes, msg: Accept | Reject) -> None:
@@ -173,7 +153,7 @@ class NodeMessages:
         if not self.placer.answer(msg.request_id, identity, accepted, room) and accepted:
             # too late: that offer timed out and the request moved on under a new wire id,
             # so this aborts exactly the stale acceptance
-            await self._reply(identity, Abort(request_id=msg.request_id))
+            await self.link.reply(identity, Abort(request_id=msg.request_id))
 
     async def _on_first_token(self, identity: bytes, msg: FirstToken) -> None:
         attempt = self._held_by(identity, msg.request_id, "prefill")
@@ -193,7 +173,7 @@ class NodeMessages:
         elif attempt.prefill == attempt.decode and node is not None and node.info.role == "decode":
             self.table.prefilled_in_place(attempt, now)  # a decode node prefilled it itself
             self.metrics.local_prefills.inc()
-        self._on_token(req, msg.index, msg.token_id, msg.finish_reason)
+        self.service.on_token(req, msg.index, msg.token_id, msg.finish_reason)
 
     async def _on_kv_transferred(self, identity: bytes, msg: KvTransferred) -> None:
         node = self.cluster.by_identity(identity)
@@ -220,7 +200,7 @@ class NodeMessages:
             refused.refused_at = time.monotonic()
         attempt = self._held_by(identity, msg.request_id, "prefill")
         if attempt is None or attempt.req.finished:
-            await self._reply(identity, Redirect(request_id=msg.request_id, decode=None))
+            await self.link.reply(identity, Redirect(request_id=msg.request_id, decode=None))
             return
         need = Need(
             attempt.prompt_len,
@@ -236,17 +216,17 @@ class NodeMessages:
             # node still holds the KV and decodes it itself
             self.table.stay(attempt, time.monotonic())
             self.metrics.migrations.labels("stayed").inc()
-            await self._reply(identity, Redirect(request_id=msg.request_id, decode=None))
+            await self.link.reply(identity, Redirect(request_id=msg.request_id, decode=None))
             return
         if target is None:
-            await self._reply(identity, Redirect(request_id=msg.request_id, decode=None))
+            await self.link.reply(identity, Redirect(request_id=msg.request_id, decode=None))
             # spawned, not awaited: the re-placement waits for an Accept this loop reads
             why = f"{msg.refused_by} refused and no decode node had room"
-            self._spawn(self.replace(attempt, why, "no_room"))
+            self.service.spawn(self.service.replace(attempt, why, "no_room"))
             return
         blocks = target.blocks_for(attempt.prompt_len + 1)
         self.table.redirect(attempt, target.node_id, blocks, time.monotonic())
-        await self._reply(
+        await self.link.reply(
             identity, Redirect(request_id=msg.request_id, decode=target.node.target())
         )
 
@@ -255,7 +235,7 @@ class NodeMessages:
         its KV (as for a refused transfer), or re-place the request by recompute."""
         attempt = self._held_by(identity, msg.request_id, "decode")
         if attempt is None or attempt.req.finished:
-            await self._reply(identity, Redirect(request_id=msg.request_id, decode=None))
+            await self.link.reply(identity, Redirect(request_id=msg.request_id, decode=None))
             return
         req = attempt.req
         tokens = attempt.prompt_len + max(0, len(req.output_ids) - req.base - 1)
@@ -268,14 +248,14 @@ class NodeMessages:
         target = redirect(self.policy, self.cluster, self.table, need, self.index)
         if target is None:  # nowhere to go: the draining node finishes it itself
             self.metrics.migrations.labels("stayed").inc()
-            await self._reply(identity, Redirect(request_id=msg.request_id, decode=None))
+            await self.link.reply(identity, Redirect(request_id=msg.request_id, decode=None))
             return
         self.metrics.migrations.labels("moved").inc()
         log.info("migrating %s: %s -> %s", msg.request_id, attempt.decode, target.node_id)
         blocks = target.blocks_for(tokens + 1)
         self.table.migrate(attempt, target.node_id, blocks, time.monotonic())
         req.ran_on["decode"] = target.node_id
-        await self._reply(
+        await self.link.reply(
             identity, Redirect(request_id=msg.request_id, decode=target.node.target())
         )
 
@@ -283,7 +263,7 @@ class NodeMessages:
         attempt = self._held_by(identity, msg.request_id, "prefill")
         if attempt is not None:
             # spawned, not awaited: the re-placement waits for an Accept this loop reads
-            self._spawn(self.replace(attempt, f"prefill failed: {msg.reason}"))
+            self.service.spawn(self.service.replace(attempt, f"prefill failed: {msg.reason}"))
 
     async def _on_kv_events(self, identity: bytes, msg: KvEvents) -> None:
         node = self.cluster.nodes.get(msg.node_id)
@@ -295,7 +275,7 @@ class NodeMessages:
     async def _on_deregister(self, identity: bytes, msg: Deregister) -> None:
         node = self.cluster.nodes.get(msg.node_id)
         if node is not None and node.identity == identity:
-            await self._drop_node(msg.node_id, "node left")
+            await self.drop(msg.node_id, "node left")
 
     # -- tokens socket ---------------------------------------------------------------------
     async def _on_token_batch(self, _: bytes, msg: TokenBatch) -> None:
@@ -315,12 +295,12 @@ class NodeMessages:
             if attempt is not None and (
                 attempt.decode is None or msg.node_id in (attempt.decode, attempt.prefill)
             ):
-                self._on_token(attempt.req, index, token, reason)
+                self.service.on_token(attempt.req, index, token, reason)
 
     async def _on_preempted(self, _: bytes, msg: Preempted) -> None:
         attempt = self.table.get(msg.request_id)
         if attempt is not None and attempt.decode == msg.node_id:
-            self._spawn(self.replace(attempt, msg.reason, "preempted"))
+            self.service.spawn(self.service.replace(attempt, msg.reason, "preempted"))
 
 
 CONTROL: dict[type, Handler] = {

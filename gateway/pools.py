@@ -1,46 +1,48 @@
 """The gateway's care of the pools while it serves: the autoscaling signal each pool's size
 is judged by (gateway/sizing.py), live role switching (gateway/roles.py) and decode
-rebalancing (gateway/rebalance.py). A mixin of `Gateway` (core.py), run from its liveness
-loop; the rules are pure and live in those modules, this applies them.
+rebalancing (gateway/rebalance.py). The rules are pure and live in those modules; this
+applies them, from the liveness loop's tick.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from pdserve.common.protocol import Rebalance, SwitchRole
+from pdserve.common.config import GatewayConfig
+from pdserve.common.protocol import NodeInfo, Rebalance, SwitchRole
 from pdserve.gateway import rebalance
+from pdserve.gateway.cluster import ClusterView
+from pdserve.gateway.link import NodeLink
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.placement import Placer
 from pdserve.gateway.plan import views
-
-if TYPE_CHECKING:
-    from pdserve.common.config import GatewayConfig
-    from pdserve.gateway.cluster import ClusterView
-    from pdserve.gateway.metrics import GatewayMetrics
-    from pdserve.gateway.placement import Placer
-    from pdserve.gateway.roles import RoleSwitcher
-    from pdserve.gateway.sizing import Sizing
-    from pdserve.gateway.table import RequestTable
+from pdserve.gateway.roles import RoleSwitcher
+from pdserve.gateway.sizing import Sizing
+from pdserve.gateway.table import RequestTable
 
 log = logging.getLogger("pdserve.gateway.core")
 SWITCH_GIVE_UP_S = 600.0  # a switching node not back in its new role by then is forgotten
 
 
 class PoolCare:
-    cfg: GatewayConfig
-    cluster: ClusterView
-    table: RequestTable
-    placer: Placer
-    sizing: Sizing
-    metrics: GatewayMetrics
-    switcher: RoleSwitcher
-    switching: dict[str, tuple[str, float]]  # node id -> (new role, since)
-    rebalanced_at: dict[str, float]  # decode node id -> its last rebalance
-
-    async def _reply(self, identity: bytes, msg: Any) -> None: ...
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        cluster: ClusterView,
+        table: RequestTable,
+        placer: Placer,
+        sizing: Sizing,
+        metrics: GatewayMetrics,
+        link: NodeLink,
+    ) -> None:
+        self.cfg, self.cluster, self.table, self.placer = cfg, cluster, table, placer
+        self.sizing, self.metrics, self.link = sizing, metrics, link
+        self.switcher = RoleSwitcher(cfg.switch_hold, cfg.switch_dwell)
+        self.switching: dict[str, tuple[str, float]] = {}  # node id -> (new role, since)
+        self.rebalanced_at: dict[str, float] = {}  # decode node id -> its last rebalance
 
     def desired_replicas(self) -> dict[str, int]:
         """The autoscaling signal per pool (gateway/sizing.py), at scrape time."""
@@ -50,6 +52,36 @@ class PoolCare:
             "prefill": self.sizing.prefill(self.cluster, backlog, now),
             "decode": self.sizing.decode(self.cluster, now),
         }
+
+    async def tick(self, now: float) -> None:
+        if self.cfg.rebalance:
+            await self._rebalance(now)
+        if self.cfg.role_switching == "on":
+            await self._switch_roles(now)
+
+    def switched_away(self, info: NodeInfo, identity: bytes) -> bool:
+        """A node registers in the role it was asked to take, from a new socket, before its
+        old self's Deregister arrived: that old self must be dropped first."""
+        switched = self.switching.get(info.node_id)
+        old = self.cluster.nodes.get(info.node_id)
+        return bool(switched and switched[0] == info.role and old and old.identity != identity)
+
+    def registered(self, node_id: str, now: float) -> None:
+        """Back in its new role, or restarted in its old one: a switch is over."""
+        self.switching.pop(node_id, None)
+        self.switcher.registered(node_id, now)
+
+    async def switch_role(self, node_id: str, role: str, why: str) -> bool:
+        """Ask a node to take the other role (gateway/roles.py; common/node/roles.py)."""
+        node = self.cluster.nodes.get(node_id)
+        if node is None or node.info.role == role or role not in ("prefill", "decode"):
+            return False
+        log.info("switching %s from %s to %s: %s", node_id, node.info.role, role, why)
+        self.switching[node_id] = (role, time.monotonic())
+        node.load = msgspec.structs.replace(node.load, draining=True)  # no new work meanwhile
+        self.metrics.role_switches.labels(node.info.role, role).inc()
+        await self.link.reply(node.identity, SwitchRole(role=role))  # type: ignore[arg-type]
+        return True
 
     async def _switch_roles(self, now: float) -> None:
         for node_id, (_, since) in list(self.switching.items()):
@@ -61,18 +93,6 @@ class PoolCare:
         )
         if move is not None:
             await self.switch_role(move.node_id, move.role, move.why)
-
-    async def switch_role(self, node_id: str, role: str, why: str) -> bool:
-        """Ask a node to take the other role (gateway/roles.py; common/node/roles.py)."""
-        node = self.cluster.nodes.get(node_id)
-        if node is None or node.info.role == role or role not in ("prefill", "decode"):
-            return False
-        log.info("switching %s from %s to %s: %s", node_id, node.info.role, role, why)
-        self.switching[node_id] = (role, time.monotonic())
-        node.load = msgspec.structs.replace(node.load, draining=True)  # no new work meanwhile
-        self.metrics.role_switches.labels(node.info.role, role).inc()
-        await self._reply(node.identity, SwitchRole(role=role))  # type: ignore[arg-type]
-        return True
 
     async def _rebalance(self, now: float) -> None:
         """Move running sequences off a decode node filling up (gateway/rebalance.py)."""
@@ -86,4 +106,4 @@ class PoolCare:
         log.info(
             "rebalancing: %d sequences %s -> %s", len(move.request_ids), move.source, move.target
         )
-        await self._reply(node.identity, Rebalance(request_ids=move.request_ids))
+        await self.link.reply(node.identity, Rebalance(request_ids=move.request_ids))

@@ -66,19 +66,19 @@ async def test_a_gateway_loop_blocked_past_the_heartbeat_timeout_drops_no_node(t
         await c.add(c.node(PrefillNode, "prefill-0", ecfg=SIM))
         await c.add(c.node(DecodeNode, "decode-0", ecfg=SIM))
         dropped: list[str] = []
-        drop = c.gw._drop_node
+        drop = c.gw.liveness.drop
 
         async def record(node_id: str, why: str) -> None:
             dropped.append(f"{node_id}: {why}")
             await drop(node_id, why)
 
-        c.gw._drop_node = record  # type: ignore[method-assign]
+        c.gw.liveness.drop = record  # type: ignore[method-assign]
         await asyncio.sleep(0.6)  # a liveness tick or two on a healthy loop
         time.sleep(1.5)  # blocks the loop: nobody runs, nothing is read
         await asyncio.sleep(0.6)
         assert not dropped
         reqs = [c.request(f"r{i}", prompt(20, 3000 + 40 * i)) for i in range(4)]
-        runs = [asyncio.create_task(c.gw.run(r)) for r in reqs]
+        runs = [asyncio.create_task(c.gw.service.run(r)) for r in reqs]
         results = [await outcome(r) for r in reqs]
         assert all(isinstance(o, Done) for o in results), results
         await asyncio.gather(*runs)

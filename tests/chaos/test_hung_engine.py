@@ -53,7 +53,7 @@ async def test_a_node_that_heartbeats_but_produces_nothing_is_dropped_and_its_wo
         params = SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
         reqs = [c.request(f"r{i}", prompt(30, 2000 + 50 * i), params) for i in range(8)]
         started = time.monotonic()
-        runs = [asyncio.create_task(c.gw.run(r)) for r in reqs]
+        runs = [asyncio.create_task(c.gw.service.run(r)) for r in reqs]
         try:
             results = [await outcome(r, 15) for r in reqs]
         finally:

@@ -30,7 +30,7 @@ async def test_a_draining_decode_node_moves_its_sequences_with_their_kv(tokenize
         d1 = await c.add(c.node(DecodeNode, "decode-1", ecfg=STEADY))
         params = SamplingParams(max_tokens=120, temperature=1.0, seed=9, ignore_eos=True)
         reqs = [c.request(f"m{i}", prompt(40 + i, 3000 + 100 * i), params) for i in range(16)]
-        runs = [asyncio.create_task(c.gw.run(r)) for r in reqs]
+        runs = [asyncio.create_task(c.gw.service.run(r)) for r in reqs]
         await until(lambda: sum(len(r.output_ids) >= 10 for r in reqs) == 16, 20, "decoding")
         moving = {rid for rid in d0.requests} | {rid for rid in d1.requests}
         source = d0 if len(d0.requests) >= len(d1.requests) else d1
@@ -67,7 +67,7 @@ async def test_greedy_text_is_unchanged_by_a_migration_mid_stream(tokenizer, tor
         d0 = await c.add(c.node(DecodeNode, "decode-0", ecfg=ecfg, engine=r1))
         d1 = await c.add(c.node(DecodeNode, "decode-1", ecfg=ecfg, engine=r2))
         req = c.request("g", ids, greedy)
-        run = asyncio.create_task(c.gw.run(req))
+        run = asyncio.create_task(c.gw.service.run(req))
         await until(lambda: len(req.output_ids) >= 12, 60, "decoding")
         source = d0 if req.ran_on["decode"] == "decode-0" else d1
         source.begin_drain()
@@ -84,7 +84,7 @@ async def test_with_no_other_decode_node_the_draining_one_finishes_its_sequences
         only = await c.add(c.node(DecodeNode, "decode-0", ecfg=STEADY))
         params = SamplingParams(max_tokens=80, temperature=1.0, seed=4, ignore_eos=True)
         reqs = [c.request(f"s{i}", prompt(30, 5000 + 100 * i), params) for i in range(4)]
-        runs = [asyncio.create_task(c.gw.run(r)) for r in reqs]
+        runs = [asyncio.create_task(c.gw.service.run(r)) for r in reqs]
         await until(lambda: all(len(r.output_ids) >= 5 for r in reqs), 20, "decoding")
         only.begin_drain()
         assert [await outcome(r, 30) for r in reqs] == [Done("length")] * 4

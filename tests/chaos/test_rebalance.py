@@ -32,7 +32,7 @@ async def test_a_filling_decode_node_hands_sequences_to_an_empty_one(tokenizer, 
         full = await c.add(c.node(DecodeNode, "decode-0", ecfg=SMALL))
         params = SamplingParams(max_tokens=120, temperature=1.0, seed=6, ignore_eos=True)
         reqs = [c.request(f"b{i}", prompt(40, 7000 + 100 * i), params) for i in range(7)]
-        runs = [asyncio.create_task(c.gw.run(r)) for r in reqs]
+        runs = [asyncio.create_task(c.gw.service.run(r)) for r in reqs]
         await until(lambda: all(len(r.output_ids) >= 2 for r in reqs), 20, "all decoding")
         assert all(r.ran_on["decode"] == "decode-0" for r in reqs)
         empty = await c.add(c.node(DecodeNode, "decode-1", ecfg=SMALL))

@@ -62,13 +62,13 @@ async def test_a_decode_node_turns_prefill_mid_stream_and_no_text_changes(tokeni
         swing = Swing(c, "swing", "decode", ecfg, r2)
         await until(lambda: _role(c, "swing") == "decode", 30, "swing registers")
         first = [c.request(f"a{i}", ids[i], greedy) for i in range(4)]
-        runs = [asyncio.create_task(c.gw.run(r)) for r in first]
+        runs = [asyncio.create_task(c.gw.service.run(r)) for r in first]
         await until(lambda: all(len(r.output_ids) >= 4 for r in first), 60, "decoding")
         assert any(r.ran_on.get("decode") == "swing" for r in first)
-        assert await c.gw.switch_role("swing", "prefill", "test")
+        assert await c.gw.pools.switch_role("swing", "prefill", "test")
         await until(lambda: _role(c, "swing") == "prefill", 60, "swing back as prefill")
         second = [c.request(f"b{i}", ids[4 + i], greedy) for i in range(2)]
-        runs += [asyncio.create_task(c.gw.run(r)) for r in second]
+        runs += [asyncio.create_task(c.gw.service.run(r)) for r in second]
         results = [await outcome(r, 120) for r in first + second]
         await asyncio.gather(*runs)
         assert results == [Done("length")] * 6
@@ -107,7 +107,7 @@ async def test_the_gateway_switches_a_decode_node_when_prefill_is_short(tokenize
             assert i < 1500, "no decode node switched to prefill and took prompts"
             req = c.request(f"p{i}", prompt(4000, 30_000 + 4001 * i), params)
             reqs.append(req)
-            runs.append(asyncio.create_task(c.gw.run(req)))
+            runs.append(asyncio.create_task(c.gw.service.run(req)))
             await asyncio.sleep(max(0.0, start + (i + 1) * 0.04 - loop.time()))
         results = [await outcome(r, 60) for r in reqs]
         await asyncio.gather(*runs)

@@ -14,7 +14,7 @@ from pdserve.common.config import EngineConfig, GatewayConfig
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.transport import free_port
 from pdserve.decode_node.server import DecodeNode
-from pdserve.gateway.app import CONFIG, GATEWAY, completions, errors_middleware
+from pdserve.gateway.app import CONFIG, SERVICE, completions, errors_middleware
 from pdserve.gateway.requests import Done, Failed
 from pdserve.prefill_node.server import PrefillNode
 from tests.component.cluster import Cluster, outcome, prompt, until
@@ -30,7 +30,7 @@ async def test_a_request_no_node_can_take_yet_does_not_hold_back_one_that_fits(t
         prefill = await c.add(c.node(PrefillNode, "prefill-0", ecfg=SLOW))
         await c.add(c.node(DecodeNode, "decode-0"))
         first = c.request("first", prompt(900))
-        await asyncio.wait_for(c.gw.run(first), 5)  # placed: its ~2 s pass starts
+        await asyncio.wait_for(c.gw.service.run(first), 5)  # placed: its ~2 s pass starts
         # arriving in this order: one longer than the node's whole cache (64 x 16 tokens,
         # never fits), one that needs an empty batch, one that fits beside `first`
         never = c.request("never", prompt(1100, 3000))
@@ -38,7 +38,7 @@ async def test_a_request_no_node_can_take_yet_does_not_hold_back_one_that_fits(t
         short = c.request("short", prompt(50, 7000))
         runs = []
         for req in (never, later, short):
-            runs.append(asyncio.create_task(c.gw.run(req)))
+            runs.append(asyncio.create_task(c.gw.service.run(req)))
             await asyncio.sleep(0.01)
         await asyncio.wait_for(runs[2], 1.5)
         # the short one was placed while `first` was still prefilling: nothing held it back
@@ -85,14 +85,14 @@ async def test_a_long_prompt_behind_a_stream_of_short_ones_waits_at_most_its_bou
         def send_short() -> None:
             req = c.request(f"s{len(shorts)}", prompt(400, 10_000 + 500 * len(shorts)), params)
             shorts.append(req)
-            tasks.append(asyncio.create_task(c.gw.run(req)))
+            tasks.append(asyncio.create_task(c.gw.service.run(req)))
 
         for _ in range(3):
             send_short()
             await asyncio.sleep(0.1)
         long = c.request("long", prompt(1000, 1000), params)
         start = time.monotonic()
-        placed = asyncio.create_task(c.gw.run(long))
+        placed = asyncio.create_task(c.gw.service.run(long))
         while not placed.done() and time.monotonic() - start < 10:
             send_short()  # 10 per second; the node serves ~2 per pass
             await asyncio.sleep(0.1)
@@ -109,7 +109,7 @@ async def test_a_long_prompt_behind_a_stream_of_short_ones_waits_at_most_its_bou
 
 async def _serve(gw) -> tuple[web.AppRunner, str]:
     app = web.Application(middlewares=[errors_middleware])
-    app[CONFIG], app[GATEWAY] = gw.cfg, gw
+    app[CONFIG], app[SERVICE] = gw.cfg, gw.service
     app.router.add_post("/v1/completions", completions)
     runner = web.AppRunner(app)
     await runner.setup()
@@ -174,12 +174,12 @@ async def test_two_triggers_for_one_attempt_re_place_the_request_once(tokenizer)
         decode = await c.add(c.node(DecodeNode, "decode-0", ecfg=ecfg))  # ~90 ms a step
         params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
         reqs = [c.request(f"r{i}", prompt(100, 1000 + 200 * i), params) for i in range(6)]
-        await asyncio.gather(*(c.gw.run(r) for r in reqs))
+        await asyncio.gather(*(c.gw.service.run(r) for r in reqs))
         await until(lambda: all(len(r.output_ids) >= 2 for r in reqs), what="streams")
         for r in reqs:  # each attempt named three times at once
             attempt = c.gw.table.current(r)
             for kind in ("preempted", "no_room", "lost"):
-                c.gw._spawn(c.gw.replace(attempt, "test", kind))
+                c.gw.service.spawn(c.gw.service.replace(attempt, "test", kind))
         events = [await outcome(r, 20) for r in reqs]
         assert all(e == Done("length") for e in events), events
         assert all(r.attempt == 1 and len(r.output_ids) == 40 for r in reqs)

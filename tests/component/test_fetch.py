@@ -70,7 +70,7 @@ async def test_a_prefix_another_node_holds_is_fetched_byte_exact(tokenizer, torc
     async with Cluster(tokenizer) as c:
         holder = await holder_and_decode(c, ecfg, [r0, r1])
         first = c.request("first", shared + tokenizer.encode(" Briefly:"), GREEDY)
-        await asyncio.wait_for(c.gw.run(first), 60)
+        await asyncio.wait_for(c.gw.service.run(first), 60)
         assert await outcome(first, 60) == Done("length")
         hashes = holder.blocks.hashes(shared)
         await until(lambda: c.gw.index.cached_blocks("prefill-0", hashes) == 20, what="indexed")
@@ -92,7 +92,7 @@ async def test_a_prefix_another_node_holds_is_fetched_byte_exact(tokenizer, torc
 
         fetcher.kv.fetches.landed = comparing  # type: ignore[method-assign]
         second = c.request("second", second_prompt, GREEDY)
-        await asyncio.wait_for(c.gw.run(second), 60)
+        await asyncio.wait_for(c.gw.service.run(second), 60)
         assert await outcome(second, 60) == Done("length")
         assert second.output_ids == expected.token_ids  # equal to one process computing all
         theirs, ours = seen["kv"]
@@ -113,7 +113,7 @@ async def test_a_fetch_whose_holder_dies_midway_is_computed_instead(tokenizer, t
     async with Cluster(tokenizer) as c:
         holder = await holder_and_decode(c, ecfg, [r0, r1])
         first = c.request("first", shared + tokenizer.encode(" Go:"), GREEDY)
-        await asyncio.wait_for(c.gw.run(first), 60)
+        await asyncio.wait_for(c.gw.service.run(first), 60)
         assert await outcome(first, 60) == Done("length")
         hashes = holder.blocks.hashes(shared)
         await until(lambda: c.gw.index.cached_blocks("prefill-0", hashes) == 20, what="indexed")
@@ -129,7 +129,7 @@ async def test_a_fetch_whose_holder_dies_midway_is_computed_instead(tokenizer, t
 
         holder.sender.push_all = half_then_die  # type: ignore[method-assign]
         second = c.request("second", second_prompt, GREEDY)
-        await asyncio.wait_for(c.gw.run(second), 60)
+        await asyncio.wait_for(c.gw.service.run(second), 60)
         assert await outcome(second, 60) == Done("length")
         assert second.output_ids == expected.token_ids
         assert fetched(fetcher, "fell_back") == 1 and fetched(fetcher) == 0
@@ -141,7 +141,7 @@ async def test_a_malformed_or_unanswerable_fetch_is_refused_and_the_node_goes_on
     async with Cluster(tokenizer) as c:
         node = await c.add(c.node(PrefillNode, "prefill-0"))
         await c.add(c.node(DecodeNode, "decode-0"))
-        dealer = make_socket(c.gw.ctx, "node.data_out", node.data_address(), identity="peer-x")
+        dealer = make_socket(c.gw.link.ctx, "node.data_out", node.data_address(), identity="peer-x")
         me = DecodeTarget(node_id="peer-x", data_address="tcp://127.0.0.1:1", host_id="h")
         someone = DecodeTarget(
             node_id="someone-else", data_address="tcp://127.0.0.1:1", host_id="h"
@@ -167,7 +167,7 @@ async def test_a_malformed_or_unanswerable_fetch_is_refused_and_the_node_goes_on
         assert "no longer cached" in replies[-1].reason  # well formed, but nothing held
         assert not node.kv.fetches.serving and node.blocks.num_in_use_blocks == 0
         req = c.request("after", list(range(1000, 1040)))
-        await asyncio.wait_for(c.gw.run(req), TIMEOUT)
+        await asyncio.wait_for(c.gw.service.run(req), TIMEOUT)
         assert await outcome(req) == Done("length")
 
 
@@ -186,13 +186,13 @@ async def test_hundreds_of_streams_fetch_shared_prefixes_and_free_everything(tok
         prefixes = [list(range(1000 + 300 * g, 1000 + 300 * g + 256)) for g in range(40)]
         # a first pass puts every prefix in one cache, then the load arrives
         warm = [c.request(f"warm{g}", [*p, 7]) for g, p in enumerate(prefixes)]
-        await asyncio.wait_for(asyncio.gather(*(c.gw.run(r) for r in warm)), 30)
+        await asyncio.wait_for(asyncio.gather(*(c.gw.service.run(r) for r in warm)), 30)
         assert [await outcome(r, 30) for r in warm] == [Done("length")] * len(warm)
         reqs = [
             c.request(f"r{i}", prefixes[i % 40] + list(range(500 + i * 20, 516 + i * 20)))
             for i in range(240)
         ]
-        await asyncio.wait_for(asyncio.gather(*(c.gw.run(r) for r in reqs)), 60)
+        await asyncio.wait_for(asyncio.gather(*(c.gw.service.run(r) for r in reqs)), 60)
         results = [await outcome(r, 30) for r in reqs]
         assert results == [Done("length")] * len(reqs)
         assert all(len(r.output_ids) == 5 for r in reqs)

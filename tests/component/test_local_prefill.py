@@ -32,7 +32,7 @@ async def test_local_prefill_under_load_streams_the_same_tokens(tokenizer, mode)
         reqs = [
             c.request(f"l{i}", prompt(20 + 9 * (i % 10), 900 + 97 * i), params) for i in range(200)
         ]
-        runs = [asyncio.create_task(c.gw.run(r)) for r in reqs]
+        runs = [asyncio.create_task(c.gw.service.run(r)) for r in reqs]
         results = [await outcome(r, 60) for r in reqs]
         await asyncio.gather(*runs)
         assert results == [Done("length")] * 200
@@ -63,7 +63,7 @@ async def test_greedy_text_is_the_same_prefilled_locally_or_disaggregated(tokeni
             await c.add(c.node(PrefillNode, "prefill-0", ecfg=ecfg, engine=own_cache(r0)))
             await c.add(c.node(DecodeNode, "decode-0", ecfg=ecfg, engine=own_cache(r1)))
             req = c.request(f"g-{mode}", ids, greedy)
-            run = asyncio.create_task(c.gw.run(req))
+            run = asyncio.create_task(c.gw.service.run(req))
             assert await outcome(req, 60) == Done("length")
             await run
             assert (req.ran_on["prefill"] == "decode-0") == (mode == "always")

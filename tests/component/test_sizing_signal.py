@@ -35,7 +35,7 @@ async def test_desired_prefill_replicas_follow_a_load_step(tokenizer):
         for i in range(50):
             req = c.request(f"s{i}", prompt(4000, 20_000 + 4001 * i), params)
             reqs.append(req)
-            runs.append(asyncio.create_task(c.gw.run(req)))
+            runs.append(asyncio.create_task(c.gw.service.run(req)))
             await asyncio.sleep(0.04)
             peak = max(peak, _desired(c, "prefill"))
         assert peak >= 4, peak  # the offered work over 0.8, plus the backlog waiting

@@ -244,7 +244,7 @@ async def test_nodes_register_and_mismatched_ones_are_refused(tokenizer):
         assert c.gw.cluster.nodes["decode-0"].info == decode.info()
         assert c.gw.cluster.nodes["decode-0"].info.data_address.startswith("tcp://127.0.0.1:")
         # the gateway leaves its tokens host empty: the node uses the host it registered to
-        port = c.gw.tokens_address.rsplit(":", 1)[1]
+        port = c.gw.link.tokens_address.rsplit(":", 1)[1]
         assert decode.tokens_address == f"tcp://127.0.0.1:{port}"
         assert decode.tokens_sock is not None
         # heartbeats carry the load to the gateway
@@ -290,7 +290,7 @@ async def test_same_node_id_is_refused_and_keeps_the_first(tokenizer):
         # the first node is still the one the gateway talks to: it takes a request
         await c.add(c.node(DecodeNode, "decode-0"))
         req = c.request("r", prompt(20))
-        await asyncio.wait_for(c.gw.run(req), TIMEOUT)
+        await asyncio.wait_for(c.gw.service.run(req), TIMEOUT)
         assert await outcome(req) == Done("length")
         assert c.gw.cluster.nodes["twin"].accepts == 1
 
@@ -341,7 +341,7 @@ async def test_full_prefill_node_rejects_and_every_request_completes(tokenizer):
         sched.can_take, sched.schedule = counting_can_take, counting_schedule
 
         reqs = [c.request(f"r{i}", prompt(20 + i, 1000 + 100 * i)) for i in range(5)]
-        await asyncio.wait_for(asyncio.gather(*(c.gw.run(r) for r in reqs)), TIMEOUT)
+        await asyncio.wait_for(asyncio.gather(*(c.gw.service.run(r) for r in reqs)), TIMEOUT)
         events = [await outcome(r) for r in reqs]
         assert all(e == Done("length") for e in events), events
         assert all(len(r.output_ids) == PARAMS.max_tokens and r.attempt == 0 for r in reqs)
@@ -368,7 +368,7 @@ async def test_unreachable_prefill_node_is_skipped(tokenizer):
         assert "prefill-a" in c.gw.cluster.nodes  # offered first: fewest in prefill, then id
 
         req = c.request("r", prompt(30))
-        await asyncio.wait_for(c.gw.run(req), TIMEOUT)
+        await asyncio.wait_for(c.gw.service.run(req), TIMEOUT)
         assert await outcome(req) == Done("length")
         unanswered = c.gw.metrics.offer_timeouts.labels("prefill-a")._value.get()
         assert unanswered == 1 and c.gw.cluster.nodes["prefill-a"].rejects == 0
@@ -391,7 +391,7 @@ async def test_kv_reaches_the_decode_node_and_both_sides_free_it(tokenizer):
         decode.engine.import_kv = recording_import
         n = 37  # not a multiple of the block size
         req = c.request("r", prompt(n))
-        await asyncio.wait_for(c.gw.run(req), TIMEOUT)
+        await asyncio.wait_for(c.gw.service.run(req), TIMEOUT)
         assert await outcome(req) == Done("length")
         layers = decode.engine.model_config.num_layers
         size = decode.engine.kv_frame_bytes(n)
@@ -431,7 +431,7 @@ async def test_torch_kv_arrives_byte_exact(tokenizer, torch_runners):
         assert len(ids) % prefill_runner.block_size != 0
         params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
         req = c.request("t", ids, params)
-        await asyncio.wait_for(c.gw.run(req), 30)
+        await asyncio.wait_for(c.gw.service.run(req), 30)
         assert await outcome(req, 30) == Done("length")
         sent, received = snapshots["t.0"]
         assert len(sent) == prefill_runner.model_config.num_layers
@@ -451,10 +451,10 @@ async def test_abort_while_decoding_frees_the_decode_node(tokenizer):
         decode = await c.add(c.node(DecodeNode, "decode-0", ecfg=big))
         long = SamplingParams(max_tokens=50_000, temperature=0.0, ignore_eos=True)
         req = c.request("r", prompt(40), long)
-        await asyncio.wait_for(c.gw.run(req), TIMEOUT)
+        await asyncio.wait_for(c.gw.service.run(req), TIMEOUT)
         await until(lambda: len(req.output_ids) >= 5, what="decoding")
         assert decode.blocks.num_in_use_blocks > 0 and "r.0" in decode.requests
-        c.gw.abort(req)
+        c.gw.service.abort(req)
         event = await outcome(req, 1.0)
         assert isinstance(event, Failed) and event.status == 499
         await until(lambda: decode.blocks.num_in_use_blocks == 0, 1.0, "decode frees the KV")
@@ -529,7 +529,7 @@ async def test_refused_kv_is_redirected_to_another_decode_node(tokenizer):
         await until(lambda: c.gw.cluster.nodes["decode-small"].load.blocks_free == 64)
         redirects = record_redirects(prefill)
         req = c.request("r", prompt(LONG_PROMPT))
-        await asyncio.wait_for(c.gw.run(req), TIMEOUT)
+        await asyncio.wait_for(c.gw.service.run(req), TIMEOUT)
         assert await outcome(req) == Done("length")
         assert stale.refusals == [("r.0", "needs 38 KV blocks, 24 free")]
         assert [t and t.node_id for t in redirects] == ["decode-medium"]
@@ -567,7 +567,7 @@ async def test_refused_kv_with_no_other_decode_node_is_placed_again(tokenizer):
         await until(lambda: c.gw.cluster.nodes["decode-small"].load.blocks_free == 64)
         redirects = record_redirects(prefill)
         req = c.request("r", prompt(LONG_PROMPT))
-        await asyncio.wait_for(c.gw.run(req), TIMEOUT)
+        await asyncio.wait_for(c.gw.service.run(req), TIMEOUT)
         assert await outcome(req, 5.0) == Done("length")
         assert len(stale.refusals) == 1 and redirects == [None]
         assert req.attempt == 1  # re-placed as a prefill of prompt + first token
@@ -583,7 +583,7 @@ async def test_refused_kv_with_no_room_anywhere_fails_cleanly(tokenizer):
         stale = StaleView(small, OCCUPIED, free_on_refusal=False)
         await until(lambda: c.gw.cluster.nodes["decode-small"].load.blocks_free == 64)
         req = c.request("r", prompt(LONG_PROMPT))
-        await asyncio.wait_for(c.gw.run(req), TIMEOUT)
+        await asyncio.wait_for(c.gw.service.run(req), TIMEOUT)
         event = await outcome(req, 5.0)
         assert isinstance(event, Failed) and event.status == 503, event
         assert len(stale.refusals) == 1 and req.attempt == 1
@@ -611,7 +611,7 @@ async def test_failed_prefill_is_placed_again(tokenizer):
 
         prefill.engine.step = failing_once
         req = c.request("r", prompt(50))
-        await asyncio.wait_for(c.gw.run(req), TIMEOUT)
+        await asyncio.wait_for(c.gw.service.run(req), TIMEOUT)
         assert await outcome(req, 5.0) == Done("length")
         assert req.attempt == 1 and len(calls) == 2
         assert len(req.output_ids) == PARAMS.max_tokens
@@ -639,7 +639,7 @@ async def test_the_gateway_prefix_index_follows_the_nodes_caches(tokenizer):
 
         async def serve(*prompts: list[int]) -> None:
             reqs = [c.request(f"q{i}-{len(p)}-{p[0]}", p) for i, p in enumerate(prompts)]
-            await asyncio.wait_for(asyncio.gather(*(c.gw.run(r) for r in reqs)), TIMEOUT)
+            await asyncio.wait_for(asyncio.gather(*(c.gw.service.run(r) for r in reqs)), TIMEOUT)
             assert all([await outcome(r) == Done("length") for r in reqs])
 
         shared = prompt(64, 2000)
@@ -677,7 +677,7 @@ async def test_kv_the_decode_node_no_longer_holds_is_sent_whole_after_all(tokeni
         prefill = await c.add(c.node(PrefillNode, "prefill-0"))
         decode = await c.add(c.node(DecodeNode, "decode-0"))
         first = c.request("turn1", prompt(70, 4000))
-        await asyncio.wait_for(c.gw.run(first), TIMEOUT)
+        await asyncio.wait_for(c.gw.service.run(first), TIMEOUT)
         assert await outcome(first) == Done("length")
         history = first.prompt_ids + first.output_ids
         hashes = decode.blocks.hashes(history)
@@ -698,7 +698,7 @@ async def test_kv_the_decode_node_no_longer_holds_is_sent_whole_after_all(tokeni
 
         decode.intake.refuse = recording  # type: ignore[method-assign]
         second = c.request("turn2", history + prompt(9, 8000))
-        await asyncio.wait_for(c.gw.run(second), TIMEOUT)
+        await asyncio.wait_for(c.gw.service.run(second), TIMEOUT)
         assert await outcome(second) == Done("length")
         assert len(refusals) == 1 and refusals[0].startswith(PREFIX_GONE)
         assert second.attempt == 0  # resent by the prefill node, no re-placement
@@ -722,15 +722,15 @@ async def test_an_accept_for_a_request_whose_client_left_meanwhile_links_nothing
 
         prefill._on_offer = slow_offer  # type: ignore[method-assign]
         req = c.request("gone", prompt(30))
-        run = asyncio.create_task(c.gw.run(req))
+        run = asyncio.create_task(c.gw.service.run(req))
         await asyncio.wait_for(offered.wait(), TIMEOUT)
-        c.gw.abort(req)  # the client disconnects with the offer in flight
+        c.gw.service.abort(req)  # the client disconnects with the offer in flight
         release.set()
         await asyncio.wait_for(run, TIMEOUT)
         await until(lambda: not prefill.requests, what="the node was told to abort")
         assert not c.gw.table and all(not c.gw.table.on_node(n) for n in c.gw.cluster.nodes)
         prefill._on_offer = on_offer  # type: ignore[method-assign]
         after = c.request("after", prompt(30, 3000))
-        await asyncio.wait_for(c.gw.run(after), TIMEOUT)
+        await asyncio.wait_for(c.gw.service.run(after), TIMEOUT)
         assert await outcome(after) == Done("length")
         await until(all_free(prefill), what="every block freed")

@@ -1,0 +1,56 @@
+"""The gateway's sockets to the nodes: a ROUTER that nodes register, heartbeat and answer
+offers on (control), and a PULL that decode nodes push token batches to (tokens)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import zmq
+
+from pdserve.common.config import GatewayConfig
+from pdserve.common.protocol import Msg, PrefillOffer
+from pdserve.common.security import ClusterKey, close_context, make_context
+from pdserve.common.transport import CONTROL_MAX_MSG, TOKENS_MAX_MSG, make_socket, send
+from pdserve.gateway.cluster import NodeState
+
+log = logging.getLogger("pdserve.gateway.core")
+
+
+class NodeLink:
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.ctx = make_context(ClusterKey.load(cfg.cluster_key) if cfg.cluster_key else None)
+        bind = "*" if cfg.host in ("0.0.0.0", "") else cfg.host
+        self.control = make_socket(
+            self.ctx, "gateway.control", f"tcp://{bind}:{cfg.control_port}",
+            max_msg=CONTROL_MAX_MSG,
+        )  # fmt: skip
+        self.tokens = make_socket(
+            self.ctx, "gateway.tokens", f"tcp://{bind}:{cfg.tokens_port}",
+            max_msg=TOKENS_MAX_MSG,
+        )  # fmt: skip
+        # an empty host tells each node to use the host it registered through (common/node/host.py)
+        self.tokens_address = f"tcp://{cfg.advertise_host}:{cfg.tokens_port}"
+
+    async def send(self, node: NodeState, msg: Msg) -> None:
+        try:
+            await send(self.control, msg, to=node.identity)
+        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY): liveness will drop it
+            log.warning("cannot reach %s: %s", node.node_id, exc)
+
+    async def offer(self, node: NodeState, offer: PrefillOffer) -> None:
+        try:
+            await send(self.control, offer, to=node.identity)
+        except zmq.ZMQError as exc:  # peer gone: an OSError, so the placer tries the next node
+            raise ConnectionError(f"cannot reach {node.node_id}: {exc}") from exc
+
+    async def reply(self, identity: bytes, msg: Any) -> None:
+        try:
+            await send(self.control, msg, to=identity)
+        except zmq.ZMQError as exc:  # the peer is gone (ROUTER_MANDATORY): liveness drops it
+            log.info("no reply to a node that left (%s): %s", type(msg).__name__, exc)
+
+    def close(self) -> None:
+        self.control.close()
+        self.tokens.close()
+        close_context(self.ctx)

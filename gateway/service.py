@@ -1,0 +1,222 @@
+"""The gateway's requests, from the HTTP handler's call to their last token.
+
+`RequestService` is all the HTTP layer talks to: whether the cluster can serve, the model,
+parsing a body off the event loop, running a request and ending it. The node messages and the
+liveness loop use its other half: tokens in, re-placement and release. Where every request
+runs is held in one place, the request table (gateway/table.py); the placer runs the offer
+protocol. A request whose node dies, drains or preempts is re-placed as a prefill of prompt +
+generated tokens and keeps streaming; after `max_replacements` losses it ends with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
+
+from pdserve.common.config import GatewayConfig
+from pdserve.common.protocol import Abort
+from pdserve.common.tokenizer import Tokenizer
+from pdserve.gateway.cluster import ClusterView
+from pdserve.gateway.link import NodeLink
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.openai_api import ParsedRequest, parse_request
+from pdserve.gateway.placement import PlacementTimeout, Placer
+from pdserve.gateway.requests import Failed, GatewayRequest, StreamGap
+from pdserve.gateway.sizing import Sizing
+from pdserve.gateway.table import Attempt, RequestTable
+
+log = logging.getLogger("pdserve.gateway.core")
+
+
+class RequestService:
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        tokenizer: Tokenizer,
+        cluster: ClusterView,
+        table: RequestTable,
+        placer: Placer,
+        sizing: Sizing,
+        metrics: GatewayMetrics,
+        link: NodeLink,
+    ) -> None:
+        self.cfg, self.tokenizer, self.cluster, self.table = cfg, tokenizer, cluster, table
+        self.placer, self.sizing, self.metrics, self.link = placer, sizing, metrics, link
+        self.parser = ThreadPoolExecutor(2, thread_name_prefix="parse")  # tokenizing requests
+
+    # -- for the HTTP layer ----------------------------------------------------------------
+    @property
+    def model_id(self) -> str:
+        if self.cfg.served_model_name:
+            return self.cfg.served_model_name
+        ref = self.cluster.reference
+        return ref.model_id if ref else ""
+
+    @property
+    def max_model_len(self) -> int:
+        return self.cluster.max_model_len
+
+    def health(self) -> str | None:
+        """Why the cluster cannot serve yet, or None."""
+        return self.cluster.health()
+
+    def nodes(self) -> dict[str, str]:
+        return {n.node_id: n.info.role for n in self.cluster.nodes.values()}
+
+    def metrics_text(self) -> bytes:
+        return self.metrics.render()
+
+    async def parse(self, kind: Literal["chat", "completion"], body: Any) -> ParsedRequest:
+        # tokenizing a multi-megabyte prompt takes seconds: off the event loop, which must
+        # keep answering nodes (an offer unanswered for --offer-timeout is lost)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.parser, parse_request, kind, body, self.tokenizer, self.model_id,
+            self.cluster.max_model_len,
+        )  # fmt: skip
+
+    async def run(self, req: GatewayRequest) -> None:
+        """Admit and place the request; its tokens then arrive in req.events."""
+        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+        self.sizing.arrived(len(req.prompt_ids), time.monotonic(), req.params.max_tokens)
+        if len(self.placer.waiting) >= self.cfg.max_waiting:  # bounded, whatever the load
+            waiting = len(self.placer.waiting)
+            retry = max(1.0, self.placer.queued_seconds())
+            self._refuse(req, Failed(429, f"{waiting} requests are waiting for a prefill node "
+                                     "(--max-waiting); retry later", "rate_limit_exceeded",
+                                     retry_after=retry))  # fmt: skip
+            return
+        if self.cfg.reject_ttft and (wait := self._overloaded(req)) is not None:
+            self._refuse(req, Failed(503, "overloaded: the predicted time to first token "
+                                     f"exceeds {self.cfg.reject_ttft:g} s; retry later",
+                                     "service_unavailable", retry_after=wait))  # fmt: skip
+            return
+        await self._place(req, req.prompt_ids, req.params)
+
+    def end(self, req: GatewayRequest) -> None:
+        """The HTTP exchange is over (answered, or the client left): free what it holds."""
+        if not req.finished or self.table.current(req) is not None:
+            self.abort(req)
+
+    def abort(self, req: GatewayRequest, reason: str = "client disconnected") -> None:
+        """Free the request everywhere (client gone, stop string matched, error)."""
+        if not req.finished:
+            req.finish(Failed(499, reason, "cancelled"))
+            self.metrics.requests.labels("cancelled").inc()
+        self._release(req, notify=True)
+
+    # -- for the node messages and the liveness loop ---------------------------------------
+    def on_token(self, req: GatewayRequest, index: int, token: int, reason: str | None) -> None:
+        previous, count = req.last_token_at, len(req.output_ids)
+        try:
+            done = req.add_token(index, token, reason)
+        except StreamGap as gap:
+            if (attempt := self.table.current(req)) is not None:
+                self.spawn(self.replace(attempt, f"token stream broken: {gap}"))
+            return
+        if len(req.output_ids) == count:
+            return  # held back behind a gap, or a duplicate
+        now = req.last_token_at or time.monotonic()
+        if previous is None:
+            self.metrics.ttft.observe(now - req.arrival)
+        else:
+            self.metrics.itl.observe(now - previous)
+        if done:
+            # a stop string (no finish reason from the node) leaves KV on the nodes: abort it
+            self._complete(req, abort_nodes=reason is None)
+
+    async def replace(self, attempt: Attempt, reason: str, kind: str = "lost") -> None:
+        """Re-place the request of `attempt` as a prefill of prompt + generated tokens on the
+        same stream.
+
+        kind "lost": a node died or failed; these count against `max_replacements`.
+        kind "preempted" / "no_room": a decode node gave it back; the request makes progress
+        as others finish, so these do not count.
+
+        Several triggers may name the same attempt before the first runs: only the first
+        re-places it, the rest find a newer attempt (or none). Two placements of one request
+        would each open an attempt and close the other's."""
+        req = attempt.req
+        if req.finished or self.table.current(req) is not attempt:
+            return
+        self._release(req, notify=True)
+        if kind == "lost":
+            req.losses += 1
+            if req.losses > self.cfg.max_replacements:
+                req.finish(Failed(503, f"request lost its node {req.losses} times ({reason})"))
+                self.metrics.requests.labels("failed").inc()
+                return
+        self.metrics.replacements.labels(kind).inc()
+        log.info(
+            "re-placing %s after %s (%d tokens so far)", req.request_id, reason, len(req.output_ids)
+        )
+        prompt, params = req.next_attempt()
+        await self._place(req, prompt, params)
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        task.add_done_callback(_log_failure)
+
+    def close(self) -> None:
+        for attempt in self.table:
+            attempt.req.finish(Failed(503, "the gateway is shutting down", "service_unavailable"))
+        self.parser.shutdown(wait=False, cancel_futures=True)
+
+    # -- inside ----------------------------------------------------------------------------
+    def _refuse(self, req: GatewayRequest, failed: Failed) -> None:
+        req.finish(failed)
+        self.metrics.requests.labels("overloaded").inc()
+
+    def _overloaded(self, req: GatewayRequest) -> float | None:
+        """Early rejection: when requests already wait for prefill capacity and this one's
+        predicted TTFT (its own prefill + the waiting prefill work, spread over the prefill
+        nodes) exceeds `--reject-ttft`, the seconds after which to retry; else None. An idle
+        cluster serves even a prompt longer than the limit."""
+        queued = self.placer.queued_seconds()
+        if queued <= 0:
+            return None
+        predicted = queued + self.placer.prefill_seconds(len(req.prompt_ids))
+        return queued if predicted > self.cfg.reject_ttft else None
+
+    async def _place(self, req: GatewayRequest, prompt_ids: list[int], params: Any) -> None:
+        self.table.open(req, len(prompt_ids))
+        req.mark(f"placing.{req.attempt}")
+        start = time.monotonic()
+        try:
+            await self.placer.place(req, prompt_ids, params)
+        except PlacementTimeout:
+            self.table.close(req.wire_id)
+            timeout = self.cfg.placement_timeout
+            req.finish(Failed(503, f"no prefill node accepted the request within {timeout:g} s; "
+                              "retry later", "service_unavailable"))  # fmt: skip
+            self.metrics.requests.labels("placement_timeout").inc()
+            return
+        self.metrics.placement_wait.observe(time.monotonic() - start)
+        req.mark(f"accepted.{req.attempt}")
+
+    def _release(self, req: GatewayRequest, notify: bool) -> None:
+        attempt = self.table.current(req)
+        if attempt is None:
+            return
+        self.table.close(attempt.wire_id)
+        if notify:
+            for node_id in attempt.nodes():
+                node = self.cluster.nodes.get(node_id)
+                if node is not None:
+                    self.spawn(self.link.send(node, Abort(request_id=attempt.wire_id)))
+        self.placer.capacity_changed()
+
+    def _complete(self, req: GatewayRequest, abort_nodes: bool) -> None:
+        self.metrics.requests.labels("ok").inc()
+        self.metrics.generation_tokens.inc(len(req.output_ids))
+        self.metrics.e2e.observe(time.monotonic() - req.arrival)
+        self.metrics.observe_phases(req.phases())
+        self._release(req, notify=abort_nodes)
+
+
+def _log_failure(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task failed", exc_info=task.exception())
