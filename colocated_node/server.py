@@ -16,7 +16,8 @@ from typing import Any
 
 from pdserve.common.engine.scheduler import SchedulerOutput
 from pdserve.common.engine.sequence import Sequence, check_stop
-from pdserve.common.node import NodeBase, NodeRequest
+from pdserve.common.node.role import RoleDefaults
+from pdserve.common.node.runtime import NodeRequest
 from pdserve.common.protocol import (
     Abort,
     Accept,
@@ -29,7 +30,7 @@ from pdserve.common.protocol import (
 log = logging.getLogger(__name__)
 
 
-class ColocatedNode(NodeBase):
+class ColocatedRole(RoleDefaults):
     role = "colocated"
     mode = "colocated"
     pushes_tokens = True
@@ -39,53 +40,53 @@ class ColocatedNode(NodeBase):
             case PrefillOffer():
                 await self._on_offer(msg)
             case Abort(request_id=rid):
-                self.abort(rid)
+                self.node.abort(rid)
             case Drain():
-                self.begin_drain()
+                self.node.control.begin_drain()
             case _:
                 log.warning("unexpected gateway message %s", type(msg).__name__)
 
     async def _on_offer(self, offer: PrefillOffer) -> None:
         rid = offer.request_id
-        reason = "draining" if self.draining else None
-        if rid in self.requests:
+        reason = "draining" if self.node.draining else None
+        if rid in self.node.requests:
             reason = "duplicate request id"
-        if len(offer.prompt_ids) >= self.engine.max_model_len:
+        if len(offer.prompt_ids) >= self.node.engine.max_model_len:
             reason = f"prompt has {len(offer.prompt_ids)} tokens; the context limit is "
-            reason += str(self.engine.max_model_len)
+            reason += str(self.node.engine.max_model_len)
         seq = Sequence.new(rid, offer.prompt_ids, offer.params)
         if reason is None:
             try:
-                self.scheduler.add(seq)
+                self.node.scheduler.add(seq)
             except ValueError as exc:
                 reason = str(exc)
-        self.metrics.offer(reason is None)
+        self.node.metrics.offer(reason is None)
         if reason is not None:
-            room = 0 if self.draining else -1  # it queues: room is only its cache
-            await self.send_gateway(Reject(request_id=rid, reason=reason, room=room))
+            room = 0 if self.node.draining else -1  # it queues: room is only its cache
+            await self.node.send_gateway(Reject(request_id=rid, reason=reason, room=room))
             return
-        self.requests[rid] = NodeRequest(seq)
-        self.metrics.prompt_tokens.inc(len(offer.prompt_ids))
-        await self.send_gateway(Accept(request_id=rid))
-        self.work.set()
+        self.node.requests[rid] = NodeRequest(seq)
+        self.node.metrics.prompt_tokens.inc(len(offer.prompt_ids))
+        await self.node.send_gateway(Accept(request_id=rid))
+        self.node.steps.wake()
 
     async def on_drain_timeout(self) -> None:
-        await self.hand_back("draining")
+        await self.node.hand_back("draining")
 
     async def after_step(self, out: SchedulerOutput, grew: list[Sequence], result: Any) -> None:
-        self.metrics.generation_tokens.inc(len(grew))
+        self.node.metrics.generation_tokens.inc(len(grew))
         batch = []
         for seq in grew:
-            reason = check_stop(seq, self.engine.eos_token_ids, self.engine.max_model_len)
+            reason = check_stop(seq, self.node.engine.eos_token_ids, self.node.engine.max_model_len)
             if reason is not None:
-                self.requests.pop(seq.seq_id, None)
-                self.scheduler.finish(seq, reason)
+                self.node.requests.pop(seq.seq_id, None)
+                self.node.scheduler.finish(seq, reason)
             if seq.num_output_tokens == 1:  # its first token: as a prefill node sends it
-                await self.send_gateway(
+                await self.node.send_gateway(
                     FirstToken(
                         request_id=seq.seq_id, token_id=seq.token_ids[-1], finish_reason=reason
                     )
                 )
                 continue
             batch.append((seq, reason))
-        await self.push_step(batch)
+        await self.node.push_step(batch)

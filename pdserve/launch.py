@@ -22,7 +22,7 @@ from pdserve.common.flags import from_args
 from pdserve.supervisor import Child, Supervisor
 
 if TYPE_CHECKING:
-    from pdserve.common.node import NodeBase
+    from pdserve.common.node import NodeRuntime, RoleDefaults
 
 # node settings `pdserve up` decides per node itself (addresses, ports, ids)
 PER_NODE = (
@@ -81,10 +81,12 @@ def run_node(args: argparse.Namespace, role: str) -> int:
         engine = make_engine(ecfg, tokenizer.eos_token_ids)
     ids: list[str] = []
 
-    def make(role: str) -> NodeBase:
+    def make(role: str) -> NodeRuntime:
+        from pdserve.common.node import NodeRuntime
+
         # a node switched to the other role keeps its id: the gateway knows it by that
         cfg = dataclasses.replace(ncfg, node_id=ids[0]) if ids else ncfg
-        node = node_class(role)(cfg, ecfg, engine, tokenizer, executor=executor)
+        node = NodeRuntime(role_class(role), cfg, ecfg, engine, tokenizer, executor=executor)
         ids.append(node.node_id)
         return node
 
@@ -98,18 +100,18 @@ def run_node(args: argparse.Namespace, role: str) -> int:
     return 0
 
 
-def node_class(role: str) -> type[NodeBase]:
+def role_class(role: str) -> type[RoleDefaults]:
     if role == "prefill":
-        from pdserve.prefill_node.server import PrefillNode
+        from pdserve.prefill_node.server import PrefillRole
 
-        return PrefillNode
+        return PrefillRole
     if role == "decode":
-        from pdserve.decode_node.server import DecodeNode
+        from pdserve.decode_node.server import DecodeRole
 
-        return DecodeNode
-    from pdserve.colocated_node.server import ColocatedNode
+        return DecodeRole
+    from pdserve.colocated_node.server import ColocatedRole
 
-    return ColocatedNode
+    return ColocatedRole
 
 
 def to_flags(cfg: Any, skip: tuple[str, ...] = ()) -> list[str]:

@@ -28,9 +28,10 @@ from typing import Any
 from pdserve.common.engine.scheduler import SchedulerConfig, SchedulerOutput, step_work
 from pdserve.common.engine.sequence import Sequence, check_stop
 from pdserve.common.kv_transfer.base import Transfer
-from pdserve.common.node import NodeRequest
 from pdserve.common.node.fetch import PrefixFetches
 from pdserve.common.node.handoff import KvHandoff
+from pdserve.common.node.role import RoleDefaults
+from pdserve.common.node.runtime import NodeRequest, NodeRuntime
 from pdserve.common.protocol import (
     Abort,
     Accept,
@@ -47,23 +48,24 @@ from pdserve.prefill_node.layerwise import LayerwiseRule
 log = logging.getLogger(__name__)
 
 
-class PrefillNode(KvHandoff):
+class PrefillRole(RoleDefaults):
     role = "prefill"
     mode = "prefill"
     has_data_plane = True  # sends KV; receives prefix blocks it fetches
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, node: NodeRuntime) -> None:
+        super().__init__(node)
         self.queueing = False  # until the gateway says otherwise at registration
-        self.layerwise = LayerwiseRule(self.cfg.layerwise, self.cfg.layerwise_min_tokens)
+        self.layerwise = LayerwiseRule(node.cfg.layerwise, node.cfg.layerwise_min_tokens)
+        self.handoff = KvHandoff(node)
 
-    def scheduler_config(self) -> SchedulerConfig:
+    @staticmethod
+    def scheduler_config(base: SchedulerConfig) -> SchedulerConfig:
         # whole prompts (a chunk's KV would stream before the prompt is done) and no
         # watermark: nothing grows here
-        return dataclasses.replace(super().scheduler_config(), chunk_size=0, watermark_blocks=0)
+        return dataclasses.replace(base, chunk_size=0, watermark_blocks=0)
 
     def on_registered(self, ack: RegisterAck) -> None:
-        super().on_registered(ack)
         self.queueing = ack.queueing  # the gateway's policy decides
 
     # -- gateway messages ------------------------------------------------------------------
@@ -74,11 +76,11 @@ class PrefillNode(KvHandoff):
             case Redirect(request_id=rid, decode=target):
                 # spawned: it waits for the running pass, and this loop must keep answering
                 # offers meanwhile (an offer unanswered for --offer-timeout is lost)
-                self.spawn(self.send_kv(rid, target))
+                self.node.spawn(self.handoff.send_kv(rid, target))
             case Abort(request_id=rid):
-                self.abort(rid)
+                self.node.abort(rid)
             case Drain():
-                self.begin_drain()
+                self.node.control.begin_drain()
             case _:
                 log.warning("unexpected gateway message %s", type(msg).__name__)
 
@@ -86,42 +88,45 @@ class PrefillNode(KvHandoff):
         rid = offer.request_id
         fetching = [f.seq for f in self.fetches.fetching.values()]
         room = -1  # with a reject: the longest prompt we would take now (-1: not known)
-        if self.draining:
+        if self.node.draining:
             reason: str | None = "draining"
             room = 0
-        elif rid in self.requests:
+        elif rid in self.node.requests:
             # the same request offered again: the first acceptance stands (one per id)
             reason = "duplicate request id"
         else:
-            reason = self.scheduler.can_take(len(offer.prompt_ids), self.queueing, fetching)
+            reason = self.node.scheduler.can_take(len(offer.prompt_ids), self.queueing, fetching)
             if reason is not None:
-                room = self.scheduler.room(self.queueing, fetching)
-        self.metrics.offer(reason is None)
+                room = self.node.scheduler.room(self.queueing, fetching)
+        self.node.metrics.offer(reason is None)
         if reason is not None:
-            await self.send_gateway(Reject(request_id=rid, reason=reason, room=room))
+            await self.node.send_gateway(Reject(request_id=rid, reason=reason, room=room))
             return
         seq = Sequence.new(rid, offer.prompt_ids, offer.params)
-        self.requests[rid] = NodeRequest(seq, target=offer.decode, skip=offer.decode_cached)
-        await self.send_gateway(Accept(request_id=rid))
+        self.node.requests[rid] = NodeRequest(seq, target=offer.decode, skip=offer.decode_cached)
+        await self.node.send_gateway(Accept(request_id=rid))
         if not self.fetches.start(seq, offer):  # else scheduled once its prefix is here
-            self.scheduler.add(seq)
-            self.work.set()
+            self.node.scheduler.add(seq)
+            self.node.steps.wake()
 
     def kv_acked(self, t: Transfer) -> None:
         if t.prefill_end:  # a first send (not a resend after a refusal): how long it took
             self.layerwise.observe_tail(t.total_bytes, t.finished - t.prefill_end, t.layerwise)
-        super().kv_acked(t)
+        self.handoff.acked(t)
+
+    async def kv_refused(self, rid: str, peer: str, why: str) -> None:
+        await self.handoff.refused(rid, peer, why)
 
     def on_dropped(self, rid: str, req: NodeRequest | None) -> None:
-        self.sender.abort(rid)  # the decode node drops its reservation
+        self.node.sender.abort(rid)  # the decode node drops its reservation
 
     # -- a batch ---------------------------------------------------------------------------
     async def before_step(self, out: SchedulerOutput) -> None:
         for seq, _ in out.prefills:
-            req = self.requests[seq.seq_id]
+            req = self.node.requests[seq.seq_id]
             if seq.params.max_tokens > 1 and req.target is not None:
                 # it will be handed off: the decode node reserves while we compute
-                self.sender.begin(
+                self.node.sender.begin(
                     seq.seq_id,
                     req.target,
                     seq.token_ids,
@@ -137,53 +142,55 @@ class PrefillNode(KvHandoff):
         """Engine thread: one forward pass. Layer-wise, each layer's KV goes out as it lands
         (the send overlaps the next layers' compute); else it is staged whole after the
         pass. Which, the rule decides from this node's measurements (layerwise.py)."""
-        moving = [t for s, _ in out.prefills if (t := self.sender.transfers.get(s.seq_id))]
+        moving = [t for s, _ in out.prefills if (t := self.node.sender.transfers.get(s.seq_id))]
         tokens = sum(n for _, n in out.prefills)
         d = self.layerwise.decide(tokens, sum(t.total_bytes for t in moving))
         if d.why == "threshold":
-            layerwise = [t for t in moving if t.num_tokens >= self.cfg.layerwise_min_tokens]
+            layerwise = [t for t in moving if t.num_tokens >= self.node.cfg.layerwise_min_tokens]
         else:
             layerwise = moving if d.layerwise else []
         for t in layerwise:
             t.layerwise = True
         if moving:
-            self.metrics.kv_send_mode(bool(layerwise), d.why)
+            self.node.metrics.kv_send_mode(bool(layerwise), d.why)
             log.debug("batch of %d tokens: %s (%s; predicted layer-wise %s s, at end %s s)",
                       tokens, "layer-wise" if layerwise else "at end", d.why,
                       d.predicted_layerwise_s, d.predicted_at_end_s)  # fmt: skip
 
+        sender = self.node.sender
+
         def on_layer(layer: int) -> None:
             for t in layerwise:
-                loop.call_soon_threadsafe(self.sender.push, t, layer, self.sender.stage(t, layer))
+                loop.call_soon_threadsafe(sender.push, t, layer, sender.stage(t, layer))
 
         began = time.monotonic()
-        sampled = self.engine.step(*step_work(out), on_layer if layerwise else None)
+        sampled = self.node.engine.step(*step_work(out), on_layer if layerwise else None)
         ended = time.monotonic()
-        at_end = {t.request_id: self.sender.stage_all(t) for t in moving if t not in layerwise}
+        at_end = {t.request_id: self.node.sender.stage_all(t) for t in moving if t not in layerwise}
         return sampled, at_end, began, ended
 
     async def after_step(self, out: SchedulerOutput, grew: list[Sequence], result: Any) -> None:
         _, at_end, began, ended = result
         streamed = any(t.layerwise for s, _ in out.prefills
-                       if (t := self.sender.transfers.get(s.seq_id)))  # fmt: skip
+                       if (t := self.node.sender.transfers.get(s.seq_id)))  # fmt: skip
         self.layerwise.observe_pass(sum(n for _, n in out.prefills), ended - began, streamed)
         for seq in grew:
-            queued = max(0.0, began - self.requests[seq.seq_id].accepted_at)
-            self.metrics.queue_time.observe(queued)
-            self.metrics.prefill_time.observe(ended - began)
-            self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
-            t = self.sender.transfers.get(seq.seq_id)
+            queued = max(0.0, began - self.node.requests[seq.seq_id].accepted_at)
+            self.node.metrics.queue_time.observe(queued)
+            self.node.metrics.prefill_time.observe(ended - began)
+            self.node.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
+            t = self.node.sender.transfers.get(seq.seq_id)
             if t is not None:
                 t.prefill_end = ended
                 if seq.seq_id in at_end:
-                    self.sender.push_all(t, at_end[seq.seq_id])
+                    self.node.sender.push_all(t, at_end[seq.seq_id])
             token = seq.token_ids[-1]
-            reason = check_stop(seq, self.engine.eos_token_ids, self.engine.max_model_len)
+            reason = check_stop(seq, self.node.engine.eos_token_ids, self.node.engine.max_model_len)
             if reason is not None or t is None:  # nothing to hand off: let go now
-                self.requests.pop(seq.seq_id)
-                self.scheduler.release(seq.seq_id)
-                self.sender.abort(seq.seq_id)
-                self.work.set()
+                self.node.requests.pop(seq.seq_id)
+                self.node.scheduler.release(seq.seq_id)
+                self.node.sender.abort(seq.seq_id)
+                self.node.steps.wake()
             first = FirstToken(
                 request_id=seq.seq_id,
                 token_id=token,
@@ -191,19 +198,18 @@ class PrefillNode(KvHandoff):
                 prefill_ms=(ended - began) * 1000,
                 queue_ms=queued * 1000,
             )
-            await self.send_gateway(first)
+            await self.node.send_gateway(first)
             if reason is None and t is not None:
-                self.sender.done(t, token)
+                self.node.sender.done(t, token)
 
     async def step_failed(self, out: SchedulerOutput, exc: Exception) -> None:
         """The batch fails, the node goes on: the gateway re-places its requests."""
         log.error("prefill failed", exc_info=exc)
         for seq, _ in out.prefills:
-            self._drop(seq.seq_id)
-            await self.send_gateway(PrefillFailed(request_id=seq.seq_id, reason=repr(exc)))
+            self.node.drop(seq.seq_id)
+            await self.node.send_gateway(PrefillFailed(request_id=seq.seq_id, reason=repr(exc)))
 
-    # -- KV transfer callbacks -------------------------------------------------------------
     @property
     def fetches(self) -> PrefixFetches:
-        assert self.kv is not None
-        return self.kv.fetches
+        assert self.node.kv is not None
+        return self.node.kv.fetches

@@ -1,21 +1,23 @@
-"""What every node role shares: the control plane (control.py: registration, heartbeats,
-leases, drain), the runtime (runtime.py: one request table, one step loop, one way to abort)
-and where the node is (host.py)."""
+"""What every node role shares: the runtime (runtime.py: one request table, one step loop,
+one way to abort, the control plane of control.py), the role interface (role.py) and where
+the node is (host.py)."""
 
-from pdserve.common.node.control import NodeControl, RegistrationRefused
+from pdserve.common.node.control import ControlPlane, RegistrationRefused
 from pdserve.common.node.host import (
     default_node_id,
     facing_address,
     host_identity,
     resolve_tokens_address,
 )
-from pdserve.common.node.runtime import NodeBase, NodeRequest
+from pdserve.common.node.role import RoleDefaults
+from pdserve.common.node.runtime import NodeRequest, NodeRuntime
 
 __all__ = [
-    "NodeBase",
-    "NodeControl",
+    "ControlPlane",
     "NodeRequest",
+    "NodeRuntime",
     "RegistrationRefused",
+    "RoleDefaults",
     "default_node_id",
     "facing_address",
     "host_identity",

@@ -27,17 +27,50 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from pdserve.common.config import NodeConfig
+from pdserve.common.engine.block_manager import BlockManager
+from pdserve.common.engine.interface import Engine
+from pdserve.common.engine.scheduler import Scheduler
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.kv_transfer.base import Intake
+from pdserve.common.kv_transfer.intake import KvIntake
+from pdserve.common.kv_transfer.sender import KvSender
 from pdserve.common.node.reserve import reserve_blocks
+from pdserve.common.node_metrics import NodeMetrics
 from pdserve.common.protocol import PREFIX_GONE, DecodeTarget, KvFetch, KvHeader, PrefillOffer
 from pdserve.common.sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from pdserve.common.node.kv import NodeKv
-    from pdserve.common.node.runtime import NodeBase
+
+class _Wakes(Protocol):
+    def wake(self) -> None: ...
+
+
+class FetchHost(Protocol):
+    """What fetches need of their node: its requests, cache and scheduler, and a wake-up."""
+
+    cfg: NodeConfig
+    engine: Engine
+    blocks: BlockManager
+    scheduler: Scheduler
+    node_id: str
+    requests: dict[str, Any]  # wire id -> NodeRequest (.seq)
+    token_cost: float  # measured seconds per prefilled token
+    metrics: NodeMetrics
+
+    @property
+    def steps(self) -> _Wakes: ...
+    def spawn(self, coro: Any) -> None: ...
+
+
+class FetchPlane(Protocol):
+    """The data plane fetches travel on (kv.py)."""
+
+    sender: KvSender
+    intake: KvIntake
+
+    def target(self) -> DecodeTarget: ...
 
 log = logging.getLogger(__name__)
 LATENCY_S = 0.002  # a fetch's fixed cost: KvFetch to the holder, its staging, the header back
@@ -61,7 +94,7 @@ def fetch_id(request_id: str) -> str:
 
 
 class PrefixFetches:
-    def __init__(self, node: NodeBase, kv: NodeKv) -> None:
+    def __init__(self, node: FetchHost, kv: FetchPlane) -> None:
         self.node = node
         self.kv = kv
         self.enabled = node.cfg.kv_fetch == "on" and node.scheduler.cfg.prefix_caching
@@ -198,7 +231,7 @@ class PrefixFetches:
         req = self.node.requests.get(f.request_id)
         if req is not None and req.seq is f.seq:
             self.node.scheduler.add(f.seq)
-            self.node.work.set()
+            self.node.steps.wake()
 
     def unpin(self, request_id: str) -> None:
         """The request's prefill was scheduled (it took the blocks itself), or it ended."""

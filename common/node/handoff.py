@@ -10,22 +10,52 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from typing import Any, Protocol
 
+from pdserve.common.engine.scheduler import Scheduler
 from pdserve.common.kv_transfer.base import Transfer
-from pdserve.common.node.runtime import NodeBase
-from pdserve.common.protocol import PREFIX_GONE, DecodeTarget, KvTransferred, NeedDecode
+from pdserve.common.kv_transfer.sender import KvSender
+from pdserve.common.node_metrics import NodeMetrics
+from pdserve.common.protocol import PREFIX_GONE, DecodeTarget, KvTransferred, Msg, NeedDecode
 
 log = logging.getLogger(__name__)
 
 
-class KvHandoff(NodeBase):
-    def kv_acked(self, t: Transfer) -> None:
-        req = self.requests.pop(t.request_id, None)
+class _Steps(Protocol):
+    def wake(self) -> None: ...
+    async def out_of_step(self, rid: str) -> None: ...
+
+
+class HandoffHost(Protocol):
+    """What a handoff needs of its node."""
+
+    requests: dict[str, Any]  # wire id -> NodeRequest (.seq, .target, .skip, .accepted_at)
+    scheduler: Scheduler
+    metrics: NodeMetrics
+
+    @property
+    def steps(self) -> _Steps: ...
+    @property
+    def sender(self) -> KvSender: ...
+    def spawn(self, coro: Any) -> None: ...
+    async def send_gateway(self, msg: Msg) -> None: ...
+
+
+class KvHandoff:
+    def __init__(self, node: HandoffHost, keep: Callable[[str], bool] = lambda rid: False) -> None:
+        """`keep(rid)`: nobody can take the KV; True keeps the sequence here (a draining
+        decode node decodes it itself) instead of letting it go to be re-placed."""
+        self.node, self.keep = node, keep
+
+    def acked(self, t: Transfer) -> None:
+        node = self.node
+        req = node.requests.pop(t.request_id, None)
         if req is None:
             return
-        self.scheduler.release(t.request_id)
-        self.work.set()  # blocks freed: a waiting batch may fit now
-        self.metrics.kv_sent(t.backend, t.total_bytes, t.seconds, t.overlap)
+        node.scheduler.release(t.request_id)
+        node.steps.wake()  # blocks freed: a waiting batch may fit now
+        node.metrics.kv_sent(t.backend, t.total_bytes, t.seconds, t.overlap)
         base = req.accepted_at
         record = KvTransferred(
             request_id=t.request_id,
@@ -36,45 +66,41 @@ class KvHandoff(NodeBase):
             end_ms=(t.finished - base) * 1000,
             overlap_ms=t.overlap * 1000,
         )
-        self.spawn(self.send_gateway(record))
+        node.spawn(node.send_gateway(record))
 
-    async def kv_refused(self, rid: str, peer: str, why: str) -> None:
+    async def refused(self, rid: str, peer: str, why: str) -> None:
         log.info("%s refused KV of %s: %s", peer, rid, why)
-        req = self.requests.get(rid)
+        req = self.node.requests.get(rid)
         if why.startswith(PREFIX_GONE) and req is not None and req.target is not None:
-            self.spawn(self.send_kv(rid, req.target))  # the same node, the whole KV
+            self.node.spawn(self.send_kv(rid, req.target))  # the same node, the whole KV
             return
-        await self.send_gateway(NeedDecode(request_id=rid, refused_by=peer, reason=why))
-
-    def keep(self, rid: str) -> bool:
-        """Nobody can take the KV: keep the sequence here (a draining decode node decodes
-        it itself) instead of letting it go for the gateway to re-place."""
-        return False
+        await self.node.send_gateway(NeedDecode(request_id=rid, refused_by=peer, reason=why))
 
     async def send_kv(self, rid: str, target: DecodeTarget | None) -> None:
         """Send the KV of a parked sequence, whole, to `target` (None: nobody can take it)."""
-        await self.out_of_step(rid)  # a pass may still be sending to the old peer
-        req = self.requests.get(rid)
-        if req is None or rid not in self.scheduler.parked:
+        node = self.node
+        await node.steps.out_of_step(rid)  # a pass may still be sending to the old peer
+        req = node.requests.get(rid)
+        if req is None or rid not in node.scheduler.parked:
             return
-        self.sender.release(rid)
+        node.sender.release(rid)
         if target is None and self.keep(rid):
             return
         if target is None:  # the gateway re-places the request
-            self.requests.pop(rid)
-            self.scheduler.release(rid)
-            self.work.set()
+            node.requests.pop(rid)
+            node.scheduler.release(rid)
+            node.steps.wake()
             return
         req.target, req.skip = target, 0
         seq = req.seq
         prompt = seq.token_ids[:-1]  # the newest token is sent with KvDone, not as KV
-        t = self.sender.begin(
+        t = node.sender.begin(
             rid, target, prompt, seq.num_prompt_tokens, seq.params, seq.block_table
         )
         # staging reads only this request's blocks: it need not wait behind the next forward
         # pass in the engine thread
-        payloads = await asyncio.to_thread(self.sender.stage_all, t)
-        if self.requests.get(rid) is not req:  # aborted meanwhile
+        payloads = await asyncio.to_thread(node.sender.stage_all, t)
+        if node.requests.get(rid) is not req:  # aborted meanwhile
             return
-        self.sender.push_all(t, payloads)
-        self.sender.done(t, seq.token_ids[-1])
+        node.sender.push_all(t, payloads)
+        node.sender.done(t, seq.token_ids[-1])

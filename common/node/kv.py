@@ -4,33 +4,54 @@ the intake of KV that arrives, and one sender of KV that leaves.
 What arrives: a decode node's requests from prefill nodes, and, on any node, prefix blocks it
 fetched from a peer (`KvHeader.fetch`). What leaves: a prefill node's requests to decode
 nodes, and prefix blocks a peer fetches from this node (`KvFetch`). The role handles its own
-transfers through the node's hooks (`reserve_kv`, `admit_kv`, `kv_acked`, `kv_refused`);
-fetches, either way, are `PrefixFetches`' (fetch.py), the same for every role.
+transfers through its hooks (`reserve_kv`, `admit_kv`, `kv_acked`, `kv_refused`); fetches,
+either way, are `PrefixFetches`' (fetch.py), the same for every role.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from pdserve.common.config import NodeConfig
+from pdserve.common.engine.block_manager import BlockManager
+from pdserve.common.engine.interface import Engine
 from pdserve.common.kv_transfer import listen_all, receivers_for
-from pdserve.common.kv_transfer.base import Intake, Transfer
+from pdserve.common.kv_transfer.base import Intake, Local, Transfer
 from pdserve.common.kv_transfer.intake import KvIntake
 from pdserve.common.kv_transfer.sender import KvSender
-from pdserve.common.node.fetch import PrefixFetches
+from pdserve.common.node.fetch import FetchHost, PrefixFetches
 from pdserve.common.protocol import DecodeTarget, KvHeader
 from pdserve.common.security import watch_handshakes
 from pdserve.common.transport import TOKENS_MAX_MSG, bound_address, make_socket
 
-if TYPE_CHECKING:
-    from pdserve.common.node.runtime import NodeBase
+
+class KvHooks(Protocol):
+    """The role's own transfers: KV arriving for its requests, KV it sent."""
+
+    def reserve_kv(self, h: KvHeader) -> list[int] | str: ...
+    async def admit_kv(self, intake: Intake, first_token: int) -> None: ...
+    def kv_acked(self, t: Transfer) -> None: ...
+    async def kv_refused(self, rid: str, peer: str, why: str) -> None: ...
+
+
+class KvHost(FetchHost, Protocol):
+    """What the data plane needs of its node."""
+
+    ctx: Any
+    key: Any
+    cfg: NodeConfig
+    engine: Engine
+    blocks: BlockManager
+
+    def kv_local(self, data_address: str = "") -> Local: ...
 
 
 class NodeKv:
-    def __init__(self, node: NodeBase) -> None:
+    def __init__(self, node: KvHost, hooks: KvHooks) -> None:
         cfg, engine = node.cfg, node.engine
-        self.node = node
+        self.node, self.hooks = node, hooks
         max_frame = engine.kv_frame_bytes(engine.max_model_len) + 4096
         self.data = make_socket(
             node.ctx,
@@ -90,18 +111,18 @@ class NodeKv:
 
     # -- dispatch: fetches here, the role's own transfers to the node ---------------------
     def _reserve(self, h: KvHeader) -> list[int] | str:
-        return self.fetches.reserve(h) if h.fetch else self.node.reserve_kv(h)
+        return self.fetches.reserve(h) if h.fetch else self.hooks.reserve_kv(h)
 
     async def _admit(self, intake: Intake, first_token: int) -> None:
         if intake.header.fetch:
             self.fetches.landed(intake)
         else:
-            await self.node.admit_kv(intake, first_token)
+            await self.hooks.admit_kv(intake, first_token)
 
     def _on_ack(self, t: Transfer) -> None:
         if not self.fetches.served(t.request_id, acked=True):
-            self.node.kv_acked(t)
+            self.hooks.kv_acked(t)
 
     async def _on_refuse(self, rid: str, peer: str, why: str) -> None:
         if not self.fetches.served(rid, acked=False):
-            await self.node.kv_refused(rid, peer, why)
+            await self.hooks.kv_refused(rid, peer, why)

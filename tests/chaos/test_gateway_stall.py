@@ -14,9 +14,9 @@ import threading
 import time
 
 from pdserve.common.transport import free_port
-from pdserve.decode_node.server import DecodeNode
+from pdserve.decode_node.server import DecodeRole
 from pdserve.gateway.requests import Done
-from pdserve.prefill_node.server import PrefillNode
+from pdserve.prefill_node.server import PrefillRole
 from tests.chaos.test_node_faults import DECODES, _running
 from tests.component.cluster import SIM, Cluster, outcome, prompt
 from tests.e2e.conftest import wait_for
@@ -63,8 +63,8 @@ async def test_a_gateway_loop_blocked_past_the_heartbeat_timeout_drops_no_node(t
     1.5x the heartbeat timeout. When it runs again the liveness timer fires before the nodes'
     fresh heartbeats are read; only the gateway's own stall measurement saves the nodes."""
     async with Cluster(tokenizer, heartbeat_timeout=1.0) as c:
-        await c.add(c.node(PrefillNode, "prefill-0", ecfg=SIM))
-        await c.add(c.node(DecodeNode, "decode-0", ecfg=SIM))
+        await c.add(c.node(PrefillRole, "prefill-0", ecfg=SIM))
+        await c.add(c.node(DecodeRole, "decode-0", ecfg=SIM))
         dropped: list[str] = []
         drop = c.gw.liveness.drop
 

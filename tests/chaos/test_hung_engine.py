@@ -15,9 +15,9 @@ import pytest
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.sim import SimEngine
 from pdserve.common.sampling import SamplingParams
-from pdserve.decode_node.server import DecodeNode
+from pdserve.decode_node.server import DecodeRole
 from pdserve.gateway.requests import Done
-from pdserve.prefill_node.server import PrefillNode
+from pdserve.prefill_node.server import PrefillRole
 from tests.component.cluster import Cluster, outcome, prompt, until
 
 FAST = EngineConfig(engine="sim", sim_time_scale=0.05, num_kv_blocks=256)
@@ -43,10 +43,10 @@ async def test_a_node_that_heartbeats_but_produces_nothing_is_dropped_and_its_wo
 ):
     engine = HangingEngine(FAST)
     async with Cluster(tokenizer, progress_timeout=1.0) as c:
-        cls = PrefillNode if hung_role == "prefill" else DecodeNode
+        cls = PrefillRole if hung_role == "prefill" else DecodeRole
         hung = await c.add(c.node(cls, f"{hung_role}-0", ecfg=FAST, engine=engine))
         other = "decode" if hung_role == "prefill" else "prefill"
-        other_cls = DecodeNode if hung_role == "prefill" else PrefillNode
+        other_cls = DecodeRole if hung_role == "prefill" else PrefillRole
         await c.add(c.node(other_cls, f"{other}-0", ecfg=FAST))
         spare = await c.add(c.node(cls, f"{hung_role}-1", ecfg=FAST))
         engine.hang.set()

@@ -9,9 +9,9 @@ import asyncio
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.sampling import SamplingParams
-from pdserve.decode_node.server import DecodeNode
+from pdserve.decode_node.server import DecodeRole
 from pdserve.gateway.requests import Done
-from pdserve.prefill_node.server import PrefillNode
+from pdserve.prefill_node.server import PrefillRole
 from tests.chaos.test_hung_engine import _sim_ids
 from tests.component.cluster import Cluster, outcome, own_cache, prompt, until
 from tests.conftest import make_engine
@@ -25,9 +25,9 @@ def _idle(node) -> bool:
 
 async def test_a_draining_decode_node_moves_its_sequences_with_their_kv(tokenizer):
     async with Cluster(tokenizer) as c:
-        await c.add(c.node(PrefillNode, "prefill-0", ecfg=STEADY))
-        d0 = await c.add(c.node(DecodeNode, "decode-0", ecfg=STEADY))
-        d1 = await c.add(c.node(DecodeNode, "decode-1", ecfg=STEADY))
+        await c.add(c.node(PrefillRole, "prefill-0", ecfg=STEADY))
+        d0 = await c.add(c.node(DecodeRole, "decode-0", ecfg=STEADY))
+        d1 = await c.add(c.node(DecodeRole, "decode-1", ecfg=STEADY))
         params = SamplingParams(max_tokens=120, temperature=1.0, seed=9, ignore_eos=True)
         reqs = [c.request(f"m{i}", prompt(40 + i, 3000 + 100 * i), params) for i in range(16)]
         runs = [asyncio.create_task(c.gw.service.run(r)) for r in reqs]
@@ -37,7 +37,7 @@ async def test_a_draining_decode_node_moves_its_sequences_with_their_kv(tokenize
         target = d1 if source is d0 else d0
         on_source = set(source.requests)
         assert on_source and moving
-        source.begin_drain()
+        source.control.begin_drain()
         results = [await outcome(r, 30) for r in reqs]
         await asyncio.gather(*runs)
         assert results == [Done("length")] * 16
@@ -63,14 +63,14 @@ async def test_greedy_text_is_unchanged_by_a_migration_mid_stream(tokenizer, tor
         0
     ]
     async with Cluster(tokenizer) as c:
-        await c.add(c.node(PrefillNode, "prefill-0", ecfg=ecfg, engine=r0))
-        d0 = await c.add(c.node(DecodeNode, "decode-0", ecfg=ecfg, engine=r1))
-        d1 = await c.add(c.node(DecodeNode, "decode-1", ecfg=ecfg, engine=r2))
+        await c.add(c.node(PrefillRole, "prefill-0", ecfg=ecfg, engine=r0))
+        d0 = await c.add(c.node(DecodeRole, "decode-0", ecfg=ecfg, engine=r1))
+        d1 = await c.add(c.node(DecodeRole, "decode-1", ecfg=ecfg, engine=r2))
         req = c.request("g", ids, greedy)
         run = asyncio.create_task(c.gw.service.run(req))
         await until(lambda: len(req.output_ids) >= 12, 60, "decoding")
         source = d0 if req.ran_on["decode"] == "decode-0" else d1
-        source.begin_drain()
+        source.control.begin_drain()
         assert await outcome(req, 60) == Done("length")
         await run
         assert req.output_ids == expected.token_ids  # the same greedy text, token for token
@@ -80,13 +80,13 @@ async def test_greedy_text_is_unchanged_by_a_migration_mid_stream(tokenizer, tor
 
 async def test_with_no_other_decode_node_the_draining_one_finishes_its_sequences(tokenizer):
     async with Cluster(tokenizer) as c:
-        await c.add(c.node(PrefillNode, "prefill-0", ecfg=STEADY))
-        only = await c.add(c.node(DecodeNode, "decode-0", ecfg=STEADY))
+        await c.add(c.node(PrefillRole, "prefill-0", ecfg=STEADY))
+        only = await c.add(c.node(DecodeRole, "decode-0", ecfg=STEADY))
         params = SamplingParams(max_tokens=80, temperature=1.0, seed=4, ignore_eos=True)
         reqs = [c.request(f"s{i}", prompt(30, 5000 + 100 * i), params) for i in range(4)]
         runs = [asyncio.create_task(c.gw.service.run(r)) for r in reqs]
         await until(lambda: all(len(r.output_ids) >= 5 for r in reqs), 20, "decoding")
-        only.begin_drain()
+        only.control.begin_drain()
         assert [await outcome(r, 30) for r in reqs] == [Done("length")] * 4
         await asyncio.gather(*runs)
         for r in reqs:  # finished where they were: no recompute, exact tokens

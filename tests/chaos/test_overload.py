@@ -14,8 +14,8 @@ from collections.abc import Awaitable
 import aiohttp
 
 from pdserve.common.config import EngineConfig
-from pdserve.decode_node.server import DecodeNode
-from pdserve.prefill_node.server import PrefillNode
+from pdserve.decode_node.server import DecodeRole
+from pdserve.prefill_node.server import PrefillRole
 from tests.component.cluster import Cluster, prompt, until
 from tests.component.test_admission import _serve
 from tests.e2e.test_stress import sim_text
@@ -24,8 +24,8 @@ from tests.e2e.test_stress import sim_text
 async def test_past_max_waiting_requests_get_429_with_retry_after_at_once(tokenizer):
     slow = EngineConfig(engine="sim", sim_time_scale=30, num_kv_blocks=256, max_batch=1)
     async with Cluster(tokenizer, max_waiting=3, placement_timeout=60) as c:
-        await c.add(c.node(PrefillNode, "prefill-0", ecfg=slow))
-        await c.add(c.node(DecodeNode, "decode-0"))
+        await c.add(c.node(PrefillRole, "prefill-0", ecfg=slow))
+        await c.add(c.node(DecodeRole, "decode-0"))
         runner, url = await _serve(c.gw)
         most = 0
 
@@ -91,8 +91,8 @@ async def _slow_stream(url: str, body: dict, behind: Awaitable[None]) -> bytes:
 async def test_a_slow_reader_gets_several_tokens_per_chunk_and_the_exact_text(tokenizer):
     fast = EngineConfig(engine="sim", sim_time_scale=0.02, num_kv_blocks=1024)
     async with Cluster(tokenizer) as c:
-        await c.add(c.node(PrefillNode, "prefill-0", ecfg=fast))
-        await c.add(c.node(DecodeNode, "decode-0", ecfg=fast))
+        await c.add(c.node(PrefillRole, "prefill-0", ecfg=fast))
+        await c.add(c.node(DecodeRole, "decode-0", ecfg=fast))
         runner, url = await _serve(c.gw)
         n, seed, ids = 3000, 5, prompt(40, 3000)
         body = {"prompt": ids, "max_tokens": n, "temperature": 1.0, "seed": seed}

@@ -12,9 +12,9 @@ import pytest
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.sampling import SamplingParams
-from pdserve.decode_node.server import DecodeNode
+from pdserve.decode_node.server import DecodeRole
 from pdserve.gateway.requests import Done
-from pdserve.prefill_node.server import PrefillNode
+from pdserve.prefill_node.server import PrefillRole
 from tests.chaos.test_hung_engine import _sim_ids
 from tests.chaos.test_migration import _idle
 from tests.component.cluster import Cluster, outcome, prompt, until
@@ -28,14 +28,14 @@ ROOMY = EngineConfig(engine="sim", sim_time_scale=2.0, num_kv_blocks=2048)
 @pytest.mark.parametrize("share", [0.0, 0.5], ids=["off", "on"])
 async def test_a_filling_decode_node_hands_sequences_to_an_empty_one(tokenizer, share):
     async with Cluster(tokenizer, rebalance=share) as c:
-        await c.add(c.node(PrefillNode, "prefill-0", ecfg=ROOMY))
-        full = await c.add(c.node(DecodeNode, "decode-0", ecfg=SMALL))
+        await c.add(c.node(PrefillRole, "prefill-0", ecfg=ROOMY))
+        full = await c.add(c.node(DecodeRole, "decode-0", ecfg=SMALL))
         params = SamplingParams(max_tokens=120, temperature=1.0, seed=6, ignore_eos=True)
         reqs = [c.request(f"b{i}", prompt(40, 7000 + 100 * i), params) for i in range(7)]
         runs = [asyncio.create_task(c.gw.service.run(r)) for r in reqs]
         await until(lambda: all(len(r.output_ids) >= 2 for r in reqs), 20, "all decoding")
         assert all(r.ran_on["decode"] == "decode-0" for r in reqs)
-        empty = await c.add(c.node(DecodeNode, "decode-1", ecfg=SMALL))
+        empty = await c.add(c.node(DecodeRole, "decode-1", ecfg=SMALL))
         results = [await outcome(r, 60) for r in reqs]
         await asyncio.gather(*runs)
         assert results == [Done("length")] * 7

@@ -12,10 +12,10 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.engine.sim import SimEngine
 from pdserve.common.node.roles import serve_roles
 from pdserve.common.sampling import SamplingParams
-from pdserve.decode_node.server import DecodeNode
+from pdserve.decode_node.server import DecodeRole
 from pdserve.gateway.requests import Done
-from pdserve.launch import node_class
-from pdserve.prefill_node.server import PrefillNode
+from pdserve.launch import role_class
+from pdserve.prefill_node.server import PrefillRole
 from tests.chaos.test_hung_engine import _sim_ids
 from tests.component.cluster import Cluster, outcome, own_cache, prompt, until
 from tests.conftest import make_engine
@@ -28,7 +28,7 @@ class Swing:
         self.nodes: list = []
 
         def make(r: str):
-            self.nodes.append(c.node(node_class(r), node_id, ecfg=ecfg, engine=engine))
+            self.nodes.append(c.node(role_class(r), node_id, ecfg=ecfg, engine=engine))
             return self.nodes[-1]
 
         self.task = asyncio.create_task(serve_roles(role, make))
@@ -57,8 +57,8 @@ async def test_a_decode_node_turns_prefill_mid_stream_and_no_text_changes(tokeni
     reference = make_engine(own_cache(r0), tokenizer, prefix_caching="off")
     expected = [o.token_ids for o in reference.generate(ids, greedy)]
     async with Cluster(tokenizer) as c:
-        await c.add(c.node(PrefillNode, "prefill-0", ecfg=ecfg, engine=r0))
-        await c.add(c.node(DecodeNode, "decode-0", ecfg=ecfg, engine=r1))
+        await c.add(c.node(PrefillRole, "prefill-0", ecfg=ecfg, engine=r0))
+        await c.add(c.node(DecodeRole, "decode-0", ecfg=ecfg, engine=r1))
         swing = Swing(c, "swing", "decode", ecfg, r2)
         await until(lambda: _role(c, "swing") == "decode", 30, "swing registers")
         first = [c.request(f"a{i}", ids[i], greedy) for i in range(4)]
@@ -88,7 +88,7 @@ async def test_the_gateway_switches_a_decode_node_when_prefill_is_short(tokenize
     async with Cluster(
         tokenizer, role_switching="on", switch_hold=0.5, switch_dwell=1.0, sizing_window=1.0
     ) as c:
-        await c.add(c.node(PrefillNode, "prefill-0", ecfg=real_time))
+        await c.add(c.node(PrefillRole, "prefill-0", ecfg=real_time))
         swings = {n: Swing(c, n, "decode", real_time, SimEngine(real_time)) for n in ("d0", "d1")}
         await until(lambda: _role(c, "d0") == _role(c, "d1") == "decode", 30, "both register")
         params = SamplingParams(max_tokens=4, temperature=1.0, seed=2, ignore_eos=True)

@@ -12,7 +12,7 @@ from typing import Any
 
 from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig
 from pdserve.common.engine.sim import SimEngine
-from pdserve.common.node import NodeBase, RegistrationRefused
+from pdserve.common.node import NodeRuntime, RegistrationRefused, RoleDefaults
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.transport import free_port
 from pdserve.gateway.core import Gateway
@@ -57,7 +57,7 @@ class Cluster:
         cfg = GatewayConfig(port=http, control_port=control, tokens_port=tokens, **gateway)
         self.gw = Gateway(cfg, tokenizer)
         self.address = f"tcp://127.0.0.1:{control}"
-        self.tasks: dict[str, tuple[NodeBase, asyncio.Task]] = {}
+        self.tasks: dict[str, tuple[NodeRuntime, asyncio.Task]] = {}
         self.count = 0
 
     async def __aenter__(self) -> Cluster:
@@ -71,29 +71,30 @@ class Cluster:
 
     def node(
         self,
-        cls: type[NodeBase],
+        role: type[RoleDefaults],
         node_id: str,
         ecfg: EngineConfig = SIM,
         engine: Any = None,
         **cfg: Any,
     ) -> Any:
         ncfg = NodeConfig(gateway=self.address, node_id=node_id, heartbeat_interval=0.1, **cfg)
-        return cls(ncfg, ecfg, engine if engine is not None else SimEngine(ecfg), self.tokenizer)
+        engine = engine if engine is not None else SimEngine(ecfg)
+        return NodeRuntime(role, ncfg, ecfg, engine, self.tokenizer)
 
-    def start(self, node: NodeBase) -> asyncio.Task:
+    def start(self, node: NodeRuntime) -> asyncio.Task:
         task = asyncio.create_task(node.serve())
         self.count += 1
         self.tasks[f"{node.node_id}#{self.count}"] = (node, task)
         return task
 
-    async def add(self, node: NodeBase) -> Any:
+    async def add(self, node: NodeRuntime) -> Any:
         """Start the node and wait until the gateway acknowledged it."""
         task = self.start(node)
         await asyncio.wait_for(node.registered.wait(), TIMEOUT)
         assert not task.done()
         return node
 
-    async def stop(self, node: NodeBase, task: asyncio.Task) -> None:
+    async def stop(self, node: NodeRuntime, task: asyncio.Task) -> None:
         node.stopped.set()
         try:
             await asyncio.wait_for(task, TIMEOUT)
@@ -101,7 +102,7 @@ class Cluster:
             pass
         self.tasks = {k: v for k, v in self.tasks.items() if v[1] is not task}
         # a stopped node leaves no loop of its own running (on closed sockets)
-        await until(lambda: not tasks_of(node), 1.0, f"{node.node_id}'s tasks to end")
+        await until(lambda: not tasks_of(*node.parts()), 1.0, f"{node.node_id}'s tasks to end")
 
     def request(
         self, rid: str, prompt_ids: list[int], params: SamplingParams = PARAMS
@@ -118,12 +119,14 @@ class Cluster:
         )
 
 
-def tasks_of(obj: object) -> list[str]:
-    """Names of the pending tasks running a method of `obj`."""
+def tasks_of(*objs: object) -> list[str]:
+    """Names of the pending tasks running a method of one of `objs`."""
     names = []
     for task in asyncio.all_tasks():
         frame = getattr(task.get_coro(), "cr_frame", None)
-        if not task.done() and frame is not None and frame.f_locals.get("self") is obj:
+        if not task.done() and frame is not None and any(
+            frame.f_locals.get("self") is obj for obj in objs if obj is not None
+        ):
             names.append(task.get_coro().__qualname__)
     return names
 

@@ -13,10 +13,10 @@ from aiohttp import web
 from pdserve.common.config import EngineConfig, GatewayConfig
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.transport import free_port
-from pdserve.decode_node.server import DecodeNode
+from pdserve.decode_node.server import DecodeRole
 from pdserve.gateway.app import CONFIG, SERVICE, completions, errors_middleware
 from pdserve.gateway.requests import Done, Failed
-from pdserve.prefill_node.server import PrefillNode
+from pdserve.prefill_node.server import PrefillRole
 from tests.component.cluster import Cluster, outcome, prompt, until
 
 # modelled prefill time x60: a 900-token batch takes ~2 s of wall time
@@ -27,8 +27,8 @@ SLOW = EngineConfig(
 
 async def test_a_request_no_node_can_take_yet_does_not_hold_back_one_that_fits(tokenizer):
     async with Cluster(tokenizer, placement_timeout=4.0) as c:
-        prefill = await c.add(c.node(PrefillNode, "prefill-0", ecfg=SLOW))
-        await c.add(c.node(DecodeNode, "decode-0"))
+        prefill = await c.add(c.node(PrefillRole, "prefill-0", ecfg=SLOW))
+        await c.add(c.node(DecodeRole, "decode-0"))
         first = c.request("first", prompt(900))
         await asyncio.wait_for(c.gw.service.run(first), 5)  # placed: its ~2 s pass starts
         # arriving in this order: one longer than the node's whole cache (64 x 16 tokens,
@@ -65,8 +65,8 @@ async def test_a_long_prompt_behind_a_stream_of_short_ones_waits_at_most_its_bou
     async with Cluster(
         tokenizer, admission="spf", admission_max_wait=max_wait, placement_timeout=30
     ) as c:
-        prefill = await c.add(c.node(PrefillNode, "prefill-0", ecfg=ecfg))
-        await c.add(c.node(DecodeNode, "decode-0"))
+        prefill = await c.add(c.node(PrefillRole, "prefill-0", ecfg=ecfg))
+        await c.add(c.node(DecodeRole, "decode-0"))
         batch_s = 0.0  # the longest prefill pass, measured
         run_step = prefill.engine.step
 
@@ -124,8 +124,8 @@ async def test_early_rejection_answers_503_with_retry_after_when_the_queue_is_to
     assert GatewayConfig().reject_ttft == 0  # off by default
     one = EngineConfig(engine="sim", sim_time_scale=30, num_kv_blocks=256, max_batch=1)
     async with Cluster(tokenizer, reject_ttft=1.0) as c:
-        await c.add(c.node(PrefillNode, "prefill-0", ecfg=one))
-        await c.add(c.node(DecodeNode, "decode-0"))
+        await c.add(c.node(PrefillRole, "prefill-0", ecfg=one))
+        await c.add(c.node(DecodeRole, "decode-0"))
         runner, url = await _serve(c.gw)
         try:
             async with aiohttp.ClientSession() as session:
@@ -170,8 +170,8 @@ async def test_two_triggers_for_one_attempt_re_place_the_request_once(tokenizer)
     one request closed each other's attempts and one of them waited forever)."""
     ecfg = EngineConfig(engine="sim", sim_time_scale=10, num_kv_blocks=256, max_batch=8)
     async with Cluster(tokenizer) as c:
-        prefill = await c.add(c.node(PrefillNode, "prefill-0", ecfg=ecfg))
-        decode = await c.add(c.node(DecodeNode, "decode-0", ecfg=ecfg))  # ~90 ms a step
+        prefill = await c.add(c.node(PrefillRole, "prefill-0", ecfg=ecfg))
+        decode = await c.add(c.node(DecodeRole, "decode-0", ecfg=ecfg))  # ~90 ms a step
         params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
         reqs = [c.request(f"r{i}", prompt(100, 1000 + 200 * i), params) for i in range(6)]
         await asyncio.gather(*(c.gw.service.run(r) for r in reqs))

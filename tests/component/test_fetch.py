@@ -22,9 +22,9 @@ from pdserve.common.protocol import (
 )
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.transport import make_socket
-from pdserve.decode_node.server import DecodeNode
+from pdserve.decode_node.server import DecodeRole
 from pdserve.gateway.requests import Done
-from pdserve.prefill_node.server import PrefillNode
+from pdserve.prefill_node.server import PrefillRole
 from tests.component.cluster import SIM, TIMEOUT, Cluster, digest, outcome, own_cache, until
 from tests.conftest import make_engine
 
@@ -54,8 +54,8 @@ async def holder_and_decode(c: Cluster, ecfg: EngineConfig, runners: list[Any]) 
     """prefill-0 and a decode node that keeps no prefix cache: after a first request, the
     index sees the prefix on prefill-0 alone, so that is the hint for any other node."""
     off = dataclasses.replace(ecfg, prefix_caching="off")
-    holder = await c.add(c.node(PrefillNode, "prefill-0", ecfg=ecfg, engine=runners[0]))
-    await c.add(c.node(DecodeNode, "decode-0", ecfg=off, engine=runners[1]))
+    holder = await c.add(c.node(PrefillRole, "prefill-0", ecfg=ecfg, engine=runners[0]))
+    await c.add(c.node(DecodeRole, "decode-0", ecfg=off, engine=runners[1]))
     return holder
 
 
@@ -74,7 +74,7 @@ async def test_a_prefix_another_node_holds_is_fetched_byte_exact(tokenizer, torc
         assert await outcome(first, 60) == Done("length")
         hashes = holder.blocks.hashes(shared)
         await until(lambda: c.gw.index.cached_blocks("prefill-0", hashes) == 20, what="indexed")
-        fetcher = await c.add(c.node(PrefillNode, "prefill-1", ecfg=ecfg, engine=r2))
+        fetcher = await c.add(c.node(PrefillRole, "prefill-1", ecfg=ecfg, engine=r2))
         holder.scheduler.can_take = lambda *a: "batch full"  # type: ignore[method-assign]
 
         seen: dict[str, tuple[list[str], list[str]]] = {}
@@ -118,7 +118,7 @@ async def test_a_fetch_whose_holder_dies_midway_is_computed_instead(tokenizer, t
         hashes = holder.blocks.hashes(shared)
         await until(lambda: c.gw.index.cached_blocks("prefill-0", hashes) == 20, what="indexed")
         fetcher = await c.add(
-            c.node(PrefillNode, "prefill-1", ecfg=ecfg, engine=r2, kv_transfer_timeout=1.0)
+            c.node(PrefillRole, "prefill-1", ecfg=ecfg, engine=r2, kv_transfer_timeout=1.0)
         )
         holder.scheduler.can_take = lambda *a: "batch full"  # type: ignore[method-assign]
         push_all = holder.sender.push_all
@@ -139,9 +139,9 @@ async def test_a_fetch_whose_holder_dies_midway_is_computed_instead(tokenizer, t
 
 async def test_a_malformed_or_unanswerable_fetch_is_refused_and_the_node_goes_on(tokenizer):
     async with Cluster(tokenizer) as c:
-        node = await c.add(c.node(PrefillNode, "prefill-0"))
-        await c.add(c.node(DecodeNode, "decode-0"))
-        dealer = make_socket(c.gw.link.ctx, "node.data_out", node.data_address(), identity="peer-x")
+        node = await c.add(c.node(PrefillRole, "prefill-0"))
+        await c.add(c.node(DecodeRole, "decode-0"))
+        dealer = make_socket(c.gw.link.ctx, "node.data_out", node.kv.address, identity="peer-x")
         me = DecodeTarget(node_id="peer-x", data_address="tcp://127.0.0.1:1", host_id="h")
         someone = DecodeTarget(
             node_id="someone-else", data_address="tcp://127.0.0.1:1", host_id="h"
@@ -179,10 +179,10 @@ async def test_hundreds_of_streams_fetch_shared_prefixes_and_free_everything(tok
     big = dataclasses.replace(SIM, num_kv_blocks=8192)
     async with Cluster(tokenizer, placement_timeout=60.0) as c:
         prefills = [
-            await c.add(c.node(PrefillNode, f"prefill-{i}", ecfg=small, engine=SimEngine(small)))
+            await c.add(c.node(PrefillRole, f"prefill-{i}", ecfg=small, engine=SimEngine(small)))
             for i in range(2)
         ]
-        decode = await c.add(c.node(DecodeNode, "decode-0", ecfg=big, engine=SimEngine(big)))
+        decode = await c.add(c.node(DecodeRole, "decode-0", ecfg=big, engine=SimEngine(big)))
         prefixes = [list(range(1000 + 300 * g, 1000 + 300 * g + 256)) for g in range(40)]
         # a first pass puts every prefix in one cache, then the load arrives
         warm = [c.request(f"warm{g}", [*p, 7]) for g, p in enumerate(prefixes)]

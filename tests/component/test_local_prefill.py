@@ -11,9 +11,9 @@ import pytest
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.sampling import SamplingParams
-from pdserve.decode_node.server import DecodeNode
+from pdserve.decode_node.server import DecodeRole
 from pdserve.gateway.requests import Done
-from pdserve.prefill_node.server import PrefillNode
+from pdserve.prefill_node.server import PrefillRole
 from tests.chaos.test_hung_engine import _sim_ids
 from tests.component.cluster import Cluster, outcome, own_cache, prompt
 from tests.conftest import make_engine
@@ -25,9 +25,9 @@ FAST = EngineConfig(engine="sim", sim_time_scale=0.02, num_kv_blocks=4096)
 async def test_local_prefill_under_load_streams_the_same_tokens(tokenizer, mode):
     """`always`: every request on its decode node; `64`: prompts of at most 64 tokens."""
     async with Cluster(tokenizer, local_prefill=mode) as c:
-        p = await c.add(c.node(PrefillNode, "prefill-0", ecfg=FAST))
-        d0 = await c.add(c.node(DecodeNode, "decode-0", ecfg=FAST))
-        d1 = await c.add(c.node(DecodeNode, "decode-1", ecfg=FAST))
+        p = await c.add(c.node(PrefillRole, "prefill-0", ecfg=FAST))
+        d0 = await c.add(c.node(DecodeRole, "decode-0", ecfg=FAST))
+        d1 = await c.add(c.node(DecodeRole, "decode-1", ecfg=FAST))
         params = SamplingParams(max_tokens=12, temperature=1.0, seed=8, ignore_eos=True)
         reqs = [
             c.request(f"l{i}", prompt(20 + 9 * (i % 10), 900 + 97 * i), params) for i in range(200)
@@ -60,8 +60,8 @@ async def test_greedy_text_is_the_same_prefilled_locally_or_disaggregated(tokeni
     outputs = []
     for mode in ("off", "always"):
         async with Cluster(tokenizer, local_prefill=mode) as c:
-            await c.add(c.node(PrefillNode, "prefill-0", ecfg=ecfg, engine=own_cache(r0)))
-            await c.add(c.node(DecodeNode, "decode-0", ecfg=ecfg, engine=own_cache(r1)))
+            await c.add(c.node(PrefillRole, "prefill-0", ecfg=ecfg, engine=own_cache(r0)))
+            await c.add(c.node(DecodeRole, "decode-0", ecfg=ecfg, engine=own_cache(r1)))
             req = c.request(f"g-{mode}", ids, greedy)
             run = asyncio.create_task(c.gw.service.run(req))
             assert await outcome(req, 60) == Done("length")

@@ -9,8 +9,8 @@ import re
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.sampling import SamplingParams
-from pdserve.decode_node.server import DecodeNode
-from pdserve.prefill_node.server import PrefillNode
+from pdserve.decode_node.server import DecodeRole
+from pdserve.prefill_node.server import PrefillRole
 from tests.component.cluster import Cluster, outcome, prompt, until
 
 REAL_TIME = EngineConfig(engine="sim", sim_time_scale=1.0, num_kv_blocks=8192)
@@ -25,8 +25,8 @@ def _desired(c: Cluster, pool: str) -> int:
 
 async def test_desired_prefill_replicas_follow_a_load_step(tokenizer):
     async with Cluster(tokenizer, sizing_window=1.0) as c:
-        await c.add(c.node(PrefillNode, "prefill-0", ecfg=REAL_TIME))
-        await c.add(c.node(DecodeNode, "decode-0", ecfg=REAL_TIME))
+        await c.add(c.node(PrefillRole, "prefill-0", ecfg=REAL_TIME))
+        await c.add(c.node(DecodeRole, "decode-0", ecfg=REAL_TIME))
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         assert _desired(c, "prefill") == 1 and _desired(c, "decode") == 1
         # the step: a 4,000-token prompt every 40 ms for 2 s; each takes ~130 ms to prefill

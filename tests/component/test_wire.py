@@ -17,7 +17,7 @@ import zmq.asyncio
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.sequence import Sequence
-from pdserve.common.node import NodeRequest, RegistrationRefused
+from pdserve.common.node import NodeRequest, NodeRuntime, RegistrationRefused
 from pdserve.common.protocol import (
     GATEWAY_DECODER,
     NODE_DECODER,
@@ -67,9 +67,9 @@ from pdserve.common.protocol import (
 )
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.transport import decode_or_none, make_socket, send
-from pdserve.decode_node.server import DecodeNode
+from pdserve.decode_node.server import DecodeRole
 from pdserve.gateway.requests import Done, Failed
-from pdserve.prefill_node.server import PrefillNode
+from pdserve.prefill_node.server import PrefillRole
 from tests.component.cluster import (
     PARAMS,
     SIM,
@@ -237,21 +237,21 @@ class RawNode:
 async def test_nodes_register_and_mismatched_ones_are_refused(tokenizer):
     async with Cluster(tokenizer) as c:
         assert c.gw.cluster.health() is not None
-        prefill = await c.add(c.node(PrefillNode, "prefill-0"))
-        decode = await c.add(c.node(DecodeNode, "decode-0"))
+        prefill = await c.add(c.node(PrefillRole, "prefill-0"))
+        decode = await c.add(c.node(DecodeRole, "decode-0"))
         assert set(c.gw.cluster.nodes) == {"prefill-0", "decode-0"}
         assert c.gw.cluster.health() is None
         assert c.gw.cluster.nodes["decode-0"].info == decode.info()
         assert c.gw.cluster.nodes["decode-0"].info.data_address.startswith("tcp://127.0.0.1:")
         # the gateway leaves its tokens host empty: the node uses the host it registered to
         port = c.gw.link.tokens_address.rsplit(":", 1)[1]
-        assert decode.tokens_address == f"tcp://127.0.0.1:{port}"
-        assert decode.tokens_sock is not None
+        assert decode.control.tokens_address == f"tcp://127.0.0.1:{port}"
+        assert decode.control.tokens_sock is not None
         # heartbeats carry the load to the gateway
         await until(lambda: c.gw.cluster.nodes["prefill-0"].load.blocks_free == 256, 2)
 
         for name, value in (("dtype", "bfloat16"), ("model_id", "another-model")):
-            odd = c.node(PrefillNode, f"odd-{name}")
+            odd = c.node(PrefillRole, f"odd-{name}")
             info = odd.info
             odd.info = lambda info=info, name=name, value=value: msgspec.structs.replace(
                 info(), **{name: value}
@@ -278,17 +278,17 @@ async def test_nodes_register_and_mismatched_ones_are_refused(tokenizer):
 
 async def test_same_node_id_is_refused_and_keeps_the_first(tokenizer):
     async with Cluster(tokenizer) as c:
-        first = await c.add(c.node(PrefillNode, "twin"))
+        first = await c.add(c.node(PrefillRole, "twin"))
         first_info = first.info()
         for ecfg in (dataclasses.replace(SIM, max_batch=2), SIM):  # other config, or the same
-            twin = c.node(PrefillNode, "twin", ecfg=ecfg)
+            twin = c.node(PrefillRole, "twin", ecfg=ecfg)
             with pytest.raises(RegistrationRefused, match="already registered"):
                 await asyncio.wait_for(c.start(twin), TIMEOUT)
             await asyncio.sleep(0.1)  # let anything the refused node sent on its way arrive
             assert c.gw.cluster.nodes["twin"].info == first_info
         assert first.registered.is_set()
         # the first node is still the one the gateway talks to: it takes a request
-        await c.add(c.node(DecodeNode, "decode-0"))
+        await c.add(c.node(DecodeRole, "decode-0"))
         req = c.request("r", prompt(20))
         await asyncio.wait_for(c.gw.service.run(req), TIMEOUT)
         assert await outcome(req) == Done("length")
@@ -299,7 +299,7 @@ async def test_a_node_that_lost_the_ack_registers_again(tokenizer):
     """The same process (socket) re-sending the same Register is welcome; after it
     vanishes, a new process under its id is refused until the gateway drops the old one."""
     async with Cluster(tokenizer, heartbeat_timeout=0.5) as c:
-        decode = await c.add(c.node(DecodeNode, "decode-0"))
+        decode = await c.add(c.node(DecodeRole, "decode-0"))
         info = msgspec.structs.replace(decode.info(), node_id="decode-1", data_address="")
         old = RawNode(c.address, "decode-1/old")
         assert isinstance(await old.ask(Register(info=info)), RegisterAck)
@@ -321,8 +321,8 @@ async def test_full_prefill_node_rejects_and_every_request_completes(tokenizer):
     # a slower prefill (x2 the modelled time, ~18 ms) so offers arrive while a batch runs
     slow = EngineConfig(engine="sim", sim_time_scale=2.0, num_kv_blocks=256, max_batch=1)
     async with Cluster(tokenizer) as c:
-        prefill = await c.add(c.node(PrefillNode, "prefill-0", ecfg=slow))
-        decode = await c.add(c.node(DecodeNode, "decode-0"))
+        prefill = await c.add(c.node(PrefillRole, "prefill-0", ecfg=slow))
+        decode = await c.add(c.node(DecodeRole, "decode-0"))
         sched = prefill.scheduler
         peak = {"held": 0, "batch": 0}
         can_take, schedule = sched.can_take, sched.schedule
@@ -358,8 +358,8 @@ async def test_unreachable_prefill_node_is_skipped(tokenizer):
     """A prefill node that vanished (no Deregister, heartbeat timeout not yet passed) must
     not break placement: the offer fails and the next node gets it."""
     async with Cluster(tokenizer, heartbeat_timeout=30.0) as c:
-        real = await c.add(c.node(PrefillNode, "prefill-b"))
-        await c.add(c.node(DecodeNode, "decode-0"))
+        real = await c.add(c.node(PrefillRole, "prefill-b"))
+        await c.add(c.node(DecodeRole, "decode-0"))
         ghost = RawNode(c.address, "prefill-a/1")
         info = msgspec.structs.replace(real.info(), node_id="prefill-a")
         assert isinstance(await ghost.ask(Register(info=info)), RegisterAck)
@@ -378,8 +378,8 @@ async def test_unreachable_prefill_node_is_skipped(tokenizer):
 # -- 4. KV frames --------------------------------------------------------------------------
 async def test_kv_reaches_the_decode_node_and_both_sides_free_it(tokenizer):
     async with Cluster(tokenizer) as c:
-        prefill = await c.add(c.node(PrefillNode, "prefill-0"))
-        decode = await c.add(c.node(DecodeNode, "decode-0"))
+        prefill = await c.add(c.node(PrefillRole, "prefill-0"))
+        decode = await c.add(c.node(DecodeRole, "decode-0"))
         frames: dict[str, list[tuple[int, int]]] = {}
         import_kv = decode.engine.import_kv
 
@@ -408,11 +408,11 @@ async def test_kv_reaches_the_decode_node_and_both_sides_free_it(tokenizer):
 async def test_torch_kv_arrives_byte_exact(tokenizer, torch_runners):
     ecfg, prefill_runner, decode_runner, _ = torch_runners
     async with Cluster(tokenizer) as c:
-        prefill = await c.add(c.node(PrefillNode, "prefill-0", ecfg=ecfg, engine=prefill_runner))
-        decode = await c.add(c.node(DecodeNode, "decode-0", ecfg=ecfg, engine=decode_runner))
+        prefill = await c.add(c.node(PrefillRole, "prefill-0", ecfg=ecfg, engine=prefill_runner))
+        decode = await c.add(c.node(DecodeRole, "decode-0", ecfg=ecfg, engine=decode_runner))
         held = decode.blocks.allocate(3)  # so the decode side's block table differs
         snapshots: dict[str, tuple[list[str], list[str]]] = {}
-        admit = decode.admit_kv
+        admit = decode.role.admit_kv
 
         async def snapshotting_admit(intake, token):
             rid = intake.header.request_id
@@ -445,10 +445,10 @@ async def test_torch_kv_arrives_byte_exact(tokenizer, torch_runners):
 # -- 5. abort ------------------------------------------------------------------------------
 async def test_abort_while_decoding_frees_the_decode_node(tokenizer):
     async with Cluster(tokenizer) as c:
-        prefill = await c.add(c.node(PrefillNode, "prefill-0"))
+        prefill = await c.add(c.node(PrefillRole, "prefill-0"))
         # room for ~65k tokens: it never runs out of blocks (preemption would free them too)
         big = dataclasses.replace(SIM, num_kv_blocks=4096)
-        decode = await c.add(c.node(DecodeNode, "decode-0", ecfg=big))
+        decode = await c.add(c.node(DecodeRole, "decode-0", ecfg=big))
         long = SamplingParams(max_tokens=50_000, temperature=0.0, ignore_eos=True)
         req = c.request("r", prompt(40), long)
         await asyncio.wait_for(c.gw.service.run(req), TIMEOUT)
@@ -481,7 +481,7 @@ class StaleView:
     reports honestly again from its first refusal on, and `free_on_refusal` gives the
     blocks back then."""
 
-    def __init__(self, node: DecodeNode, occupy: int, free_on_refusal: bool) -> None:
+    def __init__(self, node: NodeRuntime, occupy: int, free_on_refusal: bool) -> None:
         self.node, self.refusals = node, []
         earlier, honest = node.load(), node.load
         self.held = node.blocks.allocate(occupy)
@@ -503,15 +503,16 @@ class StaleView:
             self.held = []
 
 
-def record_redirects(prefill: PrefillNode) -> list[DecodeTarget | None]:
+def record_redirects(prefill: NodeRuntime) -> list[DecodeTarget | None]:
     redirects: list[DecodeTarget | None] = []
-    on_redirect = prefill.send_kv
+    handoff = prefill.role.handoff
+    on_redirect = handoff.send_kv
 
     async def recording(rid: str, target: DecodeTarget | None) -> None:
         redirects.append(target)
         await on_redirect(rid, target)
 
-    prefill.send_kv = recording  # type: ignore[method-assign]
+    handoff.send_kv = recording  # type: ignore[method-assign]
     return redirects
 
 
@@ -521,9 +522,9 @@ def all_free(*nodes: Any) -> Callable[[], bool]:
 
 async def test_refused_kv_is_redirected_to_another_decode_node(tokenizer):
     async with Cluster(tokenizer) as c:
-        prefill = await c.add(c.node(PrefillNode, "prefill-0"))
-        small = await c.add(c.node(DecodeNode, "decode-small", ecfg=SMALL))
-        medium = await c.add(c.node(DecodeNode, "decode-medium", ecfg=MEDIUM))
+        prefill = await c.add(c.node(PrefillRole, "prefill-0"))
+        small = await c.add(c.node(DecodeRole, "decode-small", ecfg=SMALL))
+        medium = await c.add(c.node(DecodeRole, "decode-medium", ecfg=MEDIUM))
         stale = StaleView(small, OCCUPIED, free_on_refusal=False)
         await until(lambda: c.gw.cluster.nodes["decode-medium"].load.blocks_free == 48)
         await until(lambda: c.gw.cluster.nodes["decode-small"].load.blocks_free == 64)
@@ -543,26 +544,26 @@ async def test_a_redirect_during_a_forward_pass_never_holds_up_the_control_loop(
     """The redirected request's resend waits for the running pass; the loop that answers
     offers must not wait with it (an offer unanswered for --offer-timeout is lost)."""
     async with Cluster(tokenizer) as c:
-        node = c.node(PrefillNode, "prefill-0")
+        node = c.node(PrefillRole, "prefill-0")
         seq = Sequence.new("r.0", prompt(10), PARAMS)
         node.scheduler.parked["r.0"] = seq  # prefilled, its KV held for the handoff
         node.requests["r.0"] = NodeRequest(seq, target=TARGET)
-        node.in_step = {"r.0"}  # and a pass that involves it is still running
-        node.step_over = asyncio.get_running_loop().create_future()
-        redirect = node.on_gateway_message(Redirect(request_id="r.0", decode=None))
+        node.steps.in_step = {"r.0"}  # and a pass that involves it is still running
+        node.steps.step_over = asyncio.get_running_loop().create_future()
+        redirect = node.role.on_gateway_message(Redirect(request_id="r.0", decode=None))
         await asyncio.wait_for(redirect, 0.2)
         await asyncio.sleep(0.05)
         assert "r.0" in node.requests  # applied only once the pass is over
-        node.in_step = set()
-        node.step_over.set_result(None)
+        node.steps.in_step = set()
+        node.steps.step_over.set_result(None)
         await until(lambda: "r.0" not in node.requests, 1.0, "the redirect to be applied")
         await node.shutdown()
 
 
 async def test_refused_kv_with_no_other_decode_node_is_placed_again(tokenizer):
     async with Cluster(tokenizer, offer_timeout=0.5, placement_timeout=3.0) as c:
-        prefill = await c.add(c.node(PrefillNode, "prefill-0"))
-        small = await c.add(c.node(DecodeNode, "decode-small", ecfg=SMALL))
+        prefill = await c.add(c.node(PrefillRole, "prefill-0"))
+        small = await c.add(c.node(DecodeRole, "decode-small", ecfg=SMALL))
         stale = StaleView(small, OCCUPIED, free_on_refusal=True)
         await until(lambda: c.gw.cluster.nodes["decode-small"].load.blocks_free == 64)
         redirects = record_redirects(prefill)
@@ -578,8 +579,8 @@ async def test_refused_kv_with_no_other_decode_node_is_placed_again(tokenizer):
 
 async def test_refused_kv_with_no_room_anywhere_fails_cleanly(tokenizer):
     async with Cluster(tokenizer, offer_timeout=0.5, placement_timeout=0.5) as c:
-        prefill = await c.add(c.node(PrefillNode, "prefill-0"))
-        small = await c.add(c.node(DecodeNode, "decode-small", ecfg=SMALL))
+        prefill = await c.add(c.node(PrefillRole, "prefill-0"))
+        small = await c.add(c.node(DecodeRole, "decode-small", ecfg=SMALL))
         stale = StaleView(small, OCCUPIED, free_on_refusal=False)
         await until(lambda: c.gw.cluster.nodes["decode-small"].load.blocks_free == 64)
         req = c.request("r", prompt(LONG_PROMPT))
@@ -599,8 +600,8 @@ async def test_refused_kv_with_no_room_anywhere_fails_cleanly(tokenizer):
 
 async def test_failed_prefill_is_placed_again(tokenizer):
     async with Cluster(tokenizer, offer_timeout=0.5, placement_timeout=3.0) as c:
-        prefill = await c.add(c.node(PrefillNode, "prefill-0"))
-        decode = await c.add(c.node(DecodeNode, "decode-0"))
+        prefill = await c.add(c.node(PrefillRole, "prefill-0"))
+        decode = await c.add(c.node(DecodeRole, "decode-0"))
         step, calls = prefill.engine.step, []
 
         def failing_once(*args: Any, **kwargs: Any) -> list[int]:
@@ -626,8 +627,8 @@ async def test_the_gateway_prefix_index_follows_the_nodes_caches(tokenizer):
     gateway's index of every node equals what that node's cache holds."""
     tiny = EngineConfig(engine="sim", sim_time_scale=0.01, num_kv_blocks=24, max_batch=8)
     async with Cluster(tokenizer) as c:
-        prefill = await c.add(c.node(PrefillNode, "prefill-0", ecfg=tiny))
-        decode = await c.add(c.node(DecodeNode, "decode-0", ecfg=tiny))
+        prefill = await c.add(c.node(PrefillRole, "prefill-0", ecfg=tiny))
+        decode = await c.add(c.node(DecodeRole, "decode-0", ecfg=tiny))
 
         def consistent() -> bool:
             index = c.gw.index
@@ -650,7 +651,7 @@ async def test_the_gateway_prefix_index_follows_the_nodes_caches(tokenizer):
         await until(consistent, what="evictions to reach the index")
         assert c.gw.index.cached_blocks("prefill-0", prefill.blocks.hashes(shared)) < 4
 
-        send, dropped = prefill.send_gateway, []
+        send, dropped = prefill.events.send, []
 
         async def losing(msg):  # the next KvEvents never arrives
             if isinstance(msg, KvEvents) and not dropped:
@@ -658,13 +659,13 @@ async def test_the_gateway_prefix_index_follows_the_nodes_caches(tokenizer):
                 return
             await send(msg)
 
-        prefill.send_gateway = losing  # type: ignore[method-assign]
+        prefill.events.send = losing  # type: ignore[method-assign]
         await serve(shared + prompt(5, 7000))
         await serve(prompt(40, 3000))
         await until(lambda: dropped and consistent(), what="a resync after the lost batch")
 
         await c.stop(prefill, next(t for n, t in c.tasks.values() if n is prefill))
-        fresh = await c.add(c.node(PrefillNode, "prefill-0", ecfg=tiny))
+        fresh = await c.add(c.node(PrefillRole, "prefill-0", ecfg=tiny))
         prefill = fresh
         await until(consistent, what="the restarted node's empty cache in the index")
         assert c.gw.index.nodes["prefill-0"].blocks == set()
@@ -674,8 +675,8 @@ async def test_kv_the_decode_node_no_longer_holds_is_sent_whole_after_all(tokeni
     """The index said the decode node holds the conversation (a stale view: its evictions
     were not published yet); it refuses the header, and the prefill node sends everything."""
     async with Cluster(tokenizer) as c:
-        prefill = await c.add(c.node(PrefillNode, "prefill-0"))
-        decode = await c.add(c.node(DecodeNode, "decode-0"))
+        prefill = await c.add(c.node(PrefillRole, "prefill-0"))
+        decode = await c.add(c.node(DecodeRole, "decode-0"))
         first = c.request("turn1", prompt(70, 4000))
         await asyncio.wait_for(c.gw.service.run(first), TIMEOUT)
         assert await outcome(first) == Done("length")
@@ -686,7 +687,7 @@ async def test_kv_the_decode_node_no_longer_holds_is_sent_whole_after_all(tokeni
         async def silent() -> None:  # its evictions stay unpublished
             return None
 
-        decode.publish = silent  # type: ignore[method-assign]
+        decode.events.publish = silent  # type: ignore[method-assign]
         everything = decode.blocks.allocate(decode.blocks.num_free_blocks)  # evicts it all
         decode.blocks.free(everything)
         refusals: list[str] = []
@@ -710,17 +711,17 @@ async def test_an_accept_for_a_request_whose_client_left_meanwhile_links_nothing
     attempt must not be committed (a node linked to a wire id the table no longer has broke
     every later placement with a KeyError): the node is told to abort, and nothing leaks."""
     async with Cluster(tokenizer) as c:
-        prefill = await c.add(c.node(PrefillNode, "prefill-0"))
-        await c.add(c.node(DecodeNode, "decode-0"))
+        prefill = await c.add(c.node(PrefillRole, "prefill-0"))
+        await c.add(c.node(DecodeRole, "decode-0"))
         offered, release = asyncio.Event(), asyncio.Event()
-        on_offer = prefill._on_offer
+        on_offer = prefill.role._on_offer
 
         async def slow_offer(offer):  # type: ignore[no-untyped-def]
             offered.set()
             await release.wait()
             await on_offer(offer)
 
-        prefill._on_offer = slow_offer  # type: ignore[method-assign]
+        prefill.role._on_offer = slow_offer  # type: ignore[method-assign]
         req = c.request("gone", prompt(30))
         run = asyncio.create_task(c.gw.service.run(req))
         await asyncio.wait_for(offered.wait(), TIMEOUT)
@@ -729,7 +730,7 @@ async def test_an_accept_for_a_request_whose_client_left_meanwhile_links_nothing
         await asyncio.wait_for(run, TIMEOUT)
         await until(lambda: not prefill.requests, what="the node was told to abort")
         assert not c.gw.table and all(not c.gw.table.on_node(n) for n in c.gw.cluster.nodes)
-        prefill._on_offer = on_offer  # type: ignore[method-assign]
+        prefill.role._on_offer = on_offer  # type: ignore[method-assign]
         after = c.request("after", prompt(30, 3000))
         await asyncio.wait_for(c.gw.service.run(after), TIMEOUT)
         assert await outcome(after) == Done("length")

@@ -1,0 +1,85 @@
+"""The role interface: what the prefill, decode and colocated roles plug into a node's
+runtime (common/node/runtime.py). A role answers the gateway's messages, shapes the steps
+(before, in the engine thread, after) and, on nodes with a KV data plane, takes and hands
+off request KV. `RoleDefaults` says what a role that does not care does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from pdserve.common.engine.scheduler import Mode, SchedulerConfig, SchedulerOutput, step_work
+from pdserve.common.engine.sequence import Sequence
+from pdserve.common.kv_transfer.base import Intake, Transfer
+from pdserve.common.protocol import KvHeader, RegisterAck
+
+if TYPE_CHECKING:
+    from pdserve.common.node.runtime import NodeRequest, NodeRuntime
+
+
+class RoleDefaults:
+    role: str = "colocated"
+    mode: Mode = "colocated"
+    pushes_tokens = False  # decode and colocated nodes stream tokens to the gateway
+    has_data_plane = False  # KV arrives or leaves over the KV connectors
+
+    def __init__(self, node: NodeRuntime) -> None:
+        self.node = node
+
+    @staticmethod
+    def scheduler_config(base: SchedulerConfig) -> SchedulerConfig:
+        return base
+
+    # -- the gateway -----------------------------------------------------------------------
+    def on_registered(self, ack: RegisterAck) -> None:
+        """The gateway accepted us and said how to take work."""
+
+    async def on_gateway_message(self, msg: Any) -> None:
+        raise NotImplementedError
+
+    def on_drain(self) -> None:
+        """The node begins to drain (a signal, `Drain`, a role switch)."""
+
+    async def on_drain_timeout(self) -> None:
+        """Hand back whatever is still held when the drain timeout passes."""
+
+    # -- steps -----------------------------------------------------------------------------
+    async def before_step(self, out: SchedulerOutput) -> None:
+        """The step is scheduled and about to run."""
+
+    def engine_step(self, out: SchedulerOutput, loop: asyncio.AbstractEventLoop) -> Any:
+        """Engine thread: run the step; returns the sampled tokens (or what after_step needs)."""
+        return self.node.engine.step(*step_work(out))
+
+    async def after_step(self, out: SchedulerOutput, grew: list[Sequence], result: Any) -> None:
+        """The step is done; `grew` are the sequences that produced a token (aborted ones
+        left out)."""
+
+    async def on_preempted(self, seqs: list[Sequence]) -> None:
+        """Sequences the scheduler preempted (decode: handed back to the gateway)."""
+
+    async def step_failed(self, out: SchedulerOutput, exc: Exception) -> None:
+        """The engine raised: by default the node stops (a supervisor restarts it)."""
+        raise exc
+
+    # -- requests and their KV -------------------------------------------------------------
+    def on_dropped(self, rid: str, req: NodeRequest | None) -> None:
+        """A request was aborted: let go of what the role holds for it beside the engine."""
+
+    def extra_held(self) -> list[str]:
+        """Ids the role holds outside the request table (a decode node's incoming KV)."""
+        return []
+
+    def reserve_kv(self, h: KvHeader) -> list[int] | str:
+        """A request's KV is announced (decode): the blocks it lands in, or why not."""
+        return f"a {self.role} node takes no request KV"
+
+    async def admit_kv(self, intake: Intake, first_token: int) -> None:
+        """A request's KV has landed (decode)."""
+
+    def kv_acked(self, t: Transfer) -> None:
+        """A request's KV we sent was acknowledged (prefill, a migrating decode node)."""
+
+    async def kv_refused(self, rid: str, peer: str, why: str) -> None:
+        """A request's KV we sent was refused."""

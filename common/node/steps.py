@@ -1,0 +1,105 @@
+"""A node's step loop: ask the scheduler for the next step, let the role prepare
+(`before_step`), run the engine in the node's engine thread (so the event loop keeps answering
+offers and heartbeats during a forward pass; the role's `engine_step` may add a layer hook),
+and hand the result to the role (`after_step`). Preempted sequences go to `on_preempted`.
+
+Aborts of requests the running step computes wait for that step: their blocks are in use
+until it ends, and their token from it is not sent (`abort` in common/node/runtime.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+from pdserve.common.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.common.engine.sequence import Sequence
+from pdserve.common.node_metrics import NodeMetrics
+
+
+class StepHooks(Protocol):
+    """The role's part of a step."""
+
+    async def before_step(self, out: SchedulerOutput) -> None: ...
+    def engine_step(self, out: SchedulerOutput, loop: asyncio.AbstractEventLoop) -> Any: ...
+    async def after_step(
+        self, out: SchedulerOutput, grew: list[Sequence], result: Any
+    ) -> None: ...
+    async def on_preempted(self, seqs: list[Sequence]) -> None: ...
+    async def step_failed(self, out: SchedulerOutput, exc: Exception) -> None: ...
+
+
+class StepLoop:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executor: ThreadPoolExecutor,
+        metrics: NodeMetrics,
+        drop: Callable[[str], None],
+        on_prefill: Callable[[int, float], None],
+    ) -> None:
+        self.scheduler, self.executor, self.metrics = scheduler, executor, metrics
+        self.drop, self.on_prefill = drop, on_prefill  # an aborted request; a prefill's time
+        self.hooks: StepHooks | None = None  # the role, plugged in once built
+        self.scheduled: Callable[[str], None] = lambda rid: None  # a prefill is in a step
+        self.work = asyncio.Event()  # something may be schedulable now
+        self.in_step: set[str] = set()  # ids the engine is computing right now
+        self.step_over: asyncio.Future[None] | None = None  # resolved when that step ends
+        self.aborted: set[str] = set()  # ids to drop once the running step is over
+
+    def wake(self) -> None:
+        self.work.set()
+
+    def abort(self, rid: str) -> None:
+        if rid in self.in_step:
+            self.aborted.add(rid)
+        else:
+            self.drop(rid)
+
+    async def out_of_step(self, rid: str) -> None:
+        """Wait until the engine is not computing `rid` (its blocks are ours again)."""
+        while rid in self.in_step and self.step_over is not None:
+            await asyncio.shield(self.step_over)  # shielded: a cancelled waiter leaves it be
+
+    async def run_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def run(self) -> None:
+        hooks = self.hooks
+        assert hooks is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await self.work.wait()
+            self.work.clear()
+            while self.scheduler.has_work:
+                out = self.scheduler.schedule()
+                if out.preempted:
+                    await hooks.on_preempted(out.preempted)
+                if out.empty:
+                    break  # nothing fits now (KV full): wait for blocks to free
+                for seq, _ in out.prefills:  # admission took its fetched blocks itself
+                    self.scheduled(seq.seq_id)
+                await hooks.before_step(out)
+                self.in_step, self.step_over = out.seq_ids, loop.create_future()
+                started = time.monotonic()
+                try:
+                    result = await self.run_engine(hooks.engine_step, out, loop)
+                except Exception as exc:
+                    await hooks.step_failed(out, exc)
+                    continue
+                finally:
+                    self.in_step = set()
+                    self.step_over.set_result(None)
+                seconds = time.monotonic() - started
+                self.metrics.step_time.observe(seconds)
+                if out.prefills and not out.decodes:
+                    self.on_prefill(sum(n for _, n in out.prefills), seconds)
+                tokens = result[0] if isinstance(result, tuple) else result
+                grew = self.scheduler.on_step_done(out, tokens)
+                aborted, self.aborted = self.aborted, set()
+                await hooks.after_step(out, [s for s in grew if s.seq_id not in aborted], result)
+                for rid in aborted:
+                    self.drop(rid)
