@@ -23,7 +23,7 @@ selective  400 requests of mixed lengths (prompts lognormal around 600 tokens, s
            share prefilled locally; selective.png plots goodput and ITL p99 by rate.
 
 The cluster runs `--sim-time-scale S` (default 4: a modelled second lasts S seconds, so the
-Python overhead of nodes, gateway and client on a small box stays small beside a step);
+Python overhead of nodes, gateway and client on a small host stays small beside a step);
 arrivals and SLOs are stretched by S and times reported divided by it: every figure is in
 the modelled GPU's seconds. The gateway's settings are wall-clock, set here for the
 stretched run (its cost rules run on the stretched clock too: `pdserve up` gives it

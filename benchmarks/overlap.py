@@ -19,7 +19,7 @@ KvAck) between layer-wise and at-the-end sending is the per-layer framing overhe
 (`layerwise_overhead_ms`). Layer-wise pays once the serial transfer it hides exceeds that
 overhead: `suggested_threshold_tokens` = overhead / (serial transfer ms per token).
 `crossover_tokens` is the shortest prompt of the sweep where layer-wise was actually faster
-end to end (on a 2-core CPU box compute and sending share the cores, so there may be none;
+end to end (on a 2-core CPU compute and sending share the cores, so there may be none;
 on a GPU box the forward pass does not compete with the sender). Prints one JSON object as
 its last line.
 

@@ -13,7 +13,7 @@ predicts every split it tries; then the real cluster (`pdserve up --engine sim`:
 sockets, the placement and engine loops, each step sleeping the cost model's time) runs the
 recommended split, the others of its size and every 4-node split, under the same requests.
 The cluster runs `--sim-time-scale S` (each modelled second lasts S seconds, so the Python
-overhead of the nodes, gateway and client on this box is small beside a step); arrivals and
+overhead of the nodes, gateway and client on the host is small beside a step); arrivals and
 SLOs are stretched by S and measured times divided by it, so both columns are in the
 modelled GPU's seconds. Placement is cache-blind in both (`--cache-aware-routing off`: the
 simulation has no cluster prefix index); each node's own prefix cache works in both.

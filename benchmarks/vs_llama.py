@@ -82,7 +82,7 @@ def pdserve_args(kind: str, args: argparse.Namespace) -> list[str]:
     if kind == "colocated":
         return ["--prefill", "0", "--decode", "0", "--colocated", "1", *common,
                 "--num-threads", str(args.threads)]  # fmt: skip
-    # 1P1D on one box: both nodes take every core (--prefill-threads, --decode-threads), which
+    # 1P1D on one host: both nodes take every core (--prefill-threads, --decode-threads), which
     # makes `pdserve up` wait passively; "1p1d-idle" also runs prefill under SCHED_IDLE
     priority = "idle" if kind == "1p1d-idle" else args.prefill_priority
     return ["--prefill", "1", "--decode", "1", *common, "--kv-backend", args.kv_backend,

@@ -1,4 +1,4 @@
-"""`--device cuda:auto`: one GPU per replica when compose scales a service on one box.
+"""`--device cuda:auto`: one GPU per replica when compose scales a service on one host.
 
 Docker hands GPU 0 to every replica of a service that reserves `count: 1`, so compose
 reserves all GPUs for each node and each replica takes its own: the replica number (from

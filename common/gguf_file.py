@@ -1,8 +1,8 @@
 """A GGUF file's metadata and tensors, read directly.
 
 `gguf.GGUFReader` builds a numpy view for every part of every field: SmolLM2's 49k-token
-vocabulary and 49k merges made it ~3.7 s a process on an AMD EPYC Zen 5 (every node pays it at
-start, twice as long on two busy cores). This reads the same file in ~0.15 s: the header and
+vocabulary and 49k merges made that seconds per process (every node pays it at start). This
+reads the same file in a small fraction of that: the header and
 metadata with `struct`, numeric arrays with one `frombuffer` each, and the tensors as views of
 one read-only memory map, exactly as GGUFReader lays them out (F32/F16/F64 and integer types
 as their dtype, quantized types as rows of raw block bytes), so the loaders and

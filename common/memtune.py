@@ -4,8 +4,7 @@ glibc serves allocations above 128 KiB with fresh mmap()s and returns them on fr
 received or exported multi-megabyte frame page-faults its way in again (measured 3-7x slower
 than reused memory). Raising the mmap threshold to glibc's maximum (32 MiB on 64-bit) and the
 trim threshold keeps freed frames in the heap for the next one: ZeroMQ's receive buffers and
-torch's frame tensors then reuse warm pages. Measured on the 2-vCPU box: ZeroMQ loopback
-from ~2.0 to ~3.7 GB/s for 16 MiB frames.
+torch's frame tensors then reuse warm pages.
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ def _add_serving(sub: argparse._SubParsersAction) -> None:
         up.add_argument(
             f"--{role}-threads", type=int, default=0,
             help=f"torch CPU threads of each {role} node; 0 = --num-threads (CPU count / nodes "
-            "when that is 0 too). On one small box the phases mostly take turns, so each may "
+            "when that is 0 too). On one small host the phases mostly take turns, so each may "
             "take every core",
         )  # fmt: skip
         up.add_argument(

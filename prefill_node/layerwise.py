@@ -2,9 +2,9 @@
 
 Layer-wise sending hides the transfer behind the later layers' compute, but the sender then
 runs during the forward pass. On a GPU it takes no compute from the pass; on a small CPU
-box it competes for the cores and the pass slows by about what the sender costs: measured
-on 2 cores (benchmarks/overlap.py), a request was ready on the decode node *later* with
-layer-wise sending at every prompt length. No constant threshold is right on both.
+it competes for the cores and the pass slows by about what the sender costs: on 2 cores
+(benchmarks/overlap.py) a request can be ready on the decode node *later* with layer-wise
+sending at every prompt length. No constant threshold is right on both.
 
 The rule compares the predicted time until the batch's KV is ready on its decode nodes:
 

@@ -1,14 +1,12 @@
 """bf16 weights in oneDNN's own blocked layout, packed once at load instead of at every call.
 
 On CPU, `F.linear` in bfloat16 runs oneDNN's matmul, which reorders the weight into its
-blocked layout on every call: for a decode step's few rows that reorder costs as much as
-the product (measured on a 2-vCPU AMD EPYC with AVX512-BF16, 576 -> 3072 at 16 rows:
-267 us through F.linear, 195 us prepacked; the 49,152-row LM head 6.9 ms against 3.7 ms).
-Packing once (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's weight freezing
-does) and calling `_linear_pointwise` runs the same kernel on the same numbers: the result
-equals F.linear's bit for bit at every row count (tests/unit/test_packed.py), so text does
-not change. float32 stays on F.linear: oneDNN's fp32 kernel differs from it in the last bits
-and, at some shapes, by row count, which would break the float32 invariant that a
+blocked layout on every call: for a decode step's few rows that reorder costs as much as the
+product. Packing once (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's weight
+freezing does) and calling `_linear_pointwise` runs the same kernel on the same numbers: the
+result equals F.linear's bit for bit at every row count (tests/unit/test_packed.py), so text
+does not change. float32 stays on F.linear: oneDNN's fp32 kernel differs from it in the last
+bits and, at some shapes, by row count, which would break the float32 invariant that a
 sequence's tokens do not depend on its batch.
 
 `quant.prepack(model)` (the runner calls it with --cpu-kernels auto) swaps every bf16 CPU

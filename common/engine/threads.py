@@ -3,12 +3,10 @@
 libgomp gives every thread that opens a parallel region a team of its own, and once a
 process has more such threads than CPUs it stops spinning between regions: its workers sleep
 after each one and are woken with a futex for the next. A decode step is ~1,000 small
-parallel regions, so it pays that wake-up ~1,000 times. Measured on the 2-vCPU box (SmolLM2,
-bf16 + int4, batch-1 decode on 2 threads): 16.4 ms a step on the thread that did all torch
-work, 28 ms on a node's engine thread after the main thread had run torch too (the node's
-real ITL was 31 ms), 16.9 ms under this module's rule, also after helper threads copied
-32 MB. The rule: the engine thread keeps the node's threads (`--num-threads`); the event
-loop's thread and helper threads run torch ops on one thread, so they never open a team.
+parallel regions, so it pays that wake-up ~1,000 times (a batch-1 step took nearly twice as
+long once the event loop's thread had run torch too). The rule: the engine thread keeps the
+node's threads (`--num-threads`); the event loop's thread and helper threads run torch ops
+on one thread, so they never open a team.
 """
 
 from __future__ import annotations
