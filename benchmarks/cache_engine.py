@@ -7,7 +7,7 @@ import torch
 
 from pdserve.common.costmodel import MODELS
 from pdserve.common.engine.kv_cache import KVCache
-from pdserve.common.model_config import ModelConfig
+from pdserve.common.model.config import ModelConfig
 
 LLAMA_LAYOUT = MODELS["llama3.1-8b"].layout()
 

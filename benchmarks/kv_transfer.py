@@ -1,6 +1,6 @@
 """KV transfer throughput: the KV of one 4,000-token Llama-3.1-8B request (fp16, 32 layers x
 8 KV heads x 128: 524 MB), from a prefill process's paged cache into a decode process's paged
-cache, through pdserve's own sender and intake (common/kv_transfer), per backend.
+cache, through pdserve's own sender and intake (common/kv), per backend.
 
 Each transfer figure is bytes / time from the prefill side starting to send (header, then
 every layer exported from its paged cache and sent) until the decode side has scattered the
@@ -37,15 +37,15 @@ import zmq.asyncio
 
 from benchmarks.cache_engine import LLAMA_LAYOUT, CacheOnlyEngine
 from pdserve.common.costmodel import MODELS
-from pdserve.common.kv_transfer import listen_all, receivers_for
-from pdserve.common.kv_transfer.base import Local
-from pdserve.common.kv_transfer.intake import Intake, KvIntake
-from pdserve.common.kv_transfer.sender import KvSender, Transfer
+from pdserve.common.kv import listen_all, receivers_for
+from pdserve.common.kv.base import Local
+from pdserve.common.kv.intake import Intake, KvIntake
+from pdserve.common.kv.sender import KvSender, Transfer
 from pdserve.common.memtune import tune_malloc
 from pdserve.common.node import host_identity
-from pdserve.common.protocol import DecodeTarget
 from pdserve.common.sampling import SamplingParams
-from pdserve.common.transport import bound_address, free_port, make_socket
+from pdserve.common.wire.protocol import DecodeTarget
+from pdserve.common.wire.transport import bound_address, free_port, make_socket
 
 BLOCK = 16
 LLAMA = MODELS["llama3.1-8b"]

@@ -48,16 +48,16 @@ from benchmarks.cache_engine import CacheOnlyEngine
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.interface import PrefillWork
 from pdserve.common.engine.runner import ModelRunner
-from pdserve.common.kv_transfer import listen_all, receivers_for
-from pdserve.common.kv_transfer.base import Local
-from pdserve.common.kv_transfer.intake import Intake, KvIntake
-from pdserve.common.kv_transfer.sender import KvSender, Transfer
+from pdserve.common.kv import listen_all, receivers_for
+from pdserve.common.kv.base import Local
+from pdserve.common.kv.intake import Intake, KvIntake
+from pdserve.common.kv.sender import KvSender, Transfer
 from pdserve.common.memtune import tune_malloc
-from pdserve.common.model_config import load_model_config, resolve_model
+from pdserve.common.model.config import load_model_config, resolve_model
 from pdserve.common.node import host_identity
-from pdserve.common.protocol import DecodeTarget
 from pdserve.common.sampling import SamplingParams
-from pdserve.common.transport import bound_address, make_socket
+from pdserve.common.wire.protocol import DecodeTarget
+from pdserve.common.wire.transport import bound_address, make_socket
 from pdserve.prefill_node.layerwise import LayerwiseRule
 
 BLOCK = 16

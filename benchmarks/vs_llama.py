@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import llama_server
-from pdserve.common.model_config import resolve_model
+from pdserve.common.model.config import resolve_model
 from pdserve.common.numerics import cpu_description
-from pdserve.common.transport import free_port
+from pdserve.common.wire.transport import free_port
 from pdserve.loadgen.compare import start_cluster, stop_cluster
 from pdserve.loadgen.metrics import summarize
 from pdserve.loadgen.runner import BenchConfig, run

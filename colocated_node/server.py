@@ -18,7 +18,7 @@ from pdserve.common.engine.scheduler import SchedulerOutput
 from pdserve.common.engine.sequence import Sequence, check_stop
 from pdserve.common.node.role import RoleDefaults
 from pdserve.common.node.runtime import NodeRequest
-from pdserve.common.protocol import (
+from pdserve.common.wire.protocol import (
     Abort,
     Accept,
     Drain,

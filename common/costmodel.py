@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.common.model_config import ModelConfig
+from pdserve.common.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

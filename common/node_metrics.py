@@ -27,7 +27,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdserve.common.protocol import Load
+from pdserve.common.wire.protocol import Load
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Unlike classic POSIX record locks they conflict between any two opens of a file, threads of
 one process included, and survive the closing of other descriptors of the same file; like
 them, the kernel drops a lock when its holder dies. Used to guard writes into shared KV
-caches (common/kv_transfer/grants.py) and to tell a live cache file from an orphan
+caches (common/kv/grants.py) and to tell a live cache file from an orphan
 (common/engine/shared_kv.py)."""
 
 from __future__ import annotations

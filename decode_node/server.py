@@ -1,6 +1,6 @@
 """Decode node: takes KV into its paged cache and runs continuous batching.
 
-Intake (common/kv_transfer/intake.py, on the data ROUTER): a `KvHeader` reserves blocks for
+Intake (common/kv/intake.py, on the data ROUTER): a `KvHeader` reserves blocks for
 the prompt and the first token, keeping the watermark free for running sequences to grow, or
 is answered `KvRefuse`; the frames land in the reserved blocks, by whichever KV backend the
 prefill node chose. Once complete, the sequence joins the running batch (`admit`) and the
@@ -28,12 +28,12 @@ from typing import Any
 
 from pdserve.common.engine.scheduler import SchedulerConfig, SchedulerOutput
 from pdserve.common.engine.sequence import SeqStatus, Sequence, check_stop
-from pdserve.common.kv_transfer.base import Intake, Transfer
+from pdserve.common.kv.base import Intake, Transfer
 from pdserve.common.node.handoff import KvHandoff
 from pdserve.common.node.reserve import reserve_blocks
 from pdserve.common.node.role import RoleDefaults
 from pdserve.common.node.runtime import NodeRequest, NodeRuntime
-from pdserve.common.protocol import (
+from pdserve.common.wire.protocol import (
     Abort,
     Accept,
     Drain,

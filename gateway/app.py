@@ -22,7 +22,7 @@ import orjson
 from aiohttp import web
 
 from pdserve.common.config import GatewayConfig
-from pdserve.common.tokenizer import Tokenizer
+from pdserve.common.model.tokenizer import Tokenizer
 from pdserve.gateway.core import Gateway
 from pdserve.gateway.openai_api import (
     ApiError,

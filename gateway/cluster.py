@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.common.protocol import DecodeTarget, Load, NodeInfo
+from pdserve.common.wire.protocol import DecodeTarget, Load, NodeInfo
 
 EMPTY_LOAD = Load(running=0, waiting=0, blocks_free=0, blocks_cached=0, blocks_in_use=0)
 

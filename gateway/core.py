@@ -21,8 +21,8 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from pdserve.common.config import GatewayConfig
-from pdserve.common.security import watch_handshakes
-from pdserve.common.tokenizer import Tokenizer
+from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.wire.security import watch_handshakes
 from pdserve.gateway.cluster import ClusterView, NodeState
 from pdserve.gateway.link import NodeLink
 from pdserve.gateway.liveness import Liveness

@@ -9,9 +9,9 @@ from typing import Any
 import zmq
 
 from pdserve.common.config import GatewayConfig
-from pdserve.common.protocol import Msg, PrefillOffer
-from pdserve.common.security import ClusterKey, close_context, make_context
-from pdserve.common.transport import CONTROL_MAX_MSG, TOKENS_MAX_MSG, make_socket, send
+from pdserve.common.wire.protocol import Msg, PrefillOffer
+from pdserve.common.wire.security import ClusterKey, close_context, make_context
+from pdserve.common.wire.transport import CONTROL_MAX_MSG, TOKENS_MAX_MSG, make_socket, send
 from pdserve.gateway.cluster import NodeState
 
 log = logging.getLogger("pdserve.gateway.core")

@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from pdserve.common.protocol import (
+from pdserve.common.wire.protocol import (
     NODE_DECODER,
     TOKENS_DECODER,
     Abort,
@@ -37,7 +37,7 @@ from pdserve.common.protocol import (
     Reject,
     TokenBatch,
 )
-from pdserve.common.transport import decode_or_none
+from pdserve.common.wire.transport import decode_or_none
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.link import NodeLink
 from pdserve.gateway.metrics import GatewayMetrics

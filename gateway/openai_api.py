@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from pdserve.common.model.tokenizer import Tokenizer
 from pdserve.common.sampling import InvalidSampling, SamplingParams
-from pdserve.common.tokenizer import Tokenizer
 from pdserve.gateway.api_schema import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 ERROR_TYPES = {

@@ -31,8 +31,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from pdserve.common.protocol import PrefillOffer
 from pdserve.common.sampling import SamplingParams
+from pdserve.common.wire.protocol import PrefillOffer
 from pdserve.gateway.admission import Waiting, order, urgent
 from pdserve.gateway.cluster import ClusterView, NodeState
 from pdserve.gateway.plan import plan, request_hashes, views

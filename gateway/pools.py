@@ -12,7 +12,7 @@ import time
 import msgspec
 
 from pdserve.common.config import GatewayConfig
-from pdserve.common.protocol import NodeInfo, Rebalance, SwitchRole
+from pdserve.common.wire.protocol import NodeInfo, Rebalance, SwitchRole
 from pdserve.gateway import rebalance
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.link import NodeLink

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdserve.common.protocol import KvEvents
+from pdserve.common.wire.protocol import KvEvents
 
 
 @dataclass

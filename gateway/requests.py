@@ -21,8 +21,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from pdserve.common.model.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from pdserve.common.sampling import SamplingParams
-from pdserve.common.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 
 @dataclass

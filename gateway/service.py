@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from pdserve.common.config import GatewayConfig
-from pdserve.common.protocol import Abort
-from pdserve.common.tokenizer import Tokenizer
+from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.wire.protocol import Abort
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.link import NodeLink
 from pdserve.gateway.metrics import GatewayMetrics

@@ -98,7 +98,7 @@ def build_workload(args: argparse.Namespace) -> list[workloads.RequestSpec]:
 def main(args: argparse.Namespace) -> int:
     specs = build_workload(args)
     if args.endpoint == "chat":
-        from pdserve.common.tokenizer import Tokenizer
+        from pdserve.common.model.tokenizer import Tokenizer
 
         specs = workloads.as_text(specs, Tokenizer.load(args.tokenizer).decode)
     cfg = BenchConfig(

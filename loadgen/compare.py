@@ -78,7 +78,7 @@ def load_config(path: Path) -> dict[str, Any]:
 
 
 def start_cluster(up_args: list[str], timeout: float) -> tuple[subprocess.Popen, str, list[str]]:
-    from pdserve.common.transport import free_port
+    from pdserve.common.wire.transport import free_port
 
     port = free_port()
     cmd = [

@@ -75,7 +75,7 @@ def _add_sampling_flags(p: argparse.ArgumentParser, **defaults: Any) -> None:
 
 
 def _keygen(args: argparse.Namespace) -> int:
-    from pdserve.common.security import ClusterKey
+    from pdserve.common.wire.security import ClusterKey
 
     key = ClusterKey.generate()
     key.save(args.path)

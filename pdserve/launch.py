@@ -57,8 +57,8 @@ def run_gateway(args: argparse.Namespace) -> int:
 def run_node(args: argparse.Namespace, role: str) -> int:
     from pdserve.common.engine.llm_engine import make_engine
     from pdserve.common.memtune import tune_malloc
+    from pdserve.common.model.tokenizer import Tokenizer
     from pdserve.common.node.roles import serve_roles
-    from pdserve.common.tokenizer import Tokenizer
 
     tune_malloc()  # multi-megabyte KV frames reuse warm pages (see common/memtune.py)
     ecfg = from_args(EngineConfig, args)

@@ -32,8 +32,8 @@ from typing import Any, Literal, cast
 
 from pdserve.common.costmodel import CostModel
 from pdserve.common.engine.sequence import SeqStatus, Sequence
-from pdserve.common.protocol import Load
 from pdserve.common.sampling import SamplingParams
+from pdserve.common.wire.protocol import Load
 from pdserve.gateway.admission import Waiting
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.policies import make_policy

@@ -11,7 +11,7 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.costmodel import DEFAULT_PROFILE, CostModel
 from pdserve.common.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.common.engine.sequence import Sequence
-from pdserve.common.protocol import NodeInfo
+from pdserve.common.wire.protocol import NodeInfo
 from pdserve.gateway.admission import Waiting
 from pdserve.gateway.requests import GatewayRequest
 from pdserve.loadgen.metrics import RequestRecord

@@ -27,12 +27,12 @@ from typing import Any
 
 from pdserve.common.engine.scheduler import SchedulerConfig, SchedulerOutput, step_work
 from pdserve.common.engine.sequence import Sequence, check_stop
-from pdserve.common.kv_transfer.base import Transfer
+from pdserve.common.kv.base import Transfer
 from pdserve.common.node.fetch import PrefixFetches
 from pdserve.common.node.handoff import KvHandoff
 from pdserve.common.node.role import RoleDefaults
 from pdserve.common.node.runtime import NodeRequest, NodeRuntime
-from pdserve.common.protocol import (
+from pdserve.common.wire.protocol import (
     Abort,
     Accept,
     Drain,

@@ -59,7 +59,7 @@ def chaos_scale(request: pytest.FixtureRequest) -> int:
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from pdserve.common.tokenizer import Tokenizer
+    from pdserve.common.model.tokenizer import Tokenizer
 
     return Tokenizer.load(None)
 

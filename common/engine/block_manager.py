@@ -10,7 +10,7 @@ prefixes of equal KV.
 
 With `record_events`, every hash registered (`stored`) or forgotten because its block was
 taken for other tokens (`evicted`) is queued for the node to publish (the gateway's prefix
-index, common/protocol.py KvEvents). The queue is bounded: past `MAX_EVENTS` it is dropped
+index, common/wire/protocol.py KvEvents). The queue is bounded: past `MAX_EVENTS` it is dropped
 and `events_lost` tells the node to publish a full snapshot instead.
 """
 

@@ -151,7 +151,7 @@ def quantize_gguf(model: nn.Module, path: object, cfg: Any, ops: GgufOps) -> tup
     """Replace the projections (fused qkv, o_proj, gate_up, down_proj) and the LM head by
     GgufLinear on the GGUF's blocks; (projections replaced, whether the head was)."""
     from pdserve.common.engine.quant import gguf_projections
-    from pdserve.common.model_config import open_gguf
+    from pdserve.common.model.config import open_gguf
 
     tensors = {t.name: t for t in open_gguf(path).tensors}  # type: ignore[arg-type]
     rows: StepRows = model.step_rows  # type: ignore[assignment]

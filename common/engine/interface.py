@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pdserve.common.model_config import ModelConfig
+from pdserve.common.model.config import ModelConfig
 from pdserve.common.sampling import SamplingParams
 
 LayerHook = Callable[[int], None]

@@ -14,8 +14,8 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.engine.interface import Engine
 from pdserve.common.engine.scheduler import Scheduler, SchedulerConfig, step_work
 from pdserve.common.engine.sequence import Sequence, check_stop
+from pdserve.common.model.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from pdserve.common.sampling import SamplingParams
-from pdserve.common.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 
 @dataclass

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model_config import ModelConfig, ModelSource, open_gguf
+from pdserve.common.model.config import ModelConfig, ModelSource, open_gguf
 
 GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",

@@ -23,7 +23,7 @@ from pdserve.common.engine.interface import LayerHook
 from pdserve.common.engine.kernels import CpuKernels
 from pdserve.common.engine.kv_cache import KVCache
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model_config import ModelConfig
+from pdserve.common.model.config import ModelConfig
 
 
 def blank_linear(n_in: int, n_out: int, bias: bool = False) -> nn.Linear:

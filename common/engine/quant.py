@@ -196,7 +196,7 @@ def quantize_gguf_linears(model: nn.Module, path: object, cfg: object, dtype: to
     """Replace the model's projections (fused qkv, o_proj, fused gate_up, down_proj) by
     Int4Linear built from the GGUF's Q4 blocks; how many were replaced. A projection any of
     whose parts is stored otherwise (or has a bias) stays float."""
-    from pdserve.common.model_config import open_gguf
+    from pdserve.common.model.config import open_gguf
 
     tensors = {t.name: t for t in open_gguf(path).tensors}  # type: ignore[arg-type]
     replaced = 0
@@ -282,7 +282,7 @@ def quantize_gguf_lm_head(model: nn.Module, path: object, dtype: torch.dtype) ->
     rows) and for batches from DENSE_FROM rows. Whether the head was replaced."""
     from gguf import GGMLQuantizationType
 
-    from pdserve.common.model_config import open_gguf
+    from pdserve.common.model.config import open_gguf
 
     head = model.lm_head  # type: ignore[union-attr]
     tensors = {t.name: t for t in open_gguf(path).tensors}  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ from pdserve.common.engine.loader import iter_weights
 from pdserve.common.engine.model import AttentionMetadata, LlamaModel, PrefillSpan
 from pdserve.common.engine.sampler import sample
 from pdserve.common.errors import ConfigError
-from pdserve.common.model_config import (
+from pdserve.common.model.config import (
     ModelConfig,
     ModelSource,
     load_model_config,

@@ -1,6 +1,6 @@
 """A KV cache tensor that lives in shared memory, so a prefill node on the same host can write
 a request's KV straight into the blocks this node reserved (one copy instead of two: the
-shm_direct KV backend, common/kv_transfer/shm_direct.py).
+shm_direct KV backend, common/kv/shm_direct.py).
 
 The cache is a file in /dev/shm mapped by its owner (the tensor's storage) and by writers.
 Its owner holds an open-file-description lock on byte 0 for its whole life; a file whose

@@ -27,7 +27,7 @@ from pdserve.common.errors import PdserveError
 from pdserve.common.node.events import PrefixEvents
 from pdserve.common.node.host import resolve_tokens_address
 from pdserve.common.node_metrics import NodeMetrics, start_http
-from pdserve.common.protocol import (
+from pdserve.common.wire.protocol import (
     GATEWAY_DECODER,
     Deregister,
     Heartbeat,
@@ -41,7 +41,7 @@ from pdserve.common.protocol import (
     SwitchRole,
     encode,
 )
-from pdserve.common.transport import CONTROL_MAX_MSG, decode_or_none, make_socket, send
+from pdserve.common.wire.transport import CONTROL_MAX_MSG, decode_or_none, make_socket, send
 
 log = logging.getLogger(__name__)
 

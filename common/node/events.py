@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from pdserve.common.engine.block_manager import BlockManager
-from pdserve.common.protocol import KvEvents, Msg
+from pdserve.common.wire.protocol import KvEvents, Msg
 
 MAX_HASHES = 4096  # per KvEvents message
 

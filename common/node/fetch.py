@@ -34,13 +34,13 @@ from pdserve.common.engine.block_manager import BlockManager
 from pdserve.common.engine.interface import Engine
 from pdserve.common.engine.scheduler import Scheduler
 from pdserve.common.engine.sequence import Sequence
-from pdserve.common.kv_transfer.base import Intake
-from pdserve.common.kv_transfer.intake import KvIntake
-from pdserve.common.kv_transfer.sender import KvSender
+from pdserve.common.kv.base import Intake
+from pdserve.common.kv.intake import KvIntake
+from pdserve.common.kv.sender import KvSender
 from pdserve.common.node.reserve import reserve_blocks
 from pdserve.common.node_metrics import NodeMetrics
-from pdserve.common.protocol import PREFIX_GONE, DecodeTarget, KvFetch, KvHeader, PrefillOffer
 from pdserve.common.sampling import SamplingParams
+from pdserve.common.wire.protocol import PREFIX_GONE, DecodeTarget, KvFetch, KvHeader, PrefillOffer
 
 
 class _Wakes(Protocol):

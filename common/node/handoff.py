@@ -14,10 +14,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from pdserve.common.engine.scheduler import Scheduler
-from pdserve.common.kv_transfer.base import Transfer
-from pdserve.common.kv_transfer.sender import KvSender
+from pdserve.common.kv.base import Transfer
+from pdserve.common.kv.sender import KvSender
 from pdserve.common.node_metrics import NodeMetrics
-from pdserve.common.protocol import PREFIX_GONE, DecodeTarget, KvTransferred, Msg, NeedDecode
+from pdserve.common.wire.protocol import PREFIX_GONE, DecodeTarget, KvTransferred, Msg, NeedDecode
 
 log = logging.getLogger(__name__)
 

@@ -17,14 +17,14 @@ from typing import Any, Protocol
 from pdserve.common.config import NodeConfig
 from pdserve.common.engine.block_manager import BlockManager
 from pdserve.common.engine.interface import Engine
-from pdserve.common.kv_transfer import listen_all, receivers_for
-from pdserve.common.kv_transfer.base import Intake, Local, Transfer
-from pdserve.common.kv_transfer.intake import KvIntake
-from pdserve.common.kv_transfer.sender import KvSender
+from pdserve.common.kv import listen_all, receivers_for
+from pdserve.common.kv.base import Intake, Local, Transfer
+from pdserve.common.kv.intake import KvIntake
+from pdserve.common.kv.sender import KvSender
 from pdserve.common.node.fetch import FetchHost, PrefixFetches
-from pdserve.common.protocol import DecodeTarget, KvHeader
-from pdserve.common.security import watch_handshakes
-from pdserve.common.transport import TOKENS_MAX_MSG, bound_address, make_socket
+from pdserve.common.wire.protocol import DecodeTarget, KvHeader
+from pdserve.common.wire.security import watch_handshakes
+from pdserve.common.wire.transport import TOKENS_MAX_MSG, bound_address, make_socket
 
 
 class KvHooks(Protocol):

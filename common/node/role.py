@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.common.engine.scheduler import Mode, SchedulerConfig, SchedulerOutput, step_work
 from pdserve.common.engine.sequence import Sequence
-from pdserve.common.kv_transfer.base import Intake, Transfer
-from pdserve.common.protocol import KvHeader, RegisterAck
+from pdserve.common.kv.base import Intake, Transfer
+from pdserve.common.wire.protocol import KvHeader, RegisterAck
 
 if TYPE_CHECKING:
     from pdserve.common.node.runtime import NodeRequest, NodeRuntime

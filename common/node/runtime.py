@@ -29,15 +29,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.common.cache import cache_dir
 from pdserve.common.config import EngineConfig, NodeConfig
 from pdserve.common.engine.interface import Engine
 from pdserve.common.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.engine.tiers import TierStore
-from pdserve.common.kv_transfer.base import Local
-from pdserve.common.kv_transfer.intake import KvIntake
-from pdserve.common.kv_transfer.sender import KvSender
+from pdserve.common.kv.base import Local
+from pdserve.common.kv.intake import KvIntake
+from pdserve.common.kv.sender import KvSender
+from pdserve.common.model.cache import cache_dir
+from pdserve.common.model.tokenizer import Tokenizer
 from pdserve.common.node.control import ControlPlane
 from pdserve.common.node.events import PrefixEvents
 from pdserve.common.node.host import default_node_id, facing_address, host_identity
@@ -45,9 +46,8 @@ from pdserve.common.node.kv import NodeKv
 from pdserve.common.node.role import RoleDefaults
 from pdserve.common.node.steps import StepLoop
 from pdserve.common.node_metrics import NodeMetrics
-from pdserve.common.protocol import DecodeTarget, Load, Msg, NodeInfo, Preempted, TokenBatch
-from pdserve.common.security import ClusterKey, close_context, make_context
-from pdserve.common.tokenizer import Tokenizer
+from pdserve.common.wire.protocol import DecodeTarget, Load, Msg, NodeInfo, Preempted, TokenBatch
+from pdserve.common.wire.security import ClusterKey, close_context, make_context
 
 log = logging.getLogger(__name__)
 

@@ -17,11 +17,11 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.common.kv_transfer.tcp import ID_BYTES, frame_head
-from pdserve.common.protocol import (
+from pdserve.common.kv.tcp import ID_BYTES, frame_head
+from pdserve.common.wire.protocol import (
     Msg,
 )
-from pdserve.common.transport import decode_or_none, free_port
+from pdserve.common.wire.transport import decode_or_none, free_port
 from tests.component.test_wire import CHANNELS
 from tests.e2e.conftest import wait_for
 from tests.e2e.streams import run_streams

@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 
-from pdserve.common.transport import free_port
+from pdserve.common.wire.transport import free_port
 from pdserve.decode_node.server import DecodeRole
 from pdserve.gateway.requests import Done
 from pdserve.prefill_node.server import PrefillRole

@@ -22,7 +22,7 @@ import time
 import urllib.request
 from typing import Any
 
-from pdserve.common.transport import free_port
+from pdserve.common.wire.transport import free_port
 from tests.e2e.conftest import Cluster, wait_for
 from tests.e2e.streams import SteadyLoad, run_streams
 from tests.e2e.test_stress import sim_text

@@ -128,7 +128,7 @@ def test_pdserve_processes_switch_a_role_and_rebind_their_ports(make_cluster, to
     ports, and every stream's text is exact."""
     import json
 
-    from pdserve.common.transport import free_port
+    from pdserve.common.wire.transport import free_port
     from tests.e2e.conftest import wait_for
     from tests.e2e.streams import SteadyLoad
     from tests.e2e.test_stress import sim_text

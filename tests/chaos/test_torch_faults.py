@@ -11,7 +11,7 @@ import threading
 import time
 
 from pdserve.common.sampling import SamplingParams
-from pdserve.common.transport import free_port
+from pdserve.common.wire.transport import free_port
 from tests.chaos.test_node_faults import DECODES, _running
 from tests.conftest import CHAT_PROMPTS, chat_ids, make_engine
 from tests.e2e.conftest import wait_for

@@ -14,7 +14,7 @@ from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig
 from pdserve.common.engine.sim import SimEngine
 from pdserve.common.node import NodeRuntime, RegistrationRefused, RoleDefaults
 from pdserve.common.sampling import SamplingParams
-from pdserve.common.transport import free_port
+from pdserve.common.wire.transport import free_port
 from pdserve.gateway.core import Gateway
 from pdserve.gateway.requests import Done, Failed, GatewayRequest
 

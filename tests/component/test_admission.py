@@ -12,7 +12,7 @@ from aiohttp import web
 
 from pdserve.common.config import EngineConfig, GatewayConfig
 from pdserve.common.sampling import SamplingParams
-from pdserve.common.transport import free_port
+from pdserve.common.wire.transport import free_port
 from pdserve.decode_node.server import DecodeRole
 from pdserve.gateway.app import CONFIG, SERVICE, completions, errors_middleware
 from pdserve.gateway.requests import Done, Failed

@@ -13,15 +13,15 @@ import zmq
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.sim import SimEngine
-from pdserve.common.protocol import (
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.wire.protocol import (
     TO_PREFILL_DECODER,
     DecodeTarget,
     KvFetch,
     KvRefuse,
     encode,
 )
-from pdserve.common.sampling import SamplingParams
-from pdserve.common.transport import make_socket
+from pdserve.common.wire.transport import make_socket
 from pdserve.decode_node.server import DecodeRole
 from pdserve.gateway.requests import Done
 from pdserve.prefill_node.server import PrefillRole

@@ -12,19 +12,19 @@ import pytest
 import torch
 
 from benchmarks.cache_engine import CacheOnlyEngine
-from pdserve.common.kv_transfer import BACKENDS as REGISTERED
-from pdserve.common.kv_transfer import backend, choose, listen_all, receivers_for
-from pdserve.common.kv_transfer.base import Backend, Local, ReceiveConnector, SendConnector
-from pdserve.common.kv_transfer.intake import Intake, KvIntake
-from pdserve.common.kv_transfer.sender import KvSender, Transfer
-from pdserve.common.kv_transfer.tcp import ID_BYTES, frame_head
-from pdserve.common.kv_transfer.ucx import available as ucx_available
-from pdserve.common.model_config import load_model_config, resolve_model
+from pdserve.common.kv import BACKENDS as REGISTERED
+from pdserve.common.kv import backend, choose, listen_all, receivers_for
+from pdserve.common.kv.base import Backend, Local, ReceiveConnector, SendConnector
+from pdserve.common.kv.intake import Intake, KvIntake
+from pdserve.common.kv.sender import KvSender, Transfer
+from pdserve.common.kv.tcp import ID_BYTES, frame_head
+from pdserve.common.kv.ucx import available as ucx_available
+from pdserve.common.model.config import load_model_config, resolve_model
 from pdserve.common.node import host_identity
-from pdserve.common.protocol import Abort, DecodeTarget, KvDone, KvHeader, encode
 from pdserve.common.sampling import SamplingParams
-from pdserve.common.security import ClusterKey, close_context, make_context
-from pdserve.common.transport import bound_address, make_socket
+from pdserve.common.wire.protocol import Abort, DecodeTarget, KvDone, KvHeader, encode
+from pdserve.common.wire.security import ClusterKey, close_context, make_context
+from pdserve.common.wire.transport import bound_address, make_socket
 
 BLOCK = 16
 LAYOUT = load_model_config(resolve_model(None))  # SmolLM2: 30 layers x 3 KV heads x 64

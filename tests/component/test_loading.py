@@ -11,8 +11,8 @@ import pytest
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model_config import load_model_config, resolve_model
-from pdserve.common.tokenizer import Tokenizer
+from pdserve.common.model.config import load_model_config, resolve_model
+from pdserve.common.model.tokenizer import Tokenizer
 
 
 def test_default_model_is_the_embedded_smollm2():
@@ -151,8 +151,8 @@ def test_generate_cli_prints_only_the_text(smol_runner, tokenizer):
 def test_the_gguf_tokenizer_cache_gives_the_same_tokenizer_and_survives_corruption(
     tmp_path, monkeypatch
 ):
-    from pdserve.common import cache
-    from pdserve.common.model_config import resolve_model
+    from pdserve.common.model import cache
+    from pdserve.common.model.config import resolve_model
 
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     fresh = Tokenizer.load(None)  # parses the GGUF, writes the entry

@@ -81,7 +81,7 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
 def hf_smollm():
     from transformers import AutoModelForCausalLM
 
-    from pdserve.common.model_config import default_model_path
+    from pdserve.common.model.config import default_model_path
 
     path = default_model_path()
     return AutoModelForCausalLM.from_pretrained(

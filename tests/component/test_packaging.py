@@ -30,7 +30,7 @@ def test_the_wheel_installs_only_pdserve_with_every_layer_inside(tmp_path):
     for source in ("cpu_kernels.c", "gguf_matmul.c"):  # built where they run (cbuild.py)
         assert (pkg / "common" / "engine" / source).is_file()
     assert not any(os.path.islink(os.path.join(d, f)) for d, _, fs in os.walk(pkg) for f in fs)
-    code = "import pdserve.cli, pdserve.common.protocol; print(pdserve.cli.__file__)"
+    code = "import pdserve.cli, pdserve.common.wire.protocol; print(pdserve.cli.__file__)"
     out = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

@@ -13,15 +13,15 @@ import stat
 import pytest
 import zmq
 
-from pdserve.common import security
-from pdserve.common.security import (
+from pdserve.common.wire import security
+from pdserve.common.wire.security import (
     BadKey,
     ClusterKey,
     close_context,
     make_context,
     watch_handshakes,
 )
-from pdserve.common.transport import bound_address, make_socket
+from pdserve.common.wire.transport import bound_address, make_socket
 from tests.component.test_kv_backends import BLOCK, Pair, digest
 
 

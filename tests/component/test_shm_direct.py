@@ -13,7 +13,7 @@ import time
 import torch
 
 from pdserve.common.engine.shared_kv import PREFIX, SHM_DIR, map_cache, sweep_orphans
-from pdserve.common.kv_transfer.grants import GrantTable, GrantView
+from pdserve.common.kv.grants import GrantTable, GrantView
 from pdserve.common.sampling import SamplingParams
 from tests.component.test_kv_backends import BLOCK, LAYOUT, Pair, digest
 
@@ -121,8 +121,8 @@ def test_an_orphaned_cache_file_is_swept_and_a_live_one_kept():
 
 def test_malformed_or_stale_endpoints_are_not_usable_and_fall_back():
     from benchmarks.cache_engine import CacheOnlyEngine
-    from pdserve.common.kv_transfer import backend, choose
-    from pdserve.common.kv_transfer.base import Local
+    from pdserve.common.kv import backend, choose
+    from pdserve.common.kv.base import Local
     from pdserve.common.node import host_identity
 
     own = CacheOnlyEngine(LAYOUT, 64, BLOCK, torch.float32)
@@ -186,7 +186,7 @@ def test_revoking_closes_a_grant_at_once_even_while_a_writer_is_inside():
 async def test_forged_grants_write_nothing_and_the_channel_goes_on():
     """A KvGrant is input from another process: one for an unknown request is ignored, and
     one with a wrong nonce, blocks outside the cache or too few blocks copies nothing."""
-    from pdserve.common.protocol import KvGrant
+    from pdserve.common.wire.protocol import KvGrant
 
     pair = await Pair("shm_direct", capacity=600).start()
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import random
 
-from pdserve.common.kv_transfer.shm import SHM_DIR, SegmentPool
+from pdserve.common.kv.shm import SHM_DIR, SegmentPool
 
 
 def test_segments_never_reuse_a_live_name_under_churn():

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pdserve.common.kv_transfer import tcp
-from pdserve.common.kv_transfer.tcp import TcpListener, TcpStream
+from pdserve.common.kv import tcp
+from pdserve.common.kv.tcp import TcpListener, TcpStream
 
 FRAMES = 8
 FRAME = 4 << 20  # 32 MiB in all: many socket buffers' worth

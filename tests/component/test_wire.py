@@ -18,7 +18,8 @@ import zmq.asyncio
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.node import NodeRequest, NodeRuntime, RegistrationRefused
-from pdserve.common.protocol import (
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.wire.protocol import (
     GATEWAY_DECODER,
     NODE_DECODER,
     PREFIX_GONE,
@@ -65,8 +66,7 @@ from pdserve.common.protocol import (
     TokenBatch,
     encode,
 )
-from pdserve.common.sampling import SamplingParams
-from pdserve.common.transport import decode_or_none, make_socket, send
+from pdserve.common.wire.transport import decode_or_none, make_socket, send
 from pdserve.decode_node.server import DecodeRole
 from pdserve.gateway.requests import Done, Failed
 from pdserve.prefill_node.server import PrefillRole

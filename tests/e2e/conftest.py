@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.common.transport import free_port
+from pdserve.common.wire.transport import free_port
 from pdserve.launch import stop_all, wait_healthy
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import openai
 import pytest
 
-from pdserve.common.transport import free_port
+from pdserve.common.wire.transport import free_port
 from tests.e2e.conftest import Cluster, start_cluster, wait_for
 
 SIM_FLAGS = ("--sim-time-scale", "0.05")

@@ -151,7 +151,7 @@ def test_sigterm_drains_a_decode_node_without_losing_its_stream(make_cluster):
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_pdserve_up_stops_every_child(role, tmp_path):
-    from pdserve.common.transport import free_port
+    from pdserve.common.wire.transport import free_port
 
     port = free_port()
     cmd = [

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.common.transport import free_port
+from pdserve.common.wire.transport import free_port
 from tests.docker_util import compose_or_skip
 
 ROOT = Path(__file__).resolve().parents[2]

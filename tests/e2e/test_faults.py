@@ -17,9 +17,9 @@ import time
 
 import zmq
 
-from pdserve.common.kv_transfer.tcp import ID_BYTES, frame_head
-from pdserve.common.protocol import Heartbeat, Load, TokenBatch, encode
-from pdserve.common.transport import free_port
+from pdserve.common.kv.tcp import ID_BYTES, frame_head
+from pdserve.common.wire.protocol import Heartbeat, Load, TokenBatch, encode
+from pdserve.common.wire.transport import free_port
 from tests.e2e.conftest import Cluster, wait_for
 from tests.e2e.streams import run_streams
 from tests.e2e.test_stress import sim_text

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.common.engine.sim import FIRST_ORDINARY_TOKEN, ORDINARY_TOKEN_SPAN
+from pdserve.common.model.tokenizer import IncrementalDetokenizer
 from pdserve.common.sampling import counter_int
-from pdserve.common.tokenizer import IncrementalDetokenizer
 from tests.e2e.streams import run_streams
 
 

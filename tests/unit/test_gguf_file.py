@@ -1,4 +1,4 @@
-"""The project's GGUF reader (common/gguf_file.py) against the `gguf` package's GGUFReader on
+"""The project's GGUF reader (common/model/gguf_file.py) against the `gguf` package's GGUFReader on
 the embedded SmolLM2 file: every metadata field the same value, every tensor the same name,
 type, shape, dtype and bytes; in a fraction of the time; and a damaged file is a ValueError."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from pdserve.common.gguf_file import GgufFile
-from pdserve.common.model_config import resolve_model
+from pdserve.common.model.config import resolve_model
+from pdserve.common.model.gguf_file import GgufFile
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig
 from pdserve.common.flags import from_args
-from pdserve.common.security import ClusterKey
+from pdserve.common.wire.security import ClusterKey
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.table import RequestTable

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
 from pdserve.common.node_metrics import NodeMetrics
-from pdserve.common.protocol import Load
+from pdserve.common.wire.protocol import Load
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.table import RequestTable

@@ -11,9 +11,9 @@ import urllib.request
 
 from pdserve.common.logs import JsonFormatter, TextFormatter
 from pdserve.common.node_metrics import NodeMetrics, start_http
-from pdserve.common.protocol import Load
 from pdserve.common.sampling import SamplingParams
-from pdserve.common.transport import free_port
+from pdserve.common.wire.protocol import Load
+from pdserve.common.wire.transport import free_port
 from pdserve.gateway.requests import Done, GatewayRequest
 
 

@@ -7,7 +7,7 @@ import msgspec
 import pytest
 from msgspec.structs import replace
 
-from pdserve.common.protocol import Load, NodeInfo
+from pdserve.common.wire.protocol import Load, NodeInfo
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.plan import plan, views
 from pdserve.gateway.policies import REGISTRY, Need, NodeView, Policy, make_policy, names, register
@@ -188,7 +188,7 @@ def test_kv_aware_minimises_estimated_ttft_with_the_cost_formula(caplog):
 
 
 def test_kv_aware_offers_every_node_near_the_best_and_waits_for_the_holder():
-    from pdserve.common.protocol import KvEvents
+    from pdserve.common.wire.protocol import KvEvents
     from pdserve.gateway.prefix_index import PrefixIndex
 
     policy = make_policy("kv_aware", "h100-llama3.1-8b")
@@ -238,7 +238,7 @@ def test_a_policy_is_one_module_registered_by_name():
 
 
 def test_cache_aware_order_sends_a_request_where_its_prefix_is():
-    from pdserve.common.protocol import KvEvents
+    from pdserve.common.wire.protocol import KvEvents
     from pdserve.gateway.prefix_index import PrefixIndex
 
     placed = Placed(cluster_with({"p0": (0, 0), "p1": (0, 0)}, {"d0": 40, "d1": 50}))
@@ -267,7 +267,7 @@ def test_cache_aware_order_sends_a_request_where_its_prefix_is():
 
 def test_a_node_missing_the_prefix_is_told_who_holds_it_and_kv_aware_counts_the_fetch():
     from pdserve.common.costmodel import CostModel
-    from pdserve.common.protocol import KvEvents
+    from pdserve.common.wire.protocol import KvEvents
     from pdserve.gateway.plan import fetch_holders
     from pdserve.gateway.prefix_index import PrefixIndex
 

@@ -4,7 +4,7 @@ in order; a gap makes the node's entry stale (counted as holding nothing) until 
 from __future__ import annotations
 
 from pdserve.common.engine.block_manager import prefix_hashes
-from pdserve.common.protocol import KvEvents
+from pdserve.common.wire.protocol import KvEvents
 from pdserve.gateway.prefix_index import PrefixIndex
 
 H = prefix_hashes(list(range(64)), 16, b"salt")  # 4 chained blocks

@@ -18,7 +18,7 @@ from pdserve.common.engine.quant import (
     unpack_q4,
     unpack_q8,
 )
-from pdserve.common.model_config import resolve_model
+from pdserve.common.model.config import resolve_model
 
 pytestmark = pytest.mark.cpu  # make test-cpu-variants: native and AVX2-only
 

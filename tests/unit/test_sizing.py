@@ -8,7 +8,7 @@ import pytest
 from msgspec.structs import replace
 
 from pdserve.common.costmodel import CostModel
-from pdserve.common.protocol import Load
+from pdserve.common.wire.protocol import Load
 from pdserve.gateway.sizing import Ewma, Sizing
 from tests.unit.test_policies import cluster_with
 

@@ -3,7 +3,7 @@
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from pdserve.common.tokenizer import IncrementalDetokenizer, StopStringMatcher
+from pdserve.common.model.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
 def stream(matcher: StopStringMatcher, pieces: list[str]) -> str:
@@ -46,7 +46,7 @@ def test_streamed_matching_equals_whole_text_matching(text, cuts):
 def test_tokenizer_matches_hugging_face_reference(tokenizer):
     from transformers import AutoTokenizer
 
-    from pdserve.common.model_config import default_model_path
+    from pdserve.common.model.config import default_model_path
 
     path = default_model_path()
     ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

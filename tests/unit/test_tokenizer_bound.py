@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pdserve.common.tokenizer import Tokenizer
+from pdserve.common.model.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

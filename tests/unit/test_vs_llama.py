@@ -64,7 +64,7 @@ def test_a_server_that_crashes_on_start_is_restarted_without_repacking(tmp_path)
     fake.chmod(0o755)
     (tmp_path / "www").mkdir()
     (tmp_path / "www" / "health").write_text("ok")
-    from pdserve.common.transport import free_port
+    from pdserve.common.wire.transport import free_port
 
     log = tmp_path / "server.log"
     proc, flags = llama_server.start(fake, tmp_path / "m.gguf", free_port(), 2, 4, 128, log)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.common.kv_transfer.base import (
+from pdserve.common.kv.base import (
     Backend,
     Intake,
     Local,

@@ -20,7 +20,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.common.kv_transfer.base import (
+from pdserve.common.kv.base import (
     Backend,
     Intake,
     Local,

@@ -33,15 +33,15 @@ import time
 from collections.abc import Coroutine, Sequence
 from typing import Any, Protocol
 
-from pdserve.common.kv_transfer.base import (
+from pdserve.common.kv.base import (
     Backend,
     Local,
     ReceiveConnector,
     SendConnector,
     Transfer,
 )
-from pdserve.common.kv_transfer.tcp_wire import WireStats, recv_views, set_timeout
-from pdserve.common.security import MAC_BYTES, NONCE_BYTES, REFUSALS, ClusterKey, new_nonce
+from pdserve.common.kv.tcp_wire import WireStats, recv_views, set_timeout
+from pdserve.common.wire.security import MAC_BYTES, NONCE_BYTES, REFUSALS, ClusterKey, new_nonce
 
 ID_BYTES = 64
 MAGIC = b"PDKV"

@@ -8,7 +8,7 @@ sockets and what travels on them: docs/architecture.md, section 1).
                                         data socket this node sends KV or a KvFetch to)
 
 Every socket that accepts network input has a maximum message size, and linger 0 so that
-closing never blocks shutdown. A context made with a cluster key (common/security.py) gives
+closing never blocks shutdown. A context made with a cluster key (common/wire/security.py) gives
 every socket CurveZMQ: binding sides are servers, connecting sides clients. A socket is used
 from its event loop's thread only.
 """
@@ -22,8 +22,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pdserve.common.protocol import Msg, encode
-from pdserve.common.security import key_of, secure_socket
+from pdserve.common.wire.protocol import Msg, encode
+from pdserve.common.wire.security import key_of, secure_socket
 
 CONTROL_MAX_MSG = 64 * 2**20  # prompts up to a few hundred thousand tokens
 TOKENS_MAX_MSG = 16 * 2**20

@@ -22,9 +22,10 @@ import zmq
 import zmq.asyncio
 
 from pdserve.common.engine.staged import Staged
-from pdserve.common.kv_transfer import backend, choose
-from pdserve.common.kv_transfer.base import Local, SendConnector, Transfer
-from pdserve.common.protocol import (
+from pdserve.common.kv import backend, choose
+from pdserve.common.kv.base import Local, SendConnector, Transfer
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.wire.protocol import (
     TO_PREFILL_DECODER,
     Abort,
     DecodeTarget,
@@ -37,8 +38,7 @@ from pdserve.common.protocol import (
     Msg,
     encode,
 )
-from pdserve.common.sampling import SamplingParams
-from pdserve.common.transport import decode_or_none, make_socket
+from pdserve.common.wire.transport import decode_or_none, make_socket
 
 log = logging.getLogger(__name__)
 ACK_MAX_MSG = 1 << 20

@@ -121,7 +121,7 @@ _KEYS = weakref.WeakKeyDictionary()
 
 
 def make_context(key: ClusterKey | None) -> zmq.asyncio.Context:
-    """A context whose sockets (made by common/transport.py) use CurveZMQ with `key`."""
+    """A context whose sockets (made by common/wire/transport.py) use CurveZMQ with `key`."""
     ctx = zmq.asyncio.Context()
     if key is not None:
         auth = ThreadAuthenticator(zmq.Context.shadow(ctx.underlying), log=log)

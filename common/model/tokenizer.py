@@ -19,9 +19,9 @@ from typing import Any
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from pdserve.common import cache
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model_config import ModelSource, gguf_field, open_gguf, resolve_model
+from pdserve.common.model import cache
+from pdserve.common.model.config import ModelSource, gguf_field, open_gguf, resolve_model
 
 log = logging.getLogger(__name__)
 GGUF_TOKEN_TYPE_CONTROL = 3
@@ -215,7 +215,7 @@ class Tokenizer:
                 value = value.get("content")
             return None if value is None else backend.token_to_id(value)
 
-        from pdserve.common.model_config import load_model_config
+        from pdserve.common.model.config import load_model_config
 
         model_cfg = load_model_config(ModelSource("hf", folder))
         eos_ids = list(model_cfg.eos_token_ids)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from pdserve.common.kv_backends import BACKENDS, CHOICES
 
 if TYPE_CHECKING:
-    from pdserve.common.kv_transfer.base import Backend, Local, ReceiveConnector
+    from pdserve.common.kv.base import Backend, Local, ReceiveConnector
 
 
 def backend(name: str) -> Backend:

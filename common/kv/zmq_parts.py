@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.common.kv_transfer.base import (
+from pdserve.common.kv.base import (
     Backend,
     Intake,
     ReceiveConnector,

@@ -4,7 +4,7 @@ is in docs/architecture.md).
 Each channel decodes into one tagged union with a typed decoder, so a peer that sends
 anything else gets a `msgspec.ValidationError`, never a surprise object. KV bytes never
 travel inside msgpack: they go as raw frames beside it, where the KV connector puts them
-(`KvLayer` says where, common/kv_transfer).
+(`KvLayer` says where, common/kv).
 
 Channels:
     node -> gateway     (DEALER -> ROUTER)  NodeToGateway
@@ -46,7 +46,7 @@ class NodeInfo(msgspec.Struct, kw_only=True, frozen=True):
     max_batch: int
     max_batch_tokens: int
     max_model_len: int
-    # decode: where each KV backend it offers reaches it (common/kv_transfer): "zmq" its data
+    # decode: where each KV backend it offers reaches it (common/kv): "zmq" its data
     # socket, "tcp" HOST:PORT of its stream listener, "shm" its host identity, "ucx" HOST:PORT
     kv_endpoints: dict[str, str] = msgspec.field(default_factory=dict)
 
@@ -259,7 +259,7 @@ class KvHeader(Msg):
     num_layers: int
     frame_bytes: int  # bytes of each layer's frame
     prefill_node: str
-    backend: str = "zmq"  # the connector carrying the frames (common/kv_transfer)
+    backend: str = "zmq"  # the connector carrying the frames (common/kv)
     location: str = ""  # connector-specific (shm: the segment with layer i at i * frame_bytes)
     # whole blocks of the prompt whose KV the decode node holds already (its prefix cache):
     # the frames carry tokens skip_tokens.. only
@@ -290,7 +290,7 @@ class KvAck(Msg):
 class KvGrant(Msg):
     """shm_direct: write the frames straight into these blocks of the receiver's shared
     cache (the frame's tokens, after any it holds), each layer under the ticket's lock and
-    only while the ticket still holds `nonce` (common/kv_transfer/grants.py)."""
+    only while the ticket still holds `nonce` (common/kv/grants.py)."""
 
     request_id: str
     ticket: int

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from pdserve.common.engine.kv_cache import KVCache
-from pdserve.common.kv_transfer.base import Backend, Transfer
-from pdserve.common.kv_transfer.direct import DirectReceive, DirectSend, cache_of
+from pdserve.common.kv.base import Backend, Transfer
+from pdserve.common.kv.direct import DirectReceive, DirectSend, cache_of
 
 # the fields of torch's rebuild_cuda_tensor arguments that travel (the rest are fixed here)
 FIELDS = (

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.common.engine.kv_cache import KVCache
-from pdserve.common.kv_transfer.base import (
+from pdserve.common.kv.base import (
     LANDED,
     Intake,
     Local,
@@ -26,8 +26,8 @@ from pdserve.common.kv_transfer.base import (
     SendConnector,
     Transfer,
 )
-from pdserve.common.kv_transfer.grants import GrantTable, GrantView
-from pdserve.common.protocol import KvGrant, Msg
+from pdserve.common.kv.grants import GrantTable, GrantView
+from pdserve.common.wire.protocol import KvGrant, Msg
 
 SEP = "|"
 log = logging.getLogger(__name__)

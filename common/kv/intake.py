@@ -31,8 +31,8 @@ import zmq
 import zmq.asyncio
 
 from pdserve.common.engine.interface import Engine
-from pdserve.common.kv_transfer.base import LANDED, Intake, ReceiveConnector
-from pdserve.common.protocol import (
+from pdserve.common.kv.base import LANDED, Intake, ReceiveConnector
+from pdserve.common.wire.protocol import (
     TO_DECODE_DECODER,
     Abort,
     KvAck,
@@ -43,7 +43,7 @@ from pdserve.common.protocol import (
     KvRefuse,
     encode,
 )
-from pdserve.common.transport import decode_or_none
+from pdserve.common.wire.transport import decode_or_none
 
 log = logging.getLogger(__name__)
 STREAMED = ("tcp",)  # backends whose frames travel apart from KvDone, maybe behind it

@@ -154,7 +154,7 @@ def _config_from_hf(folder: Path) -> ModelConfig:
 @functools.lru_cache(maxsize=4)
 def open_gguf(path: Path) -> Any:
     """The file's metadata and tensor views (gguf_file.GgufFile), read once per process."""
-    from pdserve.common.gguf_file import GgufFile  # numpy-heavy, and only loaders need it
+    from pdserve.common.model.gguf_file import GgufFile  # numpy-heavy, and only loaders need it
 
     try:
         return GgufFile(path)

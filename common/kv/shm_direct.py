@@ -15,8 +15,8 @@ import torch
 
 from pdserve.common.engine.kv_cache import KVCache
 from pdserve.common.engine.shared_kv import map_cache
-from pdserve.common.kv_transfer.base import Backend
-from pdserve.common.kv_transfer.direct import DirectReceive, DirectSend
+from pdserve.common.kv.base import Backend
+from pdserve.common.kv.direct import DirectReceive, DirectSend
 
 
 class ShmDirectSend(DirectSend):

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.common.engine.interface import Engine
-from pdserve.common.protocol import DecodeTarget, KvHeader, Msg
-from pdserve.common.security import ClusterKey
+from pdserve.common.wire.protocol import DecodeTarget, KvHeader, Msg
+from pdserve.common.wire.security import ClusterKey
 
 
 @dataclass
