@@ -1,4 +1,4 @@
-"""A bare paged KV cache with the frame half of the Engine interface (no model), so the
+"""A bare paged KV cache behind the Engine's `kv_store` (no model), so the
 transfer benchmarks move real KV between real paged caches of any model's layout."""
 
 from __future__ import annotations
@@ -36,12 +36,4 @@ class CacheOnlyEngine:
             device,
             shared=shared,  # in /dev/shm: a peer can write into it (shm_direct)
         )
-        self.kv_cache = self.cache
-        self.kv_frame_bytes = self.cache.frame_bytes
-        self.export_frame = self.cache.export_frame
-        self.export_parts = self.cache.export_parts
-        self.kv_targets = self.cache.kv_targets
-        self.export_into = self.cache.export_into
-        self.import_kv = self.cache.import_kv
-        self.read_block = self.cache.read_block
-        self.write_block = self.cache.write_block
+        self.kv_cache = self.kv_store = self.cache

@@ -64,7 +64,7 @@ def main() -> None:
         started = time.perf_counter()
         runner.step([work], [])
         recompute.append(time.perf_counter() - started)
-        saved = [runner.read_block(b) for b in blocks]  # what eviction hands the tiers
+        saved = [runner.kv_store.read_block(b) for b in blocks]  # what eviction hands the tiers
         nbytes = sum(len(d) for d in saved)
         with tempfile.TemporaryDirectory() as folder:
             host = TierStore(2 * nbytes)
@@ -72,7 +72,7 @@ def main() -> None:
             for store, puts in ((host, host_put), (disk, disk_put)):
                 started = time.perf_counter()  # eviction: read the block out, store it
                 for b in blocks:
-                    store.put(b.to_bytes(16, "big"), runner.read_block(b))
+                    store.put(b.to_bytes(16, "big"), runner.kv_store.read_block(b))
                 puts.append(time.perf_counter() - started)
             for store, loads in ((host, host_load), (disk, disk_load)):
                 if store is disk and args.cold:
@@ -81,7 +81,7 @@ def main() -> None:
                 for b in blocks:
                     back = store.take(b.to_bytes(16, "big"))
                     assert back is not None and back == saved[b]
-                    runner.write_block(b, back)
+                    runner.kv_store.write_block(b, back)
                 loads.append(time.perf_counter() - started)
             disk.close()
     med = statistics.median

@@ -59,7 +59,7 @@ def kv_digest(engine: CacheOnlyEngine, block_table: list[int], n: int) -> str:
     """SHA-256 of the request's KV in logical order: equal iff the bytes arrived exactly."""
     digest = hashlib.sha256()
     for layer in range(LLAMA.num_layers):
-        digest.update(engine.export_frame(layer, block_table, n))
+        digest.update(engine.kv_store.export_frame(layer, block_table, n))
     return digest.hexdigest()
 
 
@@ -103,14 +103,14 @@ async def _decode(
         "bench-decode",
         host_identity(),
         "127.0.0.1",
-        engine,  # type: ignore[arg-type]
+        engine.kv_store,
         data_address=address,
         forced="ucx" if backend == "ucx" else "auto",
     )
     receivers = receivers_for(local)
     intake = KvIntake(
         sock,
-        engine,  # type: ignore[arg-type]
+        engine.kv_store,
         lambda h: list(dest),
         lambda b: None,
         admit,
@@ -159,7 +159,7 @@ async def run_backend(
     async def on_refuse(rid: str, peer: str, why: str) -> None:
         raise RuntimeError(f"refused: {why}")
 
-    local = Local("bench-prefill", host_identity(), "127.0.0.1", engine, forced=backend)  # type: ignore[arg-type]
+    local = Local("bench-prefill", host_identity(), "127.0.0.1", engine.kv_store, forced=backend)
     sender = KvSender(ctx, local, on_ack=acked.put_nowait, on_refuse=on_refuse)
     target = DecodeTarget(
         node_id="bench-decode",
@@ -247,7 +247,7 @@ def main() -> None:
     engine = CacheEngine(n, device=args.device)
     engine.cache.data.normal_()
     src = table(n, "source")
-    kv_bytes = engine.kv_frame_bytes(n) * LLAMA.num_layers
+    kv_bytes = engine.kv_store.frame_bytes(n) * LLAMA.num_layers
     expected = kv_digest(engine, src, n)
     result: dict[str, Any] = {"kv_bytes": kv_bytes, "tokens": n, "repeats": args.repeats,
                               "device": args.device}  # fmt: skip
@@ -260,7 +260,7 @@ def main() -> None:
         )
         assert received == expected, f"{backend}: the KV did not arrive byte-exact"
         result[key] = round(kv_bytes / seconds / 1e9, 3)
-    frames = [engine.export_frame(layer, src, n) for layer in range(LLAMA.num_layers)]
+    frames = [engine.kv_store.export_frame(layer, src, n) for layer in range(LLAMA.num_layers)]
     result["raw_tcp_gb_s"] = round(kv_bytes / raw_tcp_seconds(frames, args.repeats) / 1e9, 3)
     result["memcpy_gb_s"] = round(kv_bytes / memcpy_seconds(kv_bytes, args.repeats) / 1e9, 3)
     if cuda:

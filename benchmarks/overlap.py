@@ -80,11 +80,11 @@ async def _decode(ready: Any) -> None:
         return None
 
     address = bound_address(sock, "127.0.0.1")
-    local = Local("overlap-decode", "elsewhere", "127.0.0.1", engine, data_address=address)  # type: ignore[arg-type]
+    local = Local("overlap-decode", "elsewhere", "127.0.0.1", engine.kv_store, data_address=address)
     receivers = receivers_for(local)
     intake = KvIntake(
         sock,
-        engine,  # type: ignore[arg-type]
+        engine.kv_store,
         lambda h: blocks[: -(-len(h.prompt_ids) // BLOCK) + 1],  # type: ignore[arg-type]
         lambda b: None,
         admit,
@@ -152,7 +152,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     async def on_refuse(rid: str, peer: str, why: str) -> None:
         raise RuntimeError(why)
 
-    local = Local("overlap", host_identity(), "127.0.0.1", runner, forced=args.backend)
+    local = Local("overlap", host_identity(), "127.0.0.1", runner.kv_store, forced=args.backend)
     sender = KvSender(zmq.asyncio.Context(), local, on_ack=acked.put_nowait, on_refuse=on_refuse)
     target = DecodeTarget(
         node_id="decode", data_address=address, host_id="elsewhere", kv_endpoints=endpoints

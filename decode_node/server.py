@@ -169,7 +169,7 @@ class DecodeRole(RoleDefaults):
         if (
             skip % self.node.blocks.block_size
             or skip >= n
-            or h.frame_bytes != self.node.engine.kv_frame_bytes(n - skip)
+            or h.frame_bytes != self.node.engine.kv_store.frame_bytes(n - skip)
         ):
             return "KV layout mismatch"
         watermark = self.node.scheduler.cfg.watermark_blocks

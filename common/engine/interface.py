@@ -2,8 +2,9 @@
 
 One `step` runs a batch of prefill chunks and decode tokens and returns the sampled tokens;
 `on_layer(i)` fires as soon as layer i's KV is in the cache so a prefill node can start
-sending that layer while later layers compute. `export_kv`/`import_kv` move one request's
-KV per layer in the block-independent frame format of `kv_cache.py`.
+sending that layer while later layers compute. `kv_store` is the engine's KV cache: the
+connectors move one request's KV per layer through it, in the block-independent frame
+format of `kv_cache.py`.
 """
 
 from __future__ import annotations
@@ -57,7 +58,24 @@ class Engine(Protocol):
         """Tokens sampled: one per prefill with params (in order), then one per decode."""
         ...
 
-    def kv_frame_bytes(self, num_tokens: int) -> int:
+    @property
+    def kv_store(self) -> KvStore:
+        """The engine's KV cache as connectors and prefix tiers see it (registered with them
+        once, by the node runtime)."""
+        ...
+
+
+class KvStore(Protocol):
+    """One node's paged KV cache, the one way KV bytes enter or leave it: frames of one
+    request's layer for the connectors (as parts, into a buffer, or read straight into
+    writable views), whole blocks for the prefix cache's lower tiers."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    staging: Any  # the host copies of a device cache (staging.Staging); None for plain bytes
+
+    def frame_bytes(self, num_tokens: int) -> int:
         """Size of one layer's frame for a request of num_tokens tokens."""
         ...
 

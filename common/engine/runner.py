@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -248,43 +247,7 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta, self.kv_cache, on_layer)
         return self.model.logits(hidden if all_rows else hidden[rows]).cpu()
 
-    # -- whole blocks, for the prefix cache's lower tiers ---------------------------------
-    def read_block(self, block: int) -> bytes:
-        return self.kv_cache.read_block(block)
-
-    def write_block(self, block: int, data: bytes) -> None:
-        self.kv_cache.write_block(block, data)
-
-    # -- KV frames: the cache implements them ------------------------------------------
-    def kv_frame_bytes(self, num_tokens: int) -> int:
-        return self.kv_cache.frame_bytes(num_tokens)
-
-    def export_kv(
-        self,
-        layer: int,
-        block_table: Sequence[int],
-        num_tokens: int,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.kv_cache.export_kv(layer, block_table, num_tokens, out)
-
-    def export_frame(self, layer: int, block_table: Sequence[int], num_tokens: int) -> memoryview:
-        return self.kv_cache.export_frame(layer, block_table, num_tokens)
-
-    def export_parts(self, layer: int, block_table: Sequence[int], num_tokens: int) -> list[Any]:
-        return self.kv_cache.export_parts(layer, block_table, num_tokens)
-
-    def kv_targets(
-        self, layer: int, block_table: Sequence[int], num_tokens: int
-    ) -> list[memoryview] | None:
-        return self.kv_cache.kv_targets(layer, block_table, num_tokens)
-
-    def export_into(
-        self, layer: int, block_table: Sequence[int], num_tokens: int, buf: memoryview
-    ) -> None:
-        self.kv_cache.export_into(layer, block_table, num_tokens, buf)
-
-    def import_kv(
-        self, layer: int, block_table: Sequence[int], num_tokens: int, frame: object
-    ) -> None:
-        self.kv_cache.import_kv(layer, block_table, num_tokens, frame)
+    @property
+    def kv_store(self) -> KVCache:
+        """The paged cache is the engine's KV store (common/engine/interface.py)."""
+        return self.kv_cache

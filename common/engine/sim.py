@@ -41,10 +41,9 @@ class SimEngine:
             1, self.cost.kv_capacity_tokens() // cfg.block_size
         )
         per_layer = m.kv_bytes_per_token // m.num_layers
-        self.frame_bytes_per_token = max(1, round(per_layer * cfg.sim_kv_scale))
         self.sleep = sleep
-        self._export = np.zeros(0, dtype=np.uint8)
-        self._scratch = np.zeros(0, dtype=np.uint8)
+        per_token = max(1, round(per_layer * cfg.sim_kv_scale))
+        self.kv_store = SimKvStore(m.num_layers, self.num_blocks, self.block_size, per_token)
         self.modelled_seconds = 0.0  # total modelled (unscaled) time, for reports
 
     def step(
@@ -75,18 +74,31 @@ class SimEngine:
     def _token(seed: int | None, position: int) -> int:
         return FIRST_ORDINARY_TOKEN + counter_int(seed or 0, position, ORDINARY_TOKEN_SPAN)
 
+
+class SimKvStore:
+    """Simulated KV: frames of the modelled size (`--sim-kv-scale` of the real one) that
+    travel like real ones; what lands is checked for size and kept in a scratch buffer."""
+
+    staging = None  # plain bytes, no device
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, per_token: int) -> None:
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.frame_bytes_per_token = per_token
+        self._export = np.zeros(0, dtype=np.uint8)
+        self._scratch = np.zeros(0, dtype=np.uint8)
+
     def read_block(self, block: int) -> bytes:
         """A block's worth of (simulated) KV: every layer's frame bytes for block_size tokens."""
-        return bytes(self.kv_frame_bytes(self.block_size) * self.model_config.num_layers)
+        return bytes(self.frame_bytes(self.block_size) * self.num_layers)
 
     def write_block(self, block: int, data: bytes) -> None:
         self.import_kv(0, [block], len(data) // self.frame_bytes_per_token, data)
 
-    def kv_frame_bytes(self, num_tokens: int) -> int:
+    def frame_bytes(self, num_tokens: int) -> int:
         return num_tokens * self.frame_bytes_per_token
 
     def export_kv(self, layer: int, block_table: Sequence[int], num_tokens: int) -> memoryview:
-        size = self.kv_frame_bytes(num_tokens)
+        size = self.frame_bytes(num_tokens)
         if self._export.size < size + 1:  # odd layers start one byte in: room for that byte
             self._export = (np.arange(size * 2 + 1, dtype=np.uint64) % 251).astype(np.uint8)
         return memoryview(self._export[layer % 2 : layer % 2 + size].data)
@@ -107,7 +119,7 @@ class SimEngine:
     def export_into(
         self, layer: int, block_table: Sequence[int], num_tokens: int, buf: memoryview
     ) -> None:
-        size = self.kv_frame_bytes(num_tokens)
+        size = self.frame_bytes(num_tokens)
         np.frombuffer(buf, dtype=np.uint8, count=size)[:] = np.frombuffer(
             self.export_kv(layer, block_table, num_tokens), dtype=np.uint8
         )
@@ -118,9 +130,9 @@ class SimEngine:
         if isinstance(frame, (list, tuple)):
             frame = b"".join(bytes(p) for p in frame)
         data = np.frombuffer(frame, dtype=np.uint8)  # type: ignore[call-overload]
-        if data.size != self.kv_frame_bytes(num_tokens):
+        if data.size != self.frame_bytes(num_tokens):
             raise ValueError(
-                f"KV frame of {data.size} bytes, expected {self.kv_frame_bytes(num_tokens)}"
+                f"KV frame of {data.size} bytes, expected {self.frame_bytes(num_tokens)}"
             )
         if self._scratch.size < data.size:
             self._scratch = np.empty(data.size * 2, dtype=np.uint8)

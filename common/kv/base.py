@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.common.engine.interface import Engine
+from pdserve.common.engine.interface import KvStore
 from pdserve.common.wire.protocol import DecodeTarget, KvHeader, Msg
 from pdserve.common.wire.security import ClusterKey
 
@@ -39,13 +39,14 @@ class Local:
     node_id: str
     host_id: str  # same value = same host and IPC namespace (common/node/host.py)
     advertise_host: str
-    engine: Engine
+    kv: KvStore  # the node's KV cache: every byte a connector moves goes through it
     data_address: str = ""  # decode: its ZeroMQ data socket (descriptors, and zmq's frames)
     timeout: float = 10.0  # a frame whose bytes stop this long has failed
     ports: dict[str, int] = field(default_factory=dict)  # decode: listener port per backend
     # (missing or 0: any free one)
     forced: str = "auto"  # the --kv-backend choice (a backend may listen only when chosen)
     key: ClusterKey | None = None  # --cluster-key: backends authenticate their peers with it
+    max_tokens: int = 0  # the longest request's tokens (frames past it are refused); 0: the cache's
 
 
 @dataclass
@@ -131,7 +132,7 @@ class SendConnector:
     def stage(self, t: Transfer, layer: int) -> Any:
         """Engine thread, as layer `layer` lands in the cache: what `descriptor`/`send` need
         (views of the cache to send without a copy, a staged frame, or nothing)."""
-        return self.local.engine.export_parts(layer, t.block_table, t.num_tokens)
+        return self.local.kv.export_parts(layer, t.block_table, t.num_tokens)
 
     def descriptor(self, t: Transfer, layer: int, payload: Any) -> list[Any] | None:
         """ZeroMQ parts to send after the layer's KvLayer message, in order with every other

@@ -35,8 +35,7 @@ log = logging.getLogger(__name__)
 
 def cache_of(local: Local) -> KVCache | None:
     """The node's paged cache as a tensor (torch engines); None for engines without one."""
-    cache = getattr(local.engine, "kv_cache", None)
-    return cache if isinstance(cache, KVCache) else None
+    return local.kv if isinstance(local.kv, KVCache) else None
 
 
 def layout_text(cache: KVCache) -> str:

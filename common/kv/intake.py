@@ -30,7 +30,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pdserve.common.engine.interface import Engine
+from pdserve.common.engine.interface import KvStore
 from pdserve.common.kv.base import LANDED, Intake, ReceiveConnector
 from pdserve.common.wire.protocol import (
     TO_DECODE_DECODER,
@@ -56,7 +56,7 @@ class KvIntake:
     def __init__(
         self,
         sock: zmq.asyncio.Socket,
-        engine: Engine,
+        kv: KvStore,
         reserve: Callable[[KvHeader], list[int] | str],
         release: Callable[[list[int]], None],
         admit: Callable[[Intake, int], Awaitable[None]],
@@ -65,7 +65,7 @@ class KvIntake:
         on_fetch: Callable[[bytes, KvFetch], Awaitable[None]] | None = None,
     ) -> None:
         self.sock = sock
-        self.engine = engine
+        self.kv = kv
         self.reserve = reserve
         self.release = release
         self.admit = admit
@@ -176,14 +176,14 @@ class KvIntake:
             got = -1 if frame is None else memoryview(frame).nbytes
         if intake.dropped or got != h.frame_bytes or not 0 <= layer < h.num_layers:
             return
-        self.engine.import_kv(layer, *self._frame_target(intake), frame)
+        self.kv.import_kv(layer, *self._frame_target(intake), frame)
         self._landed(intake, layer)
 
     def _frame_target(self, intake: Intake) -> tuple[list[int], int]:
         """Where the frames go: the blocks after those the node already held (a prefix its
         cache kept, `skip_tokens`), and how many tokens they carry."""
         h = intake.header
-        skip_blocks = h.skip_tokens // self.engine.block_size
+        skip_blocks = h.skip_tokens // self.kv.block_size
         return intake.block_table[skip_blocks:], len(h.prompt_ids) - h.skip_tokens
 
     def _landed(self, intake: Intake, layer: int) -> None:
@@ -215,7 +215,7 @@ class KvIntake:
         if nbytes != h.frame_bytes or not 0 <= layer < h.num_layers or layer in intake.layers:
             return None
         intake.receiving = True
-        views = self.engine.kv_targets(layer, *self._frame_target(intake))
+        views = self.kv.kv_targets(layer, *self._frame_target(intake))
         if views is not None:
             return views
         if intake.state is None or len(intake.state) < nbytes:
@@ -238,7 +238,7 @@ class KvIntake:
         h = intake.header
         if intake.state is not None:
             frame = memoryview(intake.state)[: h.frame_bytes]
-            self.engine.import_kv(layer, *self._frame_target(intake), frame)
+            self.kv.import_kv(layer, *self._frame_target(intake), frame)
         self._landed(intake, layer)
         if intake.complete:
             await self._complete(intake)

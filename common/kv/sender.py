@@ -81,7 +81,7 @@ class KvSender:
         self.on_refuse = on_refuse
         # a KvRefuse naming no transfer of ours: the answer to a KvFetch we sent (node/fetch.py)
         self.on_stray_refuse = on_stray_refuse
-        self.num_layers = local.engine.model_config.num_layers
+        self.num_layers = local.kv.num_layers
         self.connectors: dict[str, SendConnector] = {}
         self.peers: dict[str, Peer] = {}
         self.transfers: dict[str, Transfer] = {}
@@ -109,15 +109,15 @@ class KvSender:
             self.local.forced, lambda b, ep: self.connector(b).usable(ep), target.kv_endpoints
         )
         n = len(prompt_ids) - skip
-        engine = self.local.engine
-        assert skip % engine.block_size == 0 and n > 0, (skip, n)
+        kv = self.local.kv
+        assert skip % kv.block_size == 0 and n > 0, (skip, n)
         t = Transfer(
             request_id,
             target,
             name,
-            block_table[skip // engine.block_size :],  # the frames cover the rest only
+            block_table[skip // kv.block_size :],  # the frames cover the rest only
             n,
-            engine.kv_frame_bytes(n),
+            kv.frame_bytes(n),
             self.num_layers,
         )
         self.connector(name).begin(t)
@@ -196,7 +196,7 @@ class KvSender:
         t = self.transfers.pop(request_id, None)
         if t is not None:
             self.connector(t.backend).end(t)
-            staging = getattr(getattr(self.local.engine, "kv_cache", None), "staging", None)
+            staging = self.local.kv.staging
             while t.staged and staging is not None:
                 staging.give_back(t.staged.pop())
         return t

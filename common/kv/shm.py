@@ -139,7 +139,7 @@ class ShmSend(SendConnector):
 
     def stage(self, t: Transfer, layer: int) -> Any:
         view = t.state.view(layer * t.frame_bytes, t.frame_bytes)
-        self.local.engine.export_into(layer, t.block_table, t.num_tokens, view)
+        self.local.kv.export_into(layer, t.block_table, t.num_tokens, view)
         return None  # the frame is in the segment already
 
     def end(self, t: Transfer) -> None:

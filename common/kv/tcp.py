@@ -330,8 +330,8 @@ class TcpSend(SendConnector):
 class TcpReceive(ReceiveConnector):
     def __init__(self, local: Local) -> None:
         super().__init__(local)
-        engine = local.engine
-        max_frame = engine.kv_frame_bytes(engine.max_model_len) + 4096
+        kv = local.kv
+        max_frame = kv.frame_bytes(local.max_tokens or kv.num_blocks * kv.block_size) + 4096
         port = local.ports.get("tcp", 0)
         self.listener = TcpListener(local.advertise_host, port, local.timeout, max_frame, local.key)
 

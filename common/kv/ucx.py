@@ -87,7 +87,7 @@ class UcxSend(SendConnector):
         self.endpoints: dict[str, tuple[str, Any]] = {}  # by decode node id: address, ep
 
     def stage(self, t: Transfer, layer: int) -> Any:
-        return self.local.engine.export_frame(layer, t.block_table, t.num_tokens)
+        return self.local.kv.export_frame(layer, t.block_table, t.num_tokens)
 
     async def send(self, t: Transfer, layer: int, payload: Any) -> None:
         address = t.target.kv_endpoints["ucx"]

@@ -108,7 +108,7 @@ class PrefixFetches:
     # -- fetcher ------------------------------------------------------------------------------
     def estimate(self, tokens: int) -> float:
         engine = self.node.engine
-        nbytes = engine.kv_frame_bytes(tokens) * engine.model_config.num_layers
+        nbytes = engine.kv_store.frame_bytes(tokens) * engine.kv_store.num_layers
         return LATENCY_S + nbytes * self.seconds_per_byte
 
     def start(self, seq: Sequence, offer: PrefillOffer) -> bool:
@@ -148,7 +148,7 @@ class PrefixFetches:
             h.skip_tokens != f.skip
             or n % bm.block_size
             or not f.skip < n <= f.tokens
-            or h.frame_bytes != self.node.engine.kv_frame_bytes(n - f.skip)
+            or h.frame_bytes != self.node.engine.kv_store.frame_bytes(n - f.skip)
             or h.prompt_ids != f.seq.token_ids[:n]
         ):
             self._fail(h.request_id, "KV layout mismatch")

@@ -50,9 +50,9 @@ class KvHost(FetchHost, Protocol):
 
 class NodeKv:
     def __init__(self, node: KvHost, hooks: KvHooks) -> None:
-        cfg, engine = node.cfg, node.engine
+        cfg, kv = node.cfg, node.engine.kv_store
         self.node, self.hooks = node, hooks
-        max_frame = engine.kv_frame_bytes(engine.max_model_len) + 4096
+        max_frame = kv.frame_bytes(node.engine.max_model_len) + 4096
         self.data = make_socket(
             node.ctx,
             "node.data",
@@ -64,7 +64,7 @@ class NodeKv:
         self.fetches = PrefixFetches(node, self)
         self.intake = KvIntake(
             self.data,
-            engine,
+            kv,
             self._reserve,
             node.blocks.free,
             self._admit,

@@ -90,7 +90,8 @@ class NodeRuntime:
         self.metrics.engine_info(ecfg.dtype, ecfg.quantization, engine.kernels)
         self.tiers = make_tiers(ecfg, self.node_id)
         if self.tiers is not None:
-            self.scheduler.attach_tiers(self.tiers, engine.read_block, engine.write_block)
+            kv = engine.kv_store
+            self.scheduler.attach_tiers(self.tiers, kv.read_block, kv.write_block)
         self.token_cost = 0.0  # measured seconds per prefilled token (0: none measured yet)
         self.background: set[asyncio.Future] = set()
         self.own_executor = executor is None
@@ -116,12 +117,13 @@ class NodeRuntime:
             node_id=self.node_id,
             host_id=host_identity(),
             advertise_host=cfg.advertise_host,
-            engine=self.engine,
+            kv=self.engine.kv_store,
             data_address=data_address,
             timeout=cfg.kv_transfer_timeout,
             ports={"tcp": cfg.kv_tcp_port},
             forced=cfg.kv_backend,
             key=self.key,
+            max_tokens=self.engine.max_model_len,
         )
 
     def info(self) -> NodeInfo:

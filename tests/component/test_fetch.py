@@ -85,8 +85,8 @@ async def test_a_prefix_another_node_holds_is_fetched_byte_exact(tokenizer, torc
             theirs = holder.blocks.match(holder.blocks.hashes(intake.header.prompt_ids))
             layers = range(r0.model_config.num_layers)
             seen["kv"] = (
-                [digest(r0.export_kv(i, theirs, n)) for i in layers],
-                [digest(r2.export_kv(i, intake.block_table, n)) for i in layers],
+                [digest(r0.kv_store.export_kv(i, theirs, n)) for i in layers],
+                [digest(r2.kv_store.export_kv(i, intake.block_table, n)) for i in layers],
             )
             landed(intake)
 

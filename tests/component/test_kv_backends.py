@@ -33,7 +33,7 @@ LAYOUT = load_model_config(resolve_model(None))  # SmolLM2: 30 layers x 3 KV hea
 def digest(engine: CacheOnlyEngine, table: list[int], n: int) -> str:
     h = hashlib.sha256()
     for layer in range(LAYOUT.num_layers):
-        h.update(engine.export_frame(layer, table, n))
+        h.update(engine.kv_store.export_frame(layer, table, n))
     return h.hexdigest()
 
 
@@ -55,12 +55,13 @@ class Pair:
         address = bound_address(self.sock, "127.0.0.1")
         forced = backend if backend in REGISTERED else "auto"
         local = Local(
-            "d", host_identity(), "127.0.0.1", self.dst, address, 5.0, forced=forced, key=key
+            "d", host_identity(), "127.0.0.1", self.dst.kv_store, address, 5.0, forced=forced,
+            key=key,
         )  # type: ignore[arg-type]
         self.receivers = receivers_for(local)
         self.intake = KvIntake(
             self.sock,
-            self.dst,
+            self.dst.kv_store,
             self.reserve,
             self.release,
             self.admit,
@@ -69,7 +70,7 @@ class Pair:
         self.task = asyncio.create_task(self.intake.run())
         self.sender = KvSender(
             self.ctx,
-            Local("p", host_identity(), "127.0.0.1", self.src, forced=forced, key=key),  # type: ignore[arg-type]
+            Local("p", host_identity(), "127.0.0.1", self.src.kv_store, forced=forced, key=key),  # type: ignore[arg-type]
             on_ack=self.acked.put_nowait,
             on_refuse=self.on_refuse,
         )
@@ -147,7 +148,7 @@ async def test_backends_move_kv_byte_exact_around_block_boundaries(backend):
             intake = await pair.send(f"r{i}", n, table, layerwise=i % 2 == 0)
             assert intake.header.backend == backend
             assert digest(pair.dst, intake.block_table, n) == digest(pair.src, table, n), n
-            assert intake.bytes_in == LAYOUT.num_layers * pair.src.kv_frame_bytes(n)
+            assert intake.bytes_in == LAYOUT.num_layers * pair.src.kv_store.frame_bytes(n)
             pair.release(intake.block_table)
         assert not pair.intake.incoming and not pair.sender.transfers
         if backend == "shm":  # segments are reused, not created per request
@@ -267,14 +268,14 @@ async def test_tcp_frames_before_their_header_unknown_frames_and_a_stalled_peer(
     dealer = make_socket(pair.ctx, "node.data_out", pair.target.data_address, identity="p2")
     try:
         n, table = 40, [0, 1, 2]
-        size = pair.src.kv_frame_bytes(n)
+        size = pair.src.kv_store.frame_bytes(n)
         ghost.sendall(b"ghost".ljust(ID_BYTES) + frame_head("nobody.0", 0, 1000) + b"z" * 1000)
         ghost.sendall(frame_head("nobody.1", 0, size) + b"z" * 100)  # then silence
         # "p2" sends every frame first, its header a moment later
         early.sendall(b"p2".ljust(ID_BYTES))
         for layer in range(LAYOUT.num_layers):
             early.sendall(frame_head("early", layer, size))
-            for part in pair.src.export_parts(layer, table, n):
+            for part in pair.src.kv_store.export_parts(layer, table, n):
                 early.sendall(part)
         await asyncio.sleep(0.3)
         params = SamplingParams()
@@ -307,7 +308,7 @@ async def test_a_tcp_frame_whose_header_is_refused_is_dropped_at_once_not_after_
     dealer = make_socket(pair.ctx, "node.data_out", pair.target.data_address, identity="p3")
     try:
         n = 40
-        size = pair.src.kv_frame_bytes(n)
+        size = pair.src.kv_store.frame_bytes(n)
         early.sendall(b"p3".ljust(ID_BYTES) + frame_head("full", 0, size) + b"z" * size)
         for _ in range(100):  # the listener waits for the header
             if "full" in pair.intake.arrivals:
@@ -338,7 +339,7 @@ class CopySend(SendConnector):
     """A toy backend: each frame staged as one bytes object, sent as one ZeroMQ part."""
 
     def stage(self, t: Transfer, layer: int) -> bytes:
-        return bytes(self.local.engine.export_frame(layer, t.block_table, t.num_tokens))
+        return bytes(self.local.kv.export_frame(layer, t.block_table, t.num_tokens))
 
     def descriptor(self, t: Transfer, layer: int, payload: bytes) -> list[bytes]:
         return [payload]
@@ -380,7 +381,7 @@ async def test_a_transfer_ended_while_its_frame_lands_frees_its_blocks_once_land
     dealer = make_socket(pair.ctx, "node.data_out", pair.target.data_address, identity="p3")
     try:
         n = 40
-        size = pair.src.kv_frame_bytes(n)
+        size = pair.src.kv_store.frame_bytes(n)
         header = KvHeader(request_id="mid", prompt_ids=list(range(n)), num_prompt_tokens=n,
                           params=SamplingParams(), num_layers=LAYOUT.num_layers,
                           frame_bytes=size, prefill_node="p3", backend="tcp")  # fmt: skip

@@ -77,14 +77,14 @@ def test_exported_kv_continues_exactly_in_another_cache(smol_runner, tokenizer):
     first = src.step(
         [PrefillWork("a", ids, 0, src_table, GREEDY)],
         [],
-        on_layer=lambda i: frames.__setitem__(i, src.export_kv(i, src_table, n).clone()),
+        on_layer=lambda i: frames.__setitem__(i, src.kv_store.export_kv(i, src_table, n).clone()),
     )
     assert sorted(frames) == list(range(mc.num_layers))
     assert frames[0].shape == (2, n, mc.num_kv_heads, mc.head_dim)
-    assert frames[0].numel() * 4 == src.kv_frame_bytes(n)
+    assert frames[0].numel() * 4 == src.kv_store.frame_bytes(n)
     for layer, frame in frames.items():  # through raw bytes, as the wire carries them
-        dst.import_kv(layer, dst_table, n, memoryview(frame.numpy()).cast("B"))
-        assert torch.equal(dst.export_kv(layer, dst_table, n), frame)
+        dst.kv_store.import_kv(layer, dst_table, n, memoryview(frame.numpy()).cast("B"))
+        assert torch.equal(dst.kv_store.export_kv(layer, dst_table, n), frame)
 
     def continue_decode(runner, table, steps=20):
         toks = [first[0]]
@@ -197,6 +197,7 @@ def test_blocks_evicted_to_the_host_and_disk_tiers_load_back_with_the_same_outpu
 
 
 def test_a_block_read_from_one_cache_writes_into_another_byte_exact(smol_runner):
-    data = smol_runner.read_block(3)
-    smol_runner.write_block(9, data)
-    assert smol_runner.read_block(9) == data and len(data) == smol_runner.kv_cache.block_bytes()
+    kv = smol_runner.kv_store
+    data = kv.read_block(3)
+    kv.write_block(9, data)
+    assert kv.read_block(9) == data and len(data) == smol_runner.kv_cache.block_bytes()

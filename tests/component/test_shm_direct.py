@@ -126,7 +126,7 @@ def test_malformed_or_stale_endpoints_are_not_usable_and_fall_back():
     from pdserve.common.node import host_identity
 
     own = CacheOnlyEngine(LAYOUT, 64, BLOCK, torch.float32)
-    me = Local("p", host_identity(), "127.0.0.1", own)  # type: ignore[arg-type]
+    me = Local("p", host_identity(), "127.0.0.1", own.kv_store)  # type: ignore[arg-type]
     senders = {name: backend(name).send(me) for name in ("shm_direct", "cuda_ipc", "shm")}
     layout = ",".join(str(x) for x in own.cache.layout)
     host = host_identity()

@@ -381,20 +381,20 @@ async def test_kv_reaches_the_decode_node_and_both_sides_free_it(tokenizer):
         prefill = await c.add(c.node(PrefillRole, "prefill-0"))
         decode = await c.add(c.node(DecodeRole, "decode-0"))
         frames: dict[str, list[tuple[int, int]]] = {}
-        import_kv = decode.engine.import_kv
+        import_kv = decode.engine.kv_store.import_kv
 
         def recording_import(layer, block_table, num_tokens, frame):
             rid = next(iter(decode.intake.incoming))
             frames.setdefault(rid, []).append((layer, len(frame)))
             import_kv(layer, block_table, num_tokens, frame)
 
-        decode.engine.import_kv = recording_import
+        decode.engine.kv_store.import_kv = recording_import  # type: ignore[method-assign]
         n = 37  # not a multiple of the block size
         req = c.request("r", prompt(n))
         await asyncio.wait_for(c.gw.service.run(req), TIMEOUT)
         assert await outcome(req) == Done("length")
         layers = decode.engine.model_config.num_layers
-        size = decode.engine.kv_frame_bytes(n)
+        size = decode.engine.kv_store.frame_bytes(n)
         assert frames == {"r.0": [(i, size) for i in range(layers)]}
         assert len(req.output_ids) == PARAMS.max_tokens
         await until(
@@ -421,8 +421,9 @@ async def test_torch_kv_arrives_byte_exact(tokenizer, torch_runners):
             assert intake.block_table != table
             layers = range(decode_runner.model_config.num_layers)
             snapshots[rid] = (
-                [digest(prefill_runner.export_kv(i, table, n)) for i in layers],
-                [digest(decode_runner.export_kv(i, intake.block_table, n)) for i in layers],
+                [digest(prefill_runner.kv_store.export_kv(i, table, n)) for i in layers],
+                [digest(decode_runner.kv_store.export_kv(i, intake.block_table, n))
+                 for i in layers],
             )
             await admit(intake, token)
 

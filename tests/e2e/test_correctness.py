@@ -133,10 +133,10 @@ def test_a_conversation_reuses_its_kv_on_the_decode_node_and_matches_single_proc
         assert got["choices"][0]["text"] == expected.text, f"turn {turn} diverged"
         assert wait_for(lambda b=before: cluster.metric("pdserve:kv_transfer_bytes_total") > b)
         sent = cluster.metric("pdserve:kv_transfer_bytes_total") - before
-        full = smol_runner.kv_frame_bytes(len(prompt)) * smol_runner.model_config.num_layers
+        full = smol_runner.kv_store.frame_bytes(len(prompt)) * smol_runner.model_config.num_layers
         if turn:  # the earlier turns' KV stayed on the decode node: only the rest travelled
             held = (len(history) - 1) // 16 * 16  # its full blocks with KV (not the last token)
-            kept = smol_runner.kv_frame_bytes(held) * smol_runner.model_config.num_layers
+            kept = smol_runner.kv_store.frame_bytes(held) * smol_runner.model_config.num_layers
             assert sent == full - kept, (sent, full, kept)
         history = prompt + expected.token_ids
 

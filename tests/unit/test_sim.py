@@ -54,12 +54,12 @@ def test_waits_the_modelled_time_scaled_and_fires_every_layer():
 def test_kv_frames_have_the_scaled_real_size():
     eng = SimEngine(EngineConfig(engine="sim", sim_kv_scale=0.5), sleep=False)
     real_per_layer = 131072 // 32  # Llama-3.1-8B fp16: 4 KiB per token per layer
-    assert eng.kv_frame_bytes(100) == 100 * real_per_layer // 2
-    frame = eng.export_kv(3, [0, 1], 100)
-    assert len(frame) == eng.kv_frame_bytes(100)
-    eng.import_kv(3, [4, 5], 100, frame)
+    assert eng.kv_store.frame_bytes(100) == 100 * real_per_layer // 2
+    frame = eng.kv_store.export_kv(3, [0, 1], 100)
+    assert len(frame) == eng.kv_store.frame_bytes(100)
+    eng.kv_store.import_kv(3, [4, 5], 100, frame)
     try:
-        eng.import_kv(3, [4, 5], 99, frame)
+        eng.kv_store.import_kv(3, [4, 5], 99, frame)
         raise AssertionError("a frame of the wrong size must be refused")
     except ValueError as exc:
         assert "expected" in str(exc)
@@ -71,7 +71,8 @@ def test_every_layer_frame_has_its_full_size_whatever_came_before():
     eng = SimEngine(EngineConfig(engine="sim"), sleep=False)
     for tokens in (16, 32, 33, 64, 7, 128):
         for layer in range(4):
-            assert len(eng.export_kv(layer, [0], tokens)) == eng.kv_frame_bytes(tokens)
+            kv = eng.kv_store
+            assert len(kv.export_kv(layer, [0], tokens)) == kv.frame_bytes(tokens)
 
 
 def test_blocks_come_from_gpu_memory_minus_weights():
