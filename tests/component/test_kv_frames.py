@@ -39,13 +39,13 @@ def _tables(n: int) -> dict[str, list[int]]:
 def test_parts_round_trip_into_any_blocks(n):
     src = _cache(fill=True)
     for src_kind, src_table in _tables(n).items():
-        frames = [src.kv_store.export_frame(layer, src_table, n) for layer in range(LAYERS)]
+        frames = [src.export_frame(layer, src_table, n) for layer in range(LAYERS)]
         for dst_kind, dst_table in _tables(n).items():
             for how in ("parts", "whole", "split"):
                 dst = _cache()
                 for layer in range(LAYERS):
                     if how == "parts":
-                        payload = src.kv_store.export_parts(layer, src_table, n)
+                        payload = src.export_parts(layer, src_table, n)
                     elif how == "whole":
                         payload = frames[layer]
                     else:  # arbitrary cut points, as a transport might deliver
@@ -53,9 +53,9 @@ def test_parts_round_trip_into_any_blocks(n):
                         cuts = sorted(random.Random(layer).sample(range(1, len(raw)), 3))
                         edges = zip([0, *cuts], [*cuts, len(raw)], strict=True)
                         payload = [raw[a:b] for a, b in edges]
-                    dst.kv_store.import_kv(layer, dst_table, n, payload)
+                    dst.import_kv(layer, dst_table, n, payload)
                 for layer in range(LAYERS):
-                    got = bytes(dst.kv_store.export_frame(layer, dst_table, n))
+                    got = bytes(dst.export_frame(layer, dst_table, n))
                     assert got == bytes(frames[layer]), (src_kind, dst_kind, how, layer)
 
 

@@ -73,11 +73,11 @@ def test_a_cache_round_trips_frames_and_blocks_through_the_staging_path():
     staged = cache.stage_frame(1, table, 50)
     assert bytes(staged.bytes()) == bytes(frame)
     other = KVCache(4, 12, 16, 2, 8, torch.float32)
-    other.kv_store.import_kv(1, [0, 1, 3, 5], 50, frame)
-    assert torch.equal(other.kv_store.export_kv(1, [0, 1, 3, 5], 50), cache.export_kv(1, table, 50))
+    other.import_kv(1, [0, 1, 3, 5], 50, frame)
+    assert torch.equal(other.export_kv(1, [0, 1, 3, 5], 50), cache.export_kv(1, table, 50))
     block = cache.read_block(7)
-    other.kv_store.write_block(11, block)
-    assert hashlib.sha256(other.kv_store.read_block(11)).digest() == hashlib.sha256(block).digest()
+    other.write_block(11, block)
+    assert hashlib.sha256(other.read_block(11)).digest() == hashlib.sha256(block).digest()
     scattered = list(range(11, -1, -1))  # more runs than export_parts sends as views
     parts = cache.export_parts(2, scattered * 1, 12 * 16, max_parts=4)
     assert len(parts) == 1 and bytes(parts[0].bytes()) == bytes(
