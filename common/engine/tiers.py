@@ -1,6 +1,6 @@
 """Lower tiers of the prefix cache: KV blocks evicted from the engine's cache, kept by their
 chained hash in a host-memory pool, and what overflows that pool in a disk directory. Pure
-Python over bytes: the engine reads and writes whole blocks (`Engine.read_block`,
+Python over bytes: the engine reads and writes whole blocks (`KvStore.read_block`,
 `write_block`), on CPU or GPU alike, so this code does not know where the cache lives.
 
 Both tiers are capped in bytes and least recently used first out: the host pool spills its

@@ -186,7 +186,8 @@ def test_blocks_evicted_to_the_host_and_disk_tiers_load_back_with_the_same_outpu
     )
     block = smol_runner.kv_cache.block_bytes()
     tiers = TierStore(host_bytes=block, disk_bytes=64 * block, disk_dir=tmp_path)
-    on.scheduler.attach_tiers(tiers, smol_runner.read_block, smol_runner.write_block)
+    kv = smol_runner.kv_store
+    on.scheduler.attach_tiers(tiers, kv.read_block, kv.write_block)
     got = [on.generate([p], greedy)[0].token_ids for p in order]
     assert got == expected
     # the story's two full blocks came back, spilled to disk by then (the host pool holds
