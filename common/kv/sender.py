@@ -73,7 +73,7 @@ class KvSender:
         local: Local,
         on_ack: Callable[[Transfer], None],
         on_refuse: Callable[[str, str, str], Any],
-        on_stray_refuse: Callable[[str, str, str], Any] | None = None,
+        on_stray_refuse: Callable[[str, str, str], None] | None = None,
     ) -> None:
         self.ctx = ctx
         self.local = local
@@ -280,7 +280,7 @@ class KvSender:
                     self.connector(t.backend).on_grant(t, None)
                     await self.on_refuse(rid, peer.node_id, why)
                 elif t is None and self.on_stray_refuse is not None:
-                    await self.on_stray_refuse(rid, peer.node_id, why)
+                    self.on_stray_refuse(rid, peer.node_id, why)
             case _:
                 log.warning("dropping malformed message from %s", peer.node_id)
 
