@@ -8,7 +8,6 @@ handler that finds its client gone aborts the request on every node that holds i
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import math
@@ -129,36 +128,14 @@ async def _generate(
     rid = secrets.token_hex(12)
     echo_id = request.headers.get("x-request-id") or rid
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-    req = GatewayRequest(
-        request_id=rid,
-        kind=kind,
-        model=parsed.model,
-        prompt_ids=parsed.prompt_ids,
-        params=parsed.params,
-        stream=parsed.stream,
-        include_usage=parsed.include_usage,
-        tokenizer=service.tokenizer,
-        return_token_ids=parsed.return_token_ids,
-    )
-    placing = asyncio.create_task(_place(service, req))
+    req = service.submit(parsed, rid)
     try:
         if parsed.stream:
             return await _stream(request, req, prefix + rid, echo_id)
         return await _collect(req, prefix + rid, echo_id)
     finally:
         service.end(req)
-        if not placing.done():
-            placing.cancel()
         _log_timeline(req, echo_id)
-
-
-async def _place(service: RequestService, req: GatewayRequest) -> None:
-    """Every request ends: a bug in placement answers 500 rather than leaving it waiting."""
-    try:
-        await service.run(req)
-    except Exception as exc:
-        log.exception("placing %s failed", req.request_id)
-        req.finish(Failed(500, f"internal error while placing the request: {exc!r}"))
 
 
 def _log_timeline(req: GatewayRequest, echo_id: str) -> None:

@@ -1,11 +1,9 @@
 """The gateway's requests, from the HTTP handler's call to their last token.
 
-`RequestService` is all the HTTP layer talks to: whether the cluster can serve, the model,
-parsing a body off the event loop, running a request and ending it. The node messages and the
-liveness loop use its other half: tokens in, re-placement and release. Where every request
-runs is held in one place, the request table (gateway/table.py); the placer runs the offer
-protocol. A request whose node dies, drains or preempts is re-placed as a prefill of prompt +
-generated tokens and keeps streaming; after `max_replacements` losses it ends with an error.
+`RequestService` is all the HTTP layer talks to (health, model, parse, submit, end); the node
+messages and the liveness loop use its other half (tokens in, re-placement). A request whose
+node dies, drains or preempts is re-placed as a prefill of prompt + generated tokens and keeps
+streaming; after `max_replacements` losses it ends with an error.
 """
 
 from __future__ import annotations
@@ -47,6 +45,7 @@ class RequestService:
         self.cfg, self.tokenizer, self.cluster, self.table = cfg, tokenizer, cluster, table
         self.placer, self.sizing, self.metrics, self.link = placer, sizing, metrics, link
         self.parser = ThreadPoolExecutor(2, thread_name_prefix="parse")  # tokenizing requests
+        self.placing: dict[int, asyncio.Task[None]] = {}  # by id() of a submitted request
 
     # -- for the HTTP layer ----------------------------------------------------------------
     @property
@@ -78,6 +77,23 @@ class RequestService:
             self.cluster.max_model_len,
         )  # fmt: skip
 
+    def submit(self, parsed: ParsedRequest, request_id: str) -> GatewayRequest:
+        """Start placing a parsed request; its events (Delta, then Done or Failed) arrive in
+        the returned request's `events`. `end` it when the HTTP exchange is over."""
+        req = GatewayRequest(
+            request_id=request_id,
+            kind=parsed.kind,
+            model=parsed.model,
+            prompt_ids=parsed.prompt_ids,
+            params=parsed.params,
+            stream=parsed.stream,
+            include_usage=parsed.include_usage,
+            tokenizer=self.tokenizer,
+            return_token_ids=parsed.return_token_ids,
+        )
+        self.placing[id(req)] = asyncio.create_task(self._run_or_fail(req))
+        return req
+
     async def run(self, req: GatewayRequest) -> None:
         """Admit and place the request; its tokens then arrive in req.events."""
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
@@ -100,6 +116,9 @@ class RequestService:
         """The HTTP exchange is over (answered, or the client left): free what it holds."""
         if not req.finished or self.table.current(req) is not None:
             self.abort(req)
+        placing = self.placing.pop(id(req), None)
+        if placing is not None and not placing.done():
+            placing.cancel()
 
     def abort(self, req: GatewayRequest, reason: str = "client disconnected") -> None:
         """Free the request everywhere (client gone, stop string matched, error)."""
@@ -166,6 +185,14 @@ class RequestService:
         self.parser.shutdown(wait=False, cancel_futures=True)
 
     # -- inside ----------------------------------------------------------------------------
+    async def _run_or_fail(self, req: GatewayRequest) -> None:
+        """Every request ends: a bug in placement answers 500 rather than leaving it waiting."""
+        try:
+            await self.run(req)
+        except Exception as exc:
+            log.exception("placing %s failed", req.request_id)
+            req.finish(Failed(500, f"internal error while placing the request: {exc!r}"))
+
     def _refuse(self, req: GatewayRequest, failed: Failed) -> None:
         req.finish(failed)
         self.metrics.requests.labels("overloaded").inc()
