@@ -4,30 +4,14 @@ switching against every fixed split, and selective disaggregation against its ba
     python -m benchmarks.dynamic --out docs/results/dynamic            # about 60 min, 2 cores
     python -m benchmarks.dynamic --out DIR --only switching|selective
 
-switching  a workload that shifts halfway: 300 requests of 4,000 prompt / 50 output tokens
-           at 18 req/s (prefill-heavy: of 4 nodes only 3P1D serves it within the SLO), then
-           300 of 200 / 1,000 at 24 req/s (decode-heavy: one decode node misses the TPOT SLO
-           for two thirds of them), SLO TTFT 1 s and TPOT 15 ms. Runs: 1P3D, 2P2D, 3P1D
-           fixed, and 2P2D with `--role-switching on`. Reported: goodput over the whole run
-           and per phase, requests failed, switches made; plots of pool sizes and goodput
-           over time (shifting.png).
-diurnal    one compressed day of 30 modelled seconds (`--day S`: S): long-in arriving at
-           18 cos^2 req/s and 200 / 1,000 at 24 sin^2 req/s (prefill-heavy at both ends,
-           decode-heavy at noon), the same four runs (diurnal[-S].png; "phase 1" is the
-           first half of the day's arrivals).
-selective  400 requests of mixed lengths (prompts lognormal around 600 tokens, sigma 1.2: most
-           short, some of several thousand; 150 output tokens) on 2P2D at 24, 48, 72 and 96
-           req/s (the last two past the prefill pool's capacity), SLO TTFT 1 s and TPOT
-           20 ms, with `--local-prefill` off (always disaggregate), always (never), 256 (a
-           fixed threshold) and adaptive. Reported: goodput, ITL p99, TTFT p99, and the
-           share prefilled locally; selective.png plots goodput and ITL p99 by rate.
+switching: a workload that shifts halfway from prefill-heavy to decode-heavy (and `diurnal`,
+one compressed day of both), run on 1P3D, 2P2D, 3P1D and 2P2D with `--role-switching on`.
+selective: mixed prompt lengths on 2P2D at rising rates with `--local-prefill` off, always,
+256 and adaptive. The workloads, SLOs and figures are in docs/results/README.md §8.
 
-The cluster runs `--sim-time-scale S` (default 4: a modelled second lasts S seconds, so the
-Python overhead of nodes, gateway and client on a small host stays small beside a step);
-arrivals and SLOs are stretched by S and times reported divided by it: every figure is in
-the modelled GPU's seconds. The gateway's settings are wall-clock, set here for the
-stretched run (its cost rules run on the stretched clock too: `pdserve up` gives it
-`--cost-time-scale S`).
+The cluster runs `--sim-time-scale S` (default 4), so that the Python overhead of nodes,
+gateway and client stays small beside a modelled step; arrivals and SLOs are stretched by S
+and reported times divided by it: every figure is in the modelled GPU's seconds.
 """
 
 from __future__ import annotations

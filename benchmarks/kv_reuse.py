@@ -4,22 +4,11 @@ routing and cross-node fetch, each configuration against caching off in the same
     python -m benchmarks.kv_reuse torch --out docs/results/kv-reuse   # about 50 min, 2 cores
     python -m benchmarks.kv_reuse sim --out docs/results/kv-reuse     # about 5 min
 
-torch: SmolLM2-135M in float32 on this CPU, 1P1D and 2P2D, two workloads:
-  shared-prefix  16 groups, a 2,000-token prefix each, 100-token suffixes, Poisson arrivals
-  multi-turn     conversations whose every turn is the last prompt + its answer (the exact
-                 token ids, `return_token_ids`) + a new question; turns follow one another
-and three configurations:
-  off       --prefix-caching off                      (every prompt computed whole)
-  per_node  caching on, --cache-aware-routing off     (a node reuses what lands on it)
-  kv_aware  caching on, the index, --scheduler kv_aware (routing by cached and fetchable
-            tokens; decode placement by the conversation's holder)
-Reported per run: client TTFT p50/p99, prompt tokens, prefill tokens computed (prompt tokens
-less the cluster's prefix-cache hits, fetched blocks included) and the hit rate.
-
-sim: the Mooncake FAST'25 trace (`--trace`, its hash_ids are 512-token prefix blocks) on the
-simulated 4P4D H100 x Llama-3.1-8B cluster at a rate that loads it, every policy with caching
-on, with cross-node fetch and without (and on_demand with caching off for reference): hit
-rate, fetched tokens and goodput.
+torch: SmolLM2-135M in float32, 1P1D and 2P2D, a shared-prefix and a multi-turn workload,
+with caching off, per node (cache-blind routing) and kv_aware (the index and
+`--scheduler kv_aware`). sim: the Mooncake FAST'25 trace on the simulated 4P4D cluster, every
+policy with caching on, with and without cross-node fetch. Reported: TTFT, prefill tokens
+computed, hit rate, fetched tokens, goodput (docs/results/README.md §6).
 
 Writes `STUDY.json` (the rows) and `STUDY.md` (their table) into `--out`, STUDY = torch or sim.
 """

@@ -1,16 +1,12 @@
-"""KV transfer throughput: the KV of one 4,000-token Llama-3.1-8B request (fp16, 32 layers x
-8 KV heads x 128: 524 MB), from a prefill process's paged cache into a decode process's paged
-cache, through pdserve's own sender and intake (common/kv), per backend.
+"""KV transfer throughput: the KV of one 4,000-token Llama-3.1-8B request (fp16, 524 MB), from a
+prefill process's paged cache into a decode process's paged cache, through pdserve's own
+sender and intake (common/kv), per backend.
 
-Each transfer figure is bytes / time from the prefill side starting to send (header, then
-every layer exported from its paged cache and sent) until the decode side has scattered the
-last layer into its paged cache and acknowledged it. In the same run, on the same payload:
-a raw TCP loopback socket (sendall / recv_into a reused buffer) and a memcpy. Decimal GB/s.
-The decode side's blocks are other ids than the prefill side's, consecutive as a node's
-allocations are while its free blocks are (`*_gb_s`); `zmq_fragmented_gb_s` and
-`tcp_fragmented_gb_s` repeat those runs with every destination block apart (reversed), the
-receiver's worst case.
-Prints one JSON object as its last line.
+Each figure is bytes / time from the prefill side starting to send until the decode side has
+scattered the last layer into its cache and acknowledged it, beside a raw TCP loopback socket
+and a memcpy of the same payload in the same run (decimal GB/s). `*_gb_s`: consecutive
+destination blocks, as a fresh allocation's; `*_fragmented_gb_s`: every block apart, the
+receiver's worst case. Prints one JSON object as its last line.
 
     .venv/bin/python benchmarks/kv_transfer.py [--tokens 4000] [--repeats 5]
 """

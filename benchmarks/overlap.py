@@ -1,27 +1,15 @@
 """Layer-wise KV sending, measured: how much of the transfer stays exposed after prefill.
 
 The real SmolLM2 model (float32) prefills a prompt in this process while pdserve's sender
-ships its KV (`--backend tcp`, the cross-host default, or zmq) to a decode-side intake (a
-paged cache of the same layout) in another process. Exposed transfer = time from the end
-of the forward pass to the KvAck that says the last layer sits in the decode cache. With
-layer-wise sending most of the transfer hides behind the later layers' compute; without it
-all of it comes after.
+ships its KV (`--backend tcp` or zmq) to a decode-side intake in another process. Exposed
+transfer = time from the end of the forward pass to the KvAck for the last layer.
 
 Headline: the mean decode-ready time (prefill start to KvAck) over a shuffled sequence of
-prompts (64 to 2,048 tokens) with layer-wise sending always on, always off, and decided per
-batch by a prefill node's rule (`--layerwise auto`, prefill_node/layerwise.py), which starts
-cold and learns from what it measures; `auto_vs_best_fixed` is its ratio to the better
-fixed policy.
-
-It also measures what layer-wise sending costs, to set `--layerwise-min-tokens`: for tiny
-prompts the transfer is negligible, so the difference in decode-ready time (prefill start to
-KvAck) between layer-wise and at-the-end sending is the per-layer framing overhead
-(`layerwise_overhead_ms`). Layer-wise pays once the serial transfer it hides exceeds that
-overhead: `suggested_threshold_tokens` = overhead / (serial transfer ms per token).
-`crossover_tokens` is the shortest prompt of the sweep where layer-wise was actually faster
-end to end (on a 2-core CPU compute and sending share the cores, so there may be none;
-on a GPU box the forward pass does not compete with the sender). Prints one JSON object as
-its last line.
+prompts with layer-wise sending always on, always off, and `--layerwise auto`
+(prefill_node/layerwise.py); `auto_vs_best_fixed` is its ratio to the better fixed policy.
+It also measures the per-layer framing overhead (`layerwise_overhead_ms`) and the prompt
+length from which layer-wise pays (`suggested_threshold_tokens`, `crossover_tokens`), which
+set `--layerwise-min-tokens`. Prints one JSON object as its last line.
 
     .venv/bin/python benchmarks/overlap.py [--threads 2] [--repeats 3]
 """

@@ -3,24 +3,14 @@ goodput the real sim cluster measures, for three workloads fixed before any tuni
 
     python -m benchmarks.planner --out docs/results/planner    # about 15 min, 2 cores
 
-    long-in    4,000 prompt tokens, 100 output, Poisson 18 req/s, SLO TTFT 1 s, TPOT 40 ms
-    short-in   200 prompt tokens, 1,000 output, Poisson 8 req/s, SLO TTFT 300 ms, TPOT 11 ms
-    mooncake   the Mooncake FAST'25 trace's first 150 requests, lengths x0.25, arrivals x0.25
-               (~13 req/s), SLO TTFT 2 s, TPOT 50 ms
-
-all on the simulated H100 x Llama-3.1-8B with a budget of 4 nodes. For each, the planner
-predicts every split it tries; then the real cluster (`pdserve up --engine sim`: processes,
-sockets, the placement and engine loops, each step sleeping the cost model's time) runs the
-recommended split, the others of its size and every 4-node split, under the same requests.
-The cluster runs `--sim-time-scale S` (each modelled second lasts S seconds, so the Python
-overhead of the nodes, gateway and client on the host is small beside a step); arrivals and
-SLOs are stretched by S and measured times divided by it, so both columns are in the
-modelled GPU's seconds. Placement is cache-blind in both (`--cache-aware-routing off`: the
-simulation has no cluster prefix index); each node's own prefix cache works in both.
-
-Criteria (issue 14): predicted goodput within 15 % of measured at the recommended split, and
-the recommended split the best, or within 5 % of the best, of the splits run, by goodput per
-node. Writes planner.json and planner.md into --out.
+Workloads long-in, short-in and a Mooncake trace slice, on the simulated H100 x Llama-3.1-8B
+with a budget of 4 nodes. The planner predicts every split it tries; then `pdserve up
+--engine sim` runs the recommended split and every other 4-node split under the same
+requests, at `--sim-time-scale S` (times reported in modelled seconds). Placement is
+cache-blind in both, as the simulation has no cluster prefix index. Criteria: predicted
+goodput within 15 % of measured at the recommended split, and that split the best (or within
+5 %) by goodput per node. Writes planner.json and planner.md into --out
+(docs/results/README.md §7).
 """
 
 from __future__ import annotations

@@ -3,22 +3,13 @@ recommendation still predicts the cluster it plans.
 
     python -m benchmarks.planner_speed --out docs/results/planner-speed   # ~15 min, 2 cores
 
-The trace: a seeded Mooncake-format file (timestamp, input_length, output_length, hash_ids)
-of 12,031 turns shaped like Mooncake's conversation trace: sessions of 1-5 turns, each
-turn's prompt the previous one's plus 0.6-1.5k new tokens (a first turn 4-6k), outputs
-log-normal around 450 tokens, sessions arriving as a Poisson process. It is planned as a
-user would (`--workload mooncake --dataset FILE`, SLO TTFT 2 s, TPOT 50 ms, the simulated
-H100 x Llama-3.1-8B) in three cases:
-
-    2,000 requests, budget 16 nodes                       target < 60 s
-    10,000 requests, 64P64D ceiling (budget 128)          target < 10 min
-    10,000 requests at 10x the arrival rate, 64P64D       (tens of nodes; --max-seconds 600)
-
-Then the first `--measure` requests are planned and the real sim cluster (`pdserve up
---engine sim`, benchmarks/planner.py's `measure`) runs the recommended split: its measured
-goodput beside the predicted one (target: within 5 %). Also one split simulated both ways
-(decode steps one by one, and in runs) on 400 requests: the same records, and the times.
-Writes planner_speed.json and planner_speed.md into --out.
+The trace is a seeded Mooncake-format file of 12,031 turns shaped like Mooncake's
+conversation trace (sessions of 1-5 turns, each prompt the previous one's plus new tokens).
+It is planned as a user would (`--workload mooncake --dataset FILE`) at 2,000 requests on 16
+nodes, 10,000 on 128, and 10,000 at 10x the rate; then the real sim cluster runs the
+recommended split of the first `--measure` requests, measured goodput beside predicted
+(target: within 5 %). Writes planner_speed.json and planner_speed.md into --out
+(docs/results/README.md §7b).
 """
 
 from __future__ import annotations

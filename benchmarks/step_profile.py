@@ -1,4 +1,4 @@
-"""Where a decode step's time goes, on the embedded SmolLM2 (issue 16's per-step overhead).
+"""Where a decode step's time goes, on the embedded SmolLM2.
 
     .venv/bin/python -m benchmarks.step_profile --batch 1 --threads 2
 

@@ -3,19 +3,12 @@
     .venv/bin/python -m benchmarks.vs_llama --out results/vs-llama
 
 Each server in turn (llama-server with 16 slots and flash attention; pdserve colocated; pdserve
-1P1D, both nodes on every core; the same with prefill under SCHED_IDLE, "1p1d-idle") serves
-closed-loop streams of token-id prompts (256 tokens, 128 output tokens with ignore_eos, random
-ids: no prefix is shared, so neither side's prompt cache helps) at 1 and 16 concurrent streams,
-through loadgen's streaming client (a new connection per request, which llama-server needs). 16
-streams run in two shapes: all starting at once ("16": equal requests then run in lock-step
-waves, so no prompt ever arrives while others decode; the shape issue 16 measured) and "16
-staggered" (stream k starts k x --stagger s later, so prompts keep arriving mid-decode, as in a
-service). The report gives each pdserve figure as a ratio to llama-server's from the same run,
-against issue 16's targets: colocated output tok/s >= 1.0x llama-server's at 16 streams and >=
-0.8x at 1 stream; 1P1D ITL p99 at 16 streams <= 0.5x llama-server's. Where llama-server cannot
-be found or built (benchmarks/llama_server.py) the run says so and measures pdserve alone;
-where it crashes on start (its AMX path on some CPUs) it runs with --no-repack, and the report
-says so.
+1P1D; 1P1D with prefill under SCHED_IDLE) serves closed-loop streams of random token-id
+prompts (256 tokens, 128 output tokens; no shared prefix) at 1 and 16 streams, the 16 both
+all at once and staggered (prompts arriving mid-decode, as in a service). Each pdserve figure
+is reported as a ratio to llama-server's from the same run. Without a llama-server
+(benchmarks/llama_server.py) it measures pdserve alone; one that crashes on start runs with
+--no-repack, and the report says so.
 """
 
 from __future__ import annotations

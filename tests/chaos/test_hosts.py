@@ -23,7 +23,7 @@ and no KV block is in use anywhere.
 
 The shaping is a token-bucket qdisc (`tc tbf`: 4 Mbit/s, a 16 KiB queue that drops what
 overflows) on both ends of the link and a 3 % random-drop iptables rule (`statistic --mode
-random`) in the host, rather than `tc netem`: this CI kernel has no netem module, and tbf plus
+random`) in the host, rather than `tc netem`, which CI kernels may lack; tbf plus
 random drop gives TCP both delay and loss. The same network as tests/chaos/
 test_network_faults.py, with every process on a host of its own.
 
@@ -151,7 +151,7 @@ def _link(host: str, up: bool) -> None:
 def _lossy(host: str, on: bool) -> None:
     """`host`'s link at 4 Mbit/s with a 16 KiB queue that drops what overflows (queueing
     delay up to 32 ms), both directions, and 3 % of its packets dropped at random either way
-    (an iptables `statistic` rule in the host: this kernel has no netem qdisc)."""
+    (an iptables `statistic` rule in the host: CI kernels may have no netem qdisc)."""
     ends = ((("ip", "netns", "exec", HUB), host), (("ip", "netns", "exec", ns(host)), "eth0"))
     for prefix, dev in ends:
         if on:

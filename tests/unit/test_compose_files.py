@@ -109,10 +109,10 @@ def test_monitoring_profile_mounts_files_that_exist():
 def test_the_guide_documents_the_variables_compose_reads():
     """Every ${VARIABLE} compose.yaml reads is explained in the guide's GPU section."""
     guide = (ROOT / "docs" / "guide.md").read_text()
-    section = guide.split("## Run on a GPU box", 1)[1].split("\n## ", 1)[0]
+    section = guide.split("## Run on a GPU machine", 1)[1].split("\n## ", 1)[0]
     compose = (ROOT / "compose.yaml").read_text()
     for name in sorted(set(re.findall(r"\$\{(PDSERVE_[A-Z_]+)", compose))):
-        assert name in section, f"{name} is not documented in docs/guide.md 'Run on a GPU box'"
+        assert name in section, f"{name} is not documented in docs/guide.md 'Run on a GPU machine'"
 
 
 def test_the_secure_variant_gives_every_pdserve_process_the_cluster_key():

@@ -104,7 +104,8 @@ def test_every_cited_path_exists():
 
 
 def test_a_dead_reference_is_found(tmp_path):
-    """The check itself: a moved file's old path, cited by a doc, a link and a comment."""
+    """The check itself: a moved file's old path, cited by a doc, a link and a comment; URLs,
+    globs, placeholders, temporary and output folders and dotted module paths are not cited."""
     (tmp_path / "docs").mkdir()
     (tmp_path / "common" / "node").mkdir(parents=True)
     (tmp_path / "common" / "node" / "runtime.py").write_text(
@@ -112,10 +113,16 @@ def test_a_dead_reference_is_found(tmp_path):
     )
     (tmp_path / "README.md").write_text(
         "See `common/node/runtime.py`, common/supervisor.py and [the guide](docs/guide.md).\n"
-        "Not files: https://x.org/common/a.py, tests/e2e/test_*.py.\n"
+        "Not files: https://x.org/common/a.py, tests/e2e/test_*.py, $OUT/tests/run.json,\n"
+        "/tmp/common/x.py, pdserve.common.engine.kv_cache, docs/results/<study>.yaml.\n"
+        "A link with an anchor: [the runtime](common/node/runtime.py#L3).\n"
+    )
+    (tmp_path / "docs" / "ops.md").write_text(
+        "Relative to the file: [metrics](operations.md), [home](../README.md).\n"
     )
     assert sorted(dead_references(tmp_path)) == sorted(
         [
+            "docs/ops.md: (operations.md)",
             "README.md: common/supervisor.py",
             "README.md: docs/guide.md",  # the link's target, as a path
             "README.md: (docs/guide.md)",  # and as a link
