@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pdserve.common.engine.scheduler import SchedulerOutput
+from pdserve.common.engine.scheduler import Mode, SchedulerOutput
 from pdserve.common.engine.sequence import Sequence, check_stop
-from pdserve.common.node.role import RoleDefaults
-from pdserve.common.node.runtime import NodeRequest
+from pdserve.common.node.defaults import RoleDefaults
+from pdserve.common.node.role import NodeRequest
 from pdserve.common.wire.protocol import (
     Abort,
     Accept,
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 class ColocatedRole(RoleDefaults):
     role = "colocated"
-    mode = "colocated"
+    mode: Mode = "colocated"
     pushes_tokens = True
 
     async def on_gateway_message(self, msg: Any) -> None:

@@ -26,13 +26,14 @@ import dataclasses
 import logging
 from typing import Any
 
-from pdserve.common.engine.scheduler import SchedulerConfig, SchedulerOutput
+from pdserve.common.engine.scheduler import Mode, SchedulerConfig, SchedulerOutput
 from pdserve.common.engine.sequence import SeqStatus, Sequence, check_stop
 from pdserve.common.kv.base import Intake, Transfer
+from pdserve.common.node.defaults import RoleDefaults
 from pdserve.common.node.handoff import KvHandoff
 from pdserve.common.node.reserve import reserve_blocks
-from pdserve.common.node.role import RoleDefaults
-from pdserve.common.node.runtime import NodeRequest, NodeRuntime
+from pdserve.common.node.role import NodeRequest
+from pdserve.common.node.runtime import NodeRuntime
 from pdserve.common.wire.protocol import (
     Abort,
     Accept,
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 
 class DecodeRole(RoleDefaults):
     role = "decode"
-    mode = "decode"
+    mode: Mode = "decode"
     pushes_tokens = True
     has_data_plane = True  # receives request KV; serves prefix blocks peers fetch
 

@@ -25,13 +25,14 @@ import logging
 import time
 from typing import Any
 
-from pdserve.common.engine.scheduler import SchedulerConfig, SchedulerOutput, step_work
+from pdserve.common.engine.scheduler import Mode, SchedulerConfig, SchedulerOutput, step_work
 from pdserve.common.engine.sequence import Sequence, check_stop
 from pdserve.common.kv.base import Transfer
+from pdserve.common.node.defaults import RoleDefaults
 from pdserve.common.node.fetch import PrefixFetches
 from pdserve.common.node.handoff import KvHandoff
-from pdserve.common.node.role import RoleDefaults
-from pdserve.common.node.runtime import NodeRequest, NodeRuntime
+from pdserve.common.node.role import NodeRequest
+from pdserve.common.node.runtime import NodeRuntime
 from pdserve.common.wire.protocol import (
     Abort,
     Accept,
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 
 class PrefillRole(RoleDefaults):
     role = "prefill"
-    mode = "prefill"
+    mode: Mode = "prefill"
     has_data_plane = True  # sends KV; receives prefix blocks it fetches
 
     def __init__(self, node: NodeRuntime) -> None:

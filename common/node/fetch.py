@@ -43,7 +43,7 @@ from pdserve.common.sampling import SamplingParams
 from pdserve.common.wire.protocol import PREFIX_GONE, DecodeTarget, KvFetch, KvHeader, PrefillOffer
 
 
-class _Wakes(Protocol):
+class Wakes(Protocol):
     def wake(self) -> None: ...
 
 
@@ -60,7 +60,7 @@ class FetchHost(Protocol):
     metrics: NodeMetrics
 
     @property
-    def steps(self) -> _Wakes: ...
+    def steps(self) -> Wakes: ...
     def spawn(self, coro: Any) -> None: ...
 
 
@@ -71,6 +71,7 @@ class FetchPlane(Protocol):
     intake: KvIntake
 
     def target(self) -> DecodeTarget: ...
+
 
 log = logging.getLogger(__name__)
 LATENCY_S = 0.002  # a fetch's fixed cost: KvFetch to the holder, its staging, the header back

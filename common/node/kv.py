@@ -17,11 +17,13 @@ from typing import Any, Protocol
 from pdserve.common.config import NodeConfig
 from pdserve.common.engine.block_manager import BlockManager
 from pdserve.common.engine.interface import Engine
+from pdserve.common.engine.scheduler import Scheduler
 from pdserve.common.kv import listen_all, receivers_for
 from pdserve.common.kv.base import Intake, Local, Transfer
 from pdserve.common.kv.intake import KvIntake
 from pdserve.common.kv.sender import KvSender
-from pdserve.common.node.fetch import FetchHost, PrefixFetches
+from pdserve.common.node.fetch import PrefixFetches, Wakes
+from pdserve.common.node_metrics import NodeMetrics
 from pdserve.common.wire.protocol import DecodeTarget, KvHeader
 from pdserve.common.wire.security import watch_handshakes
 from pdserve.common.wire.transport import TOKENS_MAX_MSG, bound_address, make_socket
@@ -36,15 +38,24 @@ class KvHooks(Protocol):
     async def kv_refused(self, rid: str, peer: str, why: str) -> None: ...
 
 
-class KvHost(FetchHost, Protocol):
-    """What the data plane needs of its node."""
+class KvHost(Protocol):
+    """What the data plane needs of its node: its sockets' context and key, its cache, and
+    what it hands on to the prefix fetches (fetch.FetchHost)."""
 
     ctx: Any
     key: Any
     cfg: NodeConfig
     engine: Engine
     blocks: BlockManager
+    scheduler: Scheduler
+    node_id: str
+    requests: dict[str, Any]
+    token_cost: float
+    metrics: NodeMetrics
 
+    @property
+    def steps(self) -> Wakes: ...
+    def spawn(self, coro: Any) -> None: ...
     def kv_local(self, data_address: str = "") -> Local: ...
 
 

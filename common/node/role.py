@@ -1,42 +1,53 @@
 """The role interface: what the prefill, decode and colocated roles plug into a node's
-runtime (common/node/runtime.py). A role answers the gateway's messages, shapes the steps
-(before, in the engine thread, after) and, on nodes with a KV data plane, takes and hands
-off request KV. `RoleDefaults` says what a role that does not care does.
+runtime (common/node/runtime.py), and the request-table entry they share with it. A role
+answers the gateway's messages, shapes the steps (before, in the engine thread, after) and,
+on nodes with a KV data plane, takes and hands off request KV. Each part of the node sees
+only its slice: `RoleMessages` (control.py), `StepHooks` (steps.py), `KvHooks` (kv.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from pdserve.common.engine.scheduler import Mode, SchedulerConfig, SchedulerOutput, step_work
+from pdserve.common.engine.scheduler import Mode, SchedulerConfig, SchedulerOutput
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.kv.base import Intake, Transfer
-from pdserve.common.wire.protocol import KvHeader, RegisterAck
-
-if TYPE_CHECKING:
-    from pdserve.common.node.runtime import NodeRequest, NodeRuntime
+from pdserve.common.wire.protocol import DecodeTarget, KvHeader, RegisterAck
 
 
-class RoleDefaults:
-    role: str = "colocated"
-    mode: Mode = "colocated"
-    pushes_tokens = False  # decode and colocated nodes stream tokens to the gateway
-    has_data_plane = False  # KV arrives or leaves over the KV connectors
+@dataclass
+class NodeRequest:
+    """A request the node holds: its engine `Sequence` plus what the role needs beside it."""
 
-    def __init__(self, node: NodeRuntime) -> None:
-        self.node = node
+    seq: Sequence
+    accepted_at: float = field(default_factory=time.monotonic)
+    target: DecodeTarget | None = None  # prefill: the decode node its KV goes to
+    skip: int = 0  # prefill: leading tokens whose KV that node holds (not sent)
 
+
+class Role(Protocol):
+    """Built once per node as `role(runtime)`; common/node/defaults.py says what a role that
+    does not care about a hook does."""
+
+    role: str  # "prefill", "decode", "colocated": what the gateway registers
+    mode: Mode  # the engine scheduler's mode
+    pushes_tokens: bool  # decode and colocated nodes stream tokens to the gateway
+    has_data_plane: bool  # KV arrives or leaves over the KV connectors
+
+    def __init__(self, node: Any) -> None: ...
     @staticmethod
     def scheduler_config(base: SchedulerConfig) -> SchedulerConfig:
-        return base
+        """The node's scheduler settings, shaped for the role."""
 
     # -- the gateway -----------------------------------------------------------------------
     def on_registered(self, ack: RegisterAck) -> None:
         """The gateway accepted us and said how to take work."""
 
     async def on_gateway_message(self, msg: Any) -> None:
-        raise NotImplementedError
+        """Any gateway message but the control plane's own (registration, heartbeats)."""
 
     def on_drain(self) -> None:
         """The node begins to drain (a signal, `Drain`, a role switch)."""
@@ -50,7 +61,6 @@ class RoleDefaults:
 
     def engine_step(self, out: SchedulerOutput, loop: asyncio.AbstractEventLoop) -> Any:
         """Engine thread: run the step; returns the sampled tokens (or what after_step needs)."""
-        return self.node.engine.step(*step_work(out))
 
     async def after_step(self, out: SchedulerOutput, grew: list[Sequence], result: Any) -> None:
         """The step is done; `grew` are the sequences that produced a token (aborted ones
@@ -60,8 +70,7 @@ class RoleDefaults:
         """Sequences the scheduler preempted (decode: handed back to the gateway)."""
 
     async def step_failed(self, out: SchedulerOutput, exc: Exception) -> None:
-        """The engine raised: by default the node stops (a supervisor restarts it)."""
-        raise exc
+        """The engine raised (by default the node stops: a supervisor restarts it)."""
 
     # -- requests and their KV -------------------------------------------------------------
     def on_dropped(self, rid: str, req: NodeRequest | None) -> None:
@@ -69,11 +78,9 @@ class RoleDefaults:
 
     def extra_held(self) -> list[str]:
         """Ids the role holds outside the request table (a decode node's incoming KV)."""
-        return []
 
     def reserve_kv(self, h: KvHeader) -> list[int] | str:
         """A request's KV is announced (decode): the blocks it lands in, or why not."""
-        return f"a {self.role} node takes no request KV"
 
     async def admit_kv(self, intake: Intake, first_token: int) -> None:
         """A request's KV has landed (decode)."""

@@ -24,9 +24,7 @@ import asyncio
 import dataclasses
 import logging
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.common.config import EngineConfig, NodeConfig
@@ -43,27 +41,19 @@ from pdserve.common.node.control import ControlPlane
 from pdserve.common.node.events import PrefixEvents
 from pdserve.common.node.host import default_node_id, facing_address, host_identity
 from pdserve.common.node.kv import NodeKv
-from pdserve.common.node.role import RoleDefaults
+from pdserve.common.node.role import NodeRequest, Role
 from pdserve.common.node.steps import StepLoop
 from pdserve.common.node_metrics import NodeMetrics
-from pdserve.common.wire.protocol import DecodeTarget, Load, Msg, NodeInfo, Preempted, TokenBatch
+from pdserve.common.wire.protocol import Load, Msg, NodeInfo, Preempted, TokenBatch
 from pdserve.common.wire.security import ClusterKey, close_context, make_context
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class NodeRequest:
-    seq: Sequence
-    accepted_at: float = field(default_factory=time.monotonic)
-    target: DecodeTarget | None = None  # prefill: the decode node its KV goes to
-    skip: int = 0  # prefill: leading tokens whose KV that node holds (not sent)
-
-
 class NodeRuntime:
     def __init__(
         self,
-        role: type[RoleDefaults],
+        role: type[Role],
         cfg: NodeConfig,
         ecfg: EngineConfig,
         engine: Engine,
