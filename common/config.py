@@ -260,7 +260,12 @@ class GatewayConfig:
 class NodeConfig:
     """What a prefill or decode node needs beyond its engine."""
 
-    gateway: str = flag("tcp://127.0.0.1:8001", "the gateway's control address")
+    gateway: str = flag(
+        "tcp://127.0.0.1:8001",
+        "the gateway's control address; several gateways: repeat the flag or separate by "
+        "commas (a host name resolving to several addresses is one gateway each)",
+        repeat=True,
+    )
     node_id: str = flag("", "unique node id; default ROLE-HOSTNAME-PID")
     advertise_host: str = flag(
         "", "host name peers use to reach this node; empty = the address facing the gateway"
@@ -303,10 +308,11 @@ class NodeConfig:
     )
 
     def __post_init__(self) -> None:
-        if not self.gateway.startswith(("tcp://", "ipc://")):
-            raise ConfigError(
-                f"--gateway must be a ZeroMQ address like tcp://HOST:PORT, got {self.gateway!r}"
-            )
+        for address in self.gateway.split(","):
+            if not address.strip().startswith(("tcp://", "ipc://")):
+                raise ConfigError(
+                    f"--gateway must be a ZeroMQ address like tcp://HOST:PORT, got {address!r}"
+                )
         if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError("--heartbeat-timeout must exceed --heartbeat-interval (> 0)")
         if self.kv_backend not in KV_BACKENDS:

@@ -63,6 +63,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] 
                 default=None,
                 help=help_text,
             )
+        elif f.metadata.get("repeat"):  # given several times: a comma-separated value
+            parser.add_argument(_flag_name(f.name), dest=f.name, type=tp, action=_Repeat,
+                                default=None, help=help_text)  # fmt: skip
         else:
             parser.add_argument(
                 _flag_name(f.name),
@@ -72,6 +75,17 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] 
                 default=None,
                 help=help_text,
             )
+
+
+class _Repeat(argparse._AppendAction):
+    """Appends, but the first use on the command line replaces a default (a --config file's
+    list): a flag given overrides the file, as every other flag does."""
+
+    def __call__(self, parser: Any, ns: Any, values: Any, option_string: Any = None) -> None:
+        seen = ns.__dict__.setdefault("_repeated", set())
+        items = list(getattr(ns, self.dest) or []) if self.dest in seen else []
+        seen.add(self.dest)
+        setattr(ns, self.dest, [*items, values])
 
 
 def _parse_env(raw: str, tp: type, name: str) -> Any:
@@ -92,6 +106,8 @@ def from_args(cls: type[T], args: argparse.Namespace | None = None, **overrides:
             values[f.name] = overrides[f.name]
             continue
         given = getattr(args, f.name, None) if args is not None else None
+        if isinstance(given, list):  # a repeatable flag (flag(..., repeat=True))
+            given = ",".join(given)
         if given is not None:
             values[f.name] = given
             continue

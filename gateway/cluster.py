@@ -7,9 +7,9 @@ dead after `heartbeat_timeout` seconds of silence. `now` is always passed in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from pdserve.common.wire.protocol import DecodeTarget, Load, NodeInfo
+from pdserve.common.wire.protocol import DecodeTarget, Foreign, Load, NodeInfo
 
 EMPTY_LOAD = Load(running=0, waiting=0, blocks_free=0, blocks_cached=0, blocks_in_use=0)
 
@@ -26,6 +26,8 @@ class NodeState:
     load_at: float = 0.0  # when `load` was reported
     refused_at: float = -1.0  # when it last refused KV: its report is stale until a newer one
     progress_at: float = 0.0  # when it last produced a token (the progress lease)
+    # what it holds for other gateways (several gateways): from its load reports and answers
+    foreign: Foreign = field(default_factory=Foreign)
     accepts: int = 0  # offers accepted so far (on-demand spreads ties by it)
     rejects: int = 0
 
@@ -87,6 +89,7 @@ class ClusterView:
         if node is None or node.identity != identity:
             return False
         node.last_seen, node.load, node.load_at = now, load, now
+        node.foreign = load.foreign
         return True
 
     def by_identity(self, identity: bytes) -> NodeState | None:

@@ -4,6 +4,7 @@ offers on (control), and a PULL that decode nodes push token batches to (tokens)
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Any
 
 import zmq
@@ -31,6 +32,9 @@ class NodeLink:
         )  # fmt: skip
         # an empty host tells each node to use the host it registered through (common/node/host.py)
         self.tokens_address = f"tcp://{cfg.advertise_host}:{cfg.tokens_port}"
+        # this process among several gateways (RegisterAck.gateway_id): new at every start, so
+        # a node tells a restarted gateway, which has lost its requests, from the one before
+        self.gateway_id = secrets.token_hex(6)
 
     async def send(self, node: NodeState, msg: Msg) -> None:
         try:

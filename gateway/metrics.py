@@ -80,10 +80,15 @@ class ClusterCollector(Collector):
         blocks = GaugeMetricFamily(
             "pdserve:kv_blocks", "KV blocks by state", labels=[*labels, "state"]
         )
+        others = GaugeMetricFamily(
+            "pdserve:node_requests_other_gateways",
+            "Requests a node holds for the other gateways of the cluster", labels=labels,
+        )  # fmt: skip
         for node in self.cluster.nodes.values():
             key = [node.node_id, node.info.role]
             load = node.load
             running.add_metric(key, load.running)
+            others.add_metric(key, len(node.foreign.prefill) + node.foreign.decoding)
             waiting.add_metric(key, load.waiting)
             if node.info.role == "prefill":
                 prefill.add_metric([node.node_id], len(self.table.in_prefill(node.node_id)))
@@ -104,7 +109,7 @@ class ClusterCollector(Collector):
             "Placement attempts in the gateway's request table (placed, in prefill or decoding)",
         )
         in_flight.add_metric([], len(self.table))
-        yield from (running, waiting, prefill, usage, blocks, gw_waiting, in_flight)
+        yield from (running, waiting, prefill, usage, blocks, others, gw_waiting, in_flight)
         if self.desired is not None:
             desired = GaugeMetricFamily(
                 "pdserve:desired_replicas",

@@ -130,6 +130,7 @@ class NodeMessages:
             tokens_address=self.link.tokens_address,
             # the policy decides how prefill nodes take offers: one rule, whatever launched them
             queueing=self.policy.queueing,
+            gateway_id=self.link.gateway_id,
         )
         await self.link.reply(identity, ack)
         self.placer.capacity_changed()
@@ -149,6 +150,8 @@ class NodeMessages:
 
     async def _on_answer(self, identity: bytes, msg: Accept | Reject) -> None:
         accepted = isinstance(msg, Accept)
+        if msg.foreign is not None and (node := self.cluster.by_identity(identity)) is not None:
+            node.foreign = msg.foreign  # what it holds for other gateways, as of now
         room = msg.room if isinstance(msg, Reject) else -1
         if not self.placer.answer(msg.request_id, identity, accepted, room) and accepted:
             # too late: that offer timed out and the request moved on under a new wire id,

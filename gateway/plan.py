@@ -5,7 +5,8 @@ the plan (gateway/placement.py).
 
 The nodes a policy sees are `NodeView`s derived here from each node's last load report and
 the request table: requests in prefill on it, KV headed to it, and free blocks less what was
-promised since its report. A colocated node is its own decode node.
+promised since its report; with several gateways, plus what the node says it holds for the
+others (`Load.foreign`, `Accept.foreign`). A colocated node is its own decode node.
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ def view(
     best = next(((b, h) for b, h in holders or () if h.node_id != node_id), (0, None))
     headed = table.headed_to(node_id)
     capacity = node.info.num_blocks * node.info.block_size
+    other = node.foreign  # what other gateways' requests weigh on it (several gateways)
     return NodeView(
         node=node,
-        in_prefill=tuple(a.prompt_len for a in table.in_prefill(node_id)),
-        decoding=len(headed),
+        in_prefill=(*(a.prompt_len for a in table.in_prefill(node_id)), *other.prefill),
+        decoding=len(headed) + other.decoding,
         long_decoding=sum(1 for a in headed if a.final_len * LONG_SHARE >= capacity),
         free_blocks=free,
         cached=cached,

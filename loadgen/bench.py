@@ -17,7 +17,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench", help="run one seeded workload against a pdserve (or any OpenAI-compatible) URL"
     )
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument(
+        "--url", action="append", default=None,
+        help="the server (default http://127.0.0.1:8000); several gateways of one cluster: "
+        "repeat it or separate by commas, and the requests are spread over them in turn",
+    )  # fmt: skip
     p.add_argument("--model", default=None, help="model name to send (default: the server's)")
     add_workload_flags(p)
     p.add_argument("--concurrency", type=int, default=0, help="closed loop with N in flight")
@@ -102,7 +106,7 @@ def main(args: argparse.Namespace) -> int:
 
         specs = workloads.as_text(specs, Tokenizer.load(args.tokenizer).decode)
     cfg = BenchConfig(
-        url=args.url.rstrip("/"),
+        url=",".join(args.url or ["http://127.0.0.1:8000"]),
         model=args.model,
         concurrency=args.concurrency,
         warmup=args.warmup,

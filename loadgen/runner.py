@@ -24,7 +24,7 @@ from pdserve.loadgen.workloads import RequestSpec
 
 @dataclass
 class BenchConfig:
-    url: str
+    url: str  # several gateways: comma-separated, request i goes to the i-th (mod their count)
     model: str | None = None
     concurrency: int = 0  # 0: open loop by arrival times
     warmup: int = 0
@@ -44,9 +44,10 @@ class BenchConfig:
 async def _send(
     session: aiohttp.ClientSession, cfg: BenchConfig, spec: RequestSpec, index: int
 ) -> RequestRecord:
-    return await send(
-        session, cfg.url, cfg.model, spec, index, cfg.ignore_eos, cfg.timeout, cfg.endpoint
-    )
+    urls = [u.strip().rstrip("/") for u in cfg.url.split(",") if u.strip()]
+    url = urls[abs(index) % len(urls)]
+    return await send(session, url, cfg.model, spec, index, cfg.ignore_eos, cfg.timeout,
+                      cfg.endpoint)  # fmt: skip
 
 
 async def run(specs: list[RequestSpec], cfg: BenchConfig) -> list[RequestRecord]:

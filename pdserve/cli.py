@@ -99,6 +99,11 @@ def _add_serving(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser("up", help="local cluster: gateway + nodes as child processes")
     add_config_flag(up)
     up.add_argument("--prefill", type=int, default=1, help="prefill nodes")
+    up.add_argument(
+        "--gateways", type=int, default=1,
+        help="gateways, each serving the whole API (gateway i on --port + 10 i, its control "
+        "and tokens ports likewise); every node registers with all of them",
+    )  # fmt: skip
     up.add_argument("--decode", type=int, default=1, help="decode nodes")
     up.add_argument(
         "--colocated",

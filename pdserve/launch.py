@@ -18,6 +18,7 @@ import urllib.request
 from typing import TYPE_CHECKING, Any
 
 from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig
+from pdserve.common.errors import ConfigError
 from pdserve.common.flags import from_args
 from pdserve.supervisor import Child, Supervisor
 
@@ -185,17 +186,15 @@ def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
     if ecfg.engine == "sim" and gcfg.cost_time_scale == 1.0:
         # the gateway's cost rules speak the sim engines' clock
         gcfg = dataclasses.replace(gcfg, cost_time_scale=ecfg.sim_time_scale)
-    gateway = [
-        *base,
-        "gateway",
-        *to_flags(gcfg, skip=("scheduler",)),
-        "--scheduler",
-        gcfg.scheduler,
-    ]
-    if ecfg.model:
-        gateway += ["--model", ecfg.model]
-    address = f"tcp://{gcfg.advertise_host or '127.0.0.1'}:{gcfg.control_port}"
-    cmds = [gateway]
+    if getattr(args, "gateways", 1) < 1:
+        raise ConfigError("--gateways must be at least 1")
+    cmds = []
+    for g in gateway_configs(gcfg, getattr(args, "gateways", 1)):
+        gateway = [*base, "gateway", *to_flags(g, skip=("scheduler",)), "--scheduler", g.scheduler]
+        cmds.append([*gateway, "--model", ecfg.model] if ecfg.model else gateway)
+    host = gcfg.advertise_host or "127.0.0.1"
+    address = ",".join(f"tcp://{host}:{g.control_port}"
+                       for g in gateway_configs(gcfg, getattr(args, "gateways", 1)))  # fmt: skip
     roles = (("prefill", args.prefill), ("decode", args.decode), ("colocated", args.colocated))
     for role, count in roles:
         threads = getattr(args, f"{role}_threads", 0)  # --prefill-threads, --decode-threads
@@ -206,6 +205,17 @@ def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
             node = [*base, role, "--gateway", address, "--node-id", f"{role}-{i}"]
             cmds.append([*node, *to_flags(role_cfg), *node_flags])
     return cmds
+
+
+GATEWAY_PORT_STRIDE = 10  # `pdserve up --gateways N`: gateway i's ports are the first's + 10 i
+
+
+def gateway_configs(gcfg: GatewayConfig, count: int) -> list[GatewayConfig]:
+    """The gateways of `pdserve up --gateways N`: the same settings, each on its own ports."""
+    step = GATEWAY_PORT_STRIDE
+    ports = [(gcfg.port + step * i, gcfg.control_port + step * i, gcfg.tokens_port + step * i)
+             for i in range(count)]  # fmt: skip
+    return [dataclasses.replace(gcfg, port=p, control_port=c, tokens_port=t) for p, c, t in ports]
 
 
 def _spawn(child: Child, nice: int = 0, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -250,7 +260,8 @@ def run_up(args: argparse.Namespace) -> int:
     dies is restarted and the others keep serving (pdserve/supervisor.py). A child that fails
     before the cluster is up is a configuration error and stops everything."""
     gcfg, _ = up_configs(args)
-    url = f"http://{gcfg.host}:{gcfg.port}"
+    gateways = getattr(args, "gateways", 1)
+    urls = [f"http://{g.host}:{g.port}" for g in gateway_configs(gcfg, gateways)]
     stop = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -259,26 +270,26 @@ def run_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    children = [
-        Child(cmd[cmd.index("--node-id") + 1] if "--node-id" in cmd else "gateway", cmd)
-        for cmd in cluster_commands(args)
-    ]
-    children[0].essential = True  # the gateway
+    commands = cluster_commands(args)
+    names = [f"gateway-{i}" if gateways > 1 else "gateway" for i in range(gateways)]
+    children = [Child(names[i], cmd) for i, cmd in enumerate(commands[:gateways])]
+    for child in children:
+        child.essential = True  # the cluster serves while one gateway does
+    children += [Child(cmd[cmd.index("--node-id") + 1], cmd) for cmd in commands[gateways:]]
     options = node_spawn_options(args, [c.command for c in children])
     supervisor = Supervisor(children, lambda c: _spawn(c, **options.get(c.name, {})))
     try:
         supervisor.start(time.monotonic())
         procs = list(supervisor.running())
-        wait_healthy(url, procs, args.startup_timeout, nodes=len(procs) - 1)
+        for url in urls:
+            wait_healthy(url, procs, args.startup_timeout, nodes=len(procs) - gateways)
         body = json.dumps(
             {"messages": [{"role": "user", "content": "Hello!"}], "stream": True, "max_tokens": 32}
         )
         shape = f"{args.prefill} prefill, {args.decode} decode, {args.colocated} colocated"
-        print(f"pdserve is up at {url} ({shape})", flush=True)
-        print(
-            f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
-            flush=True,
-        )
+        print(f"pdserve is up at {' '.join(urls)} ({shape})", flush=True)
+        curl = f"curl -N {urls[0]}/v1/chat/completions -H 'Content-Type: application/json'"
+        print(f"  {curl} -d '{body}'", flush=True)
         code = supervisor.run(lambda: stop)
         if code:
             print("pdserve up: the cluster cannot go on; stopping", file=sys.stderr)

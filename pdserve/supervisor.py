@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 class Child:
     name: str
     command: list[str]
-    essential: bool = False  # the cluster cannot serve without it (the gateway)
+    essential: bool = False  # the cluster cannot serve without one of these (the gateways)
     proc: subprocess.Popen | None = None
     started: float = 0.0
     failures: int = 0  # fast failures in a row
@@ -68,8 +68,9 @@ class Supervisor:
                     child.restarts += 1
                     self._say(f"restarting {child.name} (restart {child.restarts})")
                     self._launch(child, now)
-        if any(c.essential and c.state in ("gave_up", "exited") for c in self.children):
-            return False
+        essential = [c for c in self.children if c.essential]
+        if essential and all(c.state in ("gave_up", "exited") for c in essential):
+            return False  # no gateway left: nothing can reach the nodes
         return any(c.state in ("running", "waiting") for c in self.children)
 
     def _exited(self, child: Child, code: int, now: float) -> None:

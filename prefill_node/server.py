@@ -135,6 +135,7 @@ class PrefillRole(RoleDefaults):
                     seq.params,
                     seq.block_table,
                     skip=req.skip,
+                    gateway=self.node.gateway_of(seq.seq_id),
                 )
 
     def engine_step(

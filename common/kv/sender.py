@@ -102,6 +102,7 @@ class KvSender:
         block_table: list[int],
         skip: int = 0,
         fetch: bool = False,
+        gateway: str = "",
     ) -> Transfer:
         """Start a transfer; with `skip` (whole blocks) the decode node holds the first
         `skip` tokens' KV already and only the rest travels."""
@@ -134,6 +135,7 @@ class KvSender:
             location=t.location,
             skip_tokens=skip,
             fetch=fetch,
+            gateway=gateway,
         )
         self._post(target, _Item([encode(header)]))
         return t

@@ -1,9 +1,11 @@
 """A node's control plane, the same for every role: registration, heartbeats, leases, drain.
 
-A node connects a DEALER (identity = node id + a random suffix) to the gateway's control
-ROUTER, registers, and sends a heartbeat with its load every `heartbeat_interval`. The reply
-names request ids the gateway no longer knows (the node frees them: leases) or says the
-gateway does not know the node (it restarted): the node registers again. SIGTERM drains:
+A node connects a DEALER (identity = node id + a random suffix) to each gateway's control
+ROUTER (common/node/links.py: one link per gateway, and which gateway each request belongs
+to), registers, and sends a heartbeat with its load every `heartbeat_interval`. The reply
+names request ids that gateway no longer knows (the node frees them: leases) or says the
+gateway does not know the node (it restarted): the node registers again. A gateway silent
+for `heartbeat_timeout` has its requests freed (its clients are gone with it). SIGTERM drains:
 stop taking work, finish what is held (or hand it back after `drain_timeout`), exit. A loop
 that dies takes the node down, so that a supervisor restarts it rather than the gateway
 offering work to a node that cannot do it.
@@ -19,29 +21,39 @@ import signal
 import time
 from typing import Any, Protocol
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from pdserve.common.config import NodeConfig
 from pdserve.common.errors import PdserveError
 from pdserve.common.node.events import PrefixEvents
-from pdserve.common.node.host import resolve_tokens_address
+from pdserve.common.node.links import GatewayLink, Owners, gateway_addresses
 from pdserve.common.node_metrics import NodeMetrics, start_http
 from pdserve.common.wire.protocol import (
     GATEWAY_DECODER,
+    Abort,
+    Accept,
     Deregister,
+    Foreign,
     Heartbeat,
     HeartbeatReply,
+    KvEvents,
     Load,
     Msg,
     NodeInfo,
+    Preempted,
+    PrefillOffer,
+    Rebalance,
+    Redirect,
     Register,
     RegisterAck,
     RegisterRefuse,
+    Reject,
     SwitchRole,
-    encode,
+    TokenBatch,
 )
-from pdserve.common.wire.transport import CONTROL_MAX_MSG, decode_or_none, make_socket, send
+from pdserve.common.wire.transport import decode_or_none
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +69,7 @@ class NodeState(Protocol):
     def load(self) -> Load: ...
     def idle(self) -> bool: ...  # nothing held: a draining node may exit
     def free_stale(self, request_ids: tuple[str, ...]) -> None: ...
+    def foreign(self, request_ids: list[str]) -> Foreign: ...  # what these ids hold
 
 
 class RoleMessages(Protocol):
@@ -84,39 +97,94 @@ class ControlPlane:
     ) -> None:
         self.cfg, self.node_id, self.ctx = cfg, node_id, ctx
         self.node, self.role, self.events, self.metrics = node, role, events, metrics
-        self.control = make_socket(
-            ctx, "node.control", cfg.gateway,
-            identity=f"{node_id}/{secrets.token_hex(4)}",  # unique even for a duplicate id
-            max_msg=CONTROL_MAX_MSG,
-        )  # fmt: skip
-        self.registered = asyncio.Event()
+        identity = f"{node_id}/{secrets.token_hex(4)}"  # unique even for a duplicate id
+        self.links = [GatewayLink(ctx, a, identity) for a in gateway_addresses(cfg.gateway)]
+        self.owners = Owners()
+        self.registered = asyncio.Event()  # with at least one gateway
         self.stopped = asyncio.Event()
         self.draining = False
-        self.refused = False  # the gateway refused us: the node id is not ours to deregister
+        self.refused = False  # a gateway refused us: the node id is not ours to deregister
         self.switch_to: str | None = None  # the role to take once drained (SwitchRole)
-        self.last_reply = time.monotonic()
-        self.tokens_address = ""
-        self.tokens_sock: Any = None
         self.tasks: list[asyncio.Task] = []
         self.http: Any = None
 
+    # -- which gateway -----------------------------------------------------------------------
+    def link_for(self, rid: str) -> GatewayLink | None:
+        """The gateway `rid` belongs to (with one gateway, always that one)."""
+        return self.owners.get(rid) or (self.links[0] if len(self.links) == 1 else None)
+
+    def adopt(self, rid: str, gateway_id: str) -> bool:
+        """A request's KV announced for the gateway `gateway_id` (decode): False when this
+        node is not registered with it, or the id belongs to another gateway."""
+        link = next((k for k in self.links if k.registered and k.gateway_id == gateway_id), None)
+        if link is None and (gateway_id or len(self.links) > 1):
+            return False
+        return self.owners.adopt(rid, link or self.links[0])
+
+    def gateway_of(self, rid: str) -> str:
+        """The gateway id to name in a KvHeader for `rid`."""
+        link = self.link_for(rid)
+        return link.gateway_id if link is not None else ""
+
+    def foreign(self, link: GatewayLink) -> Foreign:
+        """What the node holds for the other gateways (one gateway: nothing)."""
+        if len(self.links) == 1:
+            return Foreign()
+        held = self.node.load().held
+        return self.node.foreign([r for r in held if self.owners.get(r) not in (link, None)])
+
+    # -- to the gateways ---------------------------------------------------------------------
+    async def send(self, msg: Msg) -> None:
+        """A request's message to its gateway; KvEvents and Deregister to every gateway."""
+        rid = getattr(msg, "request_id", None)
+        if rid is None:
+            for each in self.links:
+                if each.registered or not isinstance(msg, KvEvents):
+                    with contextlib.suppress(zmq.ZMQError):
+                        await each.send(msg)
+            return
+        link = self.link_for(rid)
+        if link is None:
+            log.debug("no gateway for %s: %s dropped", rid, type(msg).__name__)
+            return
+        if isinstance(msg, (Accept, Reject)) and len(self.links) > 1:
+            msg = msgspec.structs.replace(msg, foreign=self.foreign(link))
+        await link.send(msg)
+
     async def push_tokens(self, msg: Msg) -> None:
-        """Token batches and preemptions go to the gateway's PULL socket (decode, colocated)."""
+        """Token batches and preemptions to the PULL socket of each request's gateway."""
         await self.registered.wait()
-        assert self.tokens_sock is not None
-        await self.tokens_sock.send(encode(msg))
+        if isinstance(msg, Preempted):
+            if (link := self.link_for(msg.request_id)) is not None:
+                await link.push(msg)
+            return
+        assert isinstance(msg, TokenBatch)
+        if len(self.links) == 1:
+            await self.links[0].push(msg)
+            return
+        per: dict[int, list[int]] = {}
+        for i, rid in enumerate(msg.request_ids):
+            if (link := self.link_for(rid)) is not None:
+                per.setdefault(id(link), []).append(i)
+        for one in self.links:
+            if (rows := per.get(id(one))) is not None:
+                await one.push(TokenBatch(
+                    node_id=msg.node_id,
+                    request_ids=[msg.request_ids[i] for i in rows],
+                    token_ids=[msg.token_ids[i] for i in rows],
+                    indices=[msg.indices[i] for i in rows],
+                    finish_reasons=[msg.finish_reasons[i] for i in rows],
+                ))  # fmt: skip
 
     def health(self) -> str | None:
-        """None while serving (registered, not draining), else why not: /health."""
+        """None while serving (registered with a gateway, not draining), else why not."""
         if self.draining:
             return "draining"
         if not self.registered.is_set():
             return f"not registered with the gateway at {self.cfg.gateway}"
         return None
 
-    async def send(self, msg: Msg) -> None:
-        await send(self.control, msg)
-
+    # -- life ----------------------------------------------------------------------------------
     async def start(self, role_tasks: list[asyncio.Task]) -> None:
         """Signals, the control loops and /metrics; then register. The role's own loops
         are watched with them: any one that dies stops the node."""
@@ -126,7 +194,7 @@ class ControlPlane:
                 loop.add_signal_handler(sig, self.on_signal)
         self.tasks += [
             *role_tasks,
-            asyncio.create_task(self._control_loop()),
+            *(asyncio.create_task(self._control_loop(link)) for link in self.links),
             asyncio.create_task(self._heartbeat_loop()),
         ]
         for task in self.tasks:
@@ -135,7 +203,8 @@ class ControlPlane:
             self.http = await start_http(
                 self.metrics, self.health, self.cfg.metrics_host, self.cfg.metrics_port
             )
-        await self.send(Register(info=self.node.info()))
+        for link in self.links:
+            await link.send(Register(info=self.node.info()))
 
     async def wait_stopped(self) -> None:
         await self.stopped.wait()
@@ -156,7 +225,7 @@ class ControlPlane:
     async def stop(self) -> None:
         """Deregister and end the loops (the role's included)."""
         if not self.refused:
-            with contextlib.suppress(zmq.ZMQError):
+            with contextlib.suppress(zmq.ZMQError, TimeoutError):
                 await asyncio.wait_for(self.send(Deregister(node_id=self.node_id)), 0.5)
         for task in self.tasks:
             task.cancel()
@@ -167,9 +236,8 @@ class ControlPlane:
             await self.http.cleanup()
 
     def close(self) -> None:
-        if self.tokens_sock is not None:
-            self.tokens_sock.close()
-        self.control.close()
+        for link in self.links:
+            link.close()
 
     def on_signal(self) -> None:
         """SIGTERM or SIGINT: drain and exit, a role switch under way included."""
@@ -193,27 +261,29 @@ class ControlPlane:
             await self.role.on_drain_timeout()
         self.stopped.set()
 
-    async def _control_loop(self) -> None:
+    # -- from the gateways ---------------------------------------------------------------------
+    async def _control_loop(self, link: GatewayLink) -> None:
         while True:
-            payload = await self.control.recv()
+            payload = await link.control.recv()
             msg = decode_or_none(GATEWAY_DECODER, payload)
-            self.last_reply = time.monotonic()
+            link.last_reply = time.monotonic()
             match msg:
-                case RegisterAck(tokens_address=address):
-                    self._registered(msg, address)
+                case RegisterAck():
+                    self._registered(link, msg)
                 case RegisterRefuse(reason=reason):
-                    log.error("gateway refused %s: %s", self.node_id, reason)
+                    log.error("gateway %s refused %s: %s", link.address, self.node_id, reason)
                     self.refused = True
                     self.stopped.set()
                     raise RegistrationRefused(reason)
                 case HeartbeatReply(stale=stale, unknown_node=unknown):
-                    if stale:
-                        self.node.free_stale(stale)
+                    mine = tuple(r for r in stale if self.link_for(r) in (link, None))
+                    if mine:
+                        self.node.free_stale(mine)
                     if msg.kv_resync:
                         self.events.resync()
                     if unknown and not self.draining:
-                        self.registered.clear()
-                        await self.send(Register(info=self.node.info()))
+                        link.registered = False
+                        await link.send(Register(info=self.node.info()))
                 case SwitchRole(role=role) if role != self.role.role and not self.draining:
                     # the other role in this process: drain as for SIGTERM, then the serving
                     # loop (common/node/roles.py) starts the other role's node on the engine
@@ -223,32 +293,67 @@ class ControlPlane:
                 case SwitchRole():
                     log.info("%s: role switch ignored (draining, or that role)", self.node_id)
                 case None:
-                    log.warning("dropping malformed message from the gateway")
+                    log.warning("dropping malformed message from the gateway at %s", link.address)
                 case _:
-                    try:
-                        await self.role.on_gateway_message(msg)
-                    except Exception:
-                        log.exception("handling %s failed", type(msg).__name__)
+                    await self._for_role(link, msg)
 
-    def _registered(self, ack: RegisterAck, address: str) -> None:
+    async def _for_role(self, link: GatewayLink, msg: Any) -> None:
+        """A gateway acts only on its own requests: another gateway's id is not its to take,
+        abort, redirect or move (several gateways, one cluster)."""
+        match msg:
+            case PrefillOffer(request_id=rid) if not self.owners.adopt(rid, link):
+                reject = Reject(request_id=rid, reason="duplicate request id", room=-1)
+                await link.send(reject)
+                return
+            case Abort(request_id=rid) | Redirect(request_id=rid) if self.link_for(rid) is not link:
+                log.warning("%s for %s from a gateway it does not belong to: dropped",
+                            type(msg).__name__, rid)  # fmt: skip
+                return
+            case Rebalance(request_ids=rids):
+                msg = Rebalance(request_ids=tuple(r for r in rids if self.link_for(r) is link))
+        try:
+            await self.role.on_gateway_message(msg)
+        except Exception:
+            log.exception("handling %s failed", type(msg).__name__)
+
+    def _registered(self, link: GatewayLink, ack: RegisterAck) -> None:
+        if link.gateway_id and ack.gateway_id != link.gateway_id:
+            self._orphan(link, "the gateway restarted")
         self.events.resync()  # a new gateway, or one that dropped us
         self.role.on_registered(ack)
-        self.tokens_address = resolve_tokens_address(address, self.cfg.gateway)
+        link.registered_as(ack.gateway_id, ack.tokens_address, self.role.pushes_tokens)
         self.registered.set()
-        log.info("%s registered", self.node_id)
-        if self.role.pushes_tokens and self.tokens_sock is None:
-            self.tokens_sock = make_socket(self.ctx, "decode.tokens", self.tokens_address)
+        log.info("%s registered with the gateway at %s", self.node_id, link.address)
+
+    def _orphan(self, link: GatewayLink, why: str) -> None:
+        """The gateway's requests have nobody to go to: free them (their KV with them)."""
+        owned = [r for r in self.owners.owned(link) if r in set(self.node.load().held)]
+        if owned:
+            log.warning("%s: %s; freeing its %d requests", link.address, why, len(owned))
+            self.node.free_stale(tuple(owned))
 
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval)
             load = self.node.load()
-            await self.send(Heartbeat(node_id=self.node_id, load=load, kv_seq=self.events.seq()))
+            self.owners.sweep(set(load.held))
+            for link in self.links:
+                await self._heartbeat(link, load)
             if self.registered.is_set():
                 await self.events.publish()
-            silent = time.monotonic() - self.last_reply
-            if silent > self.cfg.heartbeat_timeout and not self.draining:
-                # the gateway is gone or restarted: keep knocking until it answers
+            if not any(link.registered for link in self.links):
                 self.registered.clear()
-                await self.send(Register(info=self.node.info()))
-                self.last_reply = time.monotonic()
+
+    async def _heartbeat(self, link: GatewayLink, load: Load) -> None:
+        if len(self.links) > 1:
+            held = tuple(r for r in load.held if self.owners.get(r) is link)
+            load = msgspec.structs.replace(load, held=held, foreign=self.foreign(link))
+        await link.send(Heartbeat(node_id=self.node_id, load=load, kv_seq=self.events.seq()))
+        silent = time.monotonic() - link.last_reply
+        if silent > self.cfg.heartbeat_timeout and not self.draining and not link.replies_waiting():
+            # the gateway is gone or restarted: free its requests, knock until it answers
+            if link.registered:
+                self._orphan(link, f"silent for {silent:.1f} s")
+            link.registered = False
+            await link.send(Register(info=self.node.info()))
+            link.last_reply = time.monotonic()

@@ -40,6 +40,7 @@ class HandoffHost(Protocol):
     def sender(self) -> KvSender: ...
     def spawn(self, coro: Any) -> None: ...
     async def send_gateway(self, msg: Msg) -> None: ...
+    def gateway_of(self, rid: str) -> str: ...
 
 
 class KvHandoff:
@@ -94,9 +95,8 @@ class KvHandoff:
         req.target, req.skip = target, 0
         seq = req.seq
         prompt = seq.token_ids[:-1]  # the newest token is sent with KvDone, not as KV
-        t = node.sender.begin(
-            rid, target, prompt, seq.num_prompt_tokens, seq.params, seq.block_table
-        )
+        t = node.sender.begin(rid, target, prompt, seq.num_prompt_tokens, seq.params,
+                              seq.block_table, gateway=node.gateway_of(rid))  # fmt: skip
         # staging reads only this request's blocks: it need not wait behind the next forward
         # pass in the engine thread
         payloads = await asyncio.to_thread(node.sender.stage_all, t)

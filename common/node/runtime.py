@@ -44,7 +44,7 @@ from pdserve.common.node.kv import NodeKv
 from pdserve.common.node.role import NodeRequest, Role
 from pdserve.common.node.steps import StepLoop
 from pdserve.common.node_metrics import NodeMetrics
-from pdserve.common.wire.protocol import Load, Msg, NodeInfo, Preempted, TokenBatch
+from pdserve.common.wire.protocol import Foreign, Load, Msg, NodeInfo, Preempted, TokenBatch
 from pdserve.common.wire.security import ClusterKey, close_context, make_context
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,8 @@ class NodeRuntime:
         """`executor`: the process's engine thread, kept across role switches (the launcher
         builds the engine on it: common/engine/threads.py); None: a thread of its own."""
         if not cfg.advertise_host:
-            cfg = dataclasses.replace(cfg, advertise_host=facing_address(cfg.gateway))
+            first = cfg.gateway.split(",")[0].strip()
+            cfg = dataclasses.replace(cfg, advertise_host=facing_address(first))
         self.cfg, self.ecfg, self.engine, self.tokenizer = cfg, ecfg, engine, tokenizer
         self.node_id = cfg.node_id or default_node_id(role.role)
         self.key = ClusterKey.load(cfg.cluster_key) if cfg.cluster_key else None
@@ -155,6 +156,16 @@ class NodeRuntime:
             token_cost=self.token_cost,
         )
 
+    def foreign(self, request_ids: list[str]) -> Foreign:
+        """What these requests (held for other gateways) weigh: prompts still to prefill,
+        and the rest (decoding, or KV arriving)."""
+        prefill: list[int] = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None and req.seq.num_output_tokens == 0:
+                prefill.append(req.seq.num_prompt_tokens)
+        return Foreign(prefill=tuple(prefill), decoding=len(request_ids) - len(prefill))
+
     def idle(self) -> bool:
         return not self.requests and not self.role.extra_held()
 
@@ -211,7 +222,11 @@ class NodeRuntime:
 
     # -- to the gateway ----------------------------------------------------------------------
     async def send_gateway(self, msg: Msg) -> None:
+        """To the gateway the message's request belongs to (KvEvents: to every gateway)."""
         await self.control.send(msg)
+
+    def gateway_of(self, rid: str) -> str:
+        return self.control.gateway_of(rid)
 
     async def push_step(self, out: list[tuple[Sequence, str | None]]) -> None:
         """One TokenBatch with each sequence's newest token, its output index and finish

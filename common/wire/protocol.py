@@ -51,13 +51,22 @@ class NodeInfo(msgspec.Struct, kw_only=True, frozen=True):
     kv_endpoints: dict[str, str] = msgspec.field(default_factory=dict)
 
 
+class Foreign(msgspec.Struct, kw_only=True, frozen=True):
+    """What a node holds for the other gateways it serves (several gateways, one cluster):
+    each gateway derives a node's in-flight work from its own request table and adds this."""
+
+    prefill: tuple[int, ...] = ()  # prompt lengths of requests not prefilled yet
+    decoding: int = 0  # requests past prefill, or whose KV is arriving
+
+
 class Load(msgspec.Struct, kw_only=True, frozen=True):
     running: int  # sequences in the engine (prefill batch or decode batch)
     waiting: int  # queued locally (queueing mode) or KV transfers in progress
     blocks_free: int
     blocks_cached: int
     blocks_in_use: int
-    held: tuple[str, ...] = ()  # request ids whose KV this node holds (the lease)
+    held: tuple[str, ...] = ()  # request ids it holds for the gateway it reports to (the lease)
+    foreign: Foreign = Foreign()  # what it holds for other gateways
     draining: bool = False
     prefix_queries: int = 0  # prompt tokens looked up in its prefix cache, since it started
     prefix_hits: int = 0  # of those, found cached
@@ -77,12 +86,14 @@ class Heartbeat(Msg):
 
 class Accept(Msg):
     request_id: str
+    foreign: Foreign | None = None  # as in Load, now (several gateways)
 
 
 class Reject(Msg):
     request_id: str
     reason: str
     room: int = -1  # the longest prompt (tokens) it would accept now; -1: not known
+    foreign: Foreign | None = None  # as in Load, now (several gateways)
 
 
 class FirstToken(Msg):
@@ -172,6 +183,9 @@ class RegisterAck(Msg):
     # prefill nodes: accept every offer and queue locally (the baseline policies), or answer
     # by batch room (on-demand); the gateway's policy decides, for every node alike
     queueing: bool = False
+    # this gateway process (random at start): a decode node sends a request's tokens to the
+    # gateway the prefill node names in `KvHeader.gateway` (several gateways, one cluster)
+    gateway_id: str = ""
 
 
 class RegisterRefuse(Msg):
@@ -265,6 +279,7 @@ class KvHeader(Msg):
     # the frames carry tokens skip_tokens.. only
     skip_tokens: int = 0
     fetch: bool = False  # prefix blocks a node fetched (KvFetch), not a request to decode
+    gateway: str = ""  # the gateway that placed the request (RegisterAck.gateway_id)
 
 
 class KvLayer(Msg):

@@ -11,7 +11,7 @@ import aiohttp
 import orjson
 
 from tests.e2e.conftest import wait_for
-from tests.e2e.test_stress import sim_text
+from tests.e2e.streams import sim_text
 
 
 async def _one(session: aiohttp.ClientSession, url: str, body: dict, cut: float | int | None):

@@ -45,8 +45,7 @@ import pytest
 from pdserve.launch import stop_all, wait_healthy
 from tests.chaos.test_node_faults import _nodes
 from tests.e2e.conftest import Cluster, wait_for
-from tests.e2e.streams import SteadyLoad, seeded_bodies
-from tests.e2e.test_stress import sim_text
+from tests.e2e.streams import SteadyLoad, seeded_bodies, sim_text
 
 PID = os.getpid()
 NET = f"10.214.{PID % 250 + 1}"  # this test's /24; this process's host is .1

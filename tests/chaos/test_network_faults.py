@@ -19,8 +19,7 @@ import time
 import pytest
 
 from tests.e2e.conftest import wait_for
-from tests.e2e.streams import SteadyLoad, seeded_bodies
-from tests.e2e.test_stress import sim_text
+from tests.e2e.streams import SteadyLoad, seeded_bodies, sim_text
 
 
 def _netns_permitted() -> bool:

@@ -24,8 +24,7 @@ from typing import Any
 
 from pdserve.common.wire.transport import free_port
 from tests.e2e.conftest import Cluster, wait_for
-from tests.e2e.streams import SteadyLoad, run_streams
-from tests.e2e.test_stress import sim_text
+from tests.e2e.streams import SteadyLoad, run_streams, sim_text
 
 # ~1 s of decode per request: at 20 requests/s each node holds work when it is hit
 NODE_FLAGS = ("--sim-time-scale", "0.5", "--kv-backend", "tcp")

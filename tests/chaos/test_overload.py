@@ -18,7 +18,7 @@ from pdserve.decode_node.server import DecodeRole
 from pdserve.prefill_node.server import PrefillRole
 from tests.component.cluster import Cluster, prompt, until
 from tests.component.test_admission import _serve
-from tests.e2e.test_stress import sim_text
+from tests.e2e.streams import sim_text
 
 
 async def test_past_max_waiting_requests_get_429_with_retry_after_at_once(tokenizer):

@@ -130,8 +130,7 @@ def test_pdserve_processes_switch_a_role_and_rebind_their_ports(make_cluster, to
 
     from pdserve.common.wire.transport import free_port
     from tests.e2e.conftest import wait_for
-    from tests.e2e.streams import SteadyLoad
-    from tests.e2e.test_stress import sim_text
+    from tests.e2e.streams import SteadyLoad, sim_text
 
     ports = {d: (free_port(), free_port()) for d in ("decode-0", "decode-1")}
     cluster = make_cluster(

@@ -245,8 +245,8 @@ async def test_nodes_register_and_mismatched_ones_are_refused(tokenizer):
         assert c.gw.cluster.nodes["decode-0"].info.data_address.startswith("tcp://127.0.0.1:")
         # the gateway leaves its tokens host empty: the node uses the host it registered to
         port = c.gw.link.tokens_address.rsplit(":", 1)[1]
-        assert decode.control.tokens_address == f"tcp://127.0.0.1:{port}"
-        assert decode.control.tokens_sock is not None
+        assert decode.control.links[0].tokens_address == f"tcp://127.0.0.1:{port}"
+        assert decode.control.links[0].tokens_sock is not None
         # heartbeats carry the load to the gateway
         await until(lambda: c.gw.cluster.nodes["prefill-0"].load.blocks_free == 256, 2)
 

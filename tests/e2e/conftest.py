@@ -24,9 +24,11 @@ from pdserve.launch import stop_all, wait_healthy
 @dataclass
 class Cluster:
     url: str
-    control: str
+    control: str  # the gateways' control addresses, comma-separated (what nodes are given)
     procs: list[subprocess.Popen] = field(default_factory=list)
     node_flags: list[str] = field(default_factory=list)
+    urls: list[str] = field(default_factory=list)  # every gateway's (the first is `url`)
+    gateways: list[subprocess.Popen] = field(default_factory=list)
 
     def post(
         self, path: str, body: Any, headers: dict[str, str] | None = None, timeout: float = 300
@@ -44,19 +46,20 @@ class Cluster:
         except urllib.error.HTTPError as err:
             return err.code, json.loads(err.read() or b"null")
 
-    def get(self, path: str) -> tuple[int, str]:
-        """(status, body); (0, reason) while nothing listens (e.g. a gateway restarting)."""
+    def get(self, path: str, at: str | None = None) -> tuple[int, str]:
+        """(status, body) from the gateway at `at` (default the first); (0, reason) while
+        nothing listens (e.g. a gateway restarting)."""
         try:
-            with urllib.request.urlopen(self.url + path, timeout=30) as resp:
+            with urllib.request.urlopen((at or self.url) + path, timeout=30) as resp:
                 return resp.status, resp.read().decode()
         except urllib.error.HTTPError as err:
             return err.code, err.read().decode()
         except (urllib.error.URLError, ConnectionError) as err:
             return 0, str(err)
 
-    def metric(self, name: str, **labels: str) -> float:
-        """Sum of the samples of `name` whose labels include `labels`."""
-        _, text = self.get("/metrics")
+    def metric(self, name: str, at: str | None = None, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels` (gateway `at`)."""
+        _, text = self.get("/metrics", at)
         total = 0.0
         for line in text.splitlines():
             if not line.startswith(name):
@@ -98,23 +101,21 @@ def start_cluster(
     node_flags: tuple[str, ...] = (),
     threads: int = 1,
     extra: dict[str, tuple[str, ...]] | None = None,
+    gateways: int = 1,
 ) -> Cluster:
-    """`extra` adds flags to single nodes by id (say, fixed ports for "decode-0")."""
-    port, control, tokens = free_port(), free_port(), free_port()
-    cluster = Cluster(url=f"http://127.0.0.1:{port}", control=f"tcp://127.0.0.1:{control}")
+    """`extra` adds flags to single nodes by id (say, fixed ports for "decode-0");
+    `gateways` > 1: that many gateways, every node registered with each."""
     base = [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO"]
-    gateway = [
-        *base,
-        "gateway",
-        "--port",
-        str(port),
-        "--control-port",
-        str(control),
-        "--tokens-port",
-        str(tokens),
-        *gateway_flags,
-    ]
-    cluster.procs.append(subprocess.Popen(gateway))
+    urls, controls, procs = [], [], []
+    for _ in range(gateways):
+        port, control, tokens = free_port(), free_port(), free_port()
+        urls.append(f"http://127.0.0.1:{port}")
+        controls.append(f"tcp://127.0.0.1:{control}")
+        gateway = [*base, "gateway", "--port", str(port), "--control-port", str(control),
+                   "--tokens-port", str(tokens), *gateway_flags]  # fmt: skip
+        procs.append(subprocess.Popen(gateway))
+    cluster = Cluster(url=urls[0], control=",".join(controls), urls=urls, gateways=procs)
+    cluster.procs += procs
     # torch nodes: a 256 MiB KV cache (~5,800 tokens in float32) instead of the 1 GiB default,
     # which every node zeroes at start (page by page: seconds for four nodes on two cores);
     # a test's own --kv-cache-gb or --num-kv-blocks comes later and wins
@@ -137,7 +138,8 @@ def start_cluster(
             ]
             cluster.procs.append(subprocess.Popen(cmd))
     try:
-        wait_healthy(cluster.url, cluster.procs, timeout=180, nodes=prefill + decode + colocated)
+        for url in urls:
+            wait_healthy(url, cluster.procs, timeout=180, nodes=prefill + decode + colocated)
     except Exception:
         cluster.stop()
         raise

@@ -13,6 +13,10 @@ from typing import Any
 import aiohttp
 import orjson
 
+from pdserve.common.engine.sim import FIRST_ORDINARY_TOKEN, ORDINARY_TOKEN_SPAN
+from pdserve.common.model.tokenizer import IncrementalDetokenizer
+from pdserve.common.sampling import counter_int
+
 
 @dataclass
 class StreamResult:
@@ -89,24 +93,36 @@ def _on_event(result: StreamResult, event: bytes) -> None:
 
 
 async def _many(
-    url: str, bodies: list[dict[str, Any]], timeout: float, spacing: float
+    url: str | list[str], bodies: list[dict[str, Any]], timeout: float, spacing: float
 ) -> list[StreamResult]:
     connector = aiohttp.TCPConnector(limit=0)
+    urls = [url] if isinstance(url, str) else url
 
     async def later(i: int, body: dict[str, Any]) -> StreamResult:
         await asyncio.sleep(i * spacing)
-        return await _one(session, url, body, timeout)
+        return await _one(session, urls[i % len(urls)], body, timeout)
 
     async with aiohttp.ClientSession(connector=connector) as session:
         return list(await asyncio.gather(*(later(i, b) for i, b in enumerate(bodies))))
 
 
 def run_streams(
-    url: str, bodies: list[dict[str, Any]], timeout: float = 60.0, spacing: float = 0.0
+    url: str | list[str], bodies: list[dict[str, Any]], timeout: float = 60.0, spacing: float = 0.0
 ) -> list[StreamResult]:
     """Send every body (all at once, or one every `spacing` seconds: a steady load) and wait
-    for all of them; each ends or times out `timeout` seconds after it was sent."""
+    for all of them; each ends or times out `timeout` seconds after it was sent. Several
+    URLs (gateways of one cluster): body i goes to URL i mod their count."""
     return asyncio.run(_many(url, bodies, timeout, spacing))
+
+
+def sim_text(tokenizer: Any, prompt: list[int], seed: int, n: int) -> str:
+    """What the sim engine generates for this prompt and seed, detokenized as the gateway does."""
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    ids = [
+        FIRST_ORDINARY_TOKEN + counter_int(seed, len(prompt) + i, ORDINARY_TOKEN_SPAN)
+        for i in range(n)
+    ]
+    return "".join(detok.add(t) for t in ids)
 
 
 def seeded_bodies(count: int, max_tokens: int) -> list[dict[str, Any]]:

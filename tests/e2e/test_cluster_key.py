@@ -10,7 +10,7 @@ import sys
 import time
 
 from tests.e2e.conftest import wait_for
-from tests.e2e.test_stress import sim_text
+from tests.e2e.streams import sim_text
 
 
 def _keygen(path) -> None:

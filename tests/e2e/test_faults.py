@@ -21,8 +21,7 @@ from pdserve.common.kv.tcp import ID_BYTES, frame_head
 from pdserve.common.wire.protocol import Heartbeat, Load, TokenBatch, encode
 from pdserve.common.wire.transport import free_port
 from tests.e2e.conftest import Cluster, wait_for
-from tests.e2e.streams import run_streams
-from tests.e2e.test_stress import sim_text
+from tests.e2e.streams import run_streams, sim_text
 
 
 def _bodies(n: int, max_tokens: int, stream: bool = True) -> list[dict]:

@@ -7,20 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.common.engine.sim import FIRST_ORDINARY_TOKEN, ORDINARY_TOKEN_SPAN
-from pdserve.common.model.tokenizer import IncrementalDetokenizer
-from pdserve.common.sampling import counter_int
-from tests.e2e.streams import run_streams
-
-
-def sim_text(tokenizer, prompt: list[int], seed: int, n: int) -> str:
-    """What the sim engine generates for this prompt and seed, detokenized as the gateway does."""
-    detok = IncrementalDetokenizer(tokenizer, prompt)
-    ids = [
-        FIRST_ORDINARY_TOKEN + counter_int(seed, len(prompt) + i, ORDINARY_TOKEN_SPAN)
-        for i in range(n)
-    ]
-    return "".join(detok.add(t) for t in ids)
+from tests.e2e.streams import run_streams, sim_text
 
 
 @pytest.mark.parametrize(

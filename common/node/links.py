@@ -1,0 +1,119 @@
+"""A node's gateways: one control link per gateway, and which gateway each request belongs to.
+
+Several gateways may serve one cluster (docs/architecture.md, "Several gateways"). A node
+registers, heartbeats and publishes its prefix cache to each; a request belongs to the
+gateway that offered it (a prefill or colocated node) or that the prefill node names in the
+KV header (a decode node). Everything a request produces goes to its gateway alone, and only
+its gateway may abort, redirect or move it. With one gateway every request is its.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+import zmq
+
+from pdserve.common.node.host import resolve_tokens_address
+from pdserve.common.wire.protocol import Msg, encode
+from pdserve.common.wire.transport import CONTROL_MAX_MSG, make_socket, send
+
+
+class GatewayLink:
+    """The control DEALER to one gateway, and the PUSH socket for the tokens it receives."""
+
+    def __init__(self, ctx: Any, address: str, identity: str) -> None:
+        self.ctx, self.address = ctx, address
+        self.control = make_socket(ctx, "node.control", address, identity=identity,
+                                   max_msg=CONTROL_MAX_MSG)  # fmt: skip
+        self.registered = False
+        self.gateway_id = ""  # RegisterAck.gateway_id: a new value is a new gateway process
+        self.last_reply = time.monotonic()
+        self.tokens_address = ""
+        self.tokens_sock: Any = None
+
+    async def send(self, msg: Msg) -> None:
+        await send(self.control, msg)
+
+    async def push(self, msg: Msg) -> None:
+        """A token batch or preemption to this gateway's PULL socket (decode, colocated)."""
+        if self.tokens_sock is not None:
+            await self.tokens_sock.send(encode(msg))
+
+    def registered_as(self, gateway_id: str, tokens_address: str, pushes: bool) -> None:
+        self.registered, self.gateway_id = True, gateway_id
+        self.tokens_address = resolve_tokens_address(tokens_address, self.address)
+        if pushes and self.tokens_sock is None:
+            self.tokens_sock = make_socket(self.ctx, "decode.tokens", self.tokens_address)
+
+    def replies_waiting(self) -> bool:
+        """Replies queued unread (this node's loop was late, not the gateway silent)."""
+        events = self.control.getsockopt(zmq.EVENTS)
+        return isinstance(events, int) and bool(events & zmq.POLLIN)
+
+    def close(self) -> None:
+        if self.tokens_sock is not None:
+            self.tokens_sock.close()
+        self.control.close()
+
+
+class Owners:
+    """Request wire id -> the link of the gateway it belongs to. An entry lives while the node
+    holds the request and one sweep more (a late KvTransferred record still finds its way)."""
+
+    def __init__(self) -> None:
+        self.of: dict[str, GatewayLink] = {}
+        self.absent: set[str] = set()  # not held at the last sweep
+
+    def adopt(self, rid: str, link: GatewayLink) -> bool:
+        """`rid` belongs to `link` (False: it belongs to another gateway)."""
+        self.absent.discard(rid)
+        return self.of.setdefault(rid, link) is link
+
+    def get(self, rid: str) -> GatewayLink | None:
+        return self.of.get(rid)
+
+    def owned(self, link: GatewayLink) -> list[str]:
+        return [rid for rid, owner in self.of.items() if owner is link]
+
+    def sweep(self, held: set[str]) -> None:
+        """Forget requests the node has not held for two sweeps."""
+        for rid in [r for r in self.absent if r not in held]:
+            self.of.pop(rid, None)
+        self.absent = {rid for rid in self.of if rid not in held}
+
+
+def gateway_addresses(given: str) -> list[str]:
+    """The gateways a node serves: `--gateway` repeated or comma-separated; a host name that
+    resolves to several addresses (a Kubernetes headless Service) is one gateway each."""
+    found: list[str] = []
+    for address in (a.strip() for a in given.split(",") if a.strip()):
+        for one in _expand(address):
+            if one not in found:
+                found.append(one)
+    return found
+
+
+def _expand(address: str) -> list[str]:
+    parts = urlsplit(address)
+    host, port = parts.hostname, parts.port
+    if parts.scheme != "tcp" or not host or port is None or _is_ip(host) or host == "localhost":
+        return [address]
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return [address]  # not resolvable yet: ZeroMQ keeps trying the name
+    ips = sorted({str(info[4][0]) for info in infos if info[0] == socket.AF_INET})
+    if len(ips) <= 1:
+        return [address]  # one gateway: keep the name (ZeroMQ re-resolves it on reconnect)
+    return [f"tcp://{ip}:{port}" for ip in ips]
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
+    except OSError:
+        return False
+    return True

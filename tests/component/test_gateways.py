@@ -1,0 +1,192 @@
+"""Nodes serving several gateways, against two scripted gateways on real ZeroMQ sockets: the
+nodes arbitrate their own room (two gateways' offers for the last slot get one Accept and one
+Reject), and a request belongs to the gateway that placed it (its tokens go there alone; no
+other gateway can abort it; a KV header naming a gateway the decode node does not serve is
+refused)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections import defaultdict
+
+import pytest
+
+from pdserve.common.config import NodeConfig
+from pdserve.common.engine.sim import SimEngine
+from pdserve.common.node import NodeRuntime
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.wire.protocol import (
+    NODE_DECODER,
+    TOKENS_DECODER,
+    Abort,
+    Accept,
+    DecodeTarget,
+    FirstToken,
+    Heartbeat,
+    HeartbeatReply,
+    NeedDecode,
+    PrefillOffer,
+    Register,
+    RegisterAck,
+    Reject,
+    TokenBatch,
+)
+from pdserve.common.wire.security import close_context, make_context
+from pdserve.common.wire.transport import free_port, make_socket, send
+from pdserve.decode_node.server import DecodeRole
+from pdserve.prefill_node.server import PrefillRole
+from tests.component.cluster import SIM, prompt, until
+
+pytestmark = pytest.mark.asyncio
+
+
+class ScriptedGateway:
+    """A gateway's two sockets: it acknowledges registrations and heartbeats (recording the
+    loads), and keeps every other message and every token it receives."""
+
+    def __init__(self, gateway_id: str) -> None:
+        self.gateway_id = gateway_id
+        self.ctx = make_context(None)
+        self.control_address = f"tcp://127.0.0.1:{free_port()}"
+        self.control = make_socket(self.ctx, "gateway.control", self.control_address)
+        tokens_port = free_port()
+        self.tokens = make_socket(self.ctx, "gateway.tokens", f"tcp://127.0.0.1:{tokens_port}")
+        self.tokens_address = f"tcp://127.0.0.1:{tokens_port}"
+        self.nodes: dict[str, bytes] = {}  # node id -> control identity
+        self.heartbeats: dict[str, Heartbeat] = {}
+        self.inbox: list[object] = []
+        self.streamed: dict[str, list[int]] = defaultdict(list)  # rid -> output indices
+        self.tasks = [asyncio.create_task(self._control()), asyncio.create_task(self._tokens())]
+
+    async def _control(self) -> None:
+        while True:
+            identity, payload = await self.control.recv_multipart()
+            msg = NODE_DECODER.decode(payload)
+            if isinstance(msg, Register):
+                self.nodes[msg.info.node_id] = identity
+                ack = RegisterAck(node_id=msg.info.node_id, tokens_address=self.tokens_address,
+                                  gateway_id=self.gateway_id)  # fmt: skip
+                await send(self.control, ack, to=identity)
+            elif isinstance(msg, Heartbeat):
+                self.heartbeats[msg.node_id] = msg
+                await send(self.control, HeartbeatReply(), to=identity)
+            else:
+                self.inbox.append(msg)
+                if isinstance(msg, FirstToken):
+                    self.streamed[msg.request_id].append(msg.index)
+
+    async def _tokens(self) -> None:
+        while True:
+            msg = TOKENS_DECODER.decode(await self.tokens.recv())
+            if isinstance(msg, TokenBatch):
+                for rid, index in zip(msg.request_ids, msg.indices, strict=True):
+                    self.streamed[rid].append(index)
+
+    async def offer(self, node: NodeRuntime, rid: str, decode: NodeRuntime, n: int) -> None:
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        offer = PrefillOffer(request_id=rid, prompt_ids=prompt(32), params=params,
+                             decode=_target(decode))  # fmt: skip
+        await send(self.control, offer, to=self.nodes[node.node_id])
+
+    async def tell(self, node: NodeRuntime, msg: object) -> None:
+        await send(self.control, msg, to=self.nodes[node.node_id])  # type: ignore[arg-type]
+
+    def answers(self, rid: str) -> list[object]:
+        return [m for m in self.inbox if isinstance(m, Accept | Reject) and m.request_id == rid]
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        self.control.close()
+        self.tokens.close()
+        close_context(self.ctx)
+
+
+def _target(node: NodeRuntime) -> DecodeTarget:
+    info = node.info()
+    return DecodeTarget(node_id=info.node_id, data_address=info.data_address,
+                        host_id=info.host_id, kv_endpoints=info.kv_endpoints)  # fmt: skip
+
+
+async def _node(tokenizer, role, node_id: str, gateways: list[ScriptedGateway], **ecfg):
+    cfg = NodeConfig(gateway=",".join(g.control_address for g in gateways), node_id=node_id,
+                     heartbeat_interval=0.05, kv_backend="tcp")  # fmt: skip
+    engine_cfg = dataclasses.replace(SIM, **ecfg)
+    node = NodeRuntime(role, cfg, engine_cfg, SimEngine(engine_cfg), tokenizer)
+    task = asyncio.create_task(node.serve())
+    await until(lambda: all(node_id in g.nodes for g in gateways), what="registrations")
+    await until(lambda: all(link.registered for link in node.control.links), what="acks")
+    return node, task
+
+
+async def _stop(*pairs) -> None:
+    for node, task in pairs:
+        node.stopped.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_the_last_slot_goes_to_one_gateway_and_the_request_stays_its(tokenizer):
+    a, b = ScriptedGateway("gw-a"), ScriptedGateway("gw-b")
+    prefill, decode = None, None
+    try:
+        prefill = await _node(tokenizer, PrefillRole, "prefill-0", [a, b], max_batch=1,
+                              sim_time_scale=0.5)  # fmt: skip
+        decode = await _node(tokenizer, DecodeRole, "decode-0", [a, b], sim_time_scale=0.5)
+        p, d = prefill[0], decode[0]
+        # both gateways offer the prefill node's one batch slot at the same moment
+        await asyncio.gather(a.offer(p, "ra.0", d, 60), b.offer(p, "rb.0", d, 60))
+        await until(lambda: a.answers("ra.0") and b.answers("rb.0"), what="both answers")
+        answers = [*a.answers("ra.0"), *b.answers("rb.0")]
+        assert sorted(type(m).__name__ for m in answers) == ["Accept", "Reject"]
+        winner, loser = (a, b) if isinstance(a.answers("ra.0")[0], Accept) else (b, a)
+        won, lost = ("ra.0", "rb.0") if winner is a else ("rb.0", "ra.0")
+        # the answers say what the node holds for the other gateway: nothing yet
+        assert all(m.foreign is not None for m in answers)  # type: ignore[attr-defined]
+        # the loser may not abort the winner's request
+        await until(lambda: len(winner.streamed[won]) >= 3, what="tokens flowing")
+        await loser.tell(d, Abort(request_id=won))
+        await loser.tell(p, Abort(request_id=won))
+        # the loser's heartbeats carry the winner's request as foreign, never as held
+        await until(lambda: loser.heartbeats["decode-0"].load.foreign.decoding == 1,
+                    what="foreign load")  # fmt: skip
+        assert won not in loser.heartbeats["decode-0"].load.held
+        await until(lambda: won in winner.heartbeats["decode-0"].load.held, what="held")
+        # every token of the request reaches its gateway, in order, and only there
+        await until(lambda: len(winner.streamed[won]) == 60, 20, "the whole stream")
+        assert sorted(winner.streamed[won]) == list(range(60))
+        assert won not in loser.streamed
+        # the slot is free again: the loser's retry is taken, and streams to the loser alone
+        await loser.offer(p, lost, d, 5)
+        await until(lambda: any(isinstance(m, Accept) for m in loser.answers(lost)), what="ok")
+        await until(lambda: len(loser.streamed[lost]) == 5, 20, "the retry's stream")
+        assert lost not in winner.streamed
+        # nothing left held, no block reserved twice or leaked
+        await until(lambda: not p.requests and not d.requests and not d.intake.active)
+        assert d.blocks.num_in_use_blocks == 0 and p.blocks.num_in_use_blocks == 0
+    finally:
+        await _stop(*(x for x in (prefill, decode) if x is not None))
+        await a.close()
+        await b.close()
+
+
+async def test_kv_for_a_gateway_the_decode_node_does_not_serve_is_refused(tokenizer):
+    """The prefill node serves gateway A only, the decode node gateway B only: the decode
+    node refuses the KV of A's request (it could not stream its tokens anywhere) and the
+    prefill node asks A for another decode node."""
+    a, b = ScriptedGateway("gw-a"), ScriptedGateway("gw-b")
+    prefill, decode = None, None
+    try:
+        prefill = await _node(tokenizer, PrefillRole, "prefill-0", [a])
+        decode = await _node(tokenizer, DecodeRole, "decode-0", [b])
+        await a.offer(prefill[0], "r.0", decode[0], 8)
+        await until(lambda: any(isinstance(m, NeedDecode) for m in a.inbox), what="NeedDecode")
+        need = next(m for m in a.inbox if isinstance(m, NeedDecode))
+        assert need.request_id == "r.0" and need.refused_by == "decode-0"
+        assert not [m for m in b.inbox if hasattr(m, "request_id")] and not b.streamed
+        await until(lambda: not decode[0].intake.active)
+        assert decode[0].blocks.num_in_use_blocks == 0
+    finally:
+        await _stop(*(x for x in (prefill, decode) if x is not None))
+        await a.close()
+        await b.close()

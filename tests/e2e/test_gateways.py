@@ -1,0 +1,107 @@
+"""Several gateways, one cluster (docs/architecture.md, "Several gateways"): real gateway and
+node processes, every node registered with each gateway, clients spread over them.
+
+The sim engine's tokens are a pure function of (seed, position): the exact text of every
+stream is known here, whichever gateway placed it and whichever nodes ran it."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+from tests.e2e.conftest import wait_for
+from tests.e2e.streams import run_streams, seeded_bodies, sim_text
+
+
+def _expected(tokenizer, bodies):
+    return [sim_text(tokenizer, b["prompt"], b["seed"], b["max_tokens"]) for b in bodies]
+
+
+def _held_everywhere(cluster, at: str) -> float:
+    """Requests the nodes hold, for any gateway, as their last reports to `at` say."""
+    return cluster.metric("pdserve:num_requests_running", at) + cluster.metric(
+        "pdserve:num_requests_waiting", at
+    )
+
+
+def test_two_gateways_serve_hundreds_of_streams_with_exact_text(make_cluster, tokenizer):
+    """300 seeded streams, every other one through the second gateway: each node takes work
+    from both (the nodes arbitrate their room), every text is exact, and afterwards no node
+    holds anything for either gateway."""
+    cluster = make_cluster(
+        prefill=2, decode=2, engine="sim", gateways=2,
+        node_flags=("--sim-time-scale", "0.02", "--kv-backend", "tcp", "--max-batch", "8"),
+    )  # fmt: skip
+    bodies = seeded_bodies(300, 12)
+    results = run_streams(cluster.urls, bodies, timeout=120)
+    failed = [(i, r.status, r.error) for i, r in enumerate(results) if not r.ok]
+    assert not failed, failed[:5]
+    assert [r.text for r in results] == _expected(tokenizer, bodies)
+    for url in cluster.urls:  # each gateway placed its half on the nodes, none re-placed
+        assert cluster.metric("pdserve:requests_total", url, outcome="ok") == 150
+        assert cluster.metric("pdserve:request_replacements_total", url) == 0
+        accepted = {
+            node: cluster.metric("pdserve:placement_accepts_total", url, node=node)
+            for node in ("prefill-0", "prefill-1")
+        }
+        assert sum(accepted.values()) >= 150
+    # both gateways' last reports from the nodes: nothing held, no KV in use
+    for url in cluster.urls:
+        assert wait_for(lambda url=url: _held_everywhere(cluster, url) == 0, 10)
+        assert wait_for(
+            lambda url=url: cluster.metric("pdserve:kv_blocks", url, state="in_use") == 0, 10
+        )
+
+
+def test_killing_one_gateway_changes_nothing_for_the_other_and_frees_its_kv(
+    make_cluster, tokenizer
+):
+    """Long streams through gateway 1, a steady load through gateway 0. Once the nodes hold
+    every one of gateway 1's streams, it is killed: gateway 0's streams all end with exact
+    text and none is re-placed, and the nodes free gateway 1's requests (their KV with them)
+    within their heartbeat timeout, long before those streams would have ended."""
+    timeout = 1.0  # the nodes' --heartbeat-timeout: how long a silent gateway keeps its work
+    cluster = make_cluster(
+        prefill=2, decode=2, engine="sim", gateways=2,
+        node_flags=("--sim-time-scale", "1", "--kv-backend", "tcp",
+                    "--heartbeat-timeout", str(timeout)),
+    )  # fmt: skip
+    survivor, victim = cluster.urls
+    doomed = seeded_bodies(24, 4000)  # 4000 decode steps of ~10 ms (modelled H100): ~40 s
+    for body in doomed:
+        body["seed"] += 10_000
+    steady = seeded_bodies(120, 24)
+    out: dict[str, list] = {}
+    def load(name: str, url: str, bodies: list, spacing: float) -> None:
+        out[name] = run_streams(url, bodies, 120, spacing)
+
+    threads = [
+        threading.Thread(target=load, args=("doomed", victim, doomed, 0.0)),
+        threading.Thread(target=load, args=("steady", survivor, steady, 0.05)),
+    ]
+    threads[0].start()
+    # the nodes hold all of gateway 1's streams (as they report to gateway 0)
+    others = "pdserve:node_requests_other_gateways"
+    assert wait_for(lambda: cluster.metric(others, survivor) == len(doomed), 60)
+    threads[1].start()
+    assert wait_for(lambda: cluster.metric("pdserve:requests_total", survivor) >= 10, 60)
+    cluster.gateways[1].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    # freed within the lease: the timeout, a heartbeat to notice it, a report to gateway 0
+    # (0.2 s apart), and the metrics scrape; the streams themselves had ~40 s left
+    assert wait_for(lambda: cluster.metric(others, survivor) == 0, 30)
+    freed_after = time.monotonic() - killed
+    assert freed_after < timeout + 3 * 0.2 + 2.0, freed_after
+    for t in threads:
+        t.join(180)
+    assert all(not r.ok for r in out["doomed"])  # their gateway is gone: the clients see it
+    results = out["steady"]
+    failed = [(i, r.status, r.error) for i, r in enumerate(results) if not r.ok]
+    assert not failed, failed[:5]
+    assert [r.text for r in results] == _expected(tokenizer, steady)
+    assert cluster.metric("pdserve:request_replacements_total", survivor) == 0
+    assert wait_for(lambda: _held_everywhere(cluster, survivor) == 0, 10)
+    assert wait_for(
+        lambda: cluster.metric("pdserve:kv_blocks", survivor, state="in_use") == 0, 10
+    )
