@@ -167,7 +167,7 @@ class DecodeRole(RoleDefaults):
             return "draining"
         if h.request_id in self.node.requests:
             return "duplicate request id"
-        if not h.fetch and not self.node.control.adopt(h.request_id, h.gateway):
+        if not h.fetch and not self.node.control.gateways.adopt(h.request_id, h.gateway):
             return "not registered with the request's gateway, or its id is another's"
         if (
             skip % self.node.blocks.block_size

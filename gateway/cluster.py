@@ -28,6 +28,7 @@ class NodeState:
     progress_at: float = 0.0  # when it last produced a token (the progress lease)
     # what it holds for other gateways (several gateways): from its load reports and answers
     foreign: Foreign = field(default_factory=Foreign)
+    leader: str = ""  # the gateway it takes pool care from (Heartbeat.leader)
     accepts: int = 0  # offers accepted so far (on-demand spreads ties by it)
     rejects: int = 0
 
@@ -84,13 +85,21 @@ class ClusterView:
         )
         return None
 
-    def heartbeat(self, node_id: str, identity: bytes, load: Load, now: float) -> bool:
+    def heartbeat(
+        self, node_id: str, identity: bytes, load: Load, now: float, leader: str = ""
+    ) -> bool:
         node = self.nodes.get(node_id)
         if node is None or node.identity != identity:
             return False
         node.last_seen, node.load, node.load_at = now, load, now
-        node.foreign = load.foreign
+        node.foreign, node.leader = load.foreign, leader
         return True
+
+    def leads(self, gateway_id: str) -> bool:
+        """Pool care is this gateway's to decide: no node takes it from another gateway
+        (each names the lowest-id gateway it is registered with; docs/architecture.md,
+        "Several gateways")."""
+        return all(n.leader in ("", gateway_id) for n in self.nodes.values())
 
     def by_identity(self, identity: bytes) -> NodeState | None:
         return next((n for n in self.nodes.values() if n.identity == identity), None)

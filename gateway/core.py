@@ -54,7 +54,7 @@ class Gateway:
             lambda node, accepted: _count_answer(self.metrics, node, accepted),
         )  # fmt: skip
         self.metrics = GatewayMetrics(
-            self.cluster, self.table, self.placer.waiting, lambda: self.pools.desired_replicas()
+            self.cluster, self.table, self.placer.waiting, lambda: self.pools.published_replicas()
         )
         sizing = Sizing(self.policy.cost, cfg.sizing_window, tpot_slo=cfg.tpot_slo)
         self.service = RequestService(cfg, tokenizer, self.cluster, self.table, self.placer,

@@ -136,7 +136,8 @@ class NodeMessages:
         self.placer.capacity_changed()
 
     async def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
-        known = self.cluster.heartbeat(msg.node_id, identity, msg.load, time.monotonic())
+        now = time.monotonic()
+        known = self.cluster.heartbeat(msg.node_id, identity, msg.load, now, msg.leader)
         # the lease: ids the node holds that the gateway no longer knows are freed there
         stale = tuple(r for r in msg.load.held if self.table.get(r) is None) if known else ()
         if known:

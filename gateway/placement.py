@@ -342,6 +342,7 @@ class Placer:
                 # another node's cache holds more of the prompt: the node may fetch it
                 fetch_from=holder.target() if holder is not None else None,
                 fetch_tokens=node.holder_blocks * node.block_size,
+                waited_ms=(time.monotonic() - req.arrival) * 1000,
             )
             pending = self.offers[attempt.wire_id] = _Offer(attempt, node, decode)
             answer: bool | None = None  # None: no answer in time

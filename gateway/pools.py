@@ -1,7 +1,8 @@
 """The gateway's care of the pools while it serves: the autoscaling signal each pool's size
 is judged by (gateway/sizing.py), live role switching (gateway/roles.py) and decode
 rebalancing (gateway/rebalance.py). The rules are pure and live in those modules; this
-applies them, from the liveness loop's tick.
+applies them, from the liveness loop's tick. With several gateways only the leader does (the
+gateway every node names; the nodes obey no other: docs/architecture.md, "Several gateways").
 """
 
 from __future__ import annotations
@@ -53,7 +54,18 @@ class PoolCare:
             "decode": self.sizing.decode(self.cluster, now),
         }
 
+    def leading(self) -> bool:
+        """Several gateways: only the one the nodes name decides pool care."""
+        return self.cluster.leads(self.link.gateway_id)
+
+    def published_replicas(self) -> dict[str, int]:
+        """/metrics: the leader's signal alone (the others export none), so an autoscaler
+        never averages two gateways' decisions."""
+        return self.desired_replicas() if self.leading() else {}
+
     async def tick(self, now: float) -> None:
+        if not self.leading():
+            return
         if self.cfg.rebalance:
             await self._rebalance(now)
         if self.cfg.role_switching == "on":

@@ -29,6 +29,7 @@ from pdserve.common.engine.scheduler import Mode, SchedulerConfig, SchedulerOutp
 from pdserve.common.engine.sequence import Sequence, check_stop
 from pdserve.common.kv.base import Transfer
 from pdserve.common.node.defaults import RoleDefaults
+from pdserve.common.node.fairness import Room
 from pdserve.common.node.fetch import PrefixFetches
 from pdserve.common.node.handoff import KvHandoff
 from pdserve.common.node.role import NodeRequest
@@ -68,6 +69,15 @@ class PrefillRole(RoleDefaults):
 
     def on_registered(self, ack: RegisterAck) -> None:
         self.queueing = ack.queueing  # the gateway's policy decides
+
+    def room(self) -> Room | None:
+        """On demand: the longest prompt and the batch slots an offer may take now."""
+        if self.queueing:
+            return None
+        sched = self.node.scheduler
+        fetching = [f.seq for f in self.fetches.fetching.values()]
+        busy = len(sched.running) + len(sched.waiting) + len(fetching)
+        return Room(sched.room(False, fetching), sched.cfg.max_num_seqs - busy)
 
     # -- gateway messages ------------------------------------------------------------------
     async def on_gateway_message(self, msg: Any) -> None:

@@ -28,21 +28,20 @@ import zmq.asyncio
 from pdserve.common.config import NodeConfig
 from pdserve.common.errors import PdserveError
 from pdserve.common.node.events import PrefixEvents
-from pdserve.common.node.links import GatewayLink, Owners, gateway_addresses
+from pdserve.common.node.fairness import Fairness, Room
+from pdserve.common.node.gateways import Gateways
+from pdserve.common.node.links import GatewayLink, gateway_addresses
 from pdserve.common.node_metrics import NodeMetrics, start_http
 from pdserve.common.wire.protocol import (
     GATEWAY_DECODER,
     Abort,
-    Accept,
     Deregister,
     Foreign,
     Heartbeat,
     HeartbeatReply,
-    KvEvents,
     Load,
     Msg,
     NodeInfo,
-    Preempted,
     PrefillOffer,
     Rebalance,
     Redirect,
@@ -51,7 +50,6 @@ from pdserve.common.wire.protocol import (
     RegisterRefuse,
     Reject,
     SwitchRole,
-    TokenBatch,
 )
 from pdserve.common.wire.transport import decode_or_none
 
@@ -70,6 +68,7 @@ class NodeState(Protocol):
     def idle(self) -> bool: ...  # nothing held: a draining node may exit
     def free_stale(self, request_ids: tuple[str, ...]) -> None: ...
     def foreign(self, request_ids: list[str]) -> Foreign: ...  # what these ids hold
+    def holds(self, rid: str) -> bool: ...
 
 
 class RoleMessages(Protocol):
@@ -82,6 +81,7 @@ class RoleMessages(Protocol):
     async def on_gateway_message(self, msg: Any) -> None: ...
     async def on_drain_timeout(self) -> None: ...
     def on_drain(self) -> None: ...
+    def room(self) -> Room | None: ...  # what an offer may take now (None: no such limit)
 
 
 class ControlPlane:
@@ -98,8 +98,10 @@ class ControlPlane:
         self.cfg, self.node_id, self.ctx = cfg, node_id, ctx
         self.node, self.role, self.events, self.metrics = node, role, events, metrics
         identity = f"{node_id}/{secrets.token_hex(4)}"  # unique even for a duplicate id
-        self.links = [GatewayLink(ctx, a, identity) for a in gateway_addresses(cfg.gateway)]
-        self.owners = Owners()
+        links = [GatewayLink(ctx, a, identity) for a in gateway_addresses(cfg.gateway)]
+        self.gateways = Gateways(links, node)
+        self.owners = self.gateways.owners
+        self.fairness = Fairness()  # freed room to the oldest request of any gateway
         self.registered = asyncio.Event()  # with at least one gateway
         self.stopped = asyncio.Event()
         self.draining = False
@@ -108,73 +110,18 @@ class ControlPlane:
         self.tasks: list[asyncio.Task] = []
         self.http: Any = None
 
-    # -- which gateway -----------------------------------------------------------------------
-    def link_for(self, rid: str) -> GatewayLink | None:
-        """The gateway `rid` belongs to (with one gateway, always that one)."""
-        return self.owners.get(rid) or (self.links[0] if len(self.links) == 1 else None)
+    # -- the gateways (common/node/gateways.py) ---------------------------------------------
+    @property
+    def links(self) -> list[GatewayLink]:
+        return self.gateways.links
 
-    def adopt(self, rid: str, gateway_id: str) -> bool:
-        """A request's KV announced for the gateway `gateway_id` (decode): False when this
-        node is not registered with it, or the id belongs to another gateway."""
-        link = next((k for k in self.links if k.registered and k.gateway_id == gateway_id), None)
-        if link is None and (gateway_id or len(self.links) > 1):
-            return False
-        return self.owners.adopt(rid, link or self.links[0])
-
-    def gateway_of(self, rid: str) -> str:
-        """The gateway id to name in a KvHeader for `rid`."""
-        link = self.link_for(rid)
-        return link.gateway_id if link is not None else ""
-
-    def foreign(self, link: GatewayLink) -> Foreign:
-        """What the node holds for the other gateways (one gateway: nothing)."""
-        if len(self.links) == 1:
-            return Foreign()
-        held = self.node.load().held
-        return self.node.foreign([r for r in held if self.owners.get(r) not in (link, None)])
-
-    # -- to the gateways ---------------------------------------------------------------------
     async def send(self, msg: Msg) -> None:
-        """A request's message to its gateway; KvEvents and Deregister to every gateway."""
-        rid = getattr(msg, "request_id", None)
-        if rid is None:
-            for each in self.links:
-                if each.registered or not isinstance(msg, KvEvents):
-                    with contextlib.suppress(zmq.ZMQError):
-                        await each.send(msg)
-            return
-        link = self.link_for(rid)
-        if link is None:
-            log.debug("no gateway for %s: %s dropped", rid, type(msg).__name__)
-            return
-        if isinstance(msg, (Accept, Reject)) and len(self.links) > 1:
-            msg = msgspec.structs.replace(msg, foreign=self.foreign(link))
-        await link.send(msg)
+        await self.gateways.send(msg)
 
     async def push_tokens(self, msg: Msg) -> None:
-        """Token batches and preemptions to the PULL socket of each request's gateway."""
+        """Token batches and preemptions, once registered with a gateway."""
         await self.registered.wait()
-        if isinstance(msg, Preempted):
-            if (link := self.link_for(msg.request_id)) is not None:
-                await link.push(msg)
-            return
-        assert isinstance(msg, TokenBatch)
-        if len(self.links) == 1:
-            await self.links[0].push(msg)
-            return
-        per: dict[int, list[int]] = {}
-        for i, rid in enumerate(msg.request_ids):
-            if (link := self.link_for(rid)) is not None:
-                per.setdefault(id(link), []).append(i)
-        for one in self.links:
-            if (rows := per.get(id(one))) is not None:
-                await one.push(TokenBatch(
-                    node_id=msg.node_id,
-                    request_ids=[msg.request_ids[i] for i in rows],
-                    token_ids=[msg.token_ids[i] for i in rows],
-                    indices=[msg.indices[i] for i in rows],
-                    finish_reasons=[msg.finish_reasons[i] for i in rows],
-                ))  # fmt: skip
+        await self.gateways.push(msg)
 
     def health(self) -> str | None:
         """None while serving (registered with a gateway, not draining), else why not."""
@@ -276,7 +223,7 @@ class ControlPlane:
                     self.stopped.set()
                     raise RegistrationRefused(reason)
                 case HeartbeatReply(stale=stale, unknown_node=unknown):
-                    mine = tuple(r for r in stale if self.link_for(r) in (link, None))
+                    mine = tuple(r for r in stale if self.gateways.link_for(r) in (link, None))
                     if mine:
                         self.node.free_stale(mine)
                     if msg.kv_resync:
@@ -284,6 +231,9 @@ class ControlPlane:
                     if unknown and not self.draining:
                         link.registered = False
                         await link.send(Register(info=self.node.info()))
+                case SwitchRole() if not self.gateways.obeys(link):
+                    log.warning("%s: role switch from %s, not the leader: ignored",
+                                self.node_id, link.address)  # fmt: skip
                 case SwitchRole(role=role) if role != self.role.role and not self.draining:
                     # the other role in this process: drain as for SIGTERM, then the serving
                     # loop (common/node/roles.py) starts the other role's node on the engine
@@ -305,16 +255,44 @@ class ControlPlane:
                 reject = Reject(request_id=rid, reason="duplicate request id", room=-1)
                 await link.send(reject)
                 return
-            case Abort(request_id=rid) | Redirect(request_id=rid) if self.link_for(rid) is not link:
+            case PrefillOffer() if len(self.links) > 1:
+                await self._offer(link, msg)
+                return
+            case Abort(request_id=rid) | Redirect(request_id=rid) if not self._its(link, rid):
                 log.warning("%s for %s from a gateway it does not belong to: dropped",
                             type(msg).__name__, rid)  # fmt: skip
                 return
+            case Rebalance() if not self.gateways.obeys(link):
+                log.warning("rebalance from %s, not the leader: ignored", link.address)
+                return
             case Rebalance(request_ids=rids):
-                msg = Rebalance(request_ids=tuple(r for r in rids if self.link_for(r) is link))
+                msg = Rebalance(request_ids=tuple(r for r in rids if self._its(link, r)))
         try:
             await self.role.on_gateway_message(msg)
         except Exception:
             log.exception("handling %s failed", type(msg).__name__)
+
+    def _its(self, link: GatewayLink, rid: str) -> bool:
+        return self.gateways.link_for(rid) is link
+
+    async def _offer(self, link: GatewayLink, offer: PrefillOffer) -> None:
+        """An offer when several gateways share this node: freed room goes to the request
+        that has waited longest, whichever gateway holds it (common/node/fairness.py)."""
+        rid, n, now = offer.request_id, len(offer.prompt_ids), time.monotonic()
+        since = now - offer.waited_ms / 1000
+        room = None if self.draining else self.role.room()
+        if room is not None and self.fairness.gives_way(link, since, n, room, now) is not None:
+            why = "room kept for an older request of another gateway"
+            self.metrics.offer(False)
+            await self.send(Reject(request_id=rid, reason=why, room=0))
+            self.fairness.answered(link, rid, since, n, False, now)
+            return
+        try:
+            await self.role.on_gateway_message(offer)
+        except Exception:
+            log.exception("handling PrefillOffer failed")
+        if room is not None:
+            self.fairness.answered(link, rid, since, n, self.node.holds(rid), now)
 
     def _registered(self, link: GatewayLink, ack: RegisterAck) -> None:
         if link.gateway_id and ack.gateway_id != link.gateway_id:
@@ -327,6 +305,7 @@ class ControlPlane:
 
     def _orphan(self, link: GatewayLink, why: str) -> None:
         """The gateway's requests have nobody to go to: free them (their KV with them)."""
+        self.fairness.forget(link)
         owned = [r for r in self.owners.owned(link) if r in set(self.node.load().held)]
         if owned:
             log.warning("%s: %s; freeing its %d requests", link.address, why, len(owned))
@@ -347,8 +326,10 @@ class ControlPlane:
     async def _heartbeat(self, link: GatewayLink, load: Load) -> None:
         if len(self.links) > 1:
             held = tuple(r for r in load.held if self.owners.get(r) is link)
-            load = msgspec.structs.replace(load, held=held, foreign=self.foreign(link))
-        await link.send(Heartbeat(node_id=self.node_id, load=load, kv_seq=self.events.seq()))
+            load = msgspec.structs.replace(load, held=held, foreign=self.gateways.foreign(link))
+        beat = Heartbeat(node_id=self.node_id, load=load, kv_seq=self.events.seq(),
+                         leader=self.gateways.leader())  # fmt: skip
+        await link.send(beat)
         silent = time.monotonic() - link.last_reply
         if silent > self.cfg.heartbeat_timeout and not self.draining and not link.replies_waiting():
             # the gateway is gone or restarted: free its requests, knock until it answers

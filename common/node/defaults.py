@@ -9,6 +9,7 @@ from typing import Any
 from pdserve.common.engine.scheduler import Mode, SchedulerConfig, SchedulerOutput, step_work
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.kv.base import Intake, Transfer
+from pdserve.common.node.fairness import Room
 from pdserve.common.node.role import NodeRequest
 from pdserve.common.node.runtime import NodeRuntime
 from pdserve.common.wire.protocol import KvHeader, RegisterAck
@@ -59,6 +60,9 @@ class RoleDefaults:
 
     def extra_held(self) -> list[str]:
         return []
+
+    def room(self) -> Room | None:
+        return None  # takes whatever could ever fit (queueing), or offers are not its work
 
     def reserve_kv(self, h: KvHeader) -> list[int] | str:
         return f"a {self.role} node takes no request KV"

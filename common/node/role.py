@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from pdserve.common.engine.scheduler import Mode, SchedulerConfig, SchedulerOutput
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.kv.base import Intake, Transfer
+from pdserve.common.node.fairness import Room
 from pdserve.common.wire.protocol import DecodeTarget, KvHeader, RegisterAck
 
 
@@ -78,6 +79,9 @@ class Role(Protocol):
 
     def extra_held(self) -> list[str]:
         """Ids the role holds outside the request table (a decode node's incoming KV)."""
+
+    def room(self) -> Room | None:
+        """What an offer may take now (prefill on demand); None: no such limit."""
 
     def reserve_kv(self, h: KvHeader) -> list[int] | str:
         """A request's KV is announced (decode): the blocks it lands in, or why not."""

@@ -166,6 +166,9 @@ class NodeRuntime:
                 prefill.append(req.seq.num_prompt_tokens)
         return Foreign(prefill=tuple(prefill), decoding=len(request_ids) - len(prefill))
 
+    def holds(self, rid: str) -> bool:
+        return rid in self.requests
+
     def idle(self) -> bool:
         return not self.requests and not self.role.extra_held()
 
@@ -226,7 +229,7 @@ class NodeRuntime:
         await self.control.send(msg)
 
     def gateway_of(self, rid: str) -> str:
-        return self.control.gateway_of(rid)
+        return self.control.gateways.gateway_of(rid)
 
     async def push_step(self, out: list[tuple[Sequence, str | None]]) -> None:
         """One TokenBatch with each sequence's newest token, its output index and finish

@@ -82,6 +82,9 @@ class Heartbeat(Msg):
     node_id: str
     load: Load
     kv_seq: int = -1  # the last KvEvents sent (-1: none): the gateway sees a lost last one
+    # the gateway this node takes pool care from (the lowest id among those it is registered
+    # with: docs/architecture.md, "Several gateways"); "" before it knows any id
+    leader: str = ""
 
 
 class Accept(Msg):
@@ -218,6 +221,9 @@ class PrefillOffer(Msg):
     # node does (the index): the prefill node may fetch those blocks rather than compute them
     fetch_from: DecodeTarget | None = None
     fetch_tokens: int = 0
+    # how long the request has waited at its gateway: a node serving several gateways gives
+    # freed room to the one waiting longest (common/node/fairness.py)
+    waited_ms: float = 0.0
 
 
 class Redirect(Msg):

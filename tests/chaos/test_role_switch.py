@@ -24,11 +24,11 @@ from tests.conftest import make_engine
 class Swing:
     """A node served through `serve_roles`, as `pdserve prefill|decode` serves one."""
 
-    def __init__(self, c: Cluster, node_id: str, role: str, ecfg, engine) -> None:
+    def __init__(self, c: Cluster, node_id: str, role: str, ecfg, engine, **cfg) -> None:
         self.nodes: list = []
 
         def make(r: str):
-            self.nodes.append(c.node(role_class(r), node_id, ecfg=ecfg, engine=engine))
+            self.nodes.append(c.node(role_class(r), node_id, ecfg=ecfg, engine=engine, **cfg))
             return self.nodes[-1]
 
         self.task = asyncio.create_task(serve_roles(role, make))
@@ -118,6 +118,53 @@ async def test_the_gateway_switches_a_decode_node_when_prefill_is_short(tokenize
         assert c.gw.metrics.role_switches.labels("decode", "prefill")._value.get() == 1
         switched = "d0" if _role(c, "d0") == "prefill" else "d1"
         assert sum(r.ran_on.get("prefill") == switched for r in reqs) > 0  # it took prompts
+        for swing in swings.values():
+            await swing.stop()
+
+
+async def test_two_gateways_that_would_both_switch_a_node_switch_one(tokenizer):
+    """The same shortage seen by two gateways (every other request through each): both
+    rules want a decode node moved to prefill. Only the leader (the lowest gateway id, as
+    every node names it) decides: one switch in all, the other gateway orders none and
+    publishes no desired-replicas signal, and the decode pool keeps a node."""
+    real_time = EngineConfig(engine="sim", sim_time_scale=1.0, num_kv_blocks=8192)
+    rules = dict(role_switching="on", switch_hold=0.5, switch_dwell=1.0, sizing_window=1.0)
+    async with Cluster(tokenizer, **rules) as c1, Cluster(tokenizer, **rules) as c2:
+        both = f"{c1.address},{c2.address}"
+        gateways = (c1, c2)
+        await c1.add(c1.node(PrefillRole, "prefill-0", ecfg=real_time, gateway=both))
+        swings = {
+            n: Swing(c1, n, "decode", real_time, SimEngine(real_time), gateway=both)
+            for n in ("d0", "d1")
+        }
+        for c in gateways:
+            await until(lambda c=c: _role(c, "d0") == _role(c, "d1") == "decode", 30, "both")
+        leader, other = sorted(gateways, key=lambda c: c.gw.link.gateway_id)
+        await until(lambda: leader.gw.pools.leading() and not other.gw.pools.leading(), 10)
+        params = SamplingParams(max_tokens=4, temperature=1.0, seed=2, ignore_eos=True)
+        reqs, runs = [], []
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+
+        def took_prompts() -> bool:
+            return any(r.ran_on.get("prefill") in swings for r in reqs)
+
+        while len(reqs) < 60 or not took_prompts():  # as in the one-gateway test above
+            i = len(reqs)
+            assert i < 1500, "no decode node switched to prefill and took prompts"
+            c = gateways[i % 2]
+            req = c.request(f"p{i}", prompt(4000, 30_000 + 4001 * i), params)
+            reqs.append(req)
+            runs.append(asyncio.create_task(c.gw.service.run(req)))
+            await asyncio.sleep(max(0.0, start + (i + 1) * 0.04 - loop.time()))
+        results = [await outcome(r, 60) for r in reqs]
+        await asyncio.gather(*runs)
+        assert results == [Done("length")] * len(reqs)
+        switches = [c.gw.metrics.role_switches.labels("decode", "prefill")._value.get()
+                    for c in (leader, other)]  # fmt: skip
+        assert switches == [1, 0]
+        assert sorted([_role(leader, "d0"), _role(leader, "d1")]) == ["decode", "prefill"]
+        assert leader.gw.pools.published_replicas() and not other.gw.pools.published_replicas()
         for swing in swings.values():
             await swing.stop()
 

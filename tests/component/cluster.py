@@ -77,7 +77,9 @@ class Cluster:
         engine: Any = None,
         **cfg: Any,
     ) -> Any:
-        ncfg = NodeConfig(gateway=self.address, node_id=node_id, heartbeat_interval=0.1, **cfg)
+        # cfg may name other gateways too (several gateways: "ADDR1,ADDR2")
+        ncfg = NodeConfig(**{"gateway": self.address, "node_id": node_id,
+                             "heartbeat_interval": 0.1, **cfg})  # fmt: skip
         engine = engine if engine is not None else SimEngine(ecfg)
         return NodeRuntime(role, ncfg, ecfg, engine, self.tokenizer)
 

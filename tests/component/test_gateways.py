@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections import defaultdict
+from typing import Any
 
 import pytest
 
@@ -30,6 +31,7 @@ from pdserve.common.wire.protocol import (
     Register,
     RegisterAck,
     Reject,
+    SwitchRole,
     TokenBatch,
 )
 from pdserve.common.wire.security import close_context, make_context
@@ -57,6 +59,7 @@ class ScriptedGateway:
         self.heartbeats: dict[str, Heartbeat] = {}
         self.inbox: list[object] = []
         self.streamed: dict[str, list[int]] = defaultdict(list)  # rid -> output indices
+        self.on_first: Any = None  # awaited on a FirstToken, before the next message is read
         self.tasks = [asyncio.create_task(self._control()), asyncio.create_task(self._tokens())]
 
     async def _control(self) -> None:
@@ -75,6 +78,8 @@ class ScriptedGateway:
                 self.inbox.append(msg)
                 if isinstance(msg, FirstToken):
                     self.streamed[msg.request_id].append(msg.index)
+                    if self.on_first is not None:
+                        await self.on_first(msg)
 
     async def _tokens(self) -> None:
         while True:
@@ -83,10 +88,13 @@ class ScriptedGateway:
                 for rid, index in zip(msg.request_ids, msg.indices, strict=True):
                     self.streamed[rid].append(index)
 
-    async def offer(self, node: NodeRuntime, rid: str, decode: NodeRuntime, n: int) -> None:
+    async def offer(
+        self, node: NodeRuntime, rid: str, decode: NodeRuntime, n: int, tokens: int = 32,
+        waited_ms: float = 0.0,
+    ) -> None:
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        offer = PrefillOffer(request_id=rid, prompt_ids=prompt(32), params=params,
-                             decode=_target(decode))  # fmt: skip
+        offer = PrefillOffer(request_id=rid, prompt_ids=prompt(tokens), params=params,
+                             decode=_target(decode), waited_ms=waited_ms)  # fmt: skip
         await send(self.control, offer, to=self.nodes[node.node_id])
 
     async def tell(self, node: NodeRuntime, msg: object) -> None:
@@ -188,5 +196,84 @@ async def test_kv_for_a_gateway_the_decode_node_does_not_serve_is_refused(tokeni
         assert decode[0].blocks.num_in_use_blocks == 0
     finally:
         await _stop(*(x for x in (prefill, decode) if x is not None))
+        await a.close()
+        await b.close()
+
+
+async def test_freed_room_goes_to_the_older_request_of_the_quieter_gateway(tokenizer):
+    """Gateway A holds the one batch slot and offers its next request the moment its pass
+    ends (a flooding gateway hears of freed room first: its own first token). Gateway B's
+    request, refused during the pass and re-offered every 20 ms as a gateway's rounds do,
+    has waited longer: the node keeps the room for it and A's younger offer gives way."""
+    a, b = ScriptedGateway("gw-a"), ScriptedGateway("gw-b")
+    prefill, decode = None, None
+    try:
+        # a long pass over a short prompt (little KV: the first token follows at once)
+        prefill = await _node(tokenizer, PrefillRole, "prefill-0", [a, b], max_batch=1,
+                              sim_time_scale=200.0)  # fmt: skip
+        decode = await _node(tokenizer, DecodeRole, "decode-0", [a, b])
+        p, d = prefill[0], decode[0]
+        loop = asyncio.get_running_loop()
+
+        async def flood(first: FirstToken) -> None:  # a1's pass ended: a2 at once, fresh
+            if first.request_id == "a1.0":
+                await a.offer(p, "a2.0", d, 2)
+
+        a.on_first = flood
+        await a.offer(p, "a1.0", d, 2)
+        await until(lambda: a.answers("a1.0"), what="a1 answered")
+        assert isinstance(a.answers("a1.0")[0], Accept)
+        b_arrived = loop.time()
+
+        async def b_rounds() -> None:
+            """Three offers early in a1's pass (seconds long), then the next only after A's
+            offer: B's round comes later than A's first token, the race the rule decides.
+            The claim is held long enough to span the pass (HOLD_S is a few of a real
+            gateway's rounds, which go on all the while)."""
+            p.control.fairness.hold_s = 30.0
+            for _ in range(3):
+                await b.offer(p, "b1.0", d, 2, waited_ms=(loop.time() - b_arrived) * 1000)
+                await asyncio.sleep(0.02)
+            await until(lambda: a.answers("a2.0"), 20, "A's offer first")
+            while not any(isinstance(m, Accept) for m in b.answers("b1.0")):
+                await b.offer(p, "b1.0", d, 2, waited_ms=(loop.time() - b_arrived) * 1000)
+                await asyncio.sleep(0.02)
+
+        rounds = asyncio.create_task(b_rounds())
+        await until(lambda: a.answers("a2.0"), 20, "a2 answered")
+        assert isinstance(b.answers("b1.0")[0], Reject)  # refused during the pass: a claim
+        first = a.answers("a2.0")[0]
+        assert isinstance(first, Reject) and "older request" in first.reason, first
+        await asyncio.wait_for(rounds, 10)  # b1 is taken
+        await until(lambda: len(b.streamed["b1.0"]) == 2, 20, "b1's stream")
+    finally:
+        await _stop(*(x for x in (prefill, decode) if x is not None))
+        await a.close()
+        await b.close()
+
+
+async def test_a_node_takes_pool_care_from_the_leader_alone(tokenizer):
+    """Both gateways hear the node name the lowest gateway id as its leader; a role switch
+    from the other one is ignored, the leader's is obeyed."""
+    a, b = ScriptedGateway("gw-a"), ScriptedGateway("gw-b")
+    decode = None
+    try:
+        decode = await _node(tokenizer, DecodeRole, "decode-0", [b, a])  # order does not matter
+        d = decode[0]
+        await until(lambda: all(g.heartbeats.get("decode-0") for g in (a, b)), what="beats")
+        await until(lambda: b.heartbeats["decode-0"].leader == "gw-a", what="leader named")
+        assert a.heartbeats["decode-0"].leader == "gw-a"
+        await b.tell(d, SwitchRole(role="prefill"))
+        # then an offer (a local prefill) it answers: a link's messages are handled in order,
+        # so once it is answered the switch was handled too
+        await b.offer(d, "probe.0", d, 2)
+        await until(lambda: b.answers("probe.0"), what="the probe answered")
+        assert not d.control.draining and d.control.switch_to is None
+        await a.tell(d, SwitchRole(role="prefill"))
+        await until(lambda: d.control.switch_to == "prefill", what="the leader's switch")
+    finally:
+        if decode is not None:
+            decode[0].stopped.set()
+            await asyncio.wait_for(decode[1], 10)
         await a.close()
         await b.close()

@@ -27,6 +27,8 @@ class StreamResult:
     seconds: float = 0.0
     finish_reason: str | None = None
     usage: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, Any] = field(default_factory=dict)  # the gateway's, from the last chunk
+    sent: float = 0.0  # time.monotonic() when it was sent
 
     @property
     def ok(self) -> bool:
@@ -37,7 +39,7 @@ async def _one(
     session: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout: float
 ) -> StreamResult:
     result = StreamResult()
-    start = time.monotonic()
+    start = result.sent = time.monotonic()
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     try:
         async with session.post(
@@ -84,6 +86,8 @@ def _on_event(result: StreamResult, event: bytes) -> None:
         return
     if obj.get("usage"):
         result.usage = obj["usage"]
+    if obj.get("timings"):
+        result.timings = obj["timings"]
     for choice in obj.get("choices", []):
         text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
         result.text += text

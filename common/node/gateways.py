@@ -1,0 +1,112 @@
+"""Which gateway each request belongs to, and the way every message finds it (several
+gateways, one cluster: docs/architecture.md, "Several gateways"). With one gateway every
+request is its and nothing is looked up."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Protocol
+
+import msgspec
+import zmq
+
+from pdserve.common.node.links import GatewayLink, Owners
+from pdserve.common.wire.protocol import (
+    Accept,
+    Foreign,
+    KvEvents,
+    Load,
+    Msg,
+    Preempted,
+    Reject,
+    TokenBatch,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Holdings(Protocol):
+    def load(self) -> Load: ...
+    def foreign(self, request_ids: list[str]) -> Foreign: ...
+
+
+class Gateways:
+    def __init__(self, links: list[GatewayLink], node: Holdings) -> None:
+        self.links, self.node = links, node
+        self.owners = Owners()
+
+    def link_for(self, rid: str) -> GatewayLink | None:
+        """The gateway `rid` belongs to (with one gateway, always that one)."""
+        return self.owners.get(rid) or (self.links[0] if len(self.links) == 1 else None)
+
+    def adopt(self, rid: str, gateway_id: str) -> bool:
+        """A request's KV announced for the gateway `gateway_id` (decode): False when this
+        node is not registered with it, or the id belongs to another gateway."""
+        link = next((k for k in self.links if k.registered and k.gateway_id == gateway_id), None)
+        if link is None and (gateway_id or len(self.links) > 1):
+            return False
+        return self.owners.adopt(rid, link or self.links[0])
+
+    def leader(self) -> str:
+        """The gateway this node takes pool care from (role switches, rebalancing): the lowest
+        id among the gateways it is registered with, so every gateway that hears from the
+        same nodes agrees on one (docs/architecture.md, "Several gateways")."""
+        return min((k.gateway_id for k in self.links if k.registered), default="")
+
+    def obeys(self, link: GatewayLink) -> bool:
+        return len(self.links) == 1 or link.gateway_id == self.leader()
+
+    def gateway_of(self, rid: str) -> str:
+        """The gateway id to name in a KvHeader for `rid`."""
+        link = self.link_for(rid)
+        return link.gateway_id if link is not None else ""
+
+    def foreign(self, link: GatewayLink) -> Foreign:
+        """What the node holds for the other gateways (one gateway: nothing)."""
+        if len(self.links) == 1:
+            return Foreign()
+        held = self.node.load().held
+        return self.node.foreign([r for r in held if self.owners.get(r) not in (link, None)])
+
+    async def send(self, msg: Msg) -> None:
+        """A request's message to its gateway; KvEvents and Deregister to every gateway."""
+        rid = getattr(msg, "request_id", None)
+        if rid is None:
+            for each in self.links:
+                if each.registered or not isinstance(msg, KvEvents):
+                    with contextlib.suppress(zmq.ZMQError):
+                        await each.send(msg)
+            return
+        link = self.link_for(rid)
+        if link is None:
+            log.debug("no gateway for %s: %s dropped", rid, type(msg).__name__)
+            return
+        if isinstance(msg, (Accept, Reject)) and len(self.links) > 1:
+            msg = msgspec.structs.replace(msg, foreign=self.foreign(link))
+        await link.send(msg)
+
+    async def push(self, msg: Msg) -> None:
+        """Token batches and preemptions to the PULL socket of each request's gateway."""
+        if isinstance(msg, Preempted):
+            if (link := self.link_for(msg.request_id)) is not None:
+                await link.push(msg)
+            return
+        assert isinstance(msg, TokenBatch)
+        if len(self.links) == 1:
+            await self.links[0].push(msg)
+            return
+        per: dict[int, list[int]] = {}
+        for i, rid in enumerate(msg.request_ids):
+            if (link := self.link_for(rid)) is not None:
+                per.setdefault(id(link), []).append(i)
+        for one in self.links:
+            if (rows := per.get(id(one))) is not None:
+                await one.push(TokenBatch(
+                    node_id=msg.node_id,
+                    request_ids=[msg.request_ids[i] for i in rows],
+                    token_ids=[msg.token_ids[i] for i in rows],
+                    indices=[msg.indices[i] for i in rows],
+                    finish_reasons=[msg.finish_reasons[i] for i in rows],
+                ))  # fmt: skip
+

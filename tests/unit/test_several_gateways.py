@@ -1,0 +1,109 @@
+"""Several gateways, the pure parts: which gateways a node is given, how it tracks whose
+request is whose, `pdserve up --gateways N`, the supervisor's rule for them, and which
+gateway leads pool care."""
+
+from __future__ import annotations
+
+import socket
+
+from pdserve import launch
+from pdserve.common.config import NodeConfig
+from pdserve.common.flags import from_args
+from pdserve.common.node.links import Owners, gateway_addresses
+from pdserve.common.wire.protocol import Load, NodeInfo
+from pdserve.gateway.cluster import ClusterView
+from pdserve.supervisor import Child, Supervisor
+from tests.unit.test_config_file import parse, write
+from tests.unit.test_supervisor import FakeProc
+
+
+def test_gateway_addresses_split_deduplicate_and_expand_names_of_several(monkeypatch):
+    given = "tcp://127.0.0.1:8001, tcp://localhost:8011,tcp://127.0.0.1:8001,ipc:///tmp/gw"
+    assert gateway_addresses(given) == ["tcp://127.0.0.1:8001", "tcp://localhost:8011",
+                                        "ipc:///tmp/gw"]  # fmt: skip
+
+    def resolve(host, port, *args, **kwargs):  # a headless Service: one address per pod
+        assert host == "gateway"
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port))
+                for ip in ("10.0.0.7", "10.0.0.5", "10.0.0.7")]  # fmt: skip
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    assert gateway_addresses("tcp://gateway:8001") == ["tcp://10.0.0.5:8001",
+                                                       "tcp://10.0.0.7:8001"]  # fmt: skip
+
+    def one(host, port, *args, **kwargs):
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.9", port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", one)  # one gateway: the name is kept
+    assert gateway_addresses("tcp://gateway:8001") == ["tcp://gateway:8001"]
+
+
+def test_owners_keep_a_request_one_sweep_after_the_node_lets_go():
+    owners, a, b = Owners(), object(), object()
+    assert owners.adopt("r1", a) and owners.adopt("r1", a)  # again by its own gateway: fine
+    assert not owners.adopt("r1", b)  # another gateway may not take it
+    owners.adopt("r2", b)
+    owners.sweep(held={"r2"})  # r1 let go: still routed once more (a late record)
+    assert owners.get("r1") is a
+    owners.sweep(held={"r2"})
+    assert owners.get("r1") is None and owners.get("r2") is b
+    assert owners.owned(b) == ["r2"]
+
+
+def test_node_gateway_flag_repeats_and_the_command_line_overrides_a_config_file(tmp_path):
+    args = parse("decode", "--gateway", "tcp://a:1", "--gateway", "tcp://b:2")
+    assert from_args(NodeConfig, args).gateway == "tcp://a:1,tcp://b:2"
+    path = write(tmp_path, "gateway: [tcp://c:1, tcp://d:1]\n")
+    from_file = parse("decode", "--config", path)
+    assert from_args(NodeConfig, from_file).gateway == "tcp://c:1,tcp://d:1"
+    both = parse("decode", "--config", path, "--gateway", "tcp://x:1")
+    assert from_args(NodeConfig, both).gateway == "tcp://x:1"
+
+
+def test_up_with_two_gateways_gives_each_its_ports_and_every_node_both():
+    args = parse("up", "--engine", "sim", "--gateways", "2", "--port", "9000",
+                 "--control-port", "9001", "--tokens-port", "9002")  # fmt: skip
+    commands = launch.cluster_commands(args)
+    gateways = [c for c in commands if "--node-id" not in c]
+    ports = [(c[c.index("--port") + 1], c[c.index("--control-port") + 1]) for c in gateways]
+    assert ports == [("9000", "9001"), ("9010", "9011")]
+    nodes = [c for c in commands if "--node-id" in c]
+    assert len(nodes) == 2
+    for node in nodes:
+        assert node[node.index("--gateway") + 1] == "tcp://127.0.0.1:9001,tcp://127.0.0.1:9011"
+
+
+def test_the_cluster_runs_while_one_gateway_does():
+    spawned: dict[str, list[FakeProc]] = {}
+
+    def spawn(child: Child) -> FakeProc:
+        spawned.setdefault(child.name, []).append(FakeProc())
+        return spawned[child.name][-1]
+
+    names = ("gateway-0", "gateway-1", "decode-0")
+    sup = Supervisor([Child(n, [n], essential=n.startswith("gateway")) for n in names], spawn,
+                     backoff=0.1, give_up_after=1)  # fmt: skip
+    sup.start(0.0)
+    spawned["gateway-0"][-1].code = 1  # fails fast: given up on
+    assert sup.step(0.5)  # gateway-1 serves
+    spawned["gateway-1"][-1].code = 1
+    assert not sup.step(1.0)  # no gateway left
+
+
+def _info(node_id: str) -> NodeInfo:
+    return NodeInfo(node_id=node_id, role="decode", data_address="", host_id="h",
+                    model_id="m", dtype="float32", tokenizer_fingerprint="t", kv_layout="l",
+                    block_size=16, num_blocks=64, max_batch=8, max_batch_tokens=8192,
+                    max_model_len=4096)  # fmt: skip
+
+
+def test_a_gateway_leads_while_no_node_names_another():
+    cluster = ClusterView(heartbeat_timeout=2.0)
+    load = Load(running=0, waiting=0, blocks_free=64, blocks_cached=0, blocks_in_use=0)
+    for n in ("d0", "d1"):
+        assert cluster.register(_info(n), n.encode(), 0.0, "t") is None
+    assert cluster.leads("gw-a") and cluster.leads("gw-b")  # nobody named yet: either may
+    cluster.heartbeat("d0", b"d0", load, 1.0, leader="gw-a")
+    assert cluster.leads("gw-a") and not cluster.leads("gw-b")
+    cluster.heartbeat("d1", b"d1", load, 1.0, leader="gw-b")  # a new gateway, seen by one
+    assert not cluster.leads("gw-a") and not cluster.leads("gw-b")  # nobody until they agree
