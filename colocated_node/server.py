@@ -65,7 +65,7 @@ class ColocatedRole(RoleDefaults):
             room = 0 if self.node.draining else -1  # it queues: room is only its cache
             await self.node.send_gateway(Reject(request_id=rid, reason=reason, room=room))
             return
-        self.node.requests[rid] = NodeRequest(seq)
+        self.node.requests[rid] = NodeRequest(seq, prompt_len=offer.prompt_len)
         self.node.metrics.prompt_tokens.inc(len(offer.prompt_ids))
         await self.node.send_gateway(Accept(request_id=rid))
         self.node.steps.wake()
@@ -79,8 +79,7 @@ class ColocatedRole(RoleDefaults):
         for seq in grew:
             reason = check_stop(seq, self.node.engine.eos_token_ids, self.node.engine.max_model_len)
             if reason is not None:
-                self.node.requests.pop(seq.seq_id, None)
-                self.node.scheduler.finish(seq, reason)
+                self.node.finished(seq, reason)
             if seq.num_output_tokens == 1:  # its first token: as a prefill node sends it
                 await self.node.send_gateway(
                     FirstToken(

@@ -212,6 +212,11 @@ class GatewayConfig:
     )
     max_body_bytes: int = flag(8 * 2**20, "largest accepted request body")
     served_model_name: str = flag("", "model name clients use; default: the nodes' model id")
+    resume_timeout: float = flag(
+        5.0,
+        "seconds a resumed stream (GET /v1/streams/ID) looks for the node holding it (the "
+        "nodes take their --heartbeat-timeout to see that its gateway is gone)",
+    )
 
     def __post_init__(self) -> None:
         timeouts = (
@@ -277,6 +282,11 @@ class NodeConfig:
     heartbeat_timeout: float = flag(2.0, "seconds without a gateway reply before re-registering")
     kv_transfer_timeout: float = flag(
         10.0, "decode: free a transfer whose frames make no progress this long (once they flow)"
+    )
+    orphan_grace: float = flag(
+        10.0,
+        "seconds a node keeps the requests of a gateway that went silent (decoding on) for "
+        "another gateway to adopt when their clients resume; then they are freed",
     )
     drain_timeout: float = flag(30.0, "seconds a draining node finishes work before handing back")
     drain_migrate: Literal["on", "off"] = flag(

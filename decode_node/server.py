@@ -151,7 +151,7 @@ class DecodeRole(RoleDefaults):
             return
         seq = Sequence.new(rid, offer.prompt_ids, offer.params)
         self.node.scheduler.add(seq)
-        self.node.requests[rid] = NodeRequest(seq)
+        self.node.requests[rid] = NodeRequest(seq, prompt_len=offer.prompt_len)
         self.node.metrics.local_prefills.inc()
         await self.node.send_gateway(Accept(request_id=rid))
         self.node.steps.wake()
@@ -189,7 +189,7 @@ class DecodeRole(RoleDefaults):
             num_computed_tokens=len(h.prompt_ids),
             status=SeqStatus.RUNNING,
         )
-        self.node.requests[h.request_id] = NodeRequest(seq)
+        self.node.requests[h.request_id] = NodeRequest(seq, prompt_len=h.prompt_len)
         self.node.metrics.kv_received(h.backend, intake.bytes_in)
         self.node.scheduler.admit_prefilled(seq)
         self.node.steps.wake()
@@ -211,8 +211,7 @@ class DecodeRole(RoleDefaults):
         for seq in grew:
             reason = check_stop(seq, self.node.engine.eos_token_ids, self.node.engine.max_model_len)
             if reason is not None:
-                self.node.requests.pop(seq.seq_id, None)
-                self.node.scheduler.finish(seq, reason)
+                self.node.finished(seq, reason)
             if seq.num_output_tokens == 1:  # prefilled here: its first token, as a prefill
                 first = FirstToken(  # node reports one (KV that arrived came with it)
                     request_id=seq.seq_id, token_id=seq.token_ids[-1], finish_reason=reason

@@ -129,9 +129,10 @@ async def _generate(
     echo_id = request.headers.get("x-request-id") or rid
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     req = service.submit(parsed, rid)
+    resumable = request.headers.get("pdserve-resumable", "").lower() in TRUTHY
     try:
         if parsed.stream:
-            return await _stream(request, req, prefix + rid, echo_id)
+            return await _stream(request, req, prefix + rid, echo_id, ids=resumable)
         return await _collect(req, prefix + rid, echo_id)
     finally:
         service.end(req)
@@ -179,9 +180,35 @@ async def _collect(req: GatewayRequest, rid: str, echo_id: str) -> web.Response:
                 return error_response(ApiError(status, message, code=code), retry_after(event))
 
 
+async def resume_stream(request: web.Request) -> web.StreamResponse:
+    """`GET /v1/streams/{id}` with `Last-Event-ID`: the rest of a resumable stream whose
+    gateway is gone, from any gateway of the cluster (gateway/resume.py)."""
+    service = request.app[SERVICE]
+    public_id = request.match_info["stream_id"]
+    raw = request.headers.get("Last-Event-ID", request.query.get("last_event_id", "0"))
+    if not raw.strip().isdigit():
+        raise ApiError(400, f"Last-Event-ID must be the id of the last chunk received (an "
+                       f"integer >= 0), got {raw[:64]!r}", param="Last-Event-ID")  # fmt: skip
+    include_usage = request.query.get("include_usage", "").lower() in TRUTHY
+    req = await service.resume(public_id, int(raw), include_usage)
+    echo_id = request.headers.get("x-request-id") or public_id
+    try:
+        return await _stream(request, req, public_id, echo_id, ids=True, resumed=int(raw))
+    finally:
+        service.end(req)
+        _log_timeline(req, echo_id)
+
+
 async def _stream(
-    request: web.Request, req: GatewayRequest, rid: str, echo_id: str
+    request: web.Request,
+    req: GatewayRequest,
+    rid: str,
+    echo_id: str,
+    ids: bool = False,
+    resumed: int | None = None,
 ) -> web.StreamResponse:
+    """The SSE response. `ids`: each event carries `id:` = output tokens whose text the
+    client has with it (what it resumes from); `resumed`: a resumed stream's first id."""
     first = await req.events.get()
     if isinstance(first, Failed):  # nothing sent yet: a proper HTTP error
         headers = retry_after(first)
@@ -199,24 +226,29 @@ async def _stream(
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
 
+    covered = resumed or 0  # output tokens whose text went out
+
     async def sse(obj: Any) -> None:
-        await resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+        head = f"id: {covered}\n".encode() if ids else b""
+        await resp.write(head + b"data: " + orjson.dumps(obj) + b"\n\n")
 
     sent = 0  # output tokens whose ids went out (return_token_ids)
 
-    if req.kind == "chat":
+    if req.kind == "chat" and resumed is None:
         await sse(chunk("chat", rid, req.model, req.created, "", role=True))
     async for event in _events(first, req):
         match event:
-            case Delta(text=text, token_ids=ids):
+            case Delta(text=text, token_ids=tokens):
                 piece = chunk(req.kind, rid, req.model, req.created, text)
                 if req.return_token_ids:
-                    piece["choices"][0]["token_ids"] = ids
+                    piece["choices"][0]["token_ids"] = tokens
                     if sent == 0:
                         piece["choices"][0]["prompt_token_ids"] = req.prompt_ids
-                    sent += len(ids)
+                    sent += len(tokens)
+                covered += len(tokens)
                 await sse(piece)
             case Done(finish_reason=reason):
+                covered = len(req.output_ids)
                 last = chunk(
                     req.kind,
                     rid,
@@ -295,6 +327,9 @@ async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
     await gw.stop()
 
 
+TRUTHY = ("1", "true", "yes", "on")
+
+
 def create_app(cfg: GatewayConfig) -> web.Application:
     app = web.Application(
         client_max_size=cfg.max_body_bytes, middlewares=[errors_middleware, auth_middleware]
@@ -303,6 +338,7 @@ def create_app(cfg: GatewayConfig) -> web.Application:
     app.cleanup_ctx.append(_gateway_ctx)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/streams/{stream_id}", resume_stream)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -159,6 +159,10 @@ class GatewayMetrics:
             registry=r,
         )
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens", registry=r)
+        self.resumes = Counter(
+            "pdserve:stream_resumes", "Streams resumed here after their gateway was lost, by "
+            "outcome (adopted, refused)", ["outcome"], registry=r,
+        )  # fmt: skip
         self.generation_tokens = Counter(
             "pdserve:generation_tokens", "Generated tokens", registry=r
         )

@@ -20,6 +20,7 @@ from pdserve.common.wire.protocol import (
     TOKENS_DECODER,
     Abort,
     Accept,
+    Adopted,
     Deregister,
     FirstToken,
     Heartbeat,
@@ -158,6 +159,9 @@ class NodeMessages:
             # too late: that offer timed out and the request moved on under a new wire id,
             # so this aborts exactly the stale acceptance
             await self.link.reply(identity, Abort(request_id=msg.request_id))
+
+    async def _on_adopted(self, identity: bytes, msg: Adopted) -> None:
+        self.service.resumes.answered(identity, msg)
 
     async def _on_first_token(self, identity: bytes, msg: FirstToken) -> None:
         attempt = self._held_by(identity, msg.request_id, "prefill")
@@ -300,6 +304,8 @@ class NodeMessages:
                 attempt.decode is None or msg.node_id in (attempt.decode, attempt.prefill)
             ):
                 self.service.on_token(attempt.req, index, token, reason)
+            elif attempt is None:  # a stream being resumed: its node's tokens may come first
+                self.service.resumes.early(rid, msg.node_id, index, token, reason)
 
     async def _on_preempted(self, _: bytes, msg: Preempted) -> None:
         attempt = self.table.get(msg.request_id)
@@ -310,6 +316,7 @@ class NodeMessages:
 CONTROL: dict[type, Handler] = {
     Register: NodeMessages._on_register,
     Heartbeat: NodeMessages._on_heartbeat,
+    Adopted: NodeMessages._on_adopted,
     Accept: NodeMessages._on_answer,
     Reject: NodeMessages._on_answer,
     FirstToken: NodeMessages._on_first_token,

@@ -343,6 +343,7 @@ class Placer:
                 fetch_from=holder.target() if holder is not None else None,
                 fetch_tokens=node.holder_blocks * node.block_size,
                 waited_ms=(time.monotonic() - req.arrival) * 1000,
+                prompt_len=len(req.prompt_ids),
             )
             pending = self.offers[attempt.wire_id] = _Offer(attempt, node, decode)
             answer: bool | None = None  # None: no answer in time

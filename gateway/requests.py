@@ -80,6 +80,7 @@ class GatewayRequest:
     outcome: str = "unfinished"  # stop, length, or the error code
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     last_delta: Delta | None = None  # the last Delta queued (see `_send`)
+    muted: int = 0  # a resumed stream: the client has the text of this many output tokens
 
     def __post_init__(self) -> None:
         self.detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
@@ -147,11 +148,29 @@ class GatewayRequest:
             return True
         return False
 
+    def replay(self, outputs: list[int], have: int, base: int, finish: str | None) -> None:
+        """A resumed stream (gateway/resume.py): the tokens generated so far, `base` of them
+        by earlier attempts; the text of the first `have` is the client's already, so only
+        the rest is queued. `have` must be where a chunk ended (its text complete): else
+        ValueError."""
+        self.muted = have
+        for i, token in enumerate(outputs):
+            if i == have and self.unsent:
+                raise ValueError(f"Last-Event-ID {have} is not where a chunk of this stream "
+                                 "ended")  # fmt: skip
+            self._append(token, finish if i == len(outputs) - 1 else None)
+        if have == len(outputs) and self.unsent and not self.finished:
+            raise ValueError(f"Last-Event-ID {have} is not where a chunk of this stream ended")
+        self.base = base
+
     def _send(self, text: str) -> None:
         """Queue the text for the client. While the handler has not taken the last Delta
         (the queue is not empty, so the last one put is still in it) the text joins that
         Delta: a client that reads slowly gets several tokens per SSE chunk, and a stream
         holds at most one unsent Delta, never one per token."""
+        if len(self.output_ids) <= self.muted:  # resumed: the client has this text
+            self.unsent = []
+            return
         if self.events.qsize() and self.last_delta is not None:
             self.last_delta.text += text
             self.last_delta.token_ids += self.unsent

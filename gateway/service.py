@@ -24,6 +24,7 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openai_api import ParsedRequest, parse_request
 from pdserve.gateway.placement import PlacementTimeout, Placer
 from pdserve.gateway.requests import Failed, GatewayRequest, StreamGap
+from pdserve.gateway.resume import Resumes
 from pdserve.gateway.sizing import Sizing
 from pdserve.gateway.table import Attempt, RequestTable
 
@@ -46,6 +47,9 @@ class RequestService:
         self.placer, self.sizing, self.metrics, self.link = placer, sizing, metrics, link
         self.parser = ThreadPoolExecutor(2, thread_name_prefix="parse")  # tokenizing requests
         self.placing: dict[int, asyncio.Task[None]] = {}  # by id() of a submitted request
+        # streams resumed from a gateway that is gone (gateway/resume.py)
+        self.resumes = Resumes(cluster, table, link, tokenizer, lambda: self.model_id,
+                               cfg.resume_timeout)  # fmt: skip
 
     # -- for the HTTP layer ----------------------------------------------------------------
     @property
@@ -111,6 +115,21 @@ class RequestService:
                                      "service_unavailable", retry_after=wait))  # fmt: skip
             return
         await self._place(req, req.prompt_ids, req.params)
+
+    async def resume(self, public_id: str, have: int, include_usage: bool) -> GatewayRequest:
+        """Adopt the stream `public_id` from the node holding it as an orphan; its text from
+        output token `have` on arrives in the returned request's events. `end` it too."""
+        try:
+            req, early = await self.resumes.resume(public_id, have, include_usage)
+        except Exception:
+            self.metrics.resumes.labels("refused").inc()
+            raise
+        self.metrics.resumes.labels("adopted").inc()
+        if req.finished:  # it ended while orphaned: every token is in its events
+            self._complete(req, abort_nodes=False)
+        for index, token, reason in early:  # duplicates of replayed ones are dropped
+            self.on_token(req, index, token, reason)
+        return req
 
     def end(self, req: GatewayRequest) -> None:
         """The HTTP exchange is over (answered, or the client left): free what it holds."""

@@ -137,6 +137,13 @@ class RequestTable:
         attempt.delivered_at = now
         attempt.prefill = None
 
+    def adopt(self, attempt: Attempt, node_id: str, now: float) -> None:
+        """A resumed stream (gateway/resume.py): its KV is on `node_id`, decoding."""
+        attempt.phase, attempt.delivered_at, attempt.placed_at = Phase.DECODE, now, now
+        attempt.decode = node_id
+        self._link(attempt, node_id)
+        attempt.req.ran_on = {"decode": node_id}
+
     def close(self, wire_id: str) -> Attempt | None:
         attempt = self.attempts.pop(wire_id, None)
         if attempt is not None:

@@ -17,6 +17,7 @@ import aiohttp
 import orjson
 
 from pdserve.loadgen.metrics import RequestRecord
+from pdserve.loadgen.resumable import StreamLost, parse_event, resumable_chunks
 from pdserve.loadgen.workloads import RequestSpec
 
 
@@ -30,9 +31,12 @@ async def send(
     timeout: float,
     endpoint: str = "completions",
     token_ids: bool = False,
+    others: list[str] | None = None,
 ) -> RequestRecord:
     """One streamed request; with `token_ids`, the output's token ids are asked for (vLLM's
-    `return_token_ids`) and kept, so that a conversation continues from exact tokens."""
+    `return_token_ids`) and kept, so that a conversation continues from exact tokens. With
+    `others` (the cluster's other gateways), the stream is resumable: a dropped connection
+    resumes on them (loadgen/resumable.py)."""
     body: dict = {
         "max_tokens": spec.max_tokens,
         "stream": True,
@@ -51,6 +55,8 @@ async def send(
         body["return_token_ids"] = True
     record = RequestRecord(index=index, sent=time.monotonic(), prompt_tokens=spec.prompt_len)
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    if others:
+        return await _send_resumable(session, [url, *others], path, body, record, timeout)
     try:
         async with session.post(
             f"{url}{path}",
@@ -78,13 +84,36 @@ async def send(
     return record
 
 
+async def _send_resumable(
+    session: aiohttp.ClientSession,
+    urls: list[str],
+    path: str,
+    body: dict,
+    record: RequestRecord,
+    timeout: float,
+) -> RequestRecord:
+    resumed = [0]
+    try:
+        async for obj in resumable_chunks(session, urls, path, body, timeout, resumed=resumed):
+            _on_chunk(record, obj, time.monotonic())
+        record.status = 200
+    except StreamLost as exc:
+        record.error = str(exc)[:500]
+    record.resumed = resumed[0]
+    record.done = time.monotonic()
+    if not record.error and not record.chunk_times:
+        record.error = "no content"
+    return record
+
+
 def _on_event(record: RequestRecord, event: bytes, now: float) -> None:
-    if not event.startswith(b"data: "):
+    _, payload = parse_event(event)
+    if payload is None or payload == b"[DONE]":
         return
-    payload = event[6:]
-    if payload == b"[DONE]":
-        return
-    obj = orjson.loads(payload)
+    _on_chunk(record, orjson.loads(payload), now)
+
+
+def _on_chunk(record: RequestRecord, obj: dict, now: float) -> None:
     if "error" in obj:
         record.error = str(obj["error"].get("message", obj["error"]))[:500]
         return

@@ -30,6 +30,7 @@ class RequestRecord:
     done: float = 0.0
     error: str = ""
     status: int = 0
+    resumed: int = 0  # times its stream resumed on another gateway (loadgen/resumable.py)
     server_ttft: float | None = None  # the server's own TTFT (its `timings`), if it reports one
     # the server's wait before the request's prefill began: at the gateway for a node to
     # accept it, plus in that node's queue (its `timings`: gateway_wait + prefill_queue)
@@ -133,5 +134,6 @@ def summarize(records: list[RequestRecord], slo: dict[str, float] | None = None)
     summary["goodput"] = round(len(good) / duration, 4)
     summary["completed"] = len(ok)
     summary["failed"] = len(records) - len(ok)
+    summary["resumed"] = sum(r.resumed > 0 for r in records)  # streams that changed gateway
     summary["duration_s"] = round(duration, 3)
     return summary

@@ -24,7 +24,9 @@ from pdserve.loadgen.workloads import RequestSpec
 
 @dataclass
 class BenchConfig:
-    url: str  # several gateways: comma-separated, request i goes to the i-th (mod their count)
+    # several gateways: comma-separated; request i goes to the i-th (mod their count), its
+    # stream resumable on the others (loadgen/resumable.py)
+    url: str
     model: str | None = None
     concurrency: int = 0  # 0: open loop by arrival times
     warmup: int = 0
@@ -45,9 +47,10 @@ async def _send(
     session: aiohttp.ClientSession, cfg: BenchConfig, spec: RequestSpec, index: int
 ) -> RequestRecord:
     urls = [u.strip().rstrip("/") for u in cfg.url.split(",") if u.strip()]
-    url = urls[abs(index) % len(urls)]
+    turn = abs(index) % len(urls)
+    url, others = urls[turn], urls[turn + 1 :] + urls[:turn]  # resumed on the others
     return await send(session, url, cfg.model, spec, index, cfg.ignore_eos, cfg.timeout,
-                      cfg.endpoint)  # fmt: skip
+                      cfg.endpoint, others=others or None)  # fmt: skip
 
 
 async def run(specs: list[RequestSpec], cfg: BenchConfig) -> list[RequestRecord]:

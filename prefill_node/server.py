@@ -114,7 +114,8 @@ class PrefillRole(RoleDefaults):
             await self.node.send_gateway(Reject(request_id=rid, reason=reason, room=room))
             return
         seq = Sequence.new(rid, offer.prompt_ids, offer.params)
-        self.node.requests[rid] = NodeRequest(seq, target=offer.decode, skip=offer.decode_cached)
+        self.node.requests[rid] = NodeRequest(seq, target=offer.decode, skip=offer.decode_cached,
+                                              prompt_len=offer.prompt_len)  # fmt: skip
         await self.node.send_gateway(Accept(request_id=rid))
         if not self.fetches.start(seq, offer):  # else scheduled once its prefix is here
             self.node.scheduler.add(seq)
@@ -146,6 +147,7 @@ class PrefillRole(RoleDefaults):
                     seq.block_table,
                     skip=req.skip,
                     gateway=self.node.gateway_of(seq.seq_id),
+                    prompt_len=req.prompt_len,
                 )
 
     def engine_step(

@@ -103,6 +103,7 @@ class KvSender:
         skip: int = 0,
         fetch: bool = False,
         gateway: str = "",
+        prompt_len: int = 0,
     ) -> Transfer:
         """Start a transfer; with `skip` (whole blocks) the decode node holds the first
         `skip` tokens' KV already and only the rest travels."""
@@ -136,6 +137,7 @@ class KvSender:
             skip_tokens=skip,
             fetch=fetch,
             gateway=gateway,
+            prompt_len=prompt_len,
         )
         self._post(target, _Item([encode(header)]))
         return t

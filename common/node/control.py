@@ -27,14 +27,17 @@ import zmq.asyncio
 
 from pdserve.common.config import NodeConfig
 from pdserve.common.errors import PdserveError
+from pdserve.common.node.adoption import Adoption
 from pdserve.common.node.events import PrefixEvents
 from pdserve.common.node.fairness import Fairness, Room
 from pdserve.common.node.gateways import Gateways
 from pdserve.common.node.links import GatewayLink, gateway_addresses
+from pdserve.common.node.role import NodeRequest
 from pdserve.common.node_metrics import NodeMetrics, start_http
 from pdserve.common.wire.protocol import (
     GATEWAY_DECODER,
     Abort,
+    Adopt,
     Deregister,
     Foreign,
     Heartbeat,
@@ -69,6 +72,8 @@ class NodeState(Protocol):
     def free_stale(self, request_ids: tuple[str, ...]) -> None: ...
     def foreign(self, request_ids: list[str]) -> Foreign: ...  # what these ids hold
     def holds(self, rid: str) -> bool: ...
+    @property
+    def requests(self) -> dict[str, NodeRequest]: ...
 
 
 class RoleMessages(Protocol):
@@ -101,6 +106,7 @@ class ControlPlane:
         links = [GatewayLink(ctx, a, identity) for a in gateway_addresses(cfg.gateway)]
         self.gateways = Gateways(links, node)
         self.owners = self.gateways.owners
+        self.adoption = Adoption(self.gateways, node, cfg.orphan_grace)  # streams kept
         self.fairness = Fairness()  # freed room to the oldest request of any gateway
         self.registered = asyncio.Event()  # with at least one gateway
         self.stopped = asyncio.Event()
@@ -242,6 +248,9 @@ class ControlPlane:
                     self.begin_drain()
                 case SwitchRole():
                     log.info("%s: role switch ignored (draining, or that role)", self.node_id)
+                case Adopt():
+                    if (adopted := self.adoption.adopt(msg, link)) is not None:
+                        await link.send(adopted)
                 case None:
                     log.warning("dropping malformed message from the gateway at %s", link.address)
                 case _:
@@ -296,20 +305,16 @@ class ControlPlane:
 
     def _registered(self, link: GatewayLink, ack: RegisterAck) -> None:
         if link.gateway_id and ack.gateway_id != link.gateway_id:
-            self._orphan(link, "the gateway restarted")
+            # a new process: the old one's requests are orphans (another gateway may adopt
+            # them, common/node/adoption.py), never this one's to free as stale
+            self.gateways.retire(link, time.monotonic())
+            self.fairness.forget(link)
+        link.silent_since = None
         self.events.resync()  # a new gateway, or one that dropped us
         self.role.on_registered(ack)
         link.registered_as(ack.gateway_id, ack.tokens_address, self.role.pushes_tokens)
         self.registered.set()
         log.info("%s registered with the gateway at %s", self.node_id, link.address)
-
-    def _orphan(self, link: GatewayLink, why: str) -> None:
-        """The gateway's requests have nobody to go to: free them (their KV with them)."""
-        self.fairness.forget(link)
-        owned = [r for r in self.owners.owned(link) if r in set(self.node.load().held)]
-        if owned:
-            log.warning("%s: %s; freeing its %d requests", link.address, why, len(owned))
-            self.node.free_stale(tuple(owned))
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -320,6 +325,7 @@ class ControlPlane:
                 await self._heartbeat(link, load)
             if self.registered.is_set():
                 await self.events.publish()
+            self.adoption.expire(time.monotonic())
             if not any(link.registered for link in self.links):
                 self.registered.clear()
 
@@ -332,9 +338,14 @@ class ControlPlane:
         await link.send(beat)
         silent = time.monotonic() - link.last_reply
         if silent > self.cfg.heartbeat_timeout and not self.draining and not link.replies_waiting():
-            # the gateway is gone or restarted: free its requests, knock until it answers
+            # the gateway is gone or restarted: its requests are orphans (kept for another
+            # gateway to adopt, --orphan-grace), and we knock until it answers
             if link.registered:
-                self._orphan(link, f"silent for {silent:.1f} s")
+                log.warning("the gateway at %s is silent (%.1f s): its %d requests are "
+                            "orphans for %.1f s", link.address, silent,
+                            len(self.owners.owned(link)), self.cfg.orphan_grace)  # fmt: skip
+                link.silent_since = time.monotonic()
+                self.fairness.forget(link)
             link.registered = False
             await link.send(Register(info=self.node.info()))
             link.last_reply = time.monotonic()

@@ -11,7 +11,7 @@ from typing import Protocol
 import msgspec
 import zmq
 
-from pdserve.common.node.links import GatewayLink, Owners
+from pdserve.common.node.links import GatewayLink, Gone, Owner, Owners
 from pdserve.common.wire.protocol import (
     Accept,
     Foreign,
@@ -35,18 +35,32 @@ class Gateways:
     def __init__(self, links: list[GatewayLink], node: Holdings) -> None:
         self.links, self.node = links, node
         self.owners = Owners()
+        self.gone: list[Gone] = []  # gateway processes that came back under a new id
 
     def link_for(self, rid: str) -> GatewayLink | None:
-        """The gateway `rid` belongs to (with one gateway, always that one)."""
-        return self.owners.get(rid) or (self.links[0] if len(self.links) == 1 else None)
+        """The live gateway `rid` belongs to (with one gateway, that one), None for an orphan
+        of a gone gateway."""
+        owner = self.owners.get(rid)
+        if isinstance(owner, GatewayLink):
+            return owner
+        return self.links[0] if owner is None and len(self.links) == 1 else None
 
     def adopt(self, rid: str, gateway_id: str) -> bool:
         """A request's KV announced for the gateway `gateway_id` (decode): False when this
-        node is not registered with it, or the id belongs to another gateway."""
-        link = next((k for k in self.links if k.registered and k.gateway_id == gateway_id), None)
-        if link is None and (gateway_id or len(self.links) > 1):
-            return False
-        return self.owners.adopt(rid, link or self.links[0])
+        node never heard of that gateway, or the id belongs to another gateway. A silent or
+        gone gateway's request is taken as its orphan (another gateway may adopt it)."""
+        owner: Owner | None = next((k for k in self.links if k.gateway_id == gateway_id), None)
+        owner = owner or next((g for g in self.gone if g.gateway_id == gateway_id), None)
+        if owner is None and not gateway_id and len(self.links) == 1:
+            owner = self.links[0]
+        return owner is not None and self.owners.adopt(rid, owner)
+
+    def retire(self, link: GatewayLink, now: float) -> None:
+        """`link`'s gateway came back as a new process: its old requests are orphans."""
+        gone = Gone(link.gateway_id, link.silent_since or now)
+        self.gone.append(gone)
+        for rid in self.owners.owned(link):
+            self.owners.move(rid, gone)
 
     def leader(self) -> str:
         """The gateway this node takes pool care from (role switches, rebalancing): the lowest
@@ -58,7 +72,11 @@ class Gateways:
         return len(self.links) == 1 or link.gateway_id == self.leader()
 
     def gateway_of(self, rid: str) -> str:
-        """The gateway id to name in a KvHeader for `rid`."""
+        """The gateway id to name in a KvHeader for `rid` (a gone one's too: the decode node
+        takes the KV as that gateway's orphan, for another gateway to adopt)."""
+        owner = self.owners.get(rid)
+        if isinstance(owner, Gone):
+            return owner.gateway_id
         link = self.link_for(rid)
         return link.gateway_id if link is not None else ""
 
@@ -98,6 +116,8 @@ class Gateways:
             return
         per: dict[int, list[int]] = {}
         for i, rid in enumerate(msg.request_ids):
+            # a silent gateway's too: one that was only paused reads them when it wakes (a
+            # dead one's queue goes with its requests at the grace's end)
             if (link := self.link_for(rid)) is not None:
                 per.setdefault(id(link), []).append(i)
         for one in self.links:

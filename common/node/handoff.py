@@ -96,7 +96,8 @@ class KvHandoff:
         seq = req.seq
         prompt = seq.token_ids[:-1]  # the newest token is sent with KvDone, not as KV
         t = node.sender.begin(rid, target, prompt, seq.num_prompt_tokens, seq.params,
-                              seq.block_table, gateway=node.gateway_of(rid))  # fmt: skip
+                              seq.block_table, gateway=node.gateway_of(rid),
+                              prompt_len=req.prompt_len)  # fmt: skip
         # staging reads only this request's blocks: it need not wait behind the next forward
         # pass in the engine thread
         payloads = await asyncio.to_thread(node.sender.stage_all, t)

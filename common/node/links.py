@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import time
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -33,6 +34,8 @@ class GatewayLink:
         self.last_reply = time.monotonic()
         self.tokens_address = ""
         self.tokens_sock: Any = None
+        # unanswered for heartbeat_timeout since: its requests are orphans (adoption.py)
+        self.silent_since: float | None = None
 
     async def send(self, msg: Msg) -> None:
         await send(self.control, msg)
@@ -59,24 +62,45 @@ class GatewayLink:
         self.control.close()
 
 
+@dataclass
+class Gone:
+    """A gateway process that is no more (it came back under a new id): its requests are
+    orphans until another gateway adopts them or `--orphan-grace` passes."""
+
+    gateway_id: str
+    since: float
+
+
+Owner = GatewayLink | Gone
+
+
 class Owners:
     """Request wire id -> the link of the gateway it belongs to. An entry lives while the node
     holds the request and one sweep more (a late KvTransferred record still finds its way)."""
 
     def __init__(self) -> None:
-        self.of: dict[str, GatewayLink] = {}
+        self.of: dict[str, Owner] = {}
         self.absent: set[str] = set()  # not held at the last sweep
 
-    def adopt(self, rid: str, link: GatewayLink) -> bool:
-        """`rid` belongs to `link` (False: it belongs to another gateway)."""
+    def adopt(self, rid: str, owner: Owner) -> bool:
+        """`rid` belongs to `owner` (False: it belongs to another gateway)."""
         self.absent.discard(rid)
-        return self.of.setdefault(rid, link) is link
+        return self.of.setdefault(rid, owner) is owner
 
-    def get(self, rid: str) -> GatewayLink | None:
+    def move(self, rid: str, owner: Owner) -> None:
+        """An orphan adopted by another gateway, or a gone gateway's request."""
+        self.of[rid] = owner
+
+    def get(self, rid: str) -> Owner | None:
         return self.of.get(rid)
 
-    def owned(self, link: GatewayLink) -> list[str]:
-        return [rid for rid, owner in self.of.items() if owner is link]
+    def owned(self, owner: Owner) -> list[str]:
+        return [rid for rid, o in self.of.items() if o is owner]
+
+    def orphan(self, rid: str) -> bool:
+        """Its gateway is gone or silent: nobody receives its tokens."""
+        owner = self.of.get(rid)
+        return isinstance(owner, Gone) or (owner is not None and owner.silent_since is not None)
 
     def sweep(self, held: set[str]) -> None:
         """Forget requests the node has not held for two sweeps."""

@@ -27,6 +27,7 @@ class NodeRequest:
     accepted_at: float = field(default_factory=time.monotonic)
     target: DecodeTarget | None = None  # prefill: the decode node its KV goes to
     skip: int = 0  # prefill: leading tokens whose KV that node holds (not sent)
+    prompt_len: int = 0  # the client's prompt within seq's prompt (0: all of it): Adopted
 
 
 class Role(Protocol):

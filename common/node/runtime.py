@@ -166,6 +166,14 @@ class NodeRuntime:
                 prefill.append(req.seq.num_prompt_tokens)
         return Foreign(prefill=tuple(prefill), decoding=len(request_ids) - len(prefill))
 
+    def finished(self, seq: Sequence, reason: str) -> None:
+        """A request ended here (its last token computed): let it go; an orphan's tokens
+        stay with the adoption until another gateway takes them (common/node/adoption.py)."""
+        req = self.requests.pop(seq.seq_id, None)
+        self.scheduler.finish(seq, reason)
+        if req is not None:
+            self.control.adoption.ended(req, reason)
+
     def holds(self, rid: str) -> bool:
         return rid in self.requests
 

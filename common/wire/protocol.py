@@ -164,8 +164,26 @@ class KvEvents(Msg):
     snapshot: bool = False
 
 
+class Adopted(Msg):
+    """A node's answer to `Adopt`: the request's state, now the asking gateway's (`found`),
+    or why not. `prompt_ids` is the client's prompt; `output_ids` every token generated for
+    it so far, `base` of them by earlier attempts (the wire id's attempt counts from there);
+    `params` are the attempt's (max_tokens: what it has left); `finish_reason` is set when
+    it already ended (its tokens are all here)."""
+
+    request_id: str  # the wire id (request_id.attempt); Adopt's request id when not found
+    found: bool
+    reason: str = ""
+    prompt_ids: list[int] = msgspec.field(default_factory=list)
+    output_ids: list[int] = msgspec.field(default_factory=list)
+    base: int = 0
+    params: SamplingParams | None = None
+    finish_reason: str | None = None
+
+
 NodeToGateway = (
-    KvTransferred
+    Adopted
+    | KvTransferred
     | KvEvents
     | Register
     | Heartbeat
@@ -224,6 +242,18 @@ class PrefillOffer(Msg):
     # how long the request has waited at its gateway: a node serving several gateways gives
     # freed room to the one waiting longest (common/node/fairness.py)
     waited_ms: float = 0.0
+    # tokens of `prompt_ids` that are the client's prompt (the rest: output of earlier
+    # attempts); 0: all of them. Kept with the request so another gateway can adopt it.
+    prompt_len: int = 0
+
+
+class Adopt(Msg):
+    """A client resumes a stream whose gateway is gone (docs/architecture.md, "Several
+    gateways"): the node holding `request_id` (without the attempt) as an orphan hands it to
+    this gateway (`Adopted`) if the client's `have` output tokens are no more than it made."""
+
+    request_id: str
+    have: int
 
 
 class Redirect(Msg):
@@ -256,7 +286,8 @@ class SwitchRole(Msg):
 
 
 GatewayToNode = (
-    RegisterAck
+    Adopt
+    | RegisterAck
     | RegisterRefuse
     | HeartbeatReply
     | PrefillOffer
@@ -286,6 +317,7 @@ class KvHeader(Msg):
     skip_tokens: int = 0
     fetch: bool = False  # prefix blocks a node fetched (KvFetch), not a request to decode
     gateway: str = ""  # the gateway that placed the request (RegisterAck.gateway_id)
+    prompt_len: int = 0  # as in PrefillOffer: the client's prompt (0: num_prompt_tokens)
 
 
 class KvLayer(Msg):

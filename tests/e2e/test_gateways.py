@@ -10,7 +10,13 @@ import asyncio
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 
+import aiohttp
+import orjson
+
+from pdserve.loadgen.resumable import parse_event, resumable_chunks
 from tests.e2e.conftest import wait_for
 from tests.e2e.streams import run_streams, seeded_bodies, sim_text
 
@@ -61,12 +67,14 @@ def test_killing_one_gateway_changes_nothing_for_the_other_and_frees_its_kv(
     """Long streams through gateway 1, a steady load through gateway 0. Once the nodes hold
     every one of gateway 1's streams, it is killed: gateway 0's streams all end with exact
     text and none is re-placed, and the nodes free gateway 1's requests (their KV with them)
-    within their heartbeat timeout, long before those streams would have ended."""
-    timeout = 1.0  # the nodes' --heartbeat-timeout: how long a silent gateway keeps its work
+    within their heartbeat timeout and orphan grace (nobody resumes them), long before those
+    streams would have ended."""
+    timeout = 1.0  # the nodes' --heartbeat-timeout: when a silent gateway's work is orphaned
+    grace = 1.0  # --orphan-grace: how long orphans wait for another gateway to adopt them
     cluster = make_cluster(
         prefill=2, decode=2, engine="sim", gateways=2,
         node_flags=("--sim-time-scale", "1", "--kv-backend", "tcp",
-                    "--heartbeat-timeout", str(timeout)),
+                    "--heartbeat-timeout", str(timeout), "--orphan-grace", str(grace)),
     )  # fmt: skip
     survivor, victim = cluster.urls
     doomed = seeded_bodies(24, 4000)  # 4000 decode steps of ~10 ms (modelled H100): ~40 s
@@ -89,11 +97,11 @@ def test_killing_one_gateway_changes_nothing_for_the_other_and_frees_its_kv(
     assert wait_for(lambda: cluster.metric("pdserve:requests_total", survivor) >= 10, 60)
     cluster.gateways[1].send_signal(signal.SIGKILL)
     killed = time.monotonic()
-    # freed within the lease: the timeout, a heartbeat to notice it, a report to gateway 0
-    # (0.2 s apart), and the metrics scrape; the streams themselves had ~40 s left
+    # freed within the lease: the timeout and the grace, a heartbeat to notice each, a report
+    # to gateway 0 (0.2 s apart), and the metrics scrape; the streams had ~40 s left
     assert wait_for(lambda: cluster.metric(others, survivor) == 0, 30)
     freed_after = time.monotonic() - killed
-    assert freed_after < timeout + 3 * 0.2 + 2.0, freed_after
+    assert freed_after < timeout + grace + 4 * 0.2 + 2.0, freed_after
     for t in threads:
         t.join(180)
     assert all(not r.ok for r in out["doomed"])  # their gateway is gone: the clients see it
@@ -155,3 +163,111 @@ def test_a_flooding_gateway_does_not_starve_the_other(make_cluster):
     assert max(waits) <= bound, (waits, bound)
     flood_during = [r for r in flood if r.sent >= quiet[0].sent]
     assert len(flood_during) >= quiet_count  # it kept flooding while the others came
+
+
+async def _resumable_texts(urls, bodies, resumed_counts):
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def one(i, body):
+            counter = [0]
+            text = ""
+            async for chunk in resumable_chunks(session, urls, "/v1/completions", body,
+                                                timeout=120, resumed=counter):  # fmt: skip
+                for choice in chunk.get("choices", []):
+                    text += choice.get("text") or ""
+            resumed_counts[i] = counter[0]
+            return text
+
+        return await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies)),
+                                    return_exceptions=True)  # fmt: skip
+
+
+def test_a_stream_survives_its_gateway(make_cluster, tokenizer):
+    """40 resumable streams through gateway 1, which is killed while all of them decode.
+    Each client resumes on gateway 0 (`GET /v1/streams/{id}`, `Last-Event-ID`); gateway 0
+    adopts each orphan from the node that holds it and the text goes on exactly: nothing
+    lost, repeated, or recomputed (no re-placement: the node decodes on)."""
+    cluster = make_cluster(
+        prefill=2, decode=2, engine="sim", gateways=2,
+        node_flags=("--sim-time-scale", "1", "--kv-backend", "tcp",
+                    "--heartbeat-timeout", "1", "--orphan-grace", "20"),
+    )  # fmt: skip
+    survivor, victim = cluster.urls
+    bodies = seeded_bodies(40, 400)  # ~400 decode steps of ~10 ms each: seconds to go
+    resumed: dict[int, int] = {}
+    out: list = []
+    def clients() -> None:
+        out.extend(asyncio.run(_resumable_texts([victim, survivor], bodies, resumed)))
+
+    thread = threading.Thread(target=clients)
+    thread.start()
+    others = "pdserve:node_requests_other_gateways"
+    assert wait_for(lambda: cluster.metric(others, survivor) == len(bodies), 60)
+    cluster.gateways[1].send_signal(signal.SIGKILL)
+    thread.join(180)
+    errors = [r for r in out if isinstance(r, BaseException)]
+    assert not errors, errors[:3]
+    assert out == _expected(tokenizer, bodies)
+    assert all(resumed[i] >= 1 for i in range(len(bodies))), resumed
+    assert cluster.metric("pdserve:stream_resumes_total", survivor, outcome="adopted") >= 40
+    assert cluster.metric("pdserve:request_replacements_total", survivor) == 0
+    assert wait_for(lambda: _held_everywhere(cluster, survivor) == 0, 10)
+
+
+def test_resuming_an_unknown_or_wrong_stream_is_a_clear_4xx_and_frees_nothing_else(
+    make_cluster, tokenizer
+):
+    """Malformed and unknown ids, a malformed Last-Event-ID, and a Last-Event-ID past what
+    the stream has: each a 4xx naming the problem; the orphan stays resumable and is
+    resumed with the right one; nothing is left held."""
+    cluster = make_cluster(
+        prefill=1, decode=1, engine="sim", gateways=2,
+        gateway_flags=("--resume-timeout", "3"),
+        node_flags=("--sim-time-scale", "1", "--heartbeat-timeout", "1",
+                    "--orphan-grace", "30"),
+    )  # fmt: skip
+    survivor, victim = cluster.urls
+
+    def resume(stream_id: str, last: str) -> tuple[int, str]:
+        req = urllib.request.Request(f"{survivor}/v1/streams/{stream_id}",
+                                     headers={"Last-Event-ID": last})  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
+    assert resume("nonsense", "0")[0] == 404
+    assert resume("cmpl-" + "0" * 24, "0")[0] == 404  # well formed, held by no node
+    assert resume("cmpl-" + "0" * 24, "-3")[0] == 400
+    assert resume("cmpl-" + "0" * 24, "abc")[0] == 400
+    # one long stream through gateway 1, read for a few chunks, then gateway 1 is killed
+    body = {**seeded_bodies(1, 3000)[0]}
+    got: dict = {}
+
+    def read_some() -> None:
+        req = urllib.request.Request(f"{victim}/v1/completions", data=orjson.dumps(body),
+                                     headers={"Content-Type": "application/json",
+                                              "pdserve-resumable": "1"})  # fmt: skip
+        resp = urllib.request.urlopen(req, timeout=60)
+        raw = b""
+        while raw.count(b"\n\n") < 5:
+            raw += resp.read1(65536)
+        got["events"] = [parse_event(e) for e in raw.split(b"\n\n")[:5]]
+        resp.close()
+
+    read_some()
+    last_id, payload = got["events"][-1]
+    stream_id = orjson.loads(payload)["id"]
+    text = "".join(orjson.loads(p)["choices"][0]["text"] for _, p in got["events"])
+    cluster.gateways[1].send_signal(signal.SIGKILL)
+    status, reply = resume(stream_id, "999999")  # more tokens than it has: refused
+    assert status == 409 and "Last-Event-ID" in reply, (status, reply)
+    status, reply = resume(stream_id, last_id)  # the right one: the rest of the stream
+    assert status == 200, reply
+    for _, data in (parse_event(e) for e in reply.encode().split(b"\n\n") if e):
+        if data and data != b"[DONE]":
+            text += "".join(c.get("text") or "" for c in orjson.loads(data)["choices"])
+    assert text == _expected(tokenizer, [body])[0]
+    assert resume(stream_id, last_id)[0] == 404  # delivered: gone from the nodes
+    assert wait_for(lambda: _held_everywhere(cluster, survivor) == 0, 10)

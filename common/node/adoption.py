@@ -1,0 +1,90 @@
+"""Streams that outlive their gateway (docs/architecture.md, "Several gateways"): a request
+whose gateway is silent or gone is an orphan. The node keeps it, decoding on, for
+`--orphan-grace` seconds; a finished orphan's tokens are kept as long. A client that lost
+its gateway asks another one to resume the stream; that gateway asks the nodes (`Adopt`),
+and the node holding the orphan hands over its state (`Adopted`: prompt, every token so far)
+and sends it everything from then on. Past the grace, orphans are freed, their KV with them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from pdserve.common.node.gateways import Gateways
+from pdserve.common.node.links import GatewayLink, Gone
+from pdserve.common.node.role import NodeRequest
+from pdserve.common.wire.protocol import Adopt, Adopted
+
+log = logging.getLogger(__name__)
+
+
+class AdoptHost(Protocol):
+    @property
+    def requests(self) -> dict[str, NodeRequest]: ...
+
+    def free_stale(self, request_ids: tuple[str, ...]) -> None: ...
+
+
+class Adoption:
+    def __init__(self, gateways: Gateways, node: AdoptHost, grace: float) -> None:
+        self.gateways, self.node, self.grace = gateways, node, grace
+        self.finished: dict[str, tuple[NodeRequest, str]] = {}  # ended orphans: tokens kept
+
+    def ended(self, req: NodeRequest, reason: str) -> None:
+        """A request finished on this node: an orphan's tokens wait for its adopter."""
+        if self.gateways.owners.orphan(req.seq.seq_id):
+            self.finished[req.seq.seq_id] = (req, reason)
+
+    def adopt(self, msg: Adopt, link: GatewayLink) -> Adopted | None:
+        """The orphan `msg.request_id` (any attempt) for `link`'s gateway; None when this
+        node does not hold it."""
+        prefix = msg.request_id + "."
+        held = [r for r in (*self.node.requests, *self.finished) if r.startswith(prefix)]
+        if not held:
+            return None
+        rid = max(held, key=lambda r: int(r.rsplit(".", 1)[1]) if r[-1].isdigit() else -1)
+        owners = self.gateways.owners
+        if owners.get(rid) is link:  # asked again (a lost reply): the same answer
+            pass
+        elif not owners.orphan(rid):
+            return Adopted(request_id=msg.request_id, found=False,
+                           reason="the stream is served by a live gateway")  # fmt: skip
+        ended = self.finished.get(rid)
+        req, reason = ended if ended is not None else (self.node.requests[rid], None)
+        seq = req.seq
+        if req.target is not None and ended is None:  # a prefill node: its KV is on its way
+            return Adopted(request_id=msg.request_id, found=False, reason="in prefill")
+        start = req.prompt_len or seq.num_prompt_tokens
+        outputs = seq.token_ids[start:]
+        if not 0 <= msg.have <= len(outputs):
+            return Adopted(request_id=msg.request_id, found=False,
+                           reason=f"Last-Event-ID {msg.have} is not a position of this stream "
+                           f"(0 to {len(outputs)})")  # fmt: skip
+        owners.move(rid, link)
+        self.finished.pop(rid, None)
+        log.info("%s adopted by the gateway at %s (%d tokens)", rid, link.address, len(outputs))
+        return Adopted(
+            request_id=rid, found=True, prompt_ids=seq.token_ids[:start], output_ids=outputs,
+            base=seq.num_prompt_tokens - start, params=seq.params, finish_reason=reason,
+        )  # fmt: skip
+
+    def expire(self, now: float) -> None:
+        """Free the orphans of gateways silent or gone for longer than the grace."""
+        owners = self.gateways.owners
+        late: list[str] = []
+        for link in self.gateways.links:
+            if link.silent_since is not None and now - link.silent_since > self.grace:
+                late += owners.owned(link)
+        for gone in list(self.gateways.gone):
+            if now - gone.since > self.grace:
+                late += owners.owned(gone)
+                self.gateways.gone.remove(gone)
+        for rid in late:
+            self.finished.pop(rid, None)
+            owners.move(rid, Gone("", now))  # nobody's: the sweep forgets it once freed
+        live = tuple(r for r in late if r in self.node.requests)
+        if live:
+            log.warning("freeing %d orphaned requests: no gateway adopted them within %.1f s",
+                        len(live), self.grace)  # fmt: skip
+            self.node.free_stale(live)
