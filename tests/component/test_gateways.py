@@ -22,6 +22,8 @@ from pdserve.common.wire.protocol import (
     TOKENS_DECODER,
     Abort,
     Accept,
+    Adopt,
+    Adopted,
     DecodeTarget,
     FirstToken,
     Heartbeat,
@@ -60,12 +62,15 @@ class ScriptedGateway:
         self.inbox: list[object] = []
         self.streamed: dict[str, list[int]] = defaultdict(list)  # rid -> output indices
         self.on_first: Any = None  # awaited on a FirstToken, before the next message is read
+        self.muted = False  # answers nothing (a gateway that died without closing anything)
         self.tasks = [asyncio.create_task(self._control()), asyncio.create_task(self._tokens())]
 
     async def _control(self) -> None:
         while True:
             identity, payload = await self.control.recv_multipart()
             msg = NODE_DECODER.decode(payload)
+            if self.muted:
+                continue
             if isinstance(msg, Register):
                 self.nodes[msg.info.node_id] = identity
                 ack = RegisterAck(node_id=msg.info.node_id, tokens_address=self.tokens_address,
@@ -117,9 +122,10 @@ def _target(node: NodeRuntime) -> DecodeTarget:
                         host_id=info.host_id, kv_endpoints=info.kv_endpoints)  # fmt: skip
 
 
-async def _node(tokenizer, role, node_id: str, gateways: list[ScriptedGateway], **ecfg):
+async def _node(tokenizer, role, node_id: str, gateways: list[ScriptedGateway], node_cfg=None,
+                **ecfg):  # fmt: skip
     cfg = NodeConfig(gateway=",".join(g.control_address for g in gateways), node_id=node_id,
-                     heartbeat_interval=0.05, kv_backend="tcp")  # fmt: skip
+                     heartbeat_interval=0.05, kv_backend="tcp", **(node_cfg or {}))  # fmt: skip
     engine_cfg = dataclasses.replace(SIM, **ecfg)
     node = NodeRuntime(role, cfg, engine_cfg, SimEngine(engine_cfg), tokenizer)
     task = asyncio.create_task(node.serve())
@@ -275,5 +281,41 @@ async def test_a_node_takes_pool_care_from_the_leader_alone(tokenizer):
         if decode is not None:
             decode[0].stopped.set()
             await asyncio.wait_for(decode[1], 10)
+        await a.close()
+        await b.close()
+
+
+async def test_an_orphan_is_adopted_only_once_its_gateway_is_silent(tokenizer):
+    """Gateway B asks for gateway A's running request: refused while A answers; once A has
+    been silent for the node's heartbeat timeout, B adopts it, gets every token so far, and
+    every later token; A gets none of those."""
+    a, b = ScriptedGateway("gw-a"), ScriptedGateway("gw-b")
+    prefill, decode = None, None
+    fast = {"heartbeat_timeout": 0.3, "orphan_grace": 30.0}
+    try:
+        prefill = await _node(tokenizer, PrefillRole, "prefill-0", [a, b], fast)
+        decode = await _node(tokenizer, DecodeRole, "decode-0", [a, b], fast, sim_time_scale=20.0)
+        p, d = prefill[0], decode[0]
+        await a.offer(p, "r.0", d, 200)
+        await until(lambda: len(a.streamed["r.0"]) >= 3, what="tokens to A")
+        await b.tell(d, Adopt(request_id="r", have=0))
+        await until(lambda: [m for m in b.inbox if isinstance(m, Adopted)], what="an answer")
+        refused = next(m for m in b.inbox if isinstance(m, Adopted))
+        assert not refused.found and "live gateway" in refused.reason
+        a.muted = True
+        await until(lambda: d.control.links[0].silent_since is not None, what="A silent")
+        had = len(a.streamed["r.0"])
+        b.inbox.clear()
+        await b.tell(d, Adopt(request_id="r", have=had))
+        await until(lambda: [m for m in b.inbox if isinstance(m, Adopted)], what="adopted")
+        adopted = next(m for m in b.inbox if isinstance(m, Adopted))
+        assert adopted.found and adopted.request_id == "r.0"
+        assert adopted.prompt_ids == prompt(32) and len(adopted.output_ids) >= had
+        made = len(adopted.output_ids)
+        await until(lambda: len(b.streamed["r.0"]) >= 3, what="tokens to B")
+        assert min(b.streamed["r.0"]) == made  # indices go on from what it was handed
+        assert max(a.streamed["r.0"]) < made  # A got nothing made after the adoption
+    finally:
+        await _stop(*(x for x in (prefill, decode) if x is not None))
         await a.close()
         await b.close()
