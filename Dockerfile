@@ -72,6 +72,13 @@ RUN if ! command -v cc >/dev/null; then \
         && rm -rf /var/lib/apt/lists/*; \
     fi
 
+# HAProxy, the load balancer in front of several gateways (compose.ha.yaml runs it from
+# this image): from the distribution, unless the base image has it.
+RUN if ! command -v haproxy >/dev/null; then \
+        apt-get update && apt-get install -y --no-install-recommends haproxy \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
+
 # Not root. /dev/shm segments (same-host KV) belong to this uid in every container.
 RUN mkdir -p /home/pdserve && chown 10001:10001 /home/pdserve
 USER 10001:10001

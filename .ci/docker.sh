@@ -7,9 +7,10 @@
 
 PDSERVE_CI_DIR=${PDSERVE_CI_DIR:-/tmp/pdserve-ci}
 export DOCKER_CONFIG=$PDSERVE_CI_DIR/dockercfg
-# -cc: with a C compiler (the nodes build their C kernels); a new name, so an older image
-# without one, left by an earlier run on the same machine, is not reused
-export PDSERVE_TEST_BASE_IMAGE=local/pdserve-python-cc
+# -cc-lb: with a C compiler (the nodes build their C kernels) and HAProxy (compose.ha.yaml's
+# balancer); a new name, so an older image without them, left by an earlier run on the same
+# machine, is not reused
+export PDSERVE_TEST_BASE_IMAGE=local/pdserve-python-cc-lb
 
 docker_start() {
     mkdir -p "$PDSERVE_CI_DIR" "$DOCKER_CONFIG/cli-plugins"
@@ -40,7 +41,7 @@ docker_start() {
     # Python 3.11 like the host, so the wheels the test downloads on the host install inside.
     if ! docker image inspect "$PDSERVE_TEST_BASE_IMAGE" >/dev/null 2>&1; then
         rm -rf "$PDSERVE_CI_DIR/rootfs"
-        debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates,gcc,libc6-dev \
+        debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates,gcc,libc6-dev,haproxy \
             bookworm "$PDSERVE_CI_DIR/rootfs" >"$PDSERVE_CI_DIR/debootstrap.log"
         tar -C "$PDSERVE_CI_DIR/rootfs" -c . | docker import - "$PDSERVE_TEST_BASE_IMAGE" >/dev/null
         rm -rf "$PDSERVE_CI_DIR/rootfs"

@@ -87,6 +87,57 @@ def _get(summary: str, schema: str | None, errors: dict[str, Any]) -> dict[str, 
     }
 
 
+RESUME = (
+    "The rest of a resumable stream (one asked with the header `pdserve-resumable: 1`, whose "
+    "SSE events then carry `id: N`, N the output tokens whose text they bring) after its "
+    "connection or its gateway was lost: any gateway of the cluster adopts it from the node "
+    'holding it and streams on from `Last-Event-ID` (docs/architecture.md, "Several '
+    'gateways"). The events are those of the original stream, each with its `id:`.'
+)
+
+
+def _resume() -> dict[str, Any]:
+    def header(name: str, description: str, where: str = "header") -> dict[str, Any]:
+        return {"name": name, "in": where, "required": False, "description": description,
+                "schema": {"type": "string"}}  # fmt: skip
+
+    return {
+        "get": {
+            "summary": "resume a stream",
+            "description": RESUME,
+            "parameters": [
+                {
+                    "name": "stream_id",
+                    "in": "path",
+                    "required": True,
+                    "description": "the chunks' `id` (cmpl-... or chatcmpl-...)",
+                    "schema": {"type": "string"},
+                },
+                header("Last-Event-ID", "the `id:` of the last event received (default 0)"),
+                header("last_event_id", "the same, as a query parameter", "query"),
+                header("include_usage", "true: a usage chunk before [DONE]", "query"),
+            ],
+            "responses": {
+                "200": {
+                    "description": "the rest of the stream",
+                    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                },
+                "400": _error("`Last-Event-ID` is not an integer >= 0"),
+                "401": ERRORS["401"],
+                "404": _error(
+                    "no node holds this stream (unknown, delivered, or past the "
+                    "nodes' `--orphan-grace`)"
+                ),
+                "409": _error(
+                    "`Last-Event-ID` is not a position of this stream, or another "
+                    "gateway still serves it (retry)"
+                ),
+            },
+            "security": [{}, {"bearer": []}],
+        }
+    }
+
+
 def spec(model_id: str = "") -> dict[str, Any]:
     structs = [
         s.CompletionRequest,
@@ -120,6 +171,7 @@ def spec(model_id: str = "") -> dict[str, Any]:
             "/v1/chat/completions": _generate(
                 "chat completion", "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk"
             ),
+            "/v1/streams/{stream_id}": _resume(),
             "/v1/models": _get("the served model", "ModelList", {"401": ERRORS["401"]}),
             "/health": _get("cluster health", "Health", unhealthy),
             "/metrics": _get("Prometheus metrics", None, {}),

@@ -73,10 +73,16 @@ class PoolCare:
 
     def switched_away(self, info: NodeInfo, identity: bytes) -> bool:
         """A node registers in the role it was asked to take, from a new socket, before its
-        old self's Deregister arrived: that old self must be dropped first."""
+        old self's Deregister arrived: that old self must be dropped first. With several
+        gateways the leader asked (this gateway may not know): a node registering in the
+        other role under its id from a new socket is that node, switched."""
         switched = self.switching.get(info.node_id)
         old = self.cluster.nodes.get(info.node_id)
-        return bool(switched and switched[0] == info.role and old and old.identity != identity)
+        if old is None or old.identity == identity:
+            return False
+        if switched is not None:
+            return switched[0] == info.role
+        return {old.info.role, info.role} == {"prefill", "decode"}
 
     def registered(self, node_id: str, now: float) -> None:
         """Back in its new role, or restarted in its old one: a switch is over."""

@@ -31,7 +31,7 @@ from pdserve.common.node.adoption import Adoption
 from pdserve.common.node.events import PrefixEvents
 from pdserve.common.node.fairness import Fairness, Room
 from pdserve.common.node.gateways import Gateways
-from pdserve.common.node.links import GatewayLink, gateway_addresses
+from pdserve.common.node.links import GatewayLink, dynamic, gateway_addresses, resolve
 from pdserve.common.node.role import NodeRequest
 from pdserve.common.node_metrics import NodeMetrics, start_http
 from pdserve.common.wire.protocol import (
@@ -57,6 +57,7 @@ from pdserve.common.wire.protocol import (
 from pdserve.common.wire.transport import decode_or_none
 
 log = logging.getLogger(__name__)
+DISCOVERY_S = 5.0  # how often gateway host names are resolved again
 
 
 class RegistrationRefused(PdserveError):
@@ -102,8 +103,8 @@ class ControlPlane:
     ) -> None:
         self.cfg, self.node_id, self.ctx = cfg, node_id, ctx
         self.node, self.role, self.events, self.metrics = node, role, events, metrics
-        identity = f"{node_id}/{secrets.token_hex(4)}"  # unique even for a duplicate id
-        links = [GatewayLink(ctx, a, identity) for a in gateway_addresses(cfg.gateway)]
+        self.identity = f"{node_id}/{secrets.token_hex(4)}"  # unique even for a duplicate id
+        links = [GatewayLink(ctx, a, self.identity) for a in gateway_addresses(cfg.gateway)]
         self.gateways = Gateways(links, node)
         self.owners = self.gateways.owners
         self.adoption = Adoption(self.gateways, node, cfg.orphan_grace)  # streams kept
@@ -145,11 +146,15 @@ class ControlPlane:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.on_signal)
+        for link in self.links:
+            link.task = asyncio.create_task(self._control_loop(link))
         self.tasks += [
             *role_tasks,
-            *(asyncio.create_task(self._control_loop(link)) for link in self.links),
+            *(link.task for link in self.links),
             asyncio.create_task(self._heartbeat_loop()),
         ]
+        if dynamic(self.cfg.gateway):
+            self.tasks.append(asyncio.create_task(self._discovery_loop()))
         for task in self.tasks:
             task.add_done_callback(self._task_ended)
         if self.cfg.metrics_port:
@@ -315,6 +320,46 @@ class ControlPlane:
         link.registered_as(ack.gateway_id, ack.tokens_address, self.role.pushes_tokens)
         self.registered.set()
         log.info("%s registered with the gateway at %s", self.node_id, link.address)
+
+    async def _discovery_loop(self) -> None:
+        """Gateways named by a host name come and go (pods of a headless Service): resolve
+        the names again, link to new gateways, and let a vanished one go once its requests
+        are past the orphan grace."""
+        while True:
+            await asyncio.sleep(DISCOVERY_S)
+            resolved = await asyncio.to_thread(resolve, self.cfg.gateway)
+            wanted = {ip for ips in resolved.values() for ip in ips}
+            wanted |= {name for name, ips in resolved.items() if not ips}
+            for name, ips in resolved.items():
+                for address in ips:
+                    if all(k.address != address for k in self.links):
+                        await self._add_link(address)
+                if ips:  # a name link kept while it resolved to nothing: its IPs replace it
+                    for link in [k for k in self.links if k.address == name]:
+                        self._drop_link(link)
+            late = self.cfg.heartbeat_timeout + self.cfg.orphan_grace
+            now = time.monotonic()
+            for link in list(self.links):
+                gone = link.silent_since is not None and now - link.silent_since > late
+                if link.address not in wanted and gone and len(self.links) > 1:
+                    self._drop_link(link)
+
+    async def _add_link(self, address: str) -> None:
+        log.info("%s: a gateway at %s", self.node_id, address)
+        link = GatewayLink(self.ctx, address, self.identity)
+        self.links.append(link)
+        link.task = asyncio.create_task(self._control_loop(link))
+        link.task.add_done_callback(self._task_ended)
+        self.tasks.append(link.task)
+        await link.send(Register(info=self.node.info()))
+
+    def _drop_link(self, link: GatewayLink) -> None:
+        log.info("%s: the gateway at %s is no more", self.node_id, link.address)
+        if link.gateway_id:
+            self.gateways.retire(link, time.monotonic())  # its requests: orphans, adoptable
+        self.links.remove(link)
+        link.task.cancel()
+        link.close()
 
     async def _heartbeat_loop(self) -> None:
         while True:

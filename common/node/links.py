@@ -36,6 +36,7 @@ class GatewayLink:
         self.tokens_sock: Any = None
         # unanswered for heartbeat_timeout since: its requests are orphans (adoption.py)
         self.silent_since: float | None = None
+        self.task: Any = None  # its control loop
 
     async def send(self, msg: Msg) -> None:
         await send(self.control, msg)
@@ -110,28 +111,50 @@ class Owners:
 
 
 def gateway_addresses(given: str) -> list[str]:
-    """The gateways a node serves: `--gateway` repeated or comma-separated; a host name that
-    resolves to several addresses (a Kubernetes headless Service) is one gateway each."""
+    """The gateways a node serves: `--gateway` repeated or comma-separated; a host name is
+    one gateway per address it resolves to (a Kubernetes headless Service: one per pod),
+    or the name itself while it resolves to none (ZeroMQ keeps trying it)."""
     found: list[str] = []
-    for address in (a.strip() for a in given.split(",") if a.strip()):
-        for one in _expand(address):
+    for address, ips in resolve(given).items():
+        for one in ips or [address]:
             if one not in found:
                 found.append(one)
     return found
 
 
-def _expand(address: str) -> list[str]:
+def configured(given: str) -> list[str]:
+    return list(dict.fromkeys(a.strip() for a in given.split(",") if a.strip()))
+
+
+def dynamic(given: str) -> bool:
+    """Whether any configured gateway is a host name (resolved again while serving)."""
+    return any(_name(a) is not None for a in configured(given))
+
+
+def resolve(given: str) -> dict[str, list[str]]:
+    """Each configured address -> the tcp:// addresses its host name resolves to now ([]:
+    none, or it is no name)."""
+    return {a: _resolve(a) for a in configured(given)}
+
+
+def _name(address: str) -> tuple[str, int] | None:
     parts = urlsplit(address)
     host, port = parts.hostname, parts.port
     if parts.scheme != "tcp" or not host or port is None or _is_ip(host) or host == "localhost":
-        return [address]
+        return None
+    return host, port
+
+
+def _resolve(address: str) -> list[str]:
+    named = _name(address)
+    if named is None:
+        return []
+    host, port = named
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError:
-        return [address]  # not resolvable yet: ZeroMQ keeps trying the name
+        return []  # not resolvable yet
     ips = sorted({str(info[4][0]) for info in infos if info[0] == socket.AF_INET})
-    if len(ips) <= 1:
-        return [address]  # one gateway: keep the name (ZeroMQ re-resolves it on reconnect)
     return [f"tcp://{ip}:{port}" for ip in ips]
 
 

@@ -157,7 +157,12 @@ async def test_two_gateways_that_would_both_switch_a_node_switch_one(tokenizer):
             reqs.append(req)
             runs.append(asyncio.create_task(c.gw.service.run(req)))
             await asyncio.sleep(max(0.0, start + (i + 1) * 0.04 - loop.time()))
-        results = [await outcome(r, 60) for r in reqs]
+        try:
+            results = [await outcome(r, 60) for r in reqs]
+        except TimeoutError:  # say which request and where, for the one who debugs it
+            stuck = [(r.wire_id, r.ran_on, len(r.output_ids), r.timeline) for r in reqs
+                     if not r.finished]  # fmt: skip
+            raise AssertionError(f"unfinished requests: {stuck}") from None
         await asyncio.gather(*runs)
         assert results == [Done("length")] * len(reqs)
         switches = [c.gw.metrics.role_switches.labels("decode", "prefill")._value.get()

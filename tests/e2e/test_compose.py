@@ -5,7 +5,7 @@ then `down`. It needs a Docker engine: `.ci/run` starts one when CI=true (where 
 must not skip); elsewhere it skips with the reason.
 
 Offline by design: the wheels are downloaded on the host (docker/wheels.sh) and the base
-image is PDSERVE_TEST_BASE_IMAGE (CI builds `local/pdserve-python-cc` with debootstrap).
+image is PDSERVE_TEST_BASE_IMAGE (CI builds `local/pdserve-python-cc-lb` with debootstrap).
 """
 
 from __future__ import annotations

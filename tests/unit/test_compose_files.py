@@ -132,3 +132,24 @@ def test_the_image_copies_every_package_linked_into_pdserve():
     dockerfile = (ROOT / "Dockerfile").read_text()
     copied = set(re.findall(r"^COPY (\w+) /src/\1$", dockerfile, re.M))
     assert linked and linked <= copied, sorted(linked - copied)
+
+
+def test_the_ha_variant_puts_two_gateways_behind_the_balancer():
+    """compose.ha.yaml: two gateways, only the balancer published, every node given both,
+    and the balancer's configuration names both gateway services with a /health check."""
+    ha = _config("compose.yaml", "compose.cpu.yaml", "compose.ha.yaml")
+    services = ha["services"]
+    assert {"gateway", "gateway-b", "lb"} <= set(services)
+    published = {name for name, s in services.items() if s.get("ports")}
+    assert published == {"lb"}
+    for role in ("prefill", "decode"):
+        gateways = services[role]["environment"]["PDSERVE_GATEWAY"].split(",")
+        assert gateways == ["tcp://gateway:8001", "tcp://gateway-b:8001"]
+    assert services["gateway-b"]["command"] == ["gateway"]
+    assert services["lb"]["entrypoint"][0] == "haproxy"
+    [mount] = services["lb"]["volumes"]
+    cfg = (ROOT / "deploy/haproxy.cfg").read_text()
+    assert Path(mount["source"]) == ROOT / "deploy/haproxy.cfg"
+    servers = re.findall(r"^\s*server (\S+) (\S+):8000", cfg, flags=re.M)
+    assert servers == [("gateway", "gateway"), ("gateway-b", "gateway-b")]
+    assert "option httpchk GET /health" in cfg and "timeout server 1h" in cfg

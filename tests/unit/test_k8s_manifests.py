@@ -176,8 +176,12 @@ def test_every_service_selects_one_pool_and_its_named_ports(objs):
     services = of_kind(objs, "Service")
     for role in ("prefill", "decode"):  # headless: DNS names the pods themselves
         assert services[f"pdserve-{role}"]["spec"]["clusterIP"] == "None"
-    # the gateway is not ready before nodes register, and they register through this one
-    assert services["pdserve-gateway-control"]["spec"]["publishNotReadyAddresses"] is True
+    # the gateway is not ready before nodes register, and they register through this one,
+    # headless: its name resolves to every gateway pod, and nodes register with each
+    control = services["pdserve-gateway-control"]["spec"]
+    assert control["publishNotReadyAddresses"] is True and control["clusterIP"] == "None"
+    gateways = of_kind(objs, "Deployment")["pdserve-gateway"]["spec"]
+    assert gateways["replicas"] > 1 and gateways["strategy"]["type"] == "RollingUpdate"
 
 
 def test_nodes_register_through_the_control_service(objs):

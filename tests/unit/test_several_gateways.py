@@ -34,7 +34,13 @@ def test_gateway_addresses_split_deduplicate_and_expand_names_of_several(monkeyp
     def one(host, port, *args, **kwargs):
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.9", port))]
 
-    monkeypatch.setattr(socket, "getaddrinfo", one)  # one gateway: the name is kept
+    monkeypatch.setattr(socket, "getaddrinfo", one)  # one gateway: its address
+    assert gateway_addresses("tcp://gateway:8001") == ["tcp://10.0.0.9:8001"]
+
+    def none(host, port, *args, **kwargs):
+        raise socket.gaierror("not yet")
+
+    monkeypatch.setattr(socket, "getaddrinfo", none)  # nothing yet: ZeroMQ tries the name
     assert gateway_addresses("tcp://gateway:8001") == ["tcp://gateway:8001"]
 
 

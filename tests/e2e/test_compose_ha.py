@@ -1,0 +1,94 @@
+"""Two gateways behind HAProxy in Docker Compose (compose.ha.yaml), for real: both gateways
+have every node registered, greedy text through the balancer equals the single-process
+engine's, and with one gateway container killed the balancer sends everything to the other
+and no request fails. Needs a Docker engine (as tests/e2e/test_compose.py; in CI it runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pdserve.common.wire.transport import free_port
+from tests.docker_util import compose_or_skip
+from tests.e2e.test_compose import PROMPT, _stream_chat, _wait_nodes
+
+ROOT = Path(__file__).resolve().parents[2]
+HEALTH = (
+    "import urllib.request as u, json; "
+    "print(json.dumps(json.loads(u.urlopen('http://127.0.0.1:8000/health', timeout=5).read())))"
+)
+
+
+@pytest.fixture(scope="module")
+def ha(tmp_path_factory):
+    compose = compose_or_skip()
+    subprocess.run(["bash", str(ROOT / "docker/wheels.sh")], check=True, cwd=ROOT, timeout=900,
+                   env={**os.environ, "PYTHON": sys.executable})  # fmt: skip
+    port = free_port()
+    env = {
+        **os.environ,
+        "PDSERVE_IMAGE": "pdserve:test",
+        "PDSERVE_BASE_IMAGE": os.environ.get(
+            "PDSERVE_TEST_BASE_IMAGE", "python:3.11-slim-bookworm"
+        ),
+        "PDSERVE_BIND": "127.0.0.1",
+        "PDSERVE_PORT": str(port),
+        "PDSERVE_MODEL_DIR": str(tmp_path_factory.mktemp("models")),
+        "PDSERVE_KV_CACHE_GB": "0.25",
+        "PDSERVE_SHM_SIZE": "512mb",
+        "PDSERVE_HEARTBEAT_TIMEOUT": "1",
+    }
+    project = f"pdserve-ha-{secrets.token_hex(3)}"
+    files = ["-f", "compose.yaml", "-f", "compose.cpu.yaml", "-f", "compose.ha.yaml"]
+    base = [*compose, "-p", project, *files]
+
+    def run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+        done = subprocess.run([*base, *args], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=timeout)  # fmt: skip
+        out = done.stdout[-3000:] + done.stderr[-3000:]
+        assert done.returncode == 0, f"{' '.join(args)}:\n{out}"
+        return done
+
+    run("build", "gateway")
+    try:
+        run("up", "-d", "--wait", "--wait-timeout", "600", timeout=700)
+        url = f"http://127.0.0.1:{port}"
+        _wait_nodes(url, 2, timeout=120)
+        yield url, run
+    finally:
+        logs = subprocess.run([*base, "logs", "--no-color"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        Path(ROOT / "build").mkdir(exist_ok=True)
+        (ROOT / "build/compose-ha-test.log").write_text(logs.stdout + logs.stderr)
+        subprocess.run([*base, "down", "-v", "--remove-orphans", "--timeout", "20"], cwd=ROOT,
+                       env=env, capture_output=True, timeout=300)  # fmt: skip
+
+
+def test_two_gateways_behind_haproxy_serve_and_survive_one_gone(ha, smol_runner, tokenizer):
+    from pdserve.common.sampling import SamplingParams
+    from tests.conftest import chat_ids, make_engine
+
+    url, run = ha
+    for service in ("gateway", "gateway-b"):  # every node registered with each gateway
+        health = json.loads(run("exec", "-T", service, "python3", "-c", HEALTH).stdout)
+        assert sorted(health["nodes"].values()) == ["decode", "prefill"], (service, health)
+    engine = make_engine(smol_runner, tokenizer)
+    [expected] = engine.generate(
+        [chat_ids(tokenizer, PROMPT)], SamplingParams(max_tokens=24, temperature=0.0)
+    )
+    for _ in range(4):  # spread over both gateways by the balancer
+        text, _, _ = _stream_chat(url)
+        assert text == expected.text
+    run("kill", "gateway-b")
+    gone = time.monotonic()
+    for _ in range(6):  # the balancer's check (1 s, 2 failures) or its redispatch: no error
+        text, _, _ = _stream_chat(url)
+        assert text == expected.text
+    print(f"compose ha: served through one gateway {time.monotonic() - gone:.1f} s after the kill")
