@@ -29,6 +29,7 @@ from pdserve.common.wire.protocol import (
     KvTransferred,
     Migrate,
     NeedDecode,
+    OthersLoad,
     Preempted,
     PrefillFailed,
     Redirect,
@@ -159,6 +160,12 @@ class NodeMessages:
             # too late: that offer timed out and the request moved on under a new wire id,
             # so this aborts exactly the stale acceptance
             await self.link.reply(identity, Abort(request_id=msg.request_id))
+
+    async def _on_others_load(self, identity: bytes, msg: OthersLoad) -> None:
+        node = self.cluster.by_identity(identity)
+        if node is not None and node.node_id == msg.node_id:
+            node.foreign = msg.foreign
+            self.placer.capacity_changed()  # it may have room for us now
 
     async def _on_adopted(self, identity: bytes, msg: Adopted) -> None:
         self.service.resumes.answered(identity, msg)
@@ -317,6 +324,7 @@ CONTROL: dict[type, Handler] = {
     Register: NodeMessages._on_register,
     Heartbeat: NodeMessages._on_heartbeat,
     Adopted: NodeMessages._on_adopted,
+    OthersLoad: NodeMessages._on_others_load,
     Accept: NodeMessages._on_answer,
     Reject: NodeMessages._on_answer,
     FirstToken: NodeMessages._on_first_token,

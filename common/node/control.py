@@ -105,7 +105,7 @@ class ControlPlane:
         self.node, self.role, self.events, self.metrics = node, role, events, metrics
         self.identity = f"{node_id}/{secrets.token_hex(4)}"  # unique even for a duplicate id
         links = [GatewayLink(ctx, a, self.identity) for a in gateway_addresses(cfg.gateway)]
-        self.gateways = Gateways(links, node)
+        self.gateways = Gateways(node_id, links, node)
         self.owners = self.gateways.owners
         self.adoption = Adoption(self.gateways, node, cfg.orphan_grace)  # streams kept
         self.fairness = Fairness()  # freed room to the oldest request of any gateway

@@ -14,11 +14,14 @@ import zmq
 from pdserve.common.node.links import GatewayLink, Gone, Owner, Owners
 from pdserve.common.wire.protocol import (
     Accept,
+    FirstToken,
     Foreign,
     KvEvents,
     Load,
     Msg,
+    OthersLoad,
     Preempted,
+    PrefillFailed,
     Reject,
     TokenBatch,
 )
@@ -32,8 +35,8 @@ class Holdings(Protocol):
 
 
 class Gateways:
-    def __init__(self, links: list[GatewayLink], node: Holdings) -> None:
-        self.links, self.node = links, node
+    def __init__(self, node_id: str, links: list[GatewayLink], node: Holdings) -> None:
+        self.node_id, self.links, self.node = node_id, links, node
         self.owners = Owners()
         self.gone: list[Gone] = []  # gateway processes that came back under a new id
 
@@ -103,6 +106,14 @@ class Gateways:
         if isinstance(msg, (Accept, Reject)) and len(self.links) > 1:
             msg = msgspec.structs.replace(msg, foreign=self.foreign(link))
         await link.send(msg)
+        if isinstance(msg, (Accept, FirstToken, PrefillFailed)) and len(self.links) > 1:
+            # its prefill work changed: the other gateways hear it now, not at the next
+            # heartbeat (else they offer a node that is mid-pass as if it were idle)
+            for other in self.links:
+                if other is not link and other.registered:
+                    update = OthersLoad(node_id=self.node_id, foreign=self.foreign(other))
+                    with contextlib.suppress(zmq.ZMQError):
+                        await other.send(update)
 
     async def push(self, msg: Msg) -> None:
         """Token batches and preemptions to the PULL socket of each request's gateway."""

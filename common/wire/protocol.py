@@ -164,6 +164,15 @@ class KvEvents(Msg):
     snapshot: bool = False
 
 
+class OthersLoad(Msg):
+    """What a node holds for the other gateways changed (one of theirs was accepted, or
+    finished its prefill): sent to every gateway but that one at once, so that placement
+    sees it before the next heartbeat (several gateways: docs/architecture.md)."""
+
+    node_id: str
+    foreign: Foreign
+
+
 class Adopted(Msg):
     """A node's answer to `Adopt`: the request's state, now the asking gateway's (`found`),
     or why not. `prompt_ids` is the client's prompt; `output_ids` every token generated for
@@ -182,7 +191,8 @@ class Adopted(Msg):
 
 
 NodeToGateway = (
-    Adopted
+    OthersLoad
+    | Adopted
     | KvTransferred
     | KvEvents
     | Register
