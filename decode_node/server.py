@@ -34,12 +34,14 @@ from pdserve.common.node.handoff import KvHandoff
 from pdserve.common.node.reserve import reserve_blocks
 from pdserve.common.node.role import NodeRequest
 from pdserve.common.node.runtime import NodeRuntime
+from pdserve.common.wire.kv_messages import (
+    KvHeader,
+)
 from pdserve.common.wire.protocol import (
     Abort,
     Accept,
     Drain,
     FirstToken,
-    KvHeader,
     Migrate,
     Preempted,
     PrefillOffer,

@@ -28,7 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.common.engine.interface import KvStore
-from pdserve.common.wire.protocol import DecodeTarget, KvHeader, Msg
+from pdserve.common.wire.kv_messages import (
+    KvHeader,
+)
+from pdserve.common.wire.protocol import (
+    DecodeTarget,
+    Msg,
+)
 from pdserve.common.wire.security import ClusterKey
 
 

@@ -27,7 +27,12 @@ from pdserve.common.kv.base import (
     Transfer,
 )
 from pdserve.common.kv.grants import GrantTable, GrantView
-from pdserve.common.wire.protocol import KvGrant, Msg
+from pdserve.common.wire.kv_messages import (
+    KvGrant,
+)
+from pdserve.common.wire.protocol import (
+    Msg,
+)
 
 SEP = "|"
 log = logging.getLogger(__name__)

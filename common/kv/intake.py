@@ -32,15 +32,17 @@ import zmq.asyncio
 
 from pdserve.common.engine.interface import KvStore
 from pdserve.common.kv.base import LANDED, Intake, ReceiveConnector
-from pdserve.common.wire.protocol import (
+from pdserve.common.wire.kv_messages import (
     TO_DECODE_DECODER,
-    Abort,
     KvAck,
     KvDone,
     KvFetch,
     KvHeader,
     KvLayer,
     KvRefuse,
+)
+from pdserve.common.wire.protocol import (
+    Abort,
     encode,
 )
 from pdserve.common.wire.transport import decode_or_none

@@ -25,16 +25,18 @@ from pdserve.common.engine.staged import Staged
 from pdserve.common.kv import backend, choose
 from pdserve.common.kv.base import Local, SendConnector, Transfer
 from pdserve.common.sampling import SamplingParams
-from pdserve.common.wire.protocol import (
+from pdserve.common.wire.kv_messages import (
     TO_PREFILL_DECODER,
-    Abort,
-    DecodeTarget,
     KvAck,
     KvDone,
     KvGrant,
     KvHeader,
     KvLayer,
     KvRefuse,
+)
+from pdserve.common.wire.protocol import (
+    Abort,
+    DecodeTarget,
     Msg,
     encode,
 )

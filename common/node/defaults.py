@@ -12,7 +12,12 @@ from pdserve.common.kv.base import Intake, Transfer
 from pdserve.common.node.fairness import Room
 from pdserve.common.node.role import NodeRequest
 from pdserve.common.node.runtime import NodeRuntime
-from pdserve.common.wire.protocol import KvHeader, RegisterAck
+from pdserve.common.wire.kv_messages import (
+    KvHeader,
+)
+from pdserve.common.wire.protocol import (
+    RegisterAck,
+)
 
 
 class RoleDefaults:

@@ -40,7 +40,15 @@ from pdserve.common.kv.sender import KvSender
 from pdserve.common.node.reserve import reserve_blocks
 from pdserve.common.node_metrics import NodeMetrics
 from pdserve.common.sampling import SamplingParams
-from pdserve.common.wire.protocol import PREFIX_GONE, DecodeTarget, KvFetch, KvHeader, PrefillOffer
+from pdserve.common.wire.kv_messages import (
+    PREFIX_GONE,
+    KvFetch,
+    KvHeader,
+)
+from pdserve.common.wire.protocol import (
+    DecodeTarget,
+    PrefillOffer,
+)
 
 
 class Wakes(Protocol):

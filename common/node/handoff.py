@@ -17,7 +17,15 @@ from pdserve.common.engine.scheduler import Scheduler
 from pdserve.common.kv.base import Transfer
 from pdserve.common.kv.sender import KvSender
 from pdserve.common.node_metrics import NodeMetrics
-from pdserve.common.wire.protocol import PREFIX_GONE, DecodeTarget, KvTransferred, Msg, NeedDecode
+from pdserve.common.wire.kv_messages import (
+    PREFIX_GONE,
+)
+from pdserve.common.wire.protocol import (
+    DecodeTarget,
+    KvTransferred,
+    Msg,
+    NeedDecode,
+)
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,12 @@ from pdserve.common.kv.intake import KvIntake
 from pdserve.common.kv.sender import KvSender
 from pdserve.common.node.fetch import PrefixFetches, Wakes
 from pdserve.common.node_metrics import NodeMetrics
-from pdserve.common.wire.protocol import DecodeTarget, KvHeader
+from pdserve.common.wire.kv_messages import (
+    KvHeader,
+)
+from pdserve.common.wire.protocol import (
+    DecodeTarget,
+)
 from pdserve.common.wire.security import watch_handshakes
 from pdserve.common.wire.transport import TOKENS_MAX_MSG, bound_address, make_socket
 

@@ -4,7 +4,9 @@ decode role (KV from a prefill node) and prefix fetches (KV from a peer's cache)
 from __future__ import annotations
 
 from pdserve.common.engine.block_manager import BlockManager
-from pdserve.common.wire.protocol import PREFIX_GONE
+from pdserve.common.wire.kv_messages import (
+    PREFIX_GONE,
+)
 
 
 def reserve_blocks(

@@ -16,7 +16,13 @@ from pdserve.common.engine.scheduler import Mode, SchedulerConfig, SchedulerOutp
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.kv.base import Intake, Transfer
 from pdserve.common.node.fairness import Room
-from pdserve.common.wire.protocol import DecodeTarget, KvHeader, RegisterAck
+from pdserve.common.wire.kv_messages import (
+    KvHeader,
+)
+from pdserve.common.wire.protocol import (
+    DecodeTarget,
+    RegisterAck,
+)
 
 
 @dataclass

@@ -14,11 +14,13 @@ import zmq
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.sim import SimEngine
 from pdserve.common.sampling import SamplingParams
-from pdserve.common.wire.protocol import (
+from pdserve.common.wire.kv_messages import (
     TO_PREFILL_DECODER,
-    DecodeTarget,
     KvFetch,
     KvRefuse,
+)
+from pdserve.common.wire.protocol import (
+    DecodeTarget,
     encode,
 )
 from pdserve.common.wire.transport import make_socket

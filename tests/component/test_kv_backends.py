@@ -22,7 +22,15 @@ from pdserve.common.kv.ucx import available as ucx_available
 from pdserve.common.model.config import load_model_config, resolve_model
 from pdserve.common.node import host_identity
 from pdserve.common.sampling import SamplingParams
-from pdserve.common.wire.protocol import Abort, DecodeTarget, KvDone, KvHeader, encode
+from pdserve.common.wire.kv_messages import (
+    KvDone,
+    KvHeader,
+)
+from pdserve.common.wire.protocol import (
+    Abort,
+    DecodeTarget,
+    encode,
+)
 from pdserve.common.wire.security import ClusterKey, close_context, make_context
 from pdserve.common.wire.transport import bound_address, make_socket
 
@@ -55,7 +63,13 @@ class Pair:
         address = bound_address(self.sock, "127.0.0.1")
         forced = backend if backend in REGISTERED else "auto"
         local = Local(
-            "d", host_identity(), "127.0.0.1", self.dst.kv_store, address, 5.0, forced=forced,
+            "d",
+            host_identity(),
+            "127.0.0.1",
+            self.dst.kv_store,
+            address,
+            5.0,
+            forced=forced,
             key=key,
         )  # type: ignore[arg-type]
         self.receivers = receivers_for(local)

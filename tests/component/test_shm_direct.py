@@ -186,7 +186,9 @@ def test_revoking_closes_a_grant_at_once_even_while_a_writer_is_inside():
 async def test_forged_grants_write_nothing_and_the_channel_goes_on():
     """A KvGrant is input from another process: one for an unknown request is ignored, and
     one with a wrong nonce, blocks outside the cache or too few blocks copies nothing."""
-    from pdserve.common.wire.protocol import KvGrant
+    from pdserve.common.wire.kv_messages import (
+        KvGrant,
+    )
 
     pair = await Pair("shm_direct", capacity=600).start()
     try:

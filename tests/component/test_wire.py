@@ -19,12 +19,23 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.node import NodeRequest, NodeRuntime, RegistrationRefused
 from pdserve.common.sampling import SamplingParams
-from pdserve.common.wire.protocol import (
-    GATEWAY_DECODER,
-    NODE_DECODER,
+from pdserve.common.wire.kv_messages import (
     PREFIX_GONE,
     TO_DECODE_DECODER,
     TO_PREFILL_DECODER,
+    DecodeToPrefill,
+    KvAck,
+    KvDone,
+    KvFetch,
+    KvGrant,
+    KvHeader,
+    KvLayer,
+    KvRefuse,
+    PrefillToDecode,
+)
+from pdserve.common.wire.protocol import (
+    GATEWAY_DECODER,
+    NODE_DECODER,
     TOKENS_DECODER,
     Abort,
     Accept,
@@ -32,7 +43,6 @@ from pdserve.common.wire.protocol import (
     Adopted,
     DecodeTarget,
     DecodeToGateway,
-    DecodeToPrefill,
     Deregister,
     Drain,
     FirstToken,
@@ -40,14 +50,7 @@ from pdserve.common.wire.protocol import (
     GatewayToNode,
     Heartbeat,
     HeartbeatReply,
-    KvAck,
-    KvDone,
     KvEvents,
-    KvFetch,
-    KvGrant,
-    KvHeader,
-    KvLayer,
-    KvRefuse,
     KvTransferred,
     Load,
     Migrate,
@@ -59,7 +62,6 @@ from pdserve.common.wire.protocol import (
     Preempted,
     PrefillFailed,
     PrefillOffer,
-    PrefillToDecode,
     Rebalance,
     Redirect,
     Register,
@@ -133,8 +135,13 @@ SAMPLES: list[Msg] = [
     Deregister(node_id="p-1"),
     OthersLoad(node_id="p-1", foreign=Foreign(prefill=(12, 400), decoding=3)),
     Adopted(
-        request_id="r.1", found=True, prompt_ids=[1, 2], output_ids=[7, 8, 9], base=1,
-        params=FULL_PARAMS, finish_reason=None,
+        request_id="r.1",
+        found=True,
+        prompt_ids=[1, 2],
+        output_ids=[7, 8, 9],
+        base=1,
+        params=FULL_PARAMS,
+        finish_reason=None,
     ),
     Adopted(request_id="r", found=False, reason="the stream is served by a live gateway"),
     Adopt(request_id="r", have=2),
@@ -433,8 +440,10 @@ async def test_torch_kv_arrives_byte_exact(tokenizer, torch_runners):
             layers = range(decode_runner.model_config.num_layers)
             snapshots[rid] = (
                 [digest(prefill_runner.kv_store.export_kv(i, table, n)) for i in layers],
-                [digest(decode_runner.kv_store.export_kv(i, intake.block_table, n))
-                 for i in layers],
+                [
+                    digest(decode_runner.kv_store.export_kv(i, intake.block_table, n))
+                    for i in layers
+                ],
             )
             await admit(intake, token)
 
