@@ -165,7 +165,9 @@ def test_a_flooding_gateway_does_not_starve_the_other(make_cluster):
     assert len(flood_during) >= quiet_count  # it kept flooding while the others came
 
 
-async def _resumable_texts(urls, bodies, resumed_counts):
+async def _resumable_texts(urls, bodies, resumed_counts, started):
+    """Each stream's text, read through loadgen/resumable.py; `started` collects the index of
+    every stream whose first chunk (with its stream id) arrived."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
 
         async def one(i, body):
@@ -173,6 +175,7 @@ async def _resumable_texts(urls, bodies, resumed_counts):
             text = ""
             async for chunk in resumable_chunks(session, urls, "/v1/completions", body,
                                                 timeout=120, resumed=counter):  # fmt: skip
+                started.add(i)
                 for choice in chunk.get("choices", []):
                     text += choice.get("text") or ""
             resumed_counts[i] = counter[0]
@@ -195,13 +198,18 @@ def test_a_stream_survives_its_gateway(make_cluster, tokenizer):
     survivor, victim = cluster.urls
     bodies = seeded_bodies(40, 400)  # ~400 decode steps of ~10 ms each: seconds to go
     resumed: dict[int, int] = {}
+    started: set[int] = set()
     out: list = []
+
     def clients() -> None:
-        out.extend(asyncio.run(_resumable_texts([victim, survivor], bodies, resumed)))
+        out.extend(asyncio.run(_resumable_texts([victim, survivor], bodies, resumed, started)))
 
     thread = threading.Thread(target=clients)
     thread.start()
+    # every client has its stream's id (a first chunk; before it nothing names the stream)
+    # and the nodes hold every stream
     others = "pdserve:node_requests_other_gateways"
+    assert wait_for(lambda: len(started) == len(bodies), 60), len(started)
     assert wait_for(lambda: cluster.metric(others, survivor) == len(bodies), 60)
     cluster.gateways[1].send_signal(signal.SIGKILL)
     thread.join(180)
