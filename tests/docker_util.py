@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -37,3 +39,24 @@ def compose_or_skip() -> list[str]:
     if done.returncode != 0:
         _missing("no Docker engine is running")
     return cmd
+
+
+def stack_env(root: Path, port: int, models: Path) -> dict[str, str]:
+    """The wheels downloaded on the host (docker/wheels.sh: the image installs offline) and
+    the environment of a test stack: the test image on the local base image, the API on
+    127.0.0.1:`port`, the embedded model (`models` is empty), small KV and shared memory."""
+    subprocess.run(["bash", str(root / "docker/wheels.sh")], check=True, cwd=root,
+                   timeout=900, env={**os.environ, "PYTHON": sys.executable})  # fmt: skip
+    return {
+        **os.environ,
+        "PDSERVE_IMAGE": "pdserve:test",
+        "PDSERVE_BASE_IMAGE": os.environ.get(
+            "PDSERVE_TEST_BASE_IMAGE", "python:3.11-slim-bookworm"
+        ),
+        "PDSERVE_BIND": "127.0.0.1",
+        "PDSERVE_PORT": str(port),
+        "PDSERVE_MODEL_DIR": str(models),
+        "PDSERVE_KV_CACHE_GB": "0.25",
+        "PDSERVE_SHM_SIZE": "512mb",
+        "PDSERVE_HEARTBEAT_TIMEOUT": "1",  # the chaos tests' detection bound
+    }

@@ -11,7 +11,6 @@ image is PDSERVE_TEST_BASE_IMAGE (CI builds `local/pdserve-python-cc-lb` with de
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
 import subprocess
@@ -26,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.common.wire.transport import free_port
-from tests.docker_util import compose_or_skip
+from tests.docker_util import compose_or_skip, stack_env
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Name three colours of the rainbow."
@@ -92,28 +91,8 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     compose = compose_or_skip()
-    subprocess.run(
-        ["bash", str(ROOT / "docker/wheels.sh")],
-        check=True,
-        cwd=ROOT,
-        timeout=900,
-        env={**os.environ, "PYTHON": sys.executable},
-    )
     port = free_port()
-    models = tmp_path_factory.mktemp("models")  # empty: the embedded model is used
-    env = {
-        **os.environ,
-        "PDSERVE_IMAGE": "pdserve:test",
-        "PDSERVE_BASE_IMAGE": os.environ.get(
-            "PDSERVE_TEST_BASE_IMAGE", "python:3.11-slim-bookworm"
-        ),
-        "PDSERVE_BIND": "127.0.0.1",
-        "PDSERVE_PORT": str(port),
-        "PDSERVE_MODEL_DIR": str(models),
-        "PDSERVE_KV_CACHE_GB": "0.25",
-        "PDSERVE_SHM_SIZE": "512mb",
-        "PDSERVE_HEARTBEAT_TIMEOUT": "1",  # the chaos test's detection bound
-    }
+    env = stack_env(ROOT, port, tmp_path_factory.mktemp("models"))  # empty: embedded model
     project = f"pdserve-test-{secrets.token_hex(3)}"
     base = [*compose, "-p", project, "-f", "compose.yaml", "-f", "compose.cpu.yaml"]
 

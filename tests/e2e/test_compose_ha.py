@@ -6,17 +6,15 @@ and no request fails. Needs a Docker engine (as tests/e2e/test_compose.py; in CI
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from pdserve.common.wire.transport import free_port
-from tests.docker_util import compose_or_skip
+from tests.docker_util import compose_or_skip, stack_env
 from tests.e2e.test_compose import PROMPT, _stream_chat, _wait_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,22 +27,8 @@ HEALTH = (
 @pytest.fixture(scope="module")
 def ha(tmp_path_factory):
     compose = compose_or_skip()
-    subprocess.run(["bash", str(ROOT / "docker/wheels.sh")], check=True, cwd=ROOT, timeout=900,
-                   env={**os.environ, "PYTHON": sys.executable})  # fmt: skip
     port = free_port()
-    env = {
-        **os.environ,
-        "PDSERVE_IMAGE": "pdserve:test",
-        "PDSERVE_BASE_IMAGE": os.environ.get(
-            "PDSERVE_TEST_BASE_IMAGE", "python:3.11-slim-bookworm"
-        ),
-        "PDSERVE_BIND": "127.0.0.1",
-        "PDSERVE_PORT": str(port),
-        "PDSERVE_MODEL_DIR": str(tmp_path_factory.mktemp("models")),
-        "PDSERVE_KV_CACHE_GB": "0.25",
-        "PDSERVE_SHM_SIZE": "512mb",
-        "PDSERVE_HEARTBEAT_TIMEOUT": "1",
-    }
+    env = stack_env(ROOT, port, tmp_path_factory.mktemp("models"))  # empty: embedded model
     project = f"pdserve-ha-{secrets.token_hex(3)}"
     files = ["-f", "compose.yaml", "-f", "compose.cpu.yaml", "-f", "compose.ha.yaml"]
     base = [*compose, "-p", project, *files]
