@@ -35,7 +35,7 @@ from pdserve.common.sampling import SamplingParams
 from pdserve.common.wire.protocol import PrefillOffer
 from pdserve.gateway.admission import Waiting, order, urgent
 from pdserve.gateway.cluster import ClusterView, NodeState
-from pdserve.gateway.plan import plan, request_hashes, views
+from pdserve.gateway.plan import Snapshot, request_hashes
 from pdserve.gateway.policies import Need, NodeView, Policy
 from pdserve.gateway.prefix_index import PrefixIndex
 from pdserve.gateway.requests import GatewayRequest
@@ -123,7 +123,8 @@ class Placer:
         self._rounds: asyncio.Task[None] | None = None
 
     def capacity_changed(self) -> None:
-        self.capacity.set()
+        if self.waiting:  # nothing waits: no round (a new request starts one itself)
+            self.capacity.set()
 
     async def stop(self) -> None:
         if self._rounds is not None:
@@ -232,6 +233,7 @@ class Placer:
         ordered = order(adm.order, [w.entry for w in by_key.values()], now, adm.max_wait, adm.aging)
         room: dict[str, int] = {}  # node id -> the longest prompt it takes this round
         nodes = {n.node_id for r in ("prefill", "colocated") for n in self.cluster.alive(r)}
+        snap = Snapshot(self.cluster, self.table, self.index)
         for entry in ordered:
             w = by_key[entry.key]
             if self.waiting.get(id(w.req)) is not w or w.done.done():
@@ -243,7 +245,7 @@ class Placer:
                 continue  # no node takes anything more this round: only deadlines now
             w.rejected_by.clear()
             try:
-                placed = await self._one_pass(w, room)
+                placed = await self._one_pass(w, room, snap)
             except Exception as exc:  # the request answers 500 rather than wait forever
                 if not w.done.done():
                     w.done.set_exception(exc)
@@ -253,20 +255,18 @@ class Placer:
             elif not placed and urgent(entry, now, adm.max_wait):
                 self._reserve(w, room, nodes)
 
-    def _local_first(self, w: _Waiting, pairs: list[tuple[NodeView, NodeView]]) -> list:
+    def _local_first(
+        self, w: _Waiting, pairs: list[tuple[NodeView, NodeView]], snap: Snapshot
+    ) -> list:
         """Selective disaggregation: the decode node first, as its own prefill node, when
         the rule says so (only there, for `always`); the decision goes in the timeline."""
         assert self.local is not None
         need = w.need
-        decode = (
-            pairs[0][1]
-            if pairs
-            else self.policy.pick_decode(views(self.cluster, self.table, "decode"), need)
-        )
+        decode = pairs[0][1] if pairs else self.policy.pick_decode(snap.base("decode"), need)
         if decode is None:
             return pairs
         tokens = self.uncached(need)
-        prefill = views(self.cluster, self.table, "prefill")
+        prefill = snap.base("prefill")
         made = self.local.decide(
             tokens, self.prefill_seconds(tokens), decode, prefill, self.queued_seconds()
         )
@@ -296,11 +296,11 @@ class Placer:
         if w.reserved is not None:
             room[w.reserved] = 0
 
-    async def _one_pass(self, w: _Waiting, room: dict[str, int]) -> bool:
+    async def _one_pass(self, w: _Waiting, room: dict[str, int], snap: Snapshot) -> bool:
         req, prompt_ids, need = w.req, w.prompt_ids, w.need
-        pairs = plan(self.policy, self.cluster, self.table, need, self.index)
+        pairs = snap.plan(self.policy, need)
         if self.local is not None:
-            pairs = self._local_first(w, pairs)
+            pairs = self._local_first(w, pairs, snap)
         n = need.prompt_len
         pairs = [(p, d) for p, d in pairs if room.get(p.node_id, n) >= n]  # else: rejects it
         if log.isEnabledFor(logging.DEBUG):  # every decision with the numbers it used
@@ -346,6 +346,7 @@ class Placer:
                 prompt_len=len(req.prompt_ids),
             )
             pending = self.offers[attempt.wire_id] = _Offer(attempt, node, decode)
+            snap.stale()  # while it is answered, reports and answers change the views
             answer: bool | None = None  # None: no answer in time
             try:
                 await self.send_offer(node.node, offer)

@@ -11,6 +11,8 @@ others (`Load.foreign`, `Accept.foreign`). A colocated node is its own decode no
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pdserve.common.prefix import hash_salt, prefix_hashes
 from pdserve.gateway.cluster import ClusterView, NodeState
 from pdserve.gateway.policies import Need, NodeView, Policy
@@ -28,15 +30,17 @@ def view(
     need: Need | None = None,
     holders: list[tuple[int, NodeState]] | None = None,
 ) -> NodeView:
+    return for_need(base_view(node, table), index, need, holders)
+
+
+def base_view(node: NodeState, table: RequestTable) -> NodeView:
+    """What a node weighs for any request: its report, and the table since it."""
     node_id = node.node_id
     load = node.load
     promised = table.promised_since(node_id, node.load_at)
     free = load.blocks_free + load.blocks_cached - promised
     if node.refused_at >= node.load_at:
         free = 0  # it refused KV since its report: that report overstates its room
-    cached = index.cached_blocks(node_id, need.hashes) if index and need else 0
-    # the node holding most of the prefix, other than this one (a fetch hint if > cached)
-    best = next(((b, h) for b, h in holders or () if h.node_id != node_id), (0, None))
     headed = table.headed_to(node_id)
     capacity = node.info.num_blocks * node.info.block_size
     other = node.foreign  # what other gateways' requests weigh on it (several gateways)
@@ -46,9 +50,28 @@ def view(
         decoding=len(headed) + other.decoding,
         long_decoding=sum(1 for a in headed if a.final_len * LONG_SHARE >= capacity),
         free_blocks=free,
+    )
+
+
+def for_need(
+    base: NodeView,
+    index: PrefixIndex | None,
+    need: Need | None,
+    holders: list[tuple[int, NodeState]] | None = None,
+) -> NodeView:
+    """`base` for one request: how much of its prefix the node's cache holds, and the node
+    holding most of it other than this one (a fetch hint if more)."""
+    node_id = base.node_id
+    cached = index.cached_blocks(node_id, need.hashes) if index and need else 0
+    best = next(((b, h) for b, h in holders or () if h.node_id != node_id), (0, None))
+    if not cached and best[0] <= 0:
+        return base
+    holder = best[0] > cached
+    return replace(
+        base,
         cached=cached,
-        holder=best[1] if best[0] > cached else None,
-        holder_blocks=best[0] if best[0] > cached else 0,
+        holder=best[1] if holder else None,
+        holder_blocks=best[0] if holder else 0,
     )
 
 
@@ -61,6 +84,42 @@ def views(
     holders: list[tuple[int, NodeState]] | None = None,
 ) -> list[NodeView]:
     return [view(n, table, index, need, holders) for n in cluster.alive(role)]
+
+
+class Snapshot:
+    """The nodes as one placement round sees them: each node's base view derived once, each
+    waiting request adding only its own prefix hits. Derived per request, a round cost
+    waiting x nodes x table; with hundreds waiting and a round at every node report, several
+    gateways on a small host starved their own nodes of CPU until heartbeats lapsed.
+    `stale()` after anything was sent: answers and reports may arrive meanwhile."""
+
+    def __init__(self, cluster: ClusterView, table: RequestTable, index: PrefixIndex | None):
+        self.cluster, self.table, self.index = cluster, table, index
+        self._base: dict[str, list[NodeView]] = {}
+
+    def stale(self) -> None:
+        self._base.clear()
+
+    def base(self, role: str) -> list[NodeView]:
+        got = self._base.get(role)
+        if got is None:
+            got = self._base[role] = [base_view(n, self.table) for n in self.cluster.alive(role)]
+        return got
+
+    def views(
+        self, role: str, need: Need, holders: list[tuple[int, NodeState]] | None = None
+    ) -> list[NodeView]:
+        return [for_need(b, self.index, need, holders) for b in self.base(role)]
+
+    def plan(self, policy: Policy, need: Need) -> list[Pair]:
+        colocated = self.views("colocated", need)
+        if colocated:
+            return choose(policy, colocated, [], [], need)
+        decode = self.views("decode", need)
+        if not decode:
+            return []
+        holders = fetch_holders(self.cluster, self.index, need)
+        return choose(policy, [], decode, self.views("prefill", need, holders), need)
 
 
 def fetch_holders(
@@ -85,14 +144,7 @@ def plan(
     need: Need,
     index: PrefixIndex | None = None,
 ) -> list[Pair]:
-    colocated = views(cluster, table, "colocated", index, need)
-    if colocated:
-        return choose(policy, colocated, [], [], need)
-    decode = views(cluster, table, "decode", index, need)
-    if not decode:
-        return []
-    prefill = views(cluster, table, "prefill", index, need, fetch_holders(cluster, index, need))
-    return choose(policy, [], decode, prefill, need)
+    return Snapshot(cluster, table, index).plan(policy, need)
 
 
 def choose(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from pdserve.common.costmodel import CostModel
 from pdserve.gateway.policies import register
 from pdserve.gateway.policies.base import Need, NodeView, Policy
 
@@ -34,22 +35,37 @@ log = logging.getLogger(__name__)
 # equal nodes (idle, nothing cached) all get the offer and the load spreads; a node worse by
 # more than the estimate's error is not worth going to while the best one is only busy.
 SLACK = 1.1
+MEMO_SIZE = 1 << 16
 
 
 @register
 class KvAware(Policy):
     name = "kv_aware"
     queueing = False
+    _memo: dict[tuple[int, int], float]
+
+    def __init__(self, cost: CostModel, decode_fit: str = "spread") -> None:
+        super().__init__(cost, decode_fit)
+        self._memo = {}
+
+    def _prefill_s(self, tokens: int, cached: int = 0) -> float:
+        # a placement round estimates every waiting request on every node: the same few
+        # (tokens, cached) pairs again and again, so the cost model's answers are kept
+        if (got := self._memo.get((tokens, cached))) is None:
+            if len(self._memo) >= MEMO_SIZE:
+                self._memo.clear()
+            got = self._memo[tokens, cached] = self.cost.prefill_seconds(tokens, cached)
+        return got
 
     def estimate(
         self, node: NodeView, prompt_len: int, cached: int = 0, fetchable: int = 0
     ) -> dict[str, float]:
         cached = min(cached, prompt_len - 1)  # the last token is always computed
         fetched = min(fetchable, prompt_len - 1 - cached)
-        wait = sum(self.cost.prefill_seconds(n) for n in node.in_prefill)
+        wait = sum(self._prefill_s(n) for n in node.in_prefill)
         fetch = self.cost.transfer_seconds(fetched) if fetched > 0 else 0.0
-        computed = self.cost.prefill_seconds(prompt_len - cached, cached)
-        prefill = self.cost.prefill_seconds(prompt_len - cached - fetched, cached + fetched)
+        computed = self._prefill_s(prompt_len - cached, cached)
+        prefill = self._prefill_s(prompt_len - cached - fetched, cached + fetched)
         if fetched <= 0 or fetch + prefill >= computed:  # the node would compute it all
             fetched, fetch, prefill = 0, 0.0, computed
         transfer = self.cost.transfer_seconds(prompt_len)

@@ -28,6 +28,7 @@ from pdserve.common.wire.protocol import (
     FirstToken,
     Heartbeat,
     HeartbeatReply,
+    Load,
     NeedDecode,
     PrefillOffer,
     Register,
@@ -116,6 +117,13 @@ class ScriptedGateway:
         close_context(self.ctx)
 
 
+def _beat(gateway: ScriptedGateway, node_id: str) -> Any:
+    """The last heartbeat `gateway` got from `node_id`; before any, one whose checks fail."""
+    empty = Heartbeat(node_id=node_id, load=Load(running=0, waiting=0, blocks_free=0,
+                                                 blocks_cached=0, blocks_in_use=0))  # fmt: skip
+    return gateway.heartbeats.get(node_id, empty)
+
+
 def _target(node: NodeRuntime) -> DecodeTarget:
     info = node.info()
     return DecodeTarget(node_id=info.node_id, data_address=info.data_address,
@@ -162,10 +170,11 @@ async def test_the_last_slot_goes_to_one_gateway_and_the_request_stays_its(token
         await loser.tell(d, Abort(request_id=won))
         await loser.tell(p, Abort(request_id=won))
         # the loser's heartbeats carry the winner's request as foreign, never as held
-        await until(lambda: loser.heartbeats["decode-0"].load.foreign.decoding == 1,
+        # (a first heartbeat may come after the first tokens: none yet is "not yet")
+        await until(lambda: _beat(loser, "decode-0").load.foreign.decoding == 1,
                     what="foreign load")  # fmt: skip
         assert won not in loser.heartbeats["decode-0"].load.held
-        await until(lambda: won in winner.heartbeats["decode-0"].load.held, what="held")
+        await until(lambda: won in _beat(winner, "decode-0").load.held, what="held")
         # every token of the request reaches its gateway, in order, and only there
         await until(lambda: len(winner.streamed[won]) == 60, 20, "the whole stream")
         assert sorted(winner.streamed[won]) == list(range(60))
@@ -267,7 +276,7 @@ async def test_a_node_takes_pool_care_from_the_leader_alone(tokenizer):
         decode = await _node(tokenizer, DecodeRole, "decode-0", [b, a])  # order does not matter
         d = decode[0]
         await until(lambda: all(g.heartbeats.get("decode-0") for g in (a, b)), what="beats")
-        await until(lambda: b.heartbeats["decode-0"].leader == "gw-a", what="leader named")
+        await until(lambda: _beat(b, "decode-0").leader == "gw-a", what="leader named")
         assert a.heartbeats["decode-0"].leader == "gw-a"
         await b.tell(d, SwitchRole(role="prefill"))
         # then an offer (a local prefill) it answers: a link's messages are handled in order,
