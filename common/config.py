@@ -36,6 +36,11 @@ class EngineConfig:
     kv_cache_gb: float = flag(1.0, "KV cache size in GiB when --num-kv-blocks is 0")
     max_batch: int = flag(32, "most sequences in one engine step (bp in P/D-Serve)")
     max_batch_tokens: int = flag(8192, "most prompt tokens in one batch")
+    prefill_ahead: Literal["on", "off"] = flag(
+        "off",
+        "on-demand prefill nodes accept the next batch while a pass runs (bounded by the "
+        "same limits), so an accepted prompt waits at most the rest of that pass",
+    )
     chunk_size: int = flag(0, "chunked prefill: token budget per step; 0 = off")
     max_model_len: int = flag(0, "context limit; 0 = the model's own")
     num_threads: int = flag(0, "torch CPU threads; 0 = torch's default")

@@ -76,7 +76,7 @@ class PrefillRole(RoleDefaults):
             return None
         sched = self.node.scheduler
         fetching = [f.seq for f in self.fetches.fetching.values()]
-        busy = len(sched.running) + len(sched.waiting) + len(fetching)
+        busy = len(sched.next_batch(fetching))
         return Room(sched.room(False, fetching), sched.cfg.max_num_seqs - busy)
 
     # -- gateway messages ------------------------------------------------------------------

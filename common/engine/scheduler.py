@@ -24,7 +24,9 @@ Modes (one scheduler for every role, so a node could serve either):
                its blocks (`parked`) until its KV is handed off (`release`). `can_take`
                answers offers at once: on demand (P/D-Serve), only while the batch
                (waiting + prefilling) is below `max_num_seqs` and within `max_batch_tokens`
-               and the free KV; queueing (the baseline policies), whenever it could ever fit.
+               and the free KV; with `ahead` (--prefill-ahead), while the next batch
+               (waiting) is, so it forms during the running pass; queueing (the baseline
+               policies), whenever it could ever fit.
     decode     sequences arrive prefilled (`admit_prefilled`); a preempted one is handed
                back (out.preempted, not requeued): the gateway re-places it elsewhere.
 """
@@ -58,6 +60,7 @@ class SchedulerConfig:
     prefix_caching: bool = False
     hash_salt: bytes = b""  # the root of block hashes: model, dtype, block size
     record_events: bool = False  # queue stored/evicted hashes for the node to publish
+    ahead: bool = False  # prefill, on demand: the batch limits bound the next pass alone
 
     @classmethod
     def of(
@@ -82,6 +85,7 @@ class SchedulerConfig:
             prefix_caching=cfg.prefix_caching == "on",
             hash_salt=hash_salt(model_id, dtype, block_size),
             record_events=record_events,
+            ahead=cfg.prefill_ahead == "on",
         )
 
 
@@ -132,7 +136,7 @@ class Scheduler(PrefixCaching):
         if queueing:
             return None
         pending = list(pending)
-        batch = [*self.running, *self.waiting, *pending]
+        batch = self.next_batch(pending)
         if len(batch) >= self.cfg.max_num_seqs:
             return f"batch full ({len(batch)}/{self.cfg.max_num_seqs})"
         tokens = sum(s.num_tokens for s in batch)
@@ -142,6 +146,14 @@ class Scheduler(PrefixCaching):
         if need > bm.num_free_blocks - promised:
             return "KV cache full (transfers in flight)"
         return None
+
+    def next_batch(self, pending: list[Sequence]) -> list[Sequence]:
+        """What an offer joins: the batch being computed and the one after it; with `ahead`,
+        only the one after it (the running pass's sequences leave when it ends, so the next
+        pass forms while it runs and an accepted prompt waits at most the rest of it)."""
+        if self.cfg.ahead:
+            return [*self.waiting, *pending]
+        return [*self.running, *self.waiting, *pending]
 
     @property
     def largest_prompt(self) -> int:
@@ -159,7 +171,7 @@ class Scheduler(PrefixCaching):
         if queueing:
             return most
         pending = list(pending)
-        batch = [*self.running, *self.waiting, *pending]
+        batch = self.next_batch(pending)
         if len(batch) >= self.cfg.max_num_seqs:
             return 0
         if batch:
