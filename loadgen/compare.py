@@ -61,6 +61,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
+def up_arg(value: Any) -> str:
+    """One `up` argument as typed: YAML reads a bare on/off as a boolean (`--prefill-ahead,
+    on` gave "True", which no flag takes), and every on/off flag spells them on/off."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
 def load_config(path: Path) -> dict[str, Any]:
     text = path.read_text()
     if path.suffix in (".yaml", ".yml"):
@@ -148,12 +156,12 @@ def main(args: argparse.Namespace) -> int:
                 row, recs = kept[(cfg["name"], float(rate))]
                 results.append(row)
                 records[(cfg["name"], float(rate))] = recs
-            commands.append(" ".join(["pdserve", "up", *map(str, cfg["up"])]) + "  # earlier")
+            commands.append(" ".join(["pdserve", "up", *map(up_arg, cfg["up"])]) + "  # earlier")
             continue
         for rate in cfg["rates"]:
             wl = argparse.Namespace(**{**workload, "rate": float(rate)})
             specs = build_workload(wl)
-            proc, url, cmd = start_cluster([str(a) for a in cfg["up"]], args.startup_timeout)
+            proc, url, cmd = start_cluster([up_arg(a) for a in cfg["up"]], args.startup_timeout)
             commands.append(" ".join(["pdserve", *cmd[3:]]))
             try:
                 bench = BenchConfig(

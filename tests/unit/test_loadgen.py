@@ -206,3 +206,22 @@ async def test_closed_loop_staggers_stream_starts_and_can_use_a_connection_per_r
     assert all(0.09 <= g <= 0.2 for g in gaps), gaps  # a stream starts every 0.1 s (each
     # request takes 0.55 s, so the first four sends are the four streams' first requests)
     assert len(set(peers)) == 8  # a fresh connection (client port) per request
+
+
+def test_compare_passes_yaml_on_off_as_the_flags_spell_them(tmp_path) -> None:
+    from pdserve.loadgen.compare import load_config, up_arg
+
+    path = tmp_path / "study.yaml"
+    path.write_text(
+        "configurations:\n  - name: a\n    up: [--prefill-ahead, on, --prefix-caching, off, --max-batch, 4]\n"
+    )
+    up = load_config(path)["configurations"][0]["up"]
+    assert up[1] is True  # what YAML makes of a bare on
+    assert [up_arg(a) for a in up] == [
+        "--prefill-ahead",
+        "on",
+        "--prefix-caching",
+        "off",
+        "--max-batch",
+        "4",
+    ]
