@@ -57,7 +57,7 @@ chaos: setup
 # The committed comparison report (docs/results): every study it shows, ~2.5 hours on 2
 # cores (the KV-reuse torch study alone ~50 minutes).
 results: setup
-	for study in sim-4p4d smollm2 mooncake-replay sim-8p8d sim-decode-fit; do \
+	for study in sim-4p4d sim-4p4d-seed12 smollm2 mooncake-replay sim-8p8d sim-decode-fit; do \
 		$(BIN)/pdserve compare --config docs/results/$$study.yaml --out docs/results/$$study || exit 1; \
 	done
 	for study in sim torch; do \
