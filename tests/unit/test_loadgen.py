@@ -213,7 +213,7 @@ def test_compare_passes_yaml_on_off_as_the_flags_spell_them(tmp_path) -> None:
 
     path = tmp_path / "study.yaml"
     up_line = "    up: [--prefill-ahead, on, --prefix-caching, off, --max-batch, 4]\n"
-    path.write_text("configurations:\n  - name: a\n" + up_line)
+    path.write_text("configurations:\n  - name: a\n    rates: [1]\n" + up_line)
     up = load_config(path)["configurations"][0]["up"]
     assert up[1] is True  # what YAML makes of a bare on
     assert [up_arg(a) for a in up] == [
