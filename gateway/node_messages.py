@@ -39,7 +39,7 @@ from pdserve.common.wire.protocol import (
     Reject,
     TokenBatch,
 )
-from pdserve.common.wire.transport import Drain, decode_or_none
+from pdserve.common.wire.transport import decode_or_none
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.link import NodeLink
 from pdserve.gateway.metrics import GatewayMetrics
@@ -78,36 +78,33 @@ class NodeMessages:
 
     # -- loops -----------------------------------------------------------------------------
     async def control_loop(self) -> None:
-        drain = Drain(self.link.control)
         while True:
-            for frames in await drain.recv():
-                await self._control(frames)
-
-    async def _control(self, frames: list[bytes]) -> None:
-        msg = decode_or_none(NODE_DECODER, frames[1]) if len(frames) == 2 else None
-        handler = CONTROL.get(type(msg))
-        if handler is None:
-            log.warning("dropping malformed control message (%d frames) from %r",
-                        len(frames), frames[0][:64])  # fmt: skip
-            return
-        try:
-            await handler(self, frames[0], msg)
-        except Exception:
-            log.exception("handling %s failed", type(msg).__name__)
+            frames = await self.link.control.recv_multipart()
+            msg = decode_or_none(NODE_DECODER, frames[1]) if len(frames) == 2 else None
+            handler = CONTROL.get(type(msg))
+            if handler is None:
+                log.warning(
+                    "dropping malformed control message (%d frames) from %r",
+                    len(frames),
+                    frames[0][:64],
+                )
+                continue
+            try:
+                await handler(self, frames[0], msg)
+            except Exception:
+                log.exception("handling %s failed", type(msg).__name__)
 
     async def tokens_loop(self) -> None:
-        drain = Drain(self.link.tokens)
         while True:
-            for frames in await drain.recv():
-                msg = decode_or_none(TOKENS_DECODER, frames[0]) if len(frames) == 1 else None
-                handler = TOKENS.get(type(msg))
-                if handler is None:
-                    log.warning("dropping malformed token message")
-                    continue
-                try:
-                    await handler(self, b"", msg)
-                except Exception:
-                    log.exception("handling %s failed", type(msg).__name__)
+            msg = decode_or_none(TOKENS_DECODER, await self.link.tokens.recv())
+            handler = TOKENS.get(type(msg))
+            if handler is None:
+                log.warning("dropping malformed token message")
+                continue
+            try:
+                await handler(self, b"", msg)
+            except Exception:
+                log.exception("handling %s failed", type(msg).__name__)
 
     def _held_by(self, identity: bytes, rid: str, role: str) -> Attempt | None:
         """The attempt `rid` if the node speaking (by socket identity) holds it in `role`."""
@@ -144,7 +141,17 @@ class NodeMessages:
         now = time.monotonic()
         known = self.cluster.heartbeat(msg.node_id, identity, msg.load, now, msg.leader)
         # the lease: ids the node holds that the gateway no longer knows are freed there
-        stale = tuple(r for r in msg.load.held if self.table.get(r) is None) if known else ()
+        stale = (
+            tuple(
+                r
+                for r in msg.load.held
+                # an orphan this gateway is adopting: in its table once the resume reads the
+                # answer, which may come after the node's next heartbeat names it as ours
+                if self.table.get(r) is None and not self.service.resumes.claims(r)
+            )
+            if known
+            else ()
+        )
         if known:
             self.index.check(msg.node_id, msg.kv_seq)
         resync = (

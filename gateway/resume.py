@@ -72,6 +72,11 @@ class Resumes:
         if msg.found:
             asking.found.set()
 
+    def claims(self, wire_id: str) -> bool:
+        """A stream being adopted here: its node may name it as ours (a heartbeat's held
+        ids) before the resume has put it in the table; the lease must not free it."""
+        return wire_id.rsplit(".", 1)[0] in self.asking
+
     def early(self, wire_id: str, node_id: str, index: int, token: int, reason: str | None
               ) -> None:  # fmt: skip
         """A token for a wire id not in the table: kept if its stream is being resumed."""

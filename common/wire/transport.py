@@ -95,23 +95,3 @@ def decode_or_none(decoder: msgspec.msgpack.Decoder, data: bytes) -> Any:
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
 
-
-class Drain:
-    """Everything queued on a socket, read in one wake-up: the first message awaited, the
-    rest (up to `limit`) taken without going back to the event loop. A gateway hears every
-    node's heartbeats, load and cache events, one gateway or eight; each awaited receive
-    costs a future and a poller round, so this keeps a message's cost near its decoding."""
-
-    def __init__(self, sock: zmq.asyncio.Socket, limit: int = 64) -> None:
-        self.sock, self.limit = sock, limit
-        # the same socket, called plainly (no future): only to take what is already queued
-        self.shadow: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
-
-    async def recv(self) -> list[list[bytes]]:
-        batch = [await self.sock.recv_multipart()]
-        while len(batch) < self.limit:
-            try:
-                batch.append(self.shadow.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                break
-        return batch
