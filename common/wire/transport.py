@@ -15,6 +15,7 @@ from its event loop's thread only.
 
 from __future__ import annotations
 
+import random
 import socket
 from typing import Any
 
@@ -74,8 +75,36 @@ def bound_address(sock: zmq.asyncio.Socket, advertise_host: str) -> str:
     return f"tcp://{advertise_host}:{port}"
 
 
+_GIVEN: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port free now for a process started later to bind. Taken below the kernel's
+    ephemeral range: a port the kernel handed out (bind to 0) can be given again to any
+    outgoing connection before the later process binds it (seen: a gateway's ZeroMQ bind
+    failing with EADDRINUSE under a loaded test run). Never the same port twice per process."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10_000, max(low, 10_001))
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    with socket.socket() as s:  # a crowded range: the kernel's choice
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
