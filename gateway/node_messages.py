@@ -29,7 +29,6 @@ from pdserve.common.wire.protocol import (
     KvTransferred,
     Migrate,
     NeedDecode,
-    OthersLoad,
     Preempted,
     PrefillFailed,
     Redirect,
@@ -153,12 +152,15 @@ class NodeMessages:
             else ()
         )
         if known:
+            if msg.events is not None and msg.events.node_id == msg.node_id:
+                self._apply_events(msg.events)
             self.index.check(msg.node_id, msg.kv_seq)
         resync = (
             known and msg.node_id in self.index.nodes and self.index.needs_snapshot(msg.node_id)
         )
-        reply = HeartbeatReply(stale=stale, unknown_node=not known, kv_resync=resync)
-        await self.link.reply(identity, reply)
+        if msg.reply or stale or not known or resync:
+            reply = HeartbeatReply(stale=stale, unknown_node=not known, kv_resync=resync)
+            await self.link.reply(identity, reply)
         self.placer.capacity_changed()
 
     async def _on_answer(self, identity: bytes, msg: Accept | Reject) -> None:
@@ -170,12 +172,6 @@ class NodeMessages:
             # too late: that offer timed out and the request moved on under a new wire id,
             # so this aborts exactly the stale acceptance
             await self.link.reply(identity, Abort(request_id=msg.request_id))
-
-    async def _on_others_load(self, identity: bytes, msg: OthersLoad) -> None:
-        node = self.cluster.by_identity(identity)
-        if node is not None and node.node_id == msg.node_id:
-            node.foreign = msg.foreign
-            self.placer.capacity_changed()  # it may have room for us now
 
     async def _on_adopted(self, identity: bytes, msg: Adopted) -> None:
         self.service.resumes.answered(identity, msg)
@@ -294,6 +290,9 @@ class NodeMessages:
         node = self.cluster.nodes.get(msg.node_id)
         if node is None or node.identity != identity:
             return  # not from the registered node of that name
+        self._apply_events(msg)
+
+    def _apply_events(self, msg: KvEvents) -> None:
         if not self.index.apply(msg):
             log.info("KV events of %s lost: asking for a snapshot", msg.node_id)
 
@@ -334,7 +333,6 @@ CONTROL: dict[type, Handler] = {
     Register: NodeMessages._on_register,
     Heartbeat: NodeMessages._on_heartbeat,
     Adopted: NodeMessages._on_adopted,
-    OthersLoad: NodeMessages._on_others_load,
     Accept: NodeMessages._on_answer,
     Reject: NodeMessages._on_answer,
     FirstToken: NodeMessages._on_first_token,

@@ -344,6 +344,7 @@ class Placer:
                 fetch_tokens=node.holder_blocks * node.block_size,
                 waited_ms=(time.monotonic() - req.arrival) * 1000,
                 prompt_len=len(req.prompt_ids),
+                foreign_prefill=sum(node.node.foreign.prefill),
             )
             pending = self.offers[attempt.wire_id] = _Offer(attempt, node, decode)
             snap.stale()  # while it is answered, reports and answers change the views

@@ -42,6 +42,7 @@ from pdserve.common.wire.protocol import (
     Foreign,
     Heartbeat,
     HeartbeatReply,
+    KvEvents,
     Load,
     Msg,
     NodeInfo,
@@ -295,6 +296,14 @@ class ControlPlane:
         rid, n, now = offer.request_id, len(offer.prompt_ids), time.monotonic()
         since = now - offer.waited_ms / 1000
         room = None if self.draining else self.role.room()
+        if room is not None and offer.foreign_prefill >= 0:
+            # placed on a stale view: the node is busier with the other gateways' prompts
+            # than that gateway knew (their acceptances are not broadcast: the gateway that
+            # offers here learns them now, from this Reject's `foreign`, and plans again)
+            if sum(self.gateways.foreign(link).prefill) > offer.foreign_prefill:
+                self.metrics.offer(False)
+                await self.send(Reject(request_id=rid, reason="stale view", room=room.tokens))
+                return
         if room is not None and self.fairness.gives_way(link, since, n, room, now) is not None:
             why = "room kept for an older request of another gateway"
             self.metrics.offer(False)
@@ -366,20 +375,30 @@ class ControlPlane:
             await asyncio.sleep(self.cfg.heartbeat_interval)
             load = self.node.load()
             self.owners.sweep(set(load.held))
+            events = self.events.take() if self.registered.is_set() else []
             for link in self.links:
-                await self._heartbeat(link, load)
-            if self.registered.is_set():
-                await self.events.publish()
+                await self._heartbeat(link, load, events[0] if events else None)
+            for more in events[1:]:  # a large snapshot's other parts
+                await self.gateways.send(more)
             self.adoption.expire(time.monotonic())
             if not any(link.registered for link in self.links):
                 self.registered.clear()
 
-    async def _heartbeat(self, link: GatewayLink, load: Load) -> None:
+    async def _heartbeat(self, link: GatewayLink, load: Load, events: KvEvents | None) -> None:
         if len(self.links) > 1:
             held = tuple(r for r in load.held if self.owners.get(r) is link)
             load = msgspec.structs.replace(load, held=held, foreign=self.gateways.foreign(link))
-        beat = Heartbeat(node_id=self.node_id, load=load, kv_seq=self.events.seq(),
-                         leader=self.gateways.leader())  # fmt: skip
+        # events to registered gateways only (one registering gets a snapshot after its ack);
+        # kv_seq names the last one sent with or before this heartbeat
+        events = events if link.registered else None
+        kv_seq = events.seq if events is not None else self.events.seq()
+        # a reply only when one is due: without it, the beat after next could find this link
+        # silent past --heartbeat-timeout (one interval kept for the reply to arrive)
+        quiet = time.monotonic() - link.last_reply
+        due = quiet > self.cfg.heartbeat_timeout - 2 * self.cfg.heartbeat_interval
+        beat = Heartbeat(node_id=self.node_id, load=load, kv_seq=kv_seq,
+                         leader=self.gateways.leader(), events=events,
+                         reply=due or not link.registered)  # fmt: skip
         await link.send(beat)
         silent = time.monotonic() - link.last_reply
         if silent > self.cfg.heartbeat_timeout and not self.draining and not link.replies_waiting():

@@ -14,14 +14,11 @@ import zmq
 from pdserve.common.node.links import GatewayLink, Gone, Owner, Owners
 from pdserve.common.wire.protocol import (
     Accept,
-    FirstToken,
     Foreign,
     KvEvents,
     Load,
     Msg,
-    OthersLoad,
     Preempted,
-    PrefillFailed,
     Reject,
     TokenBatch,
 )
@@ -106,14 +103,6 @@ class Gateways:
         if isinstance(msg, (Accept, Reject)) and len(self.links) > 1:
             msg = msgspec.structs.replace(msg, foreign=self.foreign(link))
         await link.send(msg)
-        if isinstance(msg, (Accept, FirstToken, PrefillFailed)) and len(self.links) > 1:
-            # its prefill work changed: the other gateways hear it now, not at the next
-            # heartbeat (else they offer a node that is mid-pass as if it were idle)
-            for other in self.links:
-                if other is not link and other.registered:
-                    update = OthersLoad(node_id=self.node_id, foreign=self.foreign(other))
-                    with contextlib.suppress(zmq.ZMQError):
-                        await other.send(update)
 
     async def push(self, msg: Msg) -> None:
         """Token batches and preemptions to the PULL socket of each request's gateway."""

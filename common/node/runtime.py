@@ -92,7 +92,7 @@ class NodeRuntime:
         self.role = role(self)
         self.steps.hooks = self.role
         caching = self.scheduler.cfg.prefix_caching
-        self.events = PrefixEvents(self.node_id, self.blocks, caching, self.send_gateway)
+        self.events = PrefixEvents(self.node_id, self.blocks, caching)
         self.control = ControlPlane(cfg, self.node_id, self.ctx, self, self.role, self.events,
                                     self.metrics)  # fmt: skip
         # the KV data plane (common/node/kv.py): prefill and decode nodes

@@ -78,6 +78,19 @@ class Register(Msg):
     info: NodeInfo
 
 
+class KvEvents(Msg):
+    """Prefix blocks (chained hashes, common/engine/block_manager.py) the node's cache stored
+    or evicted since its previous KvEvents; `seq` counts the node's messages from 0, so a
+    gap tells the gateway one was lost (it asks for a snapshot). With `snapshot`, `stored`
+    is everything the node holds and replaces what the gateway knew of it."""
+
+    node_id: str
+    seq: int
+    stored: list[bytes] = msgspec.field(default_factory=list)
+    evicted: list[bytes] = msgspec.field(default_factory=list)
+    snapshot: bool = False
+
+
 class Heartbeat(Msg):
     node_id: str
     load: Load
@@ -85,6 +98,13 @@ class Heartbeat(Msg):
     # the gateway this node takes pool care from (the lowest id among those it is registered
     # with: docs/architecture.md, "Several gateways"); "" before it knows any id
     leader: str = ""
+    # the prefix cache's changes since the last heartbeat (its first KvEvents, numbered as
+    # the others: a heartbeat's kv_seq counts it)
+    events: KvEvents | None = None
+    # the node wants a HeartbeatReply even with nothing in it (it heard nothing from this
+    # gateway for a while: its liveness check needs one); else the gateway answers only
+    # with stale ids, a resync or an unknown node
+    reply: bool = True
 
 
 class Accept(Msg):
@@ -151,28 +171,6 @@ class KvTransferred(Msg):
     overlap_ms: float = 0.0  # of start..end, the part before the forward pass ended
 
 
-class KvEvents(Msg):
-    """Prefix blocks (chained hashes, common/engine/block_manager.py) the node's cache stored
-    or evicted since its previous KvEvents; `seq` counts the node's messages from 0, so a
-    gap tells the gateway one was lost (it asks for a snapshot). With `snapshot`, `stored`
-    is everything the node holds and replaces what the gateway knew of it."""
-
-    node_id: str
-    seq: int
-    stored: list[bytes] = msgspec.field(default_factory=list)
-    evicted: list[bytes] = msgspec.field(default_factory=list)
-    snapshot: bool = False
-
-
-class OthersLoad(Msg):
-    """What a node holds for the other gateways changed (one of theirs was accepted, or
-    finished its prefill): sent to every gateway but that one at once, so that placement
-    sees it before the next heartbeat (several gateways: docs/architecture.md)."""
-
-    node_id: str
-    foreign: Foreign
-
-
 class Adopted(Msg):
     """A node's answer to `Adopt`: the request's state, now the asking gateway's (`found`),
     or why not. `prompt_ids` is the client's prompt; `output_ids` every token generated for
@@ -191,8 +189,7 @@ class Adopted(Msg):
 
 
 NodeToGateway = (
-    OthersLoad
-    | Adopted
+    Adopted
     | KvTransferred
     | KvEvents
     | Register
@@ -255,6 +252,10 @@ class PrefillOffer(Msg):
     # tokens of `prompt_ids` that are the client's prompt (the rest: output of earlier
     # attempts); 0: all of them. Kept with the request so another gateway can adopt it.
     prompt_len: int = 0
+    # several gateways: the prompt tokens the gateway believes the node has yet to prefill
+    # for the other gateways (its last report of them); a node that has more rejects the
+    # offer as placed on a stale view, with what it has now (-1: no belief, never rejected)
+    foreign_prefill: int = -1
 
 
 class Adopt(Msg):

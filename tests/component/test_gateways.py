@@ -96,11 +96,12 @@ class ScriptedGateway:
 
     async def offer(
         self, node: NodeRuntime, rid: str, decode: NodeRuntime, n: int, tokens: int = 32,
-        waited_ms: float = 0.0,
+        waited_ms: float = 0.0, foreign_prefill: int = -1,
     ) -> None:
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         offer = PrefillOffer(request_id=rid, prompt_ids=prompt(tokens), params=params,
-                             decode=_target(decode), waited_ms=waited_ms)  # fmt: skip
+                             decode=_target(decode), waited_ms=waited_ms,
+                             foreign_prefill=foreign_prefill)  # fmt: skip
         await send(self.control, offer, to=self.nodes[node.node_id])
 
     async def tell(self, node: NodeRuntime, msg: object) -> None:

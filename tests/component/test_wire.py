@@ -58,7 +58,6 @@ from pdserve.common.wire.protocol import (
     NeedDecode,
     NodeInfo,
     NodeToGateway,
-    OthersLoad,
     Preempted,
     PrefillFailed,
     PrefillOffer,
@@ -126,14 +125,21 @@ FULL_PARAMS = SamplingParams(
 SAMPLES: list[Msg] = [
     Register(info=INFO),
     Heartbeat(node_id="p-1", load=LOAD),
+    Heartbeat(
+        node_id="p-1",
+        load=LOAD,
+        kv_seq=4,
+        events=KvEvents(node_id="p-1", seq=4, stored=[b"\x03" * 16]),
+        reply=False,
+    ),
     Accept(request_id="r.0"),
     Reject(request_id="r.0", reason="batch full"),
+    Reject(request_id="r.0", reason="stale view", room=90, foreign=Foreign(prefill=(12, 400))),
     FirstToken(request_id="r.0", token_id=5, finish_reason="length", prefill_ms=1.5, queue_ms=2),
     NeedDecode(request_id="r.0", refused_by="d-1", reason="full"),
     PrefillFailed(request_id="r.0", reason="boom"),
     Migrate(request_id="r.0", reason="draining"),
     Deregister(node_id="p-1"),
-    OthersLoad(node_id="p-1", foreign=Foreign(prefill=(12, 400), decoding=3)),
     Adopted(
         request_id="r.1",
         found=True,
@@ -149,6 +155,9 @@ SAMPLES: list[Msg] = [
     RegisterRefuse(node_id="p-1", reason="dtype"),
     HeartbeatReply(stale=("r.0",), unknown_node=True),
     PrefillOffer(request_id="r.1", prompt_ids=[1, 2, 3], params=FULL_PARAMS, decode=TARGET),
+    PrefillOffer(
+        request_id="r.1", prompt_ids=[1], params=FULL_PARAMS, decode=TARGET, foreign_prefill=412
+    ),
     Redirect(request_id="r.0", decode=TARGET),
     Redirect(request_id="r.0", decode=None),
     Abort(request_id="r.0"),
@@ -672,15 +681,16 @@ async def test_the_gateway_prefix_index_follows_the_nodes_caches(tokenizer):
         await until(consistent, what="evictions to reach the index")
         assert c.gw.index.cached_blocks("prefill-0", prefill.blocks.hashes(shared)) < 4
 
-        send, dropped = prefill.events.send, []
+        take, dropped = prefill.events.take, []
 
-        async def losing(msg):  # the next KvEvents never arrives
-            if isinstance(msg, KvEvents) and not dropped:
-                dropped.append(msg.seq)
-                return
-            await send(msg)
+        def losing() -> list[KvEvents]:  # the next KvEvents never arrives
+            msgs = take()
+            if msgs and not dropped:
+                dropped.append(msgs[0].seq)
+                return msgs[1:]
+            return msgs
 
-        prefill.events.send = losing  # type: ignore[method-assign]
+        prefill.events.take = losing  # type: ignore[method-assign]
         await serve(shared + prompt(5, 7000))
         await serve(prompt(40, 3000))
         await until(lambda: dropped and consistent(), what="a resync after the lost batch")
@@ -705,10 +715,10 @@ async def test_kv_the_decode_node_no_longer_holds_is_sent_whole_after_all(tokeni
         hashes = decode.blocks.hashes(history)
         await until(lambda: c.gw.index.cached_blocks("decode-0", hashes) == 4, what="indexed")
 
-        async def silent() -> None:  # its evictions stay unpublished
-            return None
+        def silent() -> list[KvEvents]:  # its evictions stay unpublished
+            return []
 
-        decode.events.publish = silent  # type: ignore[method-assign]
+        decode.events.take = silent  # type: ignore[method-assign]
         everything = decode.blocks.allocate(decode.blocks.num_free_blocks)  # evicts it all
         decode.blocks.free(everything)
         refusals: list[str] = []

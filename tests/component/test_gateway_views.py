@@ -1,0 +1,108 @@
+"""What keeps several gateways' views of a node true at few messages: an offer placed on a
+stale view is rejected with the node's truth (no broadcast of other gateways' acceptances),
+and heartbeats ask for a reply only when the link's liveness needs one."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.common.wire.protocol import (
+    NODE_DECODER,
+    Accept,
+    Heartbeat,
+    HeartbeatReply,
+    Register,
+    RegisterAck,
+    Reject,
+)
+from pdserve.common.wire.transport import send
+from pdserve.decode_node.server import DecodeRole
+from pdserve.prefill_node.server import PrefillRole
+from tests.component.cluster import until
+from tests.component.test_gateways import ScriptedGateway, _node, _stop
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_an_offer_placed_on_a_stale_view_is_rejected_with_the_truth(tokenizer):
+    """Nothing tells gateway B that A's request was accepted: B offers as if the node had no
+    prefill work of A's (`foreign_prefill` 0) and gets "stale view" with A's prompt in
+    `foreign`; offered with that belief, the node takes it (its batch has room)."""
+    a, b = ScriptedGateway("gw-a"), ScriptedGateway("gw-b")
+    prefill, decode = None, None
+    try:
+        prefill = await _node(tokenizer, PrefillRole, "prefill-0", [a, b], max_batch=4,
+                              sim_time_scale=200.0)  # fmt: skip
+        decode = await _node(tokenizer, DecodeRole, "decode-0", [a, b])
+        p, d = prefill[0], decode[0]
+        await a.offer(p, "ra.0", d, 4, tokens=40)
+        await until(lambda: a.answers("ra.0"), what="A's answer")
+        assert isinstance(a.answers("ra.0")[0], Accept)
+        await b.offer(p, "rb.0", d, 4, tokens=24, foreign_prefill=0)
+        await until(lambda: b.answers("rb.0"), what="B's answer")
+        stale = b.answers("rb.0")[0]
+        assert isinstance(stale, Reject) and stale.reason == "stale view", stale
+        assert stale.foreign is not None and stale.foreign.prefill == (40,)
+        assert stale.room > 0 and "rb.0" not in p.requests
+        # the same request with the node's truth: taken; a belief above it is no refusal
+        await b.offer(p, "rb.1", d, 4, tokens=24, foreign_prefill=40)
+        await b.offer(p, "rb.2", d, 4, tokens=24, foreign_prefill=1000)
+        await until(lambda: b.answers("rb.1") and b.answers("rb.2"), what="B's answers")
+        assert isinstance(b.answers("rb.1")[0], Accept)
+        assert isinstance(b.answers("rb.2")[0], Accept)
+        for gw, rid in ((a, "ra.0"), (b, "rb.1"), (b, "rb.2")):
+            await until(lambda g=gw, r=rid: len(g.streamed[r]) == 4, 30, f"{rid}'s stream")
+        await until(lambda: not p.requests and not d.requests and not d.intake.active)
+        assert d.blocks.num_in_use_blocks == 0 and p.blocks.num_in_use_blocks == 0
+    finally:
+        await _stop(*(x for x in (prefill, decode) if x is not None))
+        await a.close()
+        await b.close()
+
+
+async def test_heartbeats_ask_for_a_reply_only_when_one_is_due(tokenizer):
+    """A node asks a gateway for a heartbeat reply only when it has heard nothing from it
+    for --heartbeat-timeout less two intervals: with a gateway that answers every asking
+    beat, a third of the beats ask (0.05 s beats, 0.2 s timeout: after 0.1 s quiet), and
+    the gateway is never taken for silent; once it stops answering, every beat asks."""
+    a = ScriptedGateway("gw-a")
+    beats: list[Heartbeat] = []
+
+    async def recording() -> None:
+        while True:
+            identity, payload = await a.control.recv_multipart()
+            msg = NODE_DECODER.decode(payload)
+            if isinstance(msg, Heartbeat):
+                beats.append(msg)
+                if msg.reply and not a.muted:
+                    await send(a.control, HeartbeatReply(), to=identity)
+            elif isinstance(msg, Register) and not a.muted:
+                a.nodes[msg.info.node_id] = identity
+                ack = RegisterAck(node_id=msg.info.node_id, tokens_address=a.tokens_address,
+                                  gateway_id=a.gateway_id)  # fmt: skip
+                await send(a.control, ack, to=identity)
+
+    a.tasks[0].cancel()
+    a.tasks[0] = asyncio.create_task(recording())
+    node = None
+    try:
+        node = await _node(tokenizer, DecodeRole, "decode-0", [a],
+                           node_cfg={"heartbeat_timeout": 0.2})  # fmt: skip
+        link = node[0].control.links[0]
+        await until(lambda: len(beats) >= 40, 10, "40 heartbeats")
+        window = beats[-36:]
+        asked = sum(b.reply for b in window)
+        # one in three: quiet 0.05 and 0.10 s (no), 0.15 s (asks, answered at once); up to
+        # one more in four for a late loop
+        assert 9 <= asked <= 18, [b.reply for b in window]
+        assert link.registered and link.silent_since is None
+        a.muted = True
+        n = len(beats)
+        await until(lambda: len(beats) >= n + 3, 10, "beats to a muted gateway")
+        assert all(b.reply for b in beats[n + 1 : n + 3])
+    finally:
+        if node is not None:
+            await _stop(node)
+        await a.close()
