@@ -21,7 +21,6 @@ import signal
 import time
 from typing import Any, Protocol
 
-import msgspec
 import zmq
 import zmq.asyncio
 
@@ -29,9 +28,9 @@ from pdserve.common.config import NodeConfig
 from pdserve.common.errors import PdserveError
 from pdserve.common.node.adoption import Adoption
 from pdserve.common.node.events import PrefixEvents
-from pdserve.common.node.fairness import Fairness, Room
+from pdserve.common.node.fairness import STALE, Fairness, Room
 from pdserve.common.node.gateways import Gateways
-from pdserve.common.node.links import GatewayLink, dynamic, gateway_addresses, resolve
+from pdserve.common.node.links import GatewayLink, beat_delay, dynamic, gateway_addresses, resolve
 from pdserve.common.node.role import NodeRequest
 from pdserve.common.node_metrics import NodeMetrics, start_http
 from pdserve.common.wire.protocol import (
@@ -40,7 +39,6 @@ from pdserve.common.wire.protocol import (
     Adopt,
     Deregister,
     Foreign,
-    Heartbeat,
     HeartbeatReply,
     KvEvents,
     Load,
@@ -291,24 +289,21 @@ class ControlPlane:
         return self.gateways.link_for(rid) is link
 
     async def _offer(self, link: GatewayLink, offer: PrefillOffer) -> None:
-        """An offer when several gateways share this node: freed room goes to the request
-        that has waited longest, whichever gateway holds it (common/node/fairness.py)."""
+        """An offer when several gateways share this node: refused when placed on a stale
+        view, and freed room goes to the request that has waited longest, whichever gateway
+        holds it (common/node/fairness.py)."""
         rid, n, now = offer.request_id, len(offer.prompt_ids), time.monotonic()
         since = now - offer.waited_ms / 1000
         room = None if self.draining else self.role.room()
-        if room is not None and offer.foreign_prefill >= 0:
-            # placed on a stale view: the node is busier with the other gateways' prompts
-            # than that gateway knew (their acceptances are not broadcast: the gateway that
-            # offers here learns them now, from this Reject's `foreign`, and plans again)
-            if sum(self.gateways.foreign(link).prefill) > offer.foreign_prefill:
-                self.metrics.offer(False)
-                await self.send(Reject(request_id=rid, reason="stale view", room=room.tokens))
-                return
-        if room is not None and self.fairness.gives_way(link, since, n, room, now) is not None:
-            why = "room kept for an older request of another gateway"
+        others = sum(self.gateways.foreign(link).prefill)
+        why = None
+        if room is not None:
+            why = self.fairness.refusal(link, since, n, room, now, offer.foreign_prefill, others)
+        if why is not None:
             self.metrics.offer(False)
-            await self.send(Reject(request_id=rid, reason=why, room=0))
-            self.fairness.answered(link, rid, since, n, False, now)
+            await self.send(Reject(request_id=rid, reason=why[0], room=why[1]))
+            if why[0] != STALE:
+                self.fairness.answered(link, rid, since, n, False, now)
             return
         try:
             await self.role.on_gateway_message(offer)
@@ -372,7 +367,7 @@ class ControlPlane:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.cfg.heartbeat_interval)
+            await asyncio.sleep(beat_delay(time.time(), self.cfg.heartbeat_interval))
             load = self.node.load()
             self.owners.sweep(set(load.held))
             events = self.events.take() if self.registered.is_set() else []
@@ -385,20 +380,8 @@ class ControlPlane:
                 self.registered.clear()
 
     async def _heartbeat(self, link: GatewayLink, load: Load, events: KvEvents | None) -> None:
-        if len(self.links) > 1:
-            held = tuple(r for r in load.held if self.owners.get(r) is link)
-            load = msgspec.structs.replace(load, held=held, foreign=self.gateways.foreign(link))
-        # events to registered gateways only (one registering gets a snapshot after its ack);
-        # kv_seq names the last one sent with or before this heartbeat
-        events = events if link.registered else None
-        kv_seq = events.seq if events is not None else self.events.seq()
-        # a reply only when one is due: without it, the beat after next could find this link
-        # silent past --heartbeat-timeout (one interval kept for the reply to arrive)
-        quiet = time.monotonic() - link.last_reply
-        due = quiet > self.cfg.heartbeat_timeout - 2 * self.cfg.heartbeat_interval
-        beat = Heartbeat(node_id=self.node_id, load=load, kv_seq=kv_seq,
-                         leader=self.gateways.leader(), events=events,
-                         reply=due or not link.registered)  # fmt: skip
+        due = link.reply_due(self.cfg.heartbeat_timeout, self.cfg.heartbeat_interval)
+        beat = self.gateways.heartbeat(link, load, events, self.events.seq(), due)
         await link.send(beat)
         silent = time.monotonic() - link.last_reply
         if silent > self.cfg.heartbeat_timeout and not self.draining and not link.replies_waiting():

@@ -15,6 +15,7 @@ from pdserve.common.node.links import GatewayLink, Gone, Owner, Owners
 from pdserve.common.wire.protocol import (
     Accept,
     Foreign,
+    Heartbeat,
     KvEvents,
     Load,
     Msg,
@@ -87,6 +88,19 @@ class Gateways:
         held = self.node.load().held
         return self.node.foreign([r for r in held if self.owners.get(r) not in (link, None)])
 
+    def heartbeat(self, link: GatewayLink, load: Load, events: KvEvents | None, last_seq: int,
+                  reply: bool) -> Heartbeat:  # fmt: skip
+        """The heartbeat to `link`'s gateway: its own held ids and what the node holds for
+        the others; the prefix cache's events to a registered gateway only (one registering
+        gets a snapshot after its ack), `kv_seq` the last KvEvents sent with or before it."""
+        if len(self.links) > 1:
+            held = tuple(r for r in load.held if self.owners.get(r) is link)
+            load = msgspec.structs.replace(load, held=held, foreign=self.foreign(link))
+        events = events if link.registered else None
+        return Heartbeat(node_id=self.node_id, load=load, leader=self.leader(), events=events,
+                         kv_seq=events.seq if events is not None else last_seq,
+                         reply=reply)  # fmt: skip
+
     async def send(self, msg: Msg) -> None:
         """A request's message to its gateway; KvEvents and Deregister to every gateway."""
         rid = getattr(msg, "request_id", None)
@@ -129,4 +143,3 @@ class Gateways:
                     indices=[msg.indices[i] for i in rows],
                     finish_reasons=[msg.finish_reasons[i] for i in rows],
                 ))  # fmt: skip
-

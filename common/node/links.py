@@ -22,6 +22,14 @@ from pdserve.common.wire.protocol import Msg, encode
 from pdserve.common.wire.transport import CONTROL_MAX_MSG, make_socket, send
 
 
+def beat_delay(now: float, interval: float) -> float:
+    """Seconds to the next heartbeat: at the wall clock's multiples of the interval, so all
+    nodes' beats reach a gateway together and few wake-ups of its event loop read them (a
+    wake-up costs a busy gateway ~0.2 ms of CPU: docs/results/README.md, "Several
+    gateways")."""
+    return interval - now % interval
+
+
 class GatewayLink:
     """The control DEALER to one gateway, and the PUSH socket for the tokens it receives."""
 
@@ -51,6 +59,12 @@ class GatewayLink:
         self.tokens_address = resolve_tokens_address(tokens_address, self.address)
         if pushes and self.tokens_sock is None:
             self.tokens_sock = make_socket(self.ctx, "decode.tokens", self.tokens_address)
+
+    def reply_due(self, timeout: float, interval: float) -> bool:
+        """Ask this gateway to answer the next heartbeat: without an answer, the beat after
+        next could find the link silent past `timeout` (one interval kept for the reply)."""
+        quiet = time.monotonic() - self.last_reply
+        return not self.registered or quiet > timeout - 2 * interval
 
     def replies_waiting(self) -> bool:
         """Replies queued unread (this node's loop was late, not the gateway silent)."""
