@@ -61,10 +61,13 @@ class GatewayLink:
             self.tokens_sock = make_socket(self.ctx, "decode.tokens", self.tokens_address)
 
     def reply_due(self, timeout: float, interval: float) -> bool:
-        """Ask this gateway to answer the next heartbeat: without an answer, the beat after
-        next could find the link silent past `timeout` (one interval kept for the reply)."""
+        """Ask this gateway to answer this heartbeat: when it has said nothing for more than
+        one and a half intervals, so it answers every second beat at most and its last word
+        is at most two intervals old. A gateway stalled for `timeout` less two intervals
+        (1 s at the defaults) is still not taken for silent; the margin is never below one
+        interval (a timeout under three intervals: every beat asks)."""
         quiet = time.monotonic() - self.last_reply
-        return not self.registered or quiet > timeout - 2 * interval
+        return not self.registered or quiet > min(1.5 * interval, timeout - 2 * interval)
 
     def replies_waiting(self) -> bool:
         """Replies queued unread (this node's loop was late, not the gateway silent)."""
