@@ -2,7 +2,7 @@
 and registers it with `@register`; importing the package imports every module, so a new
 policy is one new file and nothing else.
 
-    on_demand    P/D-Serve (default): offers by requests in prefill, nodes accept by batch room
+    on_demand    P/D-Serve (default): offers by prefill work in hand, nodes accept by batch room
     round_robin  prefill and decode nodes in turn; prefill nodes queue
     jsq          the shortest prefill queue; the decode node with the fewest blocks in use
     kv_aware     Mooncake-style least estimated TTFT (queue + fetch + prefill + transfer), cost

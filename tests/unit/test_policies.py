@@ -78,16 +78,20 @@ class Placed:
         return views(self.view, self.table, role)
 
 
-def test_on_demand_orders_by_requests_in_prefill_and_picks_roomiest_decode():
+def test_on_demand_orders_by_prefill_work_in_hand_and_picks_roomiest_decode():
     placed = Placed(
-        cluster_with({"p0": (0, 0), "p1": (0, 0), "p2": (0, 0)}, {"d0": 10, "d1": 40, "d2": 1})
+        cluster_with(
+            {"p0": (0, 0), "p1": (0, 0), "p2": (0, 0), "p3": (0, 0)},
+            {"d0": 10, "d1": 40, "d2": 1},
+        )
     )
     placed.in_prefill("p0", 10, 10)
     placed.in_prefill("p2", 10)
+    placed.in_prefill("p3", 6000, decode="dx")  # one request, the most work: a new one waits most
     policy = make_policy("on_demand")
     assert isinstance(policy, OnDemand) and not policy.queueing
     order = policy.prefill_order(placed.nodes("prefill"), Need(10))
-    assert [n.node_id for n in order] == ["p1", "p2", "p0"]
+    assert [n.node_id for n in order] == ["p1", "p2", "p0", "p3"]
     decode = placed.nodes("decode")
     assert policy.pick_decode(decode, Need(100)).node_id == "d1"
     assert policy.pick_decode(decode, Need(100, frozenset({"d1"}))).node_id == "d0"
