@@ -4,20 +4,12 @@ and heartbeats ask for a reply only when the link's liveness needs one."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from pdserve.common.wire.protocol import (
-    NODE_DECODER,
     Accept,
-    Heartbeat,
-    HeartbeatReply,
-    Register,
-    RegisterAck,
     Reject,
 )
-from pdserve.common.wire.transport import send
 from pdserve.decode_node.server import DecodeRole
 from pdserve.prefill_node.server import PrefillRole
 from tests.component.cluster import until
@@ -68,24 +60,8 @@ async def test_heartbeats_ask_for_a_reply_only_when_one_is_due(tokenizer):
     second beat asks (0.05 s beats, 0.2 s timeout), and the gateway is never taken for
     silent; once it stops answering, every beat asks."""
     a = ScriptedGateway("gw-a")
-    beats: list[Heartbeat] = []
-
-    async def recording() -> None:
-        while True:
-            identity, payload = await a.control.recv_multipart()
-            msg = NODE_DECODER.decode(payload)
-            if isinstance(msg, Heartbeat):
-                beats.append(msg)
-                if msg.reply and not a.muted:
-                    await send(a.control, HeartbeatReply(), to=identity)
-            elif isinstance(msg, Register) and not a.muted:
-                a.nodes[msg.info.node_id] = identity
-                ack = RegisterAck(node_id=msg.info.node_id, tokens_address=a.tokens_address,
-                                  gateway_id=a.gateway_id)  # fmt: skip
-                await send(a.control, ack, to=identity)
-
-    a.tasks[0].cancel()
-    a.tasks[0] = asyncio.create_task(recording())
+    a.asked_only = True
+    beats = a.beats
     node = None
     try:
         node = await _node(tokenizer, DecodeRole, "decode-0", [a],

@@ -60,6 +60,8 @@ class ScriptedGateway:
         self.tokens_address = f"tcp://127.0.0.1:{tokens_port}"
         self.nodes: dict[str, bytes] = {}  # node id -> control identity
         self.heartbeats: dict[str, Heartbeat] = {}
+        self.beats: list[Heartbeat] = []
+        self.asked_only = False  # answer only the heartbeats that ask (Heartbeat.reply)
         self.inbox: list[object] = []
         self.streamed: dict[str, list[int]] = defaultdict(list)  # rid -> output indices
         self.on_first: Any = None  # awaited on a FirstToken, before the next message is read
@@ -70,6 +72,8 @@ class ScriptedGateway:
         while True:
             identity, payload = await self.control.recv_multipart()
             msg = NODE_DECODER.decode(payload)
+            if isinstance(msg, Heartbeat):
+                self.beats.append(msg)  # every one, a muted gateway's too
             if self.muted:
                 continue
             if isinstance(msg, Register):
@@ -79,7 +83,8 @@ class ScriptedGateway:
                 await send(self.control, ack, to=identity)
             elif isinstance(msg, Heartbeat):
                 self.heartbeats[msg.node_id] = msg
-                await send(self.control, HeartbeatReply(), to=identity)
+                if msg.reply or not self.asked_only:
+                    await send(self.control, HeartbeatReply(), to=identity)
             else:
                 self.inbox.append(msg)
                 if isinstance(msg, FirstToken):
@@ -95,8 +100,14 @@ class ScriptedGateway:
                     self.streamed[rid].append(index)
 
     async def offer(
-        self, node: NodeRuntime, rid: str, decode: NodeRuntime, n: int, tokens: int = 32,
-        waited_ms: float = 0.0, foreign_prefill: int = -1,
+        self,
+        node: NodeRuntime,
+        rid: str,
+        decode: NodeRuntime,
+        n: int,
+        tokens: int = 32,
+        waited_ms: float = 0.0,
+        foreign_prefill: int = -1,
     ) -> None:
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         offer = PrefillOffer(request_id=rid, prompt_ids=prompt(tokens), params=params,
