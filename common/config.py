@@ -41,6 +41,12 @@ class EngineConfig:
         "on-demand prefill nodes accept the next batch while a pass runs (bounded by the "
         "same limits), so an accepted prompt waits at most the rest of that pass",
     )
+    prefill_pass_tokens: int = flag(
+        1024,
+        "on-demand prefill nodes run the prompts they hold shortest first, several in one "
+        "pass only up to this many tokens (past it a pass is compute-bound); 0 = arrival "
+        "order, passes up to --max-batch-tokens",
+    )
     chunk_size: int = flag(0, "chunked prefill: token budget per step; 0 = off")
     max_model_len: int = flag(0, "context limit; 0 = the model's own")
     num_threads: int = flag(0, "torch CPU threads; 0 = torch's default")

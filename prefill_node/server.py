@@ -69,6 +69,9 @@ class PrefillRole(RoleDefaults):
 
     def on_registered(self, ack: RegisterAck) -> None:
         self.queueing = ack.queueing  # the gateway's policy decides
+        if ack.queueing:  # the baselines' node queue: arrival order (common/engine/pass_order.py)
+            sched = self.node.scheduler
+            sched.cfg = dataclasses.replace(sched.cfg, pass_tokens=0)
 
     def room(self) -> Room | None:
         """On demand: the longest prompt and the batch slots an offer may take now."""

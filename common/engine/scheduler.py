@@ -41,6 +41,7 @@ from typing import Literal
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.block_manager import BlockManager, hash_salt
 from pdserve.common.engine.interface import DecodeWork, PrefillWork
+from pdserve.common.engine.pass_order import count_overtakes, shortest_first
 from pdserve.common.engine.prefix_caching import PrefixCaching
 from pdserve.common.engine.sequence import SeqStatus, Sequence
 from pdserve.common.engine.tiers import TierStore
@@ -61,6 +62,9 @@ class SchedulerConfig:
     hash_salt: bytes = b""  # the root of block hashes: model, dtype, block size
     record_events: bool = False  # queue stored/evicted hashes for the node to publish
     ahead: bool = False  # prefill, on demand: the batch limits bound the next pass alone
+    # prefill, on demand (pass_order.py): waiting prompts shortest first, and several in
+    # one pass only up to this many tokens; 0 = arrival order, passes up to max_batch_tokens
+    pass_tokens: int = 0
 
     @classmethod
     def of(
@@ -86,6 +90,7 @@ class SchedulerConfig:
             hash_salt=hash_salt(model_id, dtype, block_size),
             record_events=record_events,
             ahead=cfg.prefill_ahead == "on",
+            pass_tokens=cfg.prefill_pass_tokens if mode == "prefill" else 0,
         )
 
 
@@ -243,7 +248,10 @@ class Scheduler(PrefixCaching):
             if self._make_room(seq, out):
                 out.decodes.append(seq)
                 budget -= 1
-        candidates = [s for s in self.running if s.is_prefilling] + list(self.waiting)
+        arrived = list(self.waiting)
+        queue = shortest_first(arrived) if self.cfg.pass_tokens else arrived
+        candidates = [s for s in self.running if s.is_prefilling] + queue
+        pass_tokens = 0
         for seq in candidates:
             waiting = seq.status is SeqStatus.WAITING
             hits, loads = self._cached_prefix(seq) if waiting else ([], [])
@@ -257,10 +265,15 @@ class Scheduler(PrefixCaching):
                     break
             if n <= 0:
                 break
+            if self.cfg.pass_tokens and out.prefills and pass_tokens + n > self.cfg.pass_tokens:
+                break
             if waiting and not self._admit(seq, hits, loads):
                 break
             out.prefills.append((seq, n))
             budget -= n
+            pass_tokens += n
+        if self.cfg.pass_tokens:
+            count_overtakes(arrived, out.prefills)
         return out
 
     def on_step_done(self, out: SchedulerOutput, tokens: list[int]) -> list[Sequence]:

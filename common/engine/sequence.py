@@ -32,6 +32,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     num_cached_tokens: int = 0
+    overtaken: int = 0  # prefill, shortest first: tokens of later prompts run before it
 
     @classmethod
     def new(cls, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
