@@ -6,7 +6,8 @@ whole compute and saves only the pass's fixed cost (the weights read once, the l
 So an on-demand node, which holds a few prompts its gateway admitted (bounded by
 --max-batch / --max-batch-tokens), runs them shortest first and puts several in one pass
 only up to `pass_tokens` (--prefill-pass-tokens). Measured on the sim 4P4D study
-(docs/results/README.md §1): TTFT p50 at 8 req/s 245-290 ms against 399-420 in arrival order.
+(docs/results/README.md §1): TTFT p50 at 8 req/s 283-322 ms over five runs, against
+388-520 ms in arrival order with passes up to --max-batch-tokens.
 
 Nothing starves: a prompt overtaken by later-accepted prompts totalling its own length goes
 first (those in arrival order), so overtaking at most doubles its wait for compute. The

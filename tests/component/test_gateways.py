@@ -62,6 +62,7 @@ class ScriptedGateway:
         self.heartbeats: dict[str, Heartbeat] = {}
         self.beats: list[Heartbeat] = []
         self.asked_only = False  # answer only the heartbeats that ask (Heartbeat.reply)
+        self.queueing = False  # a baseline policy's gateway (said at registration)
         self.inbox: list[object] = []
         self.streamed: dict[str, list[int]] = defaultdict(list)  # rid -> output indices
         self.on_first: Any = None  # awaited on a FirstToken, before the next message is read
@@ -79,7 +80,7 @@ class ScriptedGateway:
             if isinstance(msg, Register):
                 self.nodes[msg.info.node_id] = identity
                 ack = RegisterAck(node_id=msg.info.node_id, tokens_address=self.tokens_address,
-                                  gateway_id=self.gateway_id)  # fmt: skip
+                                  gateway_id=self.gateway_id, queueing=self.queueing)  # fmt: skip
                 await send(self.control, ack, to=identity)
             elif isinstance(msg, Heartbeat):
                 self.heartbeats[msg.node_id] = msg

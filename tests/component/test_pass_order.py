@@ -1,7 +1,8 @@
 """Shortest first on a real on-demand prefill node (sim engine, real sockets): of the prompts
 it holds, a short one accepted after a long one runs in its own pass before it, instead of
 sharing the long one's pass and waiting for its whole compute (common/engine/pass_order.py).
-With --prefill-pass-tokens 0 (arrival order, passes up to --max-batch-tokens) they share it."""
+With --prefill-pass-tokens 0 (arrival order, passes up to --max-batch-tokens) they share it,
+and so they do under a queueing baseline's gateway (round robin, JSQ: vLLM's order)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,12 @@ def _first(gw: ScriptedGateway, rid: str) -> FirstToken | None:
     return next((m for m in gw.inbox if isinstance(m, FirstToken) and m.request_id == rid), None)
 
 
-@pytest.mark.parametrize("pass_tokens", [1024, 0])
-async def test_a_short_prompt_does_not_wait_for_a_long_ones_compute(tokenizer, pass_tokens):
+@pytest.mark.parametrize(("pass_tokens", "queueing"), [(1024, False), (0, False), (1024, True)])
+async def test_a_short_prompt_does_not_wait_for_a_long_ones_compute(
+    tokenizer, pass_tokens, queueing
+):
     gw = ScriptedGateway("gw")
+    gw.queueing = queueing
     prefill, decode = None, None
     try:
         prefill = await _node(tokenizer, PrefillRole, "prefill-0", [gw], max_batch=4,
@@ -43,7 +47,7 @@ async def test_a_short_prompt_does_not_wait_for_a_long_ones_compute(tokenizer, p
         long, short = _first(gw, "long"), _first(gw, "short")
         assert long is not None and short is not None
         order = [m.request_id for m in gw.inbox if isinstance(m, FirstToken)]
-        if pass_tokens:
+        if pass_tokens and not queueing:
             assert order.index("short") < order.index("long")
             # its own pass: a 64-token pass is ~1/8 of the 2,000-token one in the model
             assert short.prefill_ms < long.prefill_ms / 3, (short, long)
