@@ -14,7 +14,9 @@ from pdserve.prefill_node.server import PrefillRole
 from tests.component.cluster import until
 from tests.component.test_gateways import ScriptedGateway, _node, _stop
 
-SCALE = 8.0  # modelled H100 time x 8: the 2,000-token pass ~0.51 s, a 64-token one ~0.07 s
+# modelled H100 time x 8: a 3,000-token pass ~0.77 s (the time the test has to offer two
+# prompts while it runs, a few ms on a quiet host), 2,000 tokens ~0.51 s, 64 tokens ~0.07 s
+SCALE = 8.0  # (prefix caching off: the scripted prompts share their first tokens)
 
 
 def _first(gw: ScriptedGateway, rid: str) -> FirstToken | None:
@@ -30,10 +32,12 @@ async def test_a_short_prompt_does_not_wait_for_a_long_ones_compute(
     prefill, decode = None, None
     try:
         prefill = await _node(tokenizer, PrefillRole, "prefill-0", [gw], max_batch=4,
-                              sim_time_scale=SCALE, prefill_pass_tokens=pass_tokens)  # fmt: skip
-        decode = await _node(tokenizer, DecodeRole, "decode-0", [gw], sim_time_scale=SCALE)
+                              sim_time_scale=SCALE, prefill_pass_tokens=pass_tokens,
+                              num_kv_blocks=1024, prefix_caching="off")  # fmt: skip
+        decode = await _node(tokenizer, DecodeRole, "decode-0", [gw], sim_time_scale=SCALE,
+                             num_kv_blocks=1024)  # fmt: skip
         p, d = prefill[0], decode[0]
-        await gw.offer(p, "first", d, 2, tokens=64)
+        await gw.offer(p, "first", d, 2, tokens=3000)
         await until(lambda: "first" in p.steps.in_step, what="the first pass running")
         # both arrive during that pass: the long one first
         await gw.offer(p, "long", d, 2, tokens=2000)
