@@ -69,9 +69,10 @@ class PrefillRole(RoleDefaults):
 
     def on_registered(self, ack: RegisterAck) -> None:
         self.queueing = ack.queueing  # the gateway's policy decides
-        if ack.queueing:  # the baselines' node queue: arrival order (common/engine/pass_order.py)
-            sched = self.node.scheduler
-            sched.cfg = dataclasses.replace(sched.cfg, pass_tokens=0)
+        # the baselines' node queue keeps arrival order (common/engine/pass_order.py)
+        sched = self.node.scheduler
+        pass_tokens = 0 if ack.queueing else self.node.ecfg.prefill_pass_tokens
+        sched.cfg = dataclasses.replace(sched.cfg, pass_tokens=pass_tokens)
 
     def room(self) -> Room | None:
         """On demand: the longest prompt and the batch slots an offer may take now."""
