@@ -4,7 +4,9 @@ scaling: a simulated 8P8D cluster (H100 x Llama-3.1-8B, `--sim-time-scale 4`) re
     Mooncake FAST'25 trace with 1, 2, 4 and 8 gateways, the clients spread over them in
     turn: the prefix-cache hit rate (prompt tokens found in the prefill nodes' caches), the
     goodput under the SLOs, and gateway CPU seconds per request (every gateway process's
-    user + system time over the run), each against the one-gateway run.
+    user + system time over the run), each against the one-gateway run; and, for each count
+    n > 1, one gateway at 1/n of the rate (the load each of the n carries), to tell what
+    several gateways cost from what a gateway costs at a lower load.
 kill: a simulated 2P2D cluster with 2 gateways and 300 streams, half through each; once
     every stream runs, one gateway is SIGKILLed. Streams on the other must all complete with
     exact text and no re-placement; the dead gateway's resumable streams resume on the
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -116,50 +119,87 @@ def _metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
-def scaling(out: Path, counts: list[int], num_requests: int) -> list[dict[str, Any]]:
+def _summed(urls: list[str], name: str, **labels: str) -> float:
+    return sum(_metric(url, name, **labels) for url in urls)
+
+
+# node messages every gateway counts (pdserve:node_messages_total), per request
+COUNTED = ("TokenBatch", "Heartbeat")
+
+
+def _measure(n: int, specs: list[workloads.RequestSpec]) -> dict[str, Any]:
+    """One `pdserve up` with `n` gateways replaying `specs`, clients spread over them."""
+    args = ["--engine", "sim", "--prefill", "8", "--decode", "8", "--sim-time-scale", "4",
+            "--scheduler", "kv_aware", "--max-batch", "4"]  # fmt: skip
+    proc, urls = _up(n, args)
+    try:
+        pids = _gateway_pids([int(u.rsplit(":", 1)[1]) for u in urls])
+        assert len(pids) == n, pids
+        # what the gateways spend with no request at all (heartbeats and KV events of
+        # 16 nodes, each to every gateway), per second, to tell it from per-request work
+        idle0 = _cpu_s(pids)
+        time.sleep(IDLE_S)
+        idle_rate = (_cpu_s(pids) - idle0) / IDLE_S
+        before, started = _cpu_s(pids), time.monotonic()
+        queries0 = _metric(urls[0], "pdserve:cluster_prefix_cache_queries_total")
+        hits0 = _metric(urls[0], "pdserve:cluster_prefix_cache_hits_total")
+        msgs0 = {t: _summed(urls, "pdserve:node_messages_total", type=t) for t in COUNTED}
+        records = asyncio.run(run(specs, BenchConfig(url=",".join(urls), progress=False)))
+        cpu, took = _cpu_s(pids) - before, time.monotonic() - started
+        msgs = {t: _summed(urls, "pdserve:node_messages_total", type=t) - msgs0[t]
+                for t in COUNTED}  # fmt: skip
+        time.sleep(1.0)  # the nodes' next load reports carry the last prefill's counts
+        queries = _metric(urls[0], "pdserve:cluster_prefix_cache_queries_total") - queries0
+        hits = _metric(urls[0], "pdserve:cluster_prefix_cache_hits_total") - hits0
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    summary = summarize(records, parse_slo(SLO))
+    per = max(1, len(records))
+    return {
+        "gateways": n, "requests": len(records), "completed": summary["completed"],
+        "failed": summary["failed"], "goodput": summary["goodput"],
+        "ttft_ms_p50": summary["ttft_ms_p50"], "ttft_ms_p99": summary["ttft_ms_p99"],
+        "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0,
+        "gateway_cpu_s_per_request": round(cpu / per, 5),
+        "gateway_idle_cpu_s_per_s": round(idle_rate, 4),
+        "gateway_cpu_s_per_request_net_of_idle": round(max(0.0, cpu - idle_rate * took) / per, 5),
+        **{f"{t}_per_request": round(v / per, 2) for t, v in msgs.items()},
+    }  # fmt: skip
+
+
+def _stretched(specs: list[workloads.RequestSpec], factor: int) -> list[workloads.RequestSpec]:
+    return [dataclasses.replace(s, arrival=s.arrival * factor) for s in specs]
+
+
+def scaling(
+    out: Path, counts: list[int], num_requests: int, same_load: bool = True
+) -> list[dict[str, Any]]:
+    """Each count of gateways on the same trace; with `same_load`, for each count n > 1 also
+    one gateway at 1/n of the rate (the trace's arrival times x n): what one of the n
+    gateways carries. A gateway's CPU per request follows the load it carries (at a lower
+    rate a node's token batch holds fewer of its streams, and a heartbeat, a placement
+    round or an event-loop wake-up serves fewer requests), so n gateways against one
+    gateway at 1/n the rate isolates what several gateways cost beyond that: coordination."""
     specs = workloads.mooncake(TRACE, 3, num_requests, 0.25, 0.125)
     rows = []
     for n in counts:
-        args = ["--engine", "sim", "--prefill", "8", "--decode", "8", "--sim-time-scale", "4",
-                "--scheduler", "kv_aware", "--max-batch", "4"]  # fmt: skip
-        proc, urls = _up(n, args)
-        try:
-            pids = _gateway_pids([int(u.rsplit(":", 1)[1]) for u in urls])
-            assert len(pids) == n, pids
-            # what the gateways spend with no request at all (heartbeats and KV events of
-            # 16 nodes, each to every gateway), per second, to tell it from per-request work
-            idle0 = _cpu_s(pids)
-            time.sleep(IDLE_S)
-            idle_rate = (_cpu_s(pids) - idle0) / IDLE_S
-            before, started = _cpu_s(pids), time.monotonic()
-            queries0 = _metric(urls[0], "pdserve:cluster_prefix_cache_queries_total")
-            hits0 = _metric(urls[0], "pdserve:cluster_prefix_cache_hits_total")
-            records = asyncio.run(run(specs, BenchConfig(url=",".join(urls), progress=False)))
-            cpu, took = _cpu_s(pids) - before, time.monotonic() - started
-            time.sleep(1.0)  # the nodes' next load reports carry the last prefill's counts
-            queries = _metric(urls[0], "pdserve:cluster_prefix_cache_queries_total") - queries0
-            hits = _metric(urls[0], "pdserve:cluster_prefix_cache_hits_total") - hits0
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(60)
-        summary = summarize(records, parse_slo(SLO))
-        rows.append({
-            "gateways": n, "requests": len(records), "completed": summary["completed"],
-            "failed": summary["failed"], "goodput": summary["goodput"],
-            "ttft_ms_p50": summary["ttft_ms_p50"], "ttft_ms_p99": summary["ttft_ms_p99"],
-            "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0,
-            "gateway_cpu_s_per_request": round(cpu / max(1, len(records)), 5),
-            "gateway_idle_cpu_s_per_s": round(idle_rate, 4),
-            "gateway_cpu_s_per_request_net_of_idle": round(
-                max(0.0, cpu - idle_rate * took) / max(1, len(records)), 5),
-        })  # fmt: skip
+        rows.append(_measure(n, specs))
         print(json.dumps(rows[-1]), flush=True)
+        if same_load and n > 1:
+            alone = _measure(1, _stretched(specs, n))
+            rows[-1]["one_gateway_same_load"] = alone
+            print(json.dumps({"one_gateway_at_rate_over": n, **alone}), flush=True)
     one = rows[0]
     for row in rows:
         row["hit_rate_vs_one"] = round(row["prefix_hit_rate"] / one["prefix_hit_rate"], 3)
         row["goodput_vs_one"] = round(row["goodput"] / one["goodput"], 3)
         for key in ("gateway_cpu_s_per_request", "gateway_cpu_s_per_request_net_of_idle"):
-            row[key.replace("gateway_cpu_s", "cpu") + "_vs_one"] = round(row[key] / one[key], 3)
+            short = key.replace("gateway_cpu_s", "cpu")
+            row[short + "_vs_one"] = round(row[key] / one[key], 3)
+            same = row.get("one_gateway_same_load")
+            if same:  # several gateways against one carrying what each of them does
+                row[short + "_vs_one_same_load"] = round(row[key] / same[key], 3)
     (out / "scaling.json").write_text(json.dumps(rows, indent=1) + "\n")
     return rows
 
@@ -268,11 +308,17 @@ def main() -> int:
     p.add_argument("--study", choices=("scaling", "kill", "both"), default="both")
     p.add_argument("--counts", default="1,2,4,8")
     p.add_argument("--num-requests", type=int, default=300)
+    p.add_argument(
+        "--no-same-load",
+        action="store_true",
+        help="skip one gateway at 1/n of the rate for each count n > 1",
+    )
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.study in ("scaling", "both"):
-        scaling(out, [int(c) for c in args.counts.split(",")], args.num_requests)
+        counts = [int(c) for c in args.counts.split(",")]
+        scaling(out, counts, args.num_requests, not args.no_same_load)
     if args.study in ("kill", "both"):
         kill(out)
     return 0

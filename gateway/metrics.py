@@ -159,6 +159,10 @@ class GatewayMetrics:
             registry=r,
         )
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens", registry=r)
+        self.node_messages = Counter(
+            "pdserve:node_messages", "Messages received from nodes, by type (what a gateway's "
+            "CPU follows besides its requests)", ["type"], registry=r,
+        )  # fmt: skip
         self.resumes = Counter(
             "pdserve:stream_resumes", "Streams resumed here after their gateway was lost, by "
             "outcome (adopted, refused)", ["outcome"], registry=r,

@@ -74,6 +74,7 @@ class NodeMessages:
         self.service, self.pools = service, pools
         self.drop = drop  # a node gone: its requests are re-placed (gateway/liveness.py)
         self.tokenizer_fingerprint = tokenizer_fingerprint
+        self._counted: dict[str, Any] = {}  # node_messages' child per message type
 
     # -- loops -----------------------------------------------------------------------------
     async def control_loop(self) -> None:
@@ -81,6 +82,7 @@ class NodeMessages:
             frames = await self.link.control.recv_multipart()
             msg = decode_or_none(NODE_DECODER, frames[1]) if len(frames) == 2 else None
             handler = CONTROL.get(type(msg))
+            self._count(msg)
             if handler is None:
                 log.warning(
                     "dropping malformed control message (%d frames) from %r",
@@ -97,6 +99,7 @@ class NodeMessages:
         while True:
             msg = decode_or_none(TOKENS_DECODER, await self.link.tokens.recv())
             handler = TOKENS.get(type(msg))
+            self._count(msg)
             if handler is None:
                 log.warning("dropping malformed token message")
                 continue
@@ -104,6 +107,12 @@ class NodeMessages:
                 await handler(self, b"", msg)
             except Exception:
                 log.exception("handling %s failed", type(msg).__name__)
+
+    def _count(self, msg: object) -> None:
+        kind = type(msg).__name__ if msg is not None else "malformed"
+        if (child := self._counted.get(kind)) is None:
+            child = self._counted[kind] = self.metrics.node_messages.labels(kind)
+        child.inc()
 
     def _held_by(self, identity: bytes, rid: str, role: str) -> Attempt | None:
         """The attempt `rid` if the node speaking (by socket identity) holds it in `role`."""

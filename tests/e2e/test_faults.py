@@ -102,6 +102,14 @@ def test_garbage_on_every_internal_socket_changes_nothing(make_cluster, tokenize
         ctx.destroy(linger=0)
     assert all(p.poll() is None for p in cluster.procs), "a process died"
     assert cluster.get("/health")[0] == 200
+    # each dropped frame is counted: 4 control messages (3, 5 and 2 frames, random bytes) and
+    # the 3 token frames that decode to nothing (a PULL socket reads a multipart's parts one
+    # by one), and more: libzmq reads some of the raw TCP bytes as legacy ZMTP/1.0 frames.
+    # The unequal batch and the stranger's heartbeat decode, and their handlers drop them
+    messages = "pdserve:node_messages_total"
+    assert cluster.metric(messages, type="malformed") >= 7
+    assert cluster.metric(messages, type="TokenBatch") == 1  # no request ran yet
+    assert cluster.metric(messages, type="Heartbeat") > 0
     bodies = _bodies(40, 8)
     _check_texts(tokenizer, bodies, run_streams(cluster.url, bodies, timeout=30))
     assert wait_for(lambda: _blocks_in_use(cluster) == 0, timeout=5)
