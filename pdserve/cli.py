@@ -125,6 +125,13 @@ def _add_serving(sub: argparse._SubParsersAction) -> None:
             "node at +10 gives way to decode steps instead of stalling the streams",
         )  # fmt: skip
     up.add_argument(
+        "--decode-spin", type=int, default=10_000,
+        help="when the nodes' threads outnumber the cores: the OpenMP spin count "
+        "(GOMP_SPINCOUNT; libgomp spins ~100,000 per ms) of decode nodes' threads between "
+        "parallel regions, long enough to bridge a decode step's regions, short enough to "
+        "leave the cores between steps; 0: wait passively, as prefill nodes do",
+    )  # fmt: skip
+    up.add_argument(
         "--prefill-priority", choices=("normal", "idle"), default="normal",
         help="idle: prefill nodes' engine threads run under SCHED_IDLE (Linux, "
         "--engine-priority idle), on the CPU time decode nodes leave: on one host, a prompt "

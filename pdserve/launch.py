@@ -233,26 +233,42 @@ def _flag(command: list[str], name: str) -> str | None:
 
 def node_spawn_options(args: argparse.Namespace, commands: list[list[str]]) -> dict[str, Any]:
     """Per node: its niceness (--prefill-nice, --decode-nice) and environment. When the torch
-    threads that compete as equals outnumber the cores, their OpenMP threads wait passively
-    (OMP_WAIT_POLICY, unless set): a thread spinning between parallel regions holds a core
-    that another node's thread needs, and a team with one thread descheduled stalls at every
-    barrier (measured on 2 cores, 1P1D with 2 threads each: ITL p99 490 ms spinning, 115 ms
-    passive). An idle engine (--engine-priority idle, set by --prefill-priority idle) takes
-    no core from the others, so they keep spinning (its own threads wait passively): measured,
-    1P1D with 16 streams in lock-step, ITL p99 84 ms with a passive decode node, 50 ms with
-    a spinning one."""
+    threads that compete as equals outnumber the cores, their OpenMP threads stop spinning
+    (OMP_WAIT_POLICY and GOMP_SPINCOUNT, unless either is set): a thread spinning between
+    parallel regions holds a core that another node's thread needs, and a team with one
+    thread descheduled stalls at every barrier (measured on 2 cores, 1P1D with 2 threads
+    each: ITL p99 490 ms spinning for libgomp's default ~3 ms, 115 ms passive). Prefill
+    nodes then wait passively: their regions are long matmuls. Decode nodes spin for
+    `--decode-spin` iterations (~0.1 ms) where their own threads fit the cores: a decode step
+    is ~150 short regions microseconds apart, and waking a sleeping thread for each cost a
+    batch-1 step +24-35 % (a 2-vCPU Xeon at the AVX2 level) where the bounded spin costs
+    +5 %, while between steps the threads still sleep. An idle engine (--engine-priority
+    idle, set by --prefill-priority idle) takes no core from the others, so they keep
+    libgomp's default (its own threads wait passively): measured, 1P1D with 16 streams in
+    lock-step, ITL p99 84 ms with a passive decode node, 50 ms with a spinning one."""
     nodes = {c[c.index("--node-id") + 1]: c for c in commands if "--node-id" in c}
     idle = {n: _flag(c, "--engine-priority") == "idle" for n, c in nodes.items()}
     threads = {n: int(_flag(c, "--num-threads") or 0) for n, c in nodes.items()}
     busy = sum(t for n, t in threads.items() if not idle[n])
+    decoding = sum(t for n, t in threads.items() if not idle[n] and _role(n) == "decode")
+    cores = os.cpu_count() or 1
+    chosen = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
+    spin = getattr(args, "decode_spin", 0)
     out = {}
     for name in nodes:
         crowd = sum(threads.values()) if idle[name] else busy
         env = None
-        if crowd > (os.cpu_count() or 1) and "OMP_WAIT_POLICY" not in os.environ:
-            env = {**os.environ, "OMP_WAIT_POLICY": "passive"}
-        out[name] = {"nice": getattr(args, f"{name.split('-')[0]}_nice", 0), "env": env}
+        if crowd > cores and not chosen:
+            if _role(name) == "decode" and spin > 0 and decoding <= cores:
+                env = {**os.environ, "GOMP_SPINCOUNT": str(spin)}
+            else:
+                env = {**os.environ, "OMP_WAIT_POLICY": "passive"}
+        out[name] = {"nice": getattr(args, f"{_role(name)}_nice", 0), "env": env}
     return out
+
+
+def _role(node_id: str) -> str:
+    return node_id.split("-")[0]
 
 
 def run_up(args: argparse.Namespace) -> int:

@@ -43,13 +43,23 @@ def spawn_options(*argv: str) -> dict:
 
 def test_prefill_nodes_can_give_way_and_crowded_threads_wait_passively(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.setattr(launch.os, "cpu_count", lambda: 2)
     opts = spawn_options("--prefill-threads", "2", "--decode-threads", "2", "--prefill-nice", "10")
     assert opts["prefill-0"]["nice"] == 10 and opts["decode-0"]["nice"] == 0
     cmds = {c[c.index("--node-id") + 1]: c for c in commands("--prefill-priority", "idle")}
     assert cmds["prefill-0"][cmds["prefill-0"].index("--engine-priority") + 1] == "idle"
     assert "--engine-priority" not in cmds["decode-0"]
-    assert all(o["env"]["OMP_WAIT_POLICY"] == "passive" for o in opts.values())  # 4 on 2 cores
+    # 4 threads on 2 cores: prefill waits passively, decode spins ~0.1 ms (--decode-spin)
+    assert opts["prefill-0"]["env"]["OMP_WAIT_POLICY"] == "passive"
+    decode_env = opts["decode-0"]["env"]
+    assert decode_env["GOMP_SPINCOUNT"] == "10000" and "OMP_WAIT_POLICY" not in decode_env
+    opts = spawn_options("--prefill-threads", "2", "--decode-threads", "2", "--decode-spin", "0")
+    assert all(o["env"]["OMP_WAIT_POLICY"] == "passive" for o in opts.values())
+    # two decode nodes of 2 threads on 2 cores: spinning would hold a core the other needs
+    opts = spawn_options("--prefill", "1", "--decode", "2", "--prefill-threads", "2",
+                         "--decode-threads", "2")  # fmt: skip
+    assert all(o["env"]["OMP_WAIT_POLICY"] == "passive" for o in opts.values())
     # an idle prefill node takes no core from the decode node: only the idle one waits passively
     opts = spawn_options("--prefill-threads", "2", "--decode-threads", "2",
                          "--prefill-priority", "idle")  # fmt: skip
@@ -59,6 +69,9 @@ def test_prefill_nodes_can_give_way_and_crowded_threads_wait_passively(monkeypat
     assert all(o["env"] is None and o["nice"] == 0 for o in opts.values())
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")  # the user's choice stands
     assert spawn_options("--num-threads", "2")["decode-0"]["env"] is None
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    assert all(o["env"] is None for o in spawn_options("--num-threads", "2").values())
 
 
 def test_a_spawned_node_runs_at_its_niceness_with_its_environment(tmp_path):
