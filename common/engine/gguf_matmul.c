@@ -27,6 +27,10 @@
 #endif
 
 #define QK 32
+/* Bytes ahead of the block in hand to prefetch: the hardware prefetcher alone kept a thread
+ * at ~2-3 GB/s on a Xeon's AVX2 path (7-10 ns a block against 3 in cache); with this, the
+ * in-cache rate (512-2048 measured alike). A prefetch past the end does not fault. */
+#define GG_PREFETCH 1024
 #define GG_PAR_MIN 32768 /* multiply-adds below which a fork costs more than it saves */
 
 enum { GG_Q4_0 = 0, GG_Q4_1 = 1, GG_Q8_0 = 2 };
@@ -137,6 +141,7 @@ static inline __attribute__((always_inline)) void gg_tile(const uint8_t *wr, int
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
     for (int64_t k = 0; k < nb; k++) {
+        __builtin_prefetch(wr + k * bs + GG_PREFETCH);
         const gg_w8x4 w = gg_widen_avx2(wr + k * bs, kind);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
@@ -157,6 +162,7 @@ static inline void gg_tile(const uint8_t *wr, int64_t nb, const int kind, const 
     const int64_t bs = gg_block_bytes[kind];
     float a[4][16] = {{0}}, w[QK];
     for (int64_t k = 0; k < nb; k++) {
+        __builtin_prefetch(wr + k * bs + GG_PREFETCH);
         gg_widen(wr + k * bs, kind, w);
         for (int r = 0; r < R; r++) {
             const float *p = x + r * K + k * QK;
