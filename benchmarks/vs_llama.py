@@ -78,10 +78,12 @@ def pdserve_args(kind: str, args: argparse.Namespace) -> list[str]:
     # 1P1D on one host: both nodes take every core (--prefill-threads, --decode-threads), which
     # makes `pdserve up` wait passively; "1p1d-idle" also runs prefill under SCHED_IDLE
     priority = "idle" if kind == "1p1d-idle" else args.prefill_priority
+    spin = [] if args.decode_spin is None else ["--decode-spin", str(args.decode_spin)]
     return ["--prefill", "1", "--decode", "1", *common, "--kv-backend", args.kv_backend,
             "--prefill-threads", str(args.prefill_threads or args.threads),
             "--decode-threads", str(args.decode_threads or args.threads),
-            "--prefill-nice", str(args.prefill_nice), "--prefill-priority", priority]  # fmt: skip
+            "--prefill-nice", str(args.prefill_nice), "--prefill-priority", priority,
+            *spin]  # fmt: skip
 
 
 def run_pdserve(kind: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -152,6 +154,7 @@ def main() -> None:
     p.add_argument("--decode-threads", type=int, default=0, help="1P1D; 0: --threads")
     p.add_argument("--prefill-nice", type=int, default=0, help="1P1D: the prefill node's nice")
     p.add_argument("--prefill-priority", default="normal", help="1P1D: normal or idle")
+    p.add_argument("--decode-spin", type=int, default=None, help="1P1D: pdserve up's, if given")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="auto")
     p.add_argument(
