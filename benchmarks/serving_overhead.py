@@ -53,6 +53,8 @@ def served_itl_ms(kind: str, args: argparse.Namespace, seed: int) -> float:
               str(args.threads), "--decode-threads", str(args.threads)]  # fmt: skip
         if kind == "1p1d-idle":  # prefill under SCHED_IDLE: the decode node keeps spinning
             up += ["--prefill-priority", "idle"]
+        if args.decode_spin is not None:
+            up += ["--decode-spin", str(args.decode_spin)]
     proc, url, _ = start_cluster(up, timeout=600)
     try:
         specs = synthetic(seed, args.requests + 1, 0.0, 1.0, LengthDist("fixed", args.prompt),
@@ -73,6 +75,7 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="auto")
     p.add_argument("--only", default="colocated,1p1d,1p1d-idle", help="servers, comma-separated")
+    p.add_argument("--decode-spin", type=int, default=None, help="1P1D: pdserve up's, if given")
     p.add_argument("--out", default="", help="folder for report.md and results.json")
     args = p.parse_args()
     rounds = []

@@ -239,12 +239,13 @@ def node_spawn_options(args: argparse.Namespace, commands: list[list[str]]) -> d
     thread descheduled stalls at every barrier (measured on 2 cores, 1P1D with 2 threads
     each: ITL p99 490 ms spinning for libgomp's default ~3 ms, 115 ms passive). Prefill
     nodes then wait passively: their regions are long matmuls. Decode nodes spin for
-    `--decode-spin` iterations (~10 us) where their own threads fit the cores: a decode step
+    `--decode-spin` iterations (~30 us) where their own threads fit the cores: a decode step
     is ~150 short regions microseconds apart, and waking a sleeping thread for each cost a
-    batch-1 step +24-35 % (a 2-vCPU Xeon at the AVX2 level). Ten times longer (~0.1 ms)
-    spun through the event loop's and the prefill node's turns as well: on an EPYC Zen 4,
-    16 lock-step streams' ITL p99 +50 % against passive, where ~10 us keeps the one-stream
-    gain (57 -> 80 tok/s) at passive's tail; between steps the threads still sleep. An idle
+    batch-1 step +24-35 % (a 2-vCPU Xeon at the AVX2 level). ~0.1 ms spun through the
+    event loop's and the prefill node's turns as well (an EPYC Zen 4: 16 lock-step
+    streams' ITL p99 +50 % against passive), ~10 us left a batch-1 1P1D step +22 % over
+    the engine's (AVX2 level); ~30 us: +9 %, at passive's tail. Between steps the threads
+    still sleep. An idle
     engine (--engine-priority idle, set by --prefill-priority idle) takes no core from the
     others, so they keep libgomp's default (its own threads wait passively): measured, 1P1D
     with 16 streams in lock-step, ITL p99 84 ms with a passive decode node, 50 ms with a
