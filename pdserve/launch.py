@@ -245,11 +245,10 @@ def node_spawn_options(args: argparse.Namespace, commands: list[list[str]]) -> d
     event loop's and the prefill node's turns as well (an EPYC Zen 4: 16 lock-step
     streams' ITL p99 +50 % against passive), ~10 us left a batch-1 1P1D step +22 % over
     the engine's (AVX2 level); ~30 us: +9 %, at passive's tail. Between steps the threads
-    still sleep. An idle
-    engine (--engine-priority idle, set by --prefill-priority idle) takes no core from the
-    others, so they keep libgomp's default (its own threads wait passively): measured, 1P1D
-    with 16 streams in lock-step, ITL p99 84 ms with a passive decode node, 50 ms with a
-    spinning one."""
+    still sleep. An idle engine (--engine-priority idle, set by --prefill-priority idle)
+    takes no core from the others, so they keep libgomp's default (its own threads wait
+    passively): measured, 1P1D with 16 streams in lock-step, ITL p99 84 ms with a passive
+    decode node, 50 ms with a spinning one."""
     nodes = {c[c.index("--node-id") + 1]: c for c in commands if "--node-id" in c}
     idle = {n: _flag(c, "--engine-priority") == "idle" for n, c in nodes.items()}
     threads = {n: int(_flag(c, "--num-threads") or 0) for n, c in nodes.items()}
