@@ -129,10 +129,10 @@ async def _generate(
     echo_id = request.headers.get("x-request-id") or rid
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     req = service.submit(parsed, rid)
-    resumable = request.headers.get("pdserve-resumable", "").lower() in TRUTHY
+    req.resumable = parsed.stream and request.headers.get("pdserve-resumable", "").lower() in TRUTHY
     try:
         if parsed.stream:
-            return await _stream(request, req, prefix + rid, echo_id, ids=resumable)
+            return await _stream(request, req, prefix + rid, echo_id, ids=req.resumable)
         return await _collect(req, prefix + rid, echo_id)
     finally:
         service.end(req)
@@ -191,6 +191,7 @@ async def resume_stream(request: web.Request) -> web.StreamResponse:
                        f"integer >= 0), got {raw[:64]!r}", param="Last-Event-ID")  # fmt: skip
     include_usage = request.query.get("include_usage", "").lower() in TRUTHY
     req = await service.resume(public_id, int(raw), include_usage)
+    req.resumable = True  # its client may lose this connection too
     echo_id = request.headers.get("x-request-id") or public_id
     try:
         return await _stream(request, req, public_id, echo_id, ids=True, resumed=int(raw))

@@ -204,6 +204,8 @@ class NodeMessages:
             self.table.prefilled_in_place(attempt, now)  # a decode node prefilled it itself
             self.metrics.local_prefills.inc()
         self.service.on_token(req, msg.index, msg.token_id, msg.finish_reason)
+        if req.detached:  # its client left: let go now its KV is where it decodes
+            self.service.settle(req)
 
     async def _on_kv_transferred(self, identity: bytes, msg: KvTransferred) -> None:
         node = self.cluster.by_identity(identity)
@@ -215,6 +217,8 @@ class NodeMessages:
             return
         self.table.delivered(attempt, time.monotonic())
         req = attempt.req
+        if req.detached:
+            self.service.settle(req)
         req.timeline[f"kv_transfer.{req.attempt}"] = {  # type: ignore[assignment]
             "backend": msg.backend,
             "bytes": msg.bytes,

@@ -81,6 +81,8 @@ class GatewayRequest:
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     last_delta: Delta | None = None  # the last Delta queued (see `_send`)
     muted: int = 0  # a resumed stream: the client has the text of this many output tokens
+    resumable: bool = False  # a stream whose client may resume it (`pdserve-resumable: 1`)
+    detached: bool = False  # its client left: let go to its node once its KV is there
 
     def __post_init__(self) -> None:
         self.detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)

@@ -1,10 +1,12 @@
-"""Resuming a stream whose gateway is gone (docs/architecture.md, "Several gateways").
+"""Resuming a stream whose gateway is gone or whose connection dropped (docs/architecture.md,
+"Several gateways").
 
 A client that asked for a resumable stream (`pdserve-resumable: 1`) gets an SSE `id:` with
 every chunk: the count of output tokens whose text it has received. When its connection
 drops, it asks any gateway for `GET /v1/streams/{id}` with `Last-Event-ID`. That gateway asks
 every node (`Adopt`); the one holding the request as an orphan (its gateway silent or gone,
-common/node/adoption.py) answers with its state and streams to this gateway from then on.
+or one that let it go when its client left: `Release`, common/node/adoption.py) answers
+with its state and streams to this gateway from then on.
 The gateway rebuilds the request (prompt, tokens so far, sampling), replays the tokens the
 client has without sending their text, sends the rest, and carries on as for any request:
 no token is lost, repeated or recomputed.
@@ -32,6 +34,7 @@ from pdserve.gateway.table import RequestTable
 
 log = logging.getLogger("pdserve.gateway.core")
 ROUND_S = 0.25  # one round of asking every node
+LET_GO_S = 5.0  # a Release is read long before (one control socket, in order)
 PUBLIC_ID = re.compile(r"^(chatcmpl|cmpl)-([0-9a-f]{24})$")
 
 
@@ -59,6 +62,9 @@ class Resumes:
         self.cluster, self.table, self.link, self.tokenizer = cluster, table, link, tokenizer
         self.model_id, self.timeout = model_id, timeout
         self.asking: dict[str, _Asking] = {}  # request id (no attempt) -> answers so far
+        # wire ids let go to their node (a client left, `Release`) -> when: a heartbeat sent
+        # before the node read the Release still names them ours; the lease must not free them
+        self.let_go: dict[str, float] = {}
 
     def answered(self, identity: bytes, msg: Adopted) -> None:
         node = self.cluster.by_identity(identity)
@@ -73,9 +79,15 @@ class Resumes:
             asking.found.set()
 
     def claims(self, wire_id: str) -> bool:
-        """A stream being adopted here: its node may name it as ours (a heartbeat's held
-        ids) before the resume has put it in the table; the lease must not free it."""
-        return wire_id.rsplit(".", 1)[0] in self.asking
+        """A stream being adopted here, or just let go: its node may name it as ours (a
+        heartbeat's held ids) before the resume has put it in the table, or before it read
+        the `Release`; the lease must not free it."""
+        return wire_id.rsplit(".", 1)[0] in self.asking or wire_id in self.let_go
+
+    def released(self, wire_id: str, now: float) -> None:
+        while self.let_go and now - next(iter(self.let_go.values())) > LET_GO_S:
+            del self.let_go[next(iter(self.let_go))]
+        self.let_go[wire_id] = now
 
     def early(self, wire_id: str, node_id: str, index: int, token: int, reason: str | None
               ) -> None:  # fmt: skip

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pdserve.common.config import GatewayConfig
 from pdserve.common.model.tokenizer import Tokenizer
-from pdserve.common.wire.protocol import Abort
+from pdserve.common.wire.protocol import Abort, Release
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.link import NodeLink
 from pdserve.gateway.metrics import GatewayMetrics
@@ -26,7 +26,7 @@ from pdserve.gateway.placement import PlacementTimeout, Placer
 from pdserve.gateway.requests import Failed, GatewayRequest, StreamGap
 from pdserve.gateway.resume import Resumes
 from pdserve.gateway.sizing import Sizing
-from pdserve.gateway.table import Attempt, RequestTable
+from pdserve.gateway.table import Attempt, Phase, RequestTable
 
 log = logging.getLogger("pdserve.gateway.core")
 
@@ -132,7 +132,10 @@ class RequestService:
         return req
 
     def end(self, req: GatewayRequest) -> None:
-        """The HTTP exchange is over (answered, or the client left): free what it holds."""
+        """The HTTP exchange is over (answered, or the client left): free what it holds; a
+        resumable stream whose client left is kept on its node for a resume instead."""
+        if req.resumable and not req.finished and self._detach(req):
+            return
         if not req.finished or self.table.current(req) is not None:
             self.abort(req)
         placing = self.placing.pop(id(req), None)
@@ -254,6 +257,34 @@ class RequestService:
                 if node is not None:
                     self.spawn(self.link.send(node, Abort(request_id=attempt.wire_id)))
         self.placer.capacity_changed()
+
+    def _detach(self, req: GatewayRequest) -> bool:
+        """Keep a resumable stream whose client left for a resume at any gateway (this one
+        too): once its KV is where it decodes, its node holds it as an orphan for
+        `--orphan-grace` (`settle`). False while no node has accepted it: nothing to keep."""
+        attempt = self.table.current(req)
+        if attempt is None or attempt.phase is Phase.OFFERED:
+            return False
+        req.detached = True
+        self.settle(req)
+        return True
+
+    def settle(self, req: GatewayRequest) -> None:
+        """A detached stream whose KV is on its decode (or colocated) node alone: `Release` it
+        there and forget it here; before that (prefill, KV on its way) it waits for this."""
+        attempt = self.table.current(req)
+        if req.finished or attempt is None:
+            return
+        if attempt.phase is not Phase.DECODE or attempt.nodes() != {attempt.decode}:
+            return
+        node = self.cluster.nodes.get(attempt.decode or "")
+        self._release(req, notify=False)
+        req.finish(Failed(499, "the client left a resumable stream: kept for a resume",
+                          "detached"))  # fmt: skip
+        self.metrics.requests.labels("detached").inc()
+        if node is not None:
+            self.resumes.released(attempt.wire_id, time.monotonic())
+            self.spawn(self.link.send(node, Release(request_id=attempt.wire_id)))
 
     def _complete(self, req: GatewayRequest, abort_nodes: bool) -> None:
         self.metrics.requests.labels("ok").inc()

@@ -1,7 +1,8 @@
 """Streams that outlive their gateway (docs/architecture.md, "Several gateways"): a request
-whose gateway is silent or gone is an orphan. The node keeps it, decoding on, for
-`--orphan-grace` seconds; a finished orphan's tokens are kept as long. A client that lost
-its gateway asks another one to resume the stream; that gateway asks the nodes (`Adopt`),
+whose gateway is silent or gone, or let it go when its client left (`Release`), is an
+orphan. The node keeps it, decoding on, for `--orphan-grace` seconds; a finished orphan's
+tokens are kept as long. A client that lost its gateway or connection asks a gateway to
+resume the stream; that gateway asks the nodes (`Adopt`),
 and the node holding the orphan hands over its state (`Adopted`: prompt, every token so far)
 and sends it everything from then on. Past the grace, orphans are freed, their KV with them.
 """
@@ -9,12 +10,13 @@ and sends it everything from then on. Past the grace, orphans are freed, their K
 from __future__ import annotations
 
 import logging
+import time
 from typing import Protocol
 
 from pdserve.common.node.gateways import Gateways
 from pdserve.common.node.links import GatewayLink, Gone
 from pdserve.common.node.role import NodeRequest
-from pdserve.common.wire.protocol import Adopt, Adopted
+from pdserve.common.wire.protocol import Adopt, Adopted, Release
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,21 @@ class Adoption:
         """A request finished on this node: an orphan's tokens wait for its adopter."""
         if self.gateways.owners.orphan(req.seq.seq_id):
             self.finished[req.seq.seq_id] = (req, reason)
+
+    async def on_gateway(self, msg: Adopt | Release, link: GatewayLink) -> None:
+        if isinstance(msg, Release):
+            self.release(msg.request_id, link, time.monotonic())
+        elif (adopted := self.adopt(msg, link)) is not None:
+            await link.send(adopted)
+
+    def release(self, rid: str, link: GatewayLink, now: float) -> None:
+        """`link`'s gateway lets go of `rid`, a resumable stream whose client left: an orphan
+        from now, for any gateway (that one too) to adopt within the grace."""
+        if rid in self.node.requests and self.gateways.owners.get(rid) is link:
+            gone = Gone(link.gateway_id, now)
+            self.gateways.gone.append(gone)
+            self.gateways.owners.move(rid, gone)
+            log.info("%s released by the gateway at %s: kept for a resume", rid, link.address)
 
     def adopt(self, msg: Adopt, link: GatewayLink) -> Adopted | None:
         """The orphan `msg.request_id` (any attempt) for `link`'s gateway; None when this
@@ -76,10 +93,10 @@ class Adoption:
         for link in self.gateways.links:
             if link.silent_since is not None and now - link.silent_since > self.grace:
                 late += owners.owned(link)
-        for gone in list(self.gateways.gone):
-            if now - gone.since > self.grace:
-                late += owners.owned(gone)
-                self.gateways.gone.remove(gone)
+        if self.gateways.gone:  # one pass: a released stream has a Gone of its own
+            late += [r for r, o in owners.of.items()
+                     if isinstance(o, Gone) and now - o.since > self.grace]  # fmt: skip
+            self.gateways.gone = [g for g in self.gateways.gone if now - g.since <= self.grace]
         for rid in late:
             self.finished.pop(rid, None)
             owners.move(rid, Gone("", now))  # nobody's: the sweep forgets it once freed

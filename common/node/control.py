@@ -51,6 +51,7 @@ from pdserve.common.wire.protocol import (
     RegisterAck,
     RegisterRefuse,
     Reject,
+    Release,
     SwitchRole,
 )
 from pdserve.common.wire.transport import decode_or_none
@@ -233,7 +234,7 @@ class ControlPlane:
                     self.stopped.set()
                     raise RegistrationRefused(reason)
                 case HeartbeatReply(stale=stale, unknown_node=unknown):
-                    mine = tuple(r for r in stale if self.gateways.link_for(r) in (link, None))
+                    mine = tuple(r for r in stale if self.gateways.leased_by(r, link))
                     if mine:
                         self.node.free_stale(mine)
                     if msg.kv_resync:
@@ -252,9 +253,8 @@ class ControlPlane:
                     self.begin_drain()
                 case SwitchRole():
                     log.info("%s: role switch ignored (draining, or that role)", self.node_id)
-                case Adopt():
-                    if (adopted := self.adoption.adopt(msg, link)) is not None:
-                        await link.send(adopted)
+                case Adopt() | Release():
+                    await self.adoption.on_gateway(msg, link)
                 case None:
                     log.warning("dropping malformed message from the gateway at %s", link.address)
                 case _:

@@ -56,6 +56,12 @@ class Gateways:
             owner = self.links[0]
         return owner is not None and self.owners.adopt(rid, owner)
 
+    def leased_by(self, rid: str, link: GatewayLink) -> bool:
+        """Whether `link`'s lease may free `rid`: its own, or nobody's; never an orphan, which
+        waits for an adopter until the grace ends (adoption.py)."""
+        owner = self.owners.get(rid)
+        return not isinstance(owner, Gone) and self.link_for(rid) in (link, None)
+
     def retire(self, link: GatewayLink, now: float) -> None:
         """`link`'s gateway came back as a new process: its old requests are orphans."""
         gone = Gone(link.gateway_id, link.silent_since or now)
@@ -96,6 +102,9 @@ class Gateways:
         if len(self.links) > 1:
             held = tuple(r for r in load.held if self.owners.get(r) is link)
             load = msgspec.structs.replace(load, held=held, foreign=self.foreign(link))
+        elif self.gone:  # orphans are no gateway's: not named to this one's lease
+            held = tuple(r for r in load.held if not isinstance(self.owners.get(r), Gone))
+            load = msgspec.structs.replace(load, held=held)
         events = events if link.registered else None
         return Heartbeat(node_id=self.node_id, load=load, leader=self.leader(), events=events,
                          kv_seq=events.seq if events is not None else last_seq,

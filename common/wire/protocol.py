@@ -259,12 +259,21 @@ class PrefillOffer(Msg):
 
 
 class Adopt(Msg):
-    """A client resumes a stream whose gateway is gone (docs/architecture.md, "Several
-    gateways"): the node holding `request_id` (without the attempt) as an orphan hands it to
-    this gateway (`Adopted`) if the client's `have` output tokens are no more than it made."""
+    """A client resumes a stream whose gateway is gone or let it go (docs/architecture.md,
+    "Several gateways"): the node holding `request_id` (without the attempt) as an orphan
+    hands it to this gateway (`Adopted`) if the client's `have` output tokens are no more
+    than it made."""
 
     request_id: str
     have: int
+
+
+class Release(Msg):
+    """The gateway lets go of a resumable stream whose client left (docs/architecture.md,
+    "Several gateways"): the node keeps it as an orphan, decoding on, for any gateway to
+    adopt (`Adopt`) within `--orphan-grace`, this one included."""
+
+    request_id: str
 
 
 class Redirect(Msg):
@@ -303,6 +312,7 @@ GatewayToNode = (
     | HeartbeatReply
     | PrefillOffer
     | Redirect
+    | Release
     | Abort
     | Drain
     | Rebalance

@@ -251,24 +251,22 @@ def test_resuming_an_unknown_or_wrong_stream_is_a_clear_4xx_and_frees_nothing_el
     assert resume("cmpl-" + "0" * 24, "abc")[0] == 400
     # one long stream through gateway 1, read for a few chunks, then gateway 1 is killed
     body = {**seeded_bodies(1, 3000)[0]}
-    got: dict = {}
-
-    def read_some() -> None:
-        req = urllib.request.Request(f"{victim}/v1/completions", data=orjson.dumps(body),
-                                     headers={"Content-Type": "application/json",
-                                              "pdserve-resumable": "1"})  # fmt: skip
-        resp = urllib.request.urlopen(req, timeout=60)
-        raw = b""
-        while raw.count(b"\n\n") < 5:
-            raw += resp.read1(65536)
-        got["events"] = [parse_event(e) for e in raw.split(b"\n\n")[:5]]
-        resp.close()
-
-    read_some()
-    last_id, payload = got["events"][-1]
+    req = urllib.request.Request(f"{victim}/v1/completions", data=orjson.dumps(body),
+                                 headers={"Content-Type": "application/json",
+                                          "pdserve-resumable": "1"})  # fmt: skip
+    resp = urllib.request.urlopen(req, timeout=60)
+    raw = b""
+    while raw.count(b"\n\n") < 5:
+        raw += resp.read1(65536)
+    events = [parse_event(e) for e in raw.split(b"\n\n")[:5]]
+    last_id, payload = events[-1]
     stream_id = orjson.loads(payload)["id"]
-    text = "".join(orjson.loads(p)["choices"][0]["text"] for _, p in got["events"])
+    text = "".join(orjson.loads(p)["choices"][0]["text"] for _, p in events)
+    # the gateway dies first, with its client still connected: closing the connection
+    # while it lives would make it cancel the stream (a client that left), not orphan it
     cluster.gateways[1].send_signal(signal.SIGKILL)
+    cluster.gateways[1].wait(10)
+    resp.close()
     status, reply = resume(stream_id, "999999")  # more tokens than it has: refused
     assert status == 409 and "Last-Event-ID" in reply, (status, reply)
     status, reply = resume(stream_id, last_id)  # the right one: the rest of the stream

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import socket
 
+import zmq.asyncio
+
 from pdserve import launch
 from pdserve.common.config import NodeConfig
 from pdserve.common.flags import from_args
-from pdserve.common.node.links import Owners, gateway_addresses
+from pdserve.common.node.adoption import Adoption
+from pdserve.common.node.gateways import Gateways
+from pdserve.common.node.links import GatewayLink, Owners, gateway_addresses
 from pdserve.common.wire.protocol import Load, NodeInfo
 from pdserve.gateway.cluster import ClusterView
 from pdserve.supervisor import Child, Supervisor
@@ -113,3 +117,50 @@ def test_a_gateway_leads_while_no_node_names_another():
     assert cluster.leads("gw-a") and not cluster.leads("gw-b")
     cluster.heartbeat("d1", b"d1", load, 1.0, leader="gw-b")  # a new gateway, seen by one
     assert not cluster.leads("gw-a") and not cluster.leads("gw-b")  # nobody until they agree
+
+
+class _Node:
+    """What Adoption asks of a node: the requests it holds, and freeing some."""
+
+    def __init__(self, *rids: str) -> None:
+        self.requests: dict = dict.fromkeys(rids)
+        self.freed: list[str] = []
+
+    def free_stale(self, request_ids: tuple[str, ...]) -> None:
+        self.freed += request_ids
+        for rid in request_ids:
+            self.requests.pop(rid, None)
+
+    def load(self) -> Load:
+        return Load(running=len(self.requests), waiting=0, blocks_free=0, blocks_cached=0,
+                    blocks_in_use=0, held=tuple(self.requests))  # fmt: skip
+
+
+def test_a_released_stream_waits_for_an_adopter_until_the_grace_ends():
+    """A gateway lets go of a stream whose client left (`Release`): the node keeps it as an
+    orphan. No gateway's lease frees it (a late stale reply, or the one gateway's heartbeat,
+    which no longer names it), any gateway may adopt it, and the grace frees it."""
+    ctx = zmq.asyncio.Context()
+    try:
+        own, other = (GatewayLink(ctx, f"tcp://127.0.0.1:{p}", "node-x") for p in (9, 10))
+        own.gateway_id, other.gateway_id = "g-own", "g-other"
+        node = _Node("r.0", "s.0")
+        gateways = Gateways("node-x", [own], node)  # type: ignore[arg-type]
+        for rid in node.requests:
+            assert gateways.owners.adopt(rid, own)
+        adoption = Adoption(gateways, node, grace=3.0)
+        adoption.release("s.0", other, 100.0)  # not the other gateway's to let go
+        assert gateways.owners.get("s.0") is own
+        adoption.release("r.0", own, 100.0)
+        assert gateways.owners.orphan("r.0") and not gateways.leased_by("r.0", own)
+        assert gateways.leased_by("s.0", own)
+        beat = gateways.heartbeat(own, node.load(), None, 0, reply=False)
+        assert beat.load.held == ("s.0",)  # the orphan is no longer its
+        adoption.expire(102.9)
+        assert node.freed == [] and gateways.gone
+        adoption.expire(103.1)
+        assert node.freed == ["r.0"] and not gateways.gone
+    finally:
+        own.close()
+        other.close()
+        ctx.term()

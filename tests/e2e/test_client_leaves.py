@@ -1,0 +1,157 @@
+"""A resumable stream outlives its client's connection, not only its gateway (docs/
+architecture.md, "Several gateways"): when a client of a `pdserve-resumable: 1` stream drops
+its connection to a gateway that lives on, the gateway lets go of the stream (`Release`) and
+its node keeps it as an orphan for `--orphan-grace`; the client resumes at any gateway, the
+same one included, and the text goes on exactly. Real gateway and node processes; the sim
+engine's tokens are a pure function of (seed, position), so every text is known here."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import aiohttp
+import orjson
+
+from pdserve.loadgen.resumable import parse_event
+from tests.e2e.conftest import wait_for
+from tests.e2e.streams import seeded_bodies, sim_text
+
+
+def _held(cluster, at: str) -> float:
+    return cluster.metric("pdserve:num_requests_running", at) + cluster.metric(
+        "pdserve:num_requests_waiting", at
+    )
+
+
+async def _read(resp: aiohttp.ClientResponse, upto: int | None) -> tuple[str, str, str, bool]:
+    """Text, stream id and last event id read from `resp`, at most `upto` events (None: to
+    the end); the last item says whether the stream ended ([DONE])."""
+    text, stream_id, last_id, buffer, seen = "", "", "0", b"", 0
+    async for data in resp.content.iter_any():
+        buffer += data
+        while b"\n\n" in buffer:
+            raw, buffer = buffer.split(b"\n\n", 1)
+            event_id, payload = parse_event(raw)
+            if payload is None:
+                continue
+            if payload == b"[DONE]":
+                return text, stream_id, last_id, True
+            chunk = orjson.loads(payload)
+            stream_id = stream_id or chunk["id"]
+            last_id = event_id if event_id is not None else last_id
+            text += "".join(c.get("text") or "" for c in chunk["choices"])
+            seen += 1
+            if upto is not None and seen >= upto:
+                return text, stream_id, last_id, False
+    raise AssertionError("the stream ended without [DONE]")
+
+
+async def _leave_and_resume(
+    session, start: str, resume_at: str, body: dict, upto: int
+) -> tuple[str, bool]:
+    """The stream through `start`, its connection closed after `upto` events while that
+    gateway lives, then resumed at `resume_at`: its whole text, and whether it was resumed
+    (not when it ended within those events)."""
+    headers = {"Content-Type": "application/json", "pdserve-resumable": "1"}
+    async with session.post(f"{start}/v1/completions", data=orjson.dumps(body),
+                            headers=headers) as resp:  # fmt: skip
+        assert resp.status == 200, await resp.text()
+        text, stream_id, last_id, done = await _read(resp, upto)
+        resp.close()  # the client leaves; the gateway lives on
+    if done:
+        return text, False
+    for _ in range(40):  # 409 while the node has not read the Release yet: ask again
+        async with session.get(f"{resume_at}/v1/streams/{stream_id}",
+                               headers={"Last-Event-ID": last_id}) as resp:  # fmt: skip
+            if resp.status == 409:
+                await asyncio.sleep(0.25)
+                continue
+            assert resp.status == 200, (resp.status, await resp.text())
+            rest, _, _, done = await _read(resp, None)
+            assert done
+            return text + rest, True
+    raise AssertionError(f"{stream_id} was never resumable at {resume_at}")
+
+
+async def _many(
+    urls: list[str], bodies: list[dict], leave_after: list[int]
+) -> list[tuple[str, bool]]:
+    timeout = aiohttp.ClientTimeout(total=180)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=timeout) as session:  # fmt: skip
+        return await asyncio.gather(*(
+            _leave_and_resume(session, urls[i % 2], urls[(i + 1) % 2], body, leave_after[i])
+            for i, body in enumerate(bodies)
+        ))  # fmt: skip
+
+
+def test_two_hundred_clients_leave_live_gateways_and_resume_at_the_other(
+    make_cluster, tokenizer
+):
+    """200 resumable streams over two gateways; each client drops its connection after 1 to
+    40 events (seeded) and resumes at the other gateway: every text is exact, each gateway
+    let go of what its clients left and adopted what the other's did, nothing was
+    re-placed (the nodes decoded on), and nothing is held afterwards."""
+    cluster = make_cluster(
+        prefill=2, decode=2, engine="sim", gateways=2,
+        node_flags=("--sim-time-scale", "0.2", "--kv-backend", "tcp", "--max-batch", "8",
+                    "--orphan-grace", "30"),
+    )  # fmt: skip
+    # 600 tokens: a client that leaves after at most 40 events leaves a running stream
+    # unless its reads fell 15 tokens per event behind
+    bodies = seeded_bodies(200, 600)
+    rng = random.Random(7)
+    leave_after = [rng.randint(1, 40) for _ in bodies]  # 1: often before its KV is delivered
+    got = asyncio.run(_many(cluster.urls, bodies, leave_after))
+    expected = [sim_text(tokenizer, b["prompt"], b["seed"], b["max_tokens"]) for b in bodies]
+    assert [text for text, _ in got] == expected
+    assert all(resumed for _, resumed in got)
+    for url in cluster.urls:
+        # every stream left at one gateway (a live one) and was adopted at the other
+        detached = cluster.metric("pdserve:requests_total", url, outcome="detached")
+        adopted = cluster.metric("pdserve:stream_resumes_total", url, outcome="adopted")
+        assert detached == 100 and adopted == 100, (url, detached, adopted)
+        assert cluster.metric("pdserve:request_replacements_total", url) == 0
+    for url in cluster.urls:
+        assert wait_for(lambda url=url: _held(cluster, url) == 0, 10)
+        assert wait_for(
+            lambda url=url: cluster.metric("pdserve:kv_blocks", url, state="in_use") == 0, 10
+        )
+
+
+def test_one_gateway_resumes_its_own_stream_and_frees_one_never_resumed(make_cluster, tokenizer):
+    """One gateway: a client that left resumes at the same gateway with the exact text; a
+    client that never comes back leaves its stream on the node until `--orphan-grace` ends,
+    then it is freed with its KV; a stream that did not ask to be resumable is freed at once."""
+    cluster = make_cluster(
+        prefill=1, decode=1, engine="sim",
+        node_flags=("--sim-time-scale", "1", "--orphan-grace", "3"),
+    )  # fmt: skip
+    url = cluster.urls[0]
+    body, lost, plain = seeded_bodies(3, 3000)  # ~30 s of decoding each: none ends here
+
+    async def run() -> str:
+        async with aiohttp.ClientSession() as session:
+            text, resumed = await _leave_and_resume(session, url, url,
+                                                    {**body, "max_tokens": 60}, 5)  # fmt: skip
+            assert resumed
+            headers = {"Content-Type": "application/json", "pdserve-resumable": "1"}
+            async with session.post(f"{url}/v1/completions", data=orjson.dumps(lost),
+                                    headers=headers) as resp:  # fmt: skip
+                await _read(resp, 5)
+                resp.close()
+            assert wait_for(lambda: _held(cluster, url) == 1, 10)  # kept for a resume
+            async with session.post(f"{url}/v1/completions", data=orjson.dumps(plain)) as resp:
+                await _read(resp, 5)
+                resp.close()
+            return text
+
+    text = asyncio.run(run())
+    assert text == sim_text(tokenizer, body["prompt"], body["seed"], 60)
+    assert cluster.metric("pdserve:requests_total", url, outcome="detached") == 2
+    assert cluster.metric("pdserve:requests_total", url, outcome="cancelled") == 1
+    # the plain one freed at once, the lost one at the grace's end (3 s): well before
+    # its ~30 s of decoding would have ended it
+    assert wait_for(lambda: _held(cluster, url) == 0, 10)
+    assert wait_for(lambda: cluster.metric("pdserve:kv_blocks", url, state="in_use") == 0, 10)
