@@ -134,11 +134,11 @@ class RequestService:
     def end(self, req: GatewayRequest) -> None:
         """The HTTP exchange is over (answered, or the client left): free what it holds; a
         resumable stream whose client left is kept on its node for a resume instead."""
+        placing = self.placing.pop(id(req), None)
         if req.resumable and not req.finished and self._detach(req):
-            return
+            return  # accepted by a node: its placement is over
         if not req.finished or self.table.current(req) is not None:
             self.abort(req)
-        placing = self.placing.pop(id(req), None)
         if placing is not None and not placing.done():
             placing.cancel()
 

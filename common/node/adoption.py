@@ -2,9 +2,9 @@
 whose gateway is silent or gone, or let it go when its client left (`Release`), is an
 orphan. The node keeps it, decoding on, for `--orphan-grace` seconds; a finished orphan's
 tokens are kept as long. A client that lost its gateway or connection asks a gateway to
-resume the stream; that gateway asks the nodes (`Adopt`),
-and the node holding the orphan hands over its state (`Adopted`: prompt, every token so far)
-and sends it everything from then on. Past the grace, orphans are freed, their KV with them.
+resume the stream; that gateway asks the nodes (`Adopt`), and the node holding the orphan
+hands over its state (`Adopted`: prompt, every token so far) and sends it everything from
+then on. Past the grace, orphans are freed, their KV with them.
 """
 
 from __future__ import annotations
