@@ -1,6 +1,7 @@
 """Two gateways behind HAProxy in Docker Compose (compose.ha.yaml), for real: both gateways
 have every node registered, greedy text through the balancer equals the single-process
-engine's, and with one gateway container killed the balancer sends everything to the other
+engine's, a resumable stream whose connection drops resumes through the balancer with the
+whole text, and with one gateway container killed the balancer sends everything to the other
 and no request fails. Needs a Docker engine (as tests/e2e/test_compose.py; in CI it runs)."""
 
 from __future__ import annotations
@@ -9,11 +10,14 @@ import json
 import secrets
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from pdserve.common.wire.transport import free_port
+from pdserve.loadgen.resumable import parse_event
 from tests.docker_util import compose_or_skip, stack_env
 from tests.e2e.test_compose import PROMPT, _stream_chat, _wait_nodes
 
@@ -70,9 +74,54 @@ def test_two_gateways_behind_haproxy_serve_and_survive_one_gone(ha, smol_runner,
     for _ in range(4):  # spread over both gateways by the balancer
         text, _, _ = _stream_chat(url)
         assert text == expected.text
+    # a resumable stream whose connection through the balancer drops while both gateways
+    # live: resumed through the balancer (whichever gateway it lands on), the text is whole
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    [longer] = engine.generate([chat_ids(tokenizer, PROMPT)], params)
+    assert _dropped_and_resumed(url) == longer.text
     run("kill", "gateway-b")
     gone = time.monotonic()
     for _ in range(6):  # the balancer's check (1 s, 2 failures) or its redispatch: no error
         text, _, _ = _stream_chat(url)
         assert text == expected.text
     print(f"compose ha: served through one gateway {time.monotonic() - gone:.1f} s after the kill")
+
+
+def _dropped_and_resumed(url: str) -> str:
+    """A resumable greedy chat stream of 48 tokens, its connection closed after 4 events,
+    then resumed through `url` with the last event's id: the whole text."""
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 48,
+            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "pdserve-resumable": "1"},
+    )  # fmt: skip
+    resp = urllib.request.urlopen(request, timeout=120)
+    raw = b""
+    while raw.count(b"\n\n") < 4:
+        raw += resp.read1(65536)
+    resp.close()  # the client leaves; both gateways live on
+    events = [parse_event(e) for e in raw.split(b"\n\n")[:4]]
+    last_id, payload = events[-1]
+    stream_id = json.loads(payload)["id"]
+    text = "".join(_content(p) for _, p in events)
+    for _ in range(40):  # 409 until the gateway sees its client gone and lets go
+        resume = urllib.request.Request(f"{url}/v1/streams/{stream_id}",
+                                        headers={"Last-Event-ID": last_id})  # fmt: skip
+        try:
+            with urllib.request.urlopen(resume, timeout=120) as again:
+                rest = again.read()
+        except urllib.error.HTTPError as err:
+            assert err.code == 409, (err.code, err.read()[:300])
+            time.sleep(0.25)
+            continue
+        for _, data in (parse_event(e) for e in rest.split(b"\n\n") if e):
+            if data and data != b"[DONE]":
+                text += _content(data)
+        return text
+    raise AssertionError(f"{stream_id} was never resumable")
+
+
+def _content(payload: bytes | None) -> str:
+    chunk = json.loads(payload or b"{}")
+    return "".join(c["delta"].get("content") or "" for c in chunk.get("choices", []))
