@@ -37,6 +37,18 @@ def parse_event(raw: bytes) -> tuple[str | None, bytes | None]:
     return event_id, data
 
 
+async def sse_events(content: aiohttp.StreamReader) -> AsyncIterator[tuple[str | None, bytes]]:
+    """The events of an SSE body as they arrive: (`id`, `data`); events without data skipped."""
+    buffer = b""
+    async for data in content.iter_any():
+        buffer += data
+        while b"\n\n" in buffer:
+            raw, buffer = buffer.split(b"\n\n", 1)
+            event_id, payload = parse_event(raw)
+            if payload is not None:
+                yield event_id, payload
+
+
 async def resumable_chunks(
     session: aiohttp.ClientSession,
     urls: list[str],
@@ -63,20 +75,13 @@ async def resumable_chunks(
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
                 if resp.status != 200:
                     raise StreamLost(f"HTTP {resp.status}: {(await resp.text())[:300]}")
-                buffer = b""
-                async for data in resp.content.iter_any():
-                    buffer += data
-                    while b"\n\n" in buffer:
-                        raw, buffer = buffer.split(b"\n\n", 1)
-                        event_id, payload = parse_event(raw)
-                        if payload is None:
-                            continue
-                        if payload == b"[DONE]":
-                            return
-                        chunk = orjson.loads(payload)
-                        stream_id = stream_id or chunk.get("id")
-                        last_id = event_id if event_id is not None else last_id
-                        yield chunk
+                async for event_id, payload in sse_events(resp.content):
+                    if payload == b"[DONE]":
+                        return
+                    chunk = orjson.loads(payload)
+                    stream_id = stream_id or chunk.get("id")
+                    last_id = event_id if event_id is not None else last_id
+                    yield chunk
             raise aiohttp.ClientPayloadError("the stream ended without [DONE]")
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             turn += 1

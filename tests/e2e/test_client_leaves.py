@@ -13,7 +13,7 @@ import random
 import aiohttp
 import orjson
 
-from pdserve.loadgen.resumable import parse_event
+from pdserve.loadgen.resumable import sse_events
 from tests.e2e.conftest import wait_for
 from tests.e2e.streams import seeded_bodies, sim_text
 
@@ -27,23 +27,17 @@ def _held(cluster, at: str) -> float:
 async def _read(resp: aiohttp.ClientResponse, upto: int | None) -> tuple[str, str, str, bool]:
     """Text, stream id and last event id read from `resp`, at most `upto` events (None: to
     the end); the last item says whether the stream ended ([DONE])."""
-    text, stream_id, last_id, buffer, seen = "", "", "0", b"", 0
-    async for data in resp.content.iter_any():
-        buffer += data
-        while b"\n\n" in buffer:
-            raw, buffer = buffer.split(b"\n\n", 1)
-            event_id, payload = parse_event(raw)
-            if payload is None:
-                continue
-            if payload == b"[DONE]":
-                return text, stream_id, last_id, True
-            chunk = orjson.loads(payload)
-            stream_id = stream_id or chunk["id"]
-            last_id = event_id if event_id is not None else last_id
-            text += "".join(c.get("text") or "" for c in chunk["choices"])
-            seen += 1
-            if upto is not None and seen >= upto:
-                return text, stream_id, last_id, False
+    text, stream_id, last_id, seen = "", "", "0", 0
+    async for event_id, payload in sse_events(resp.content):
+        if payload == b"[DONE]":
+            return text, stream_id, last_id, True
+        chunk = orjson.loads(payload)
+        stream_id = stream_id or chunk["id"]
+        last_id = event_id if event_id is not None else last_id
+        text += "".join(c.get("text") or "" for c in chunk["choices"])
+        seen += 1
+        if upto is not None and seen >= upto:
+            return text, stream_id, last_id, False
     raise AssertionError("the stream ended without [DONE]")
 
 
