@@ -12,6 +12,7 @@ import random
 
 import aiohttp
 import orjson
+import pytest
 
 from pdserve.loadgen.resumable import sse_events
 from tests.e2e.conftest import wait_for
@@ -80,9 +81,7 @@ async def _many(
         ))  # fmt: skip
 
 
-def test_two_hundred_clients_leave_live_gateways_and_resume_at_the_other(
-    make_cluster, tokenizer
-):
+def test_two_hundred_clients_leave_live_gateways_and_resume_at_the_other(make_cluster, tokenizer):
     """200 resumable streams over two gateways; each client drops its connection after 1 to
     40 events (seeded) and resumes at the other gateway: every text is exact, each gateway
     let go of what its clients left and adopted what the other's did, nothing was
@@ -114,13 +113,17 @@ def test_two_hundred_clients_leave_live_gateways_and_resume_at_the_other(
         )
 
 
-def test_one_gateway_resumes_its_own_stream_and_frees_one_never_resumed(make_cluster, tokenizer):
+@pytest.mark.parametrize("nodes", [{"prefill": 1, "decode": 1},
+                                   {"prefill": 0, "decode": 0, "colocated": 1}],
+                         ids=["1P1D", "colocated"])  # fmt: skip
+def test_one_gateway_resumes_its_own_stream_and_frees_one_never_resumed(
+    make_cluster, tokenizer, nodes
+):
     """One gateway: a client that left resumes at the same gateway with the exact text; a
     client that never comes back leaves its stream on the node until `--orphan-grace` ends,
     then it is freed with its KV; a stream that did not ask to be resumable is freed at once."""
     cluster = make_cluster(
-        prefill=1, decode=1, engine="sim",
-        node_flags=("--sim-time-scale", "1", "--orphan-grace", "3"),
+        **nodes, engine="sim", node_flags=("--sim-time-scale", "1", "--orphan-grace", "3"),
     )  # fmt: skip
     url = cluster.urls[0]
     body, lost, plain = seeded_bodies(3, 3000)  # ~30 s of decoding each: none ends here
