@@ -228,6 +228,9 @@ class GatewayConfig:
         "seconds a resumed stream (GET /v1/streams/ID) looks for the node holding it (the "
         "nodes take their --heartbeat-timeout to see that its gateway is gone)",
     )
+    max_resuming: int = flag(
+        1024, "streams looked for at once (GET /v1/streams/ID) at most; more get 429"
+    )
 
     def __post_init__(self) -> None:
         timeouts = (
@@ -244,8 +247,10 @@ class GatewayConfig:
             raise ConfigError(
                 f"--rebalance is a share of the KV cache in [0, 1), got {self.rebalance}"
             )
-        if self.max_waiting < 1:
-            raise ConfigError(f"--max-waiting must be at least 1, got {self.max_waiting}")
+        for name in ("max_waiting", "max_resuming"):
+            if getattr(self, name) < 1:
+                flag_name = f"--{name.replace('_', '-')}"
+                raise ConfigError(f"{flag_name} must be at least 1, got {getattr(self, name)}")
         if not (
             self.local_prefill in ("off", "adaptive", "always")
             or (self.local_prefill.isdigit() and int(self.local_prefill) > 0)

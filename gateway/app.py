@@ -72,7 +72,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     try:
         return await handler(request)
     except ApiError as err:
-        return error_response(err)
+        return error_response(err, err.headers)
     except web.HTTPException as exc:  # aiohttp's 404/405/413 as OpenAI JSON
         if exc.status < 400:
             raise

@@ -165,7 +165,11 @@ class GatewayMetrics:
         )  # fmt: skip
         self.resumes = Counter(
             "pdserve:stream_resumes", "Streams resumed here after their gateway was lost, by "
-            "outcome (adopted, refused)", ["outcome"], registry=r,
+            "outcome (adopted, refused, busy)", ["outcome"], registry=r,
+        )  # fmt: skip
+        self.resume_rounds = Counter(
+            "pdserve:stream_resume_rounds", "Rounds of asking the nodes for streams being "
+            "resumed (one Adopt per node each, for every stream looked for)", registry=r,
         )  # fmt: skip
         self.generation_tokens = Counter(
             "pdserve:generation_tokens", "Generated tokens", registry=r

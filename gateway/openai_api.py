@@ -34,6 +34,7 @@ class ApiError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers: dict[str, str] | None = None  # e.g. a 429's Retry-After
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)

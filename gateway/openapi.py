@@ -132,6 +132,9 @@ def _resume() -> dict[str, Any]:
                     "`Last-Event-ID` is not a position of this stream, or another "
                     "gateway still serves it (retry)"
                 ),
+                "429": _error(
+                    "this gateway looks for `--max-resuming` streams already; `Retry-After`"
+                ),
             },
             "security": [{}, {"bearer": []}],
         }

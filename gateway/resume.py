@@ -15,6 +15,7 @@ no token is lost, repeated or recomputed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -33,7 +34,8 @@ from pdserve.gateway.requests import GatewayRequest
 from pdserve.gateway.table import RequestTable
 
 log = logging.getLogger("pdserve.gateway.core")
-ROUND_S = 0.25  # one round of asking every node
+ROUND_S = 0.25  # a stream not found yet is asked for again this often
+GAP_S = 0.02  # rounds at most this often: clients resuming together share one round
 LET_GO_S = 5.0  # a Release is read long before (one control socket, in order)
 PUBLIC_ID = re.compile(r"^(chatcmpl|cmpl)-([0-9a-f]{24})$")
 
@@ -43,10 +45,24 @@ Token = tuple[int, int, str | None]  # index, token id, finish reason
 
 @dataclass
 class _Asking:
-    answers: list[tuple[str, Adopted]] = field(default_factory=list)  # (node id, answer)
-    found: asyncio.Event = field(default_factory=asyncio.Event)
+    have: int  # the client's Last-Event-ID
+    answers: dict[str, Adopted] = field(default_factory=dict)  # node id -> its latest answer
+    news: asyncio.Event = field(default_factory=asyncio.Event)  # an answer came
+    due: float = 0.0  # when to ask the nodes (again)
     # tokens the adopting node sent before its Adopted was read (another socket): by node
     early: dict[str, list[tuple[str, Token]]] = field(default_factory=dict)
+
+    def found(self) -> tuple[str, Adopted] | None:
+        return next(((n, m) for n, m in self.answers.items() if m.found), None)
+
+
+class Busy(ApiError):
+    """Too many streams looked for at once (`--max-resuming`): 429, retry after a second."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(429, f"{limit} streams are being resumed here (--max-resuming); "
+                         "retry later", code="rate_limit_exceeded")  # fmt: skip
+        self.headers = {"Retry-After": "1"}  # a round or two frees room
 
 
 class Resumes:
@@ -58,13 +74,20 @@ class Resumes:
         tokenizer: Tokenizer,
         model_id: Callable[[], str],
         timeout: float,
+        limit: int,
+        counted: Callable[[], None] = lambda: None,
     ) -> None:
         self.cluster, self.table, self.link, self.tokenizer = cluster, table, link, tokenizer
-        self.model_id, self.timeout = model_id, timeout
+        self.model_id, self.timeout, self.limit = model_id, timeout, limit
         self.asking: dict[str, _Asking] = {}  # request id (no attempt) -> answers so far
         # wire ids let go to their node (a client left, `Release`) -> when: a heartbeat sent
         # before the node read the Release still names them ours; the lease must not free them
         self.let_go: dict[str, float] = {}
+        # one task asks the nodes for every stream looked for (`_ask`): a message per node
+        # per round however many clients resume, so a flood of resumes costs the nodes little
+        self.counted = counted  # a round went out (pdserve:stream_resume_rounds_total)
+        self._wake = asyncio.Event()
+        self._asker: asyncio.Task[None] | None = None
 
     def answered(self, identity: bytes, msg: Adopted) -> None:
         node = self.cluster.by_identity(identity)
@@ -74,9 +97,8 @@ class Resumes:
             # nobody asks any more (it timed out): the node made it ours, and our lease
             # (the heartbeat's stale ids) frees it there
             return
-        asking.answers.append((node.node_id, msg))
-        if msg.found:
-            asking.found.set()
+        asking.answers[node.node_id] = msg
+        asking.news.set()
 
     def claims(self, wire_id: str) -> bool:
         """A stream being adopted here, or just let go: its node may name it as ours (a
@@ -110,35 +132,62 @@ class Resumes:
         rid = match[2]
         if rid in self.asking or any(a.req.request_id == rid for a in self.table):
             raise ApiError(409, f"stream {public_id} is being served here", code="conflict")
-        asking = self.asking[rid] = _Asking()
+        if len(self.asking) >= self.limit:
+            raise Busy(self.limit)
+        asking = self.asking[rid] = _Asking(have)
+        self._ask_soon()
         deadline = time.monotonic() + self.timeout
         try:
-            while not asking.found.is_set():
-                refused = [m.reason for _, m in asking.answers if not m.found]
+            while (found := asking.found()) is None:
+                refused = [m.reason for m in asking.answers.values()]
                 if any(r.startswith("Last-Event-ID") for r in refused):
                     raise ApiError(409, next(r for r in refused if r.startswith("Last")),
                                    code="conflict")  # fmt: skip
-                if time.monotonic() >= deadline and any("live gateway" in r for r in refused):
+                left = deadline - time.monotonic()
+                if left <= 0 and any("live gateway" in r for r in refused):
                     # its gateway answers the node still: the client may retry later
                     raise ApiError(409, f"stream {public_id} is still served by another "
                                    "gateway", code="conflict")  # fmt: skip
-                if time.monotonic() >= deadline:
+                if left <= 0:
                     raise ApiError(404, f"no node holds stream {public_id} (finished and "
                                    "delivered, never started, or past the nodes' "
                                    "--orphan-grace)", code="not_found")  # fmt: skip
-                asking.answers.clear()
-                for node in list(self.cluster.nodes.values()):
-                    await self.link.send(node, Adopt(request_id=rid, have=have))
-                try:
-                    await asyncio.wait_for(asking.found.wait(), ROUND_S)
-                except TimeoutError:
-                    pass
-            node_id, msg = next((n, m) for n, m in asking.answers if m.found)
+                asking.news.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asking.news.wait(), left)
+            node_id, msg = found
             req = self._rebuild(kind, node_id, msg, have, include_usage)
             early = [t for w, t in asking.early.get(node_id, []) if w == msg.request_id]
         finally:
             del self.asking[rid]
         return req, early
+
+    def _ask_soon(self) -> None:
+        self._wake.set()
+        if self._asker is None or self._asker.done():
+            self._asker = asyncio.create_task(self._ask(), name="resume-rounds")
+
+    async def _ask(self) -> None:
+        """Rounds of `Adopt` while any stream is looked for: each round asks every node for
+        the streams due (new ones, and those last asked `ROUND_S` ago) in one message."""
+        while self.asking:
+            now = time.monotonic()
+            soon = now + ROUND_S / 2  # asked a little early, streams asked apart share rounds
+            due = [(rid, a.have) for rid, a in self.asking.items() if a.due <= soon]
+            if due:
+                for rid, _ in due:
+                    self.asking[rid].due = now + ROUND_S
+                msg = Adopt(streams=due)
+                for node in list(self.cluster.nodes.values()):
+                    await self.link.send(node, msg)
+                self.counted()
+                await asyncio.sleep(GAP_S)
+                continue
+            self._wake.clear()
+            if self.asking:
+                nearest = min(a.due for a in self.asking.values()) - ROUND_S / 2
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), max(nearest - now, 0.0))
 
     def _rebuild(self, kind: Literal["chat", "completion"], node_id: str, msg: Adopted,
                  have: int, include_usage: bool) -> GatewayRequest:  # fmt: skip

@@ -24,7 +24,7 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openai_api import ParsedRequest, parse_request
 from pdserve.gateway.placement import PlacementTimeout, Placer
 from pdserve.gateway.requests import Failed, GatewayRequest, StreamGap
-from pdserve.gateway.resume import Resumes
+from pdserve.gateway.resume import Busy, Resumes
 from pdserve.gateway.sizing import Sizing
 from pdserve.gateway.table import Attempt, Phase, RequestTable
 
@@ -49,7 +49,8 @@ class RequestService:
         self.placing: dict[int, asyncio.Task[None]] = {}  # by id() of a submitted request
         # streams resumed from a gateway that is gone (gateway/resume.py)
         self.resumes = Resumes(cluster, table, link, tokenizer, lambda: self.model_id,
-                               cfg.resume_timeout)  # fmt: skip
+                               cfg.resume_timeout, cfg.max_resuming,
+                               metrics.resume_rounds.inc)  # fmt: skip
 
     # -- for the HTTP layer ----------------------------------------------------------------
     @property
@@ -121,6 +122,9 @@ class RequestService:
         output token `have` on arrives in the returned request's events. `end` it too."""
         try:
             req, early = await self.resumes.resume(public_id, have, include_usage)
+        except Busy:
+            self.metrics.resumes.labels("busy").inc()
+            raise
         except Exception:
             self.metrics.resumes.labels("refused").inc()
             raise

@@ -61,6 +61,7 @@ async def resumable_chunks(
     """Every chunk of the stream (parsed JSON), resumed across `urls` when a connection
     drops; `resumed`, if given, counts the resumptions (its first item). Raises StreamLost."""
     stream_id, last_id, turn = None, "0", 0
+    pause = 0.5  # before asking again after a 409, 429 or 503 (a 429's Retry-After)
     request: Any = session.post(
         urls[0] + path, data=orjson.dumps({**body, "stream": True}),
         headers={"Content-Type": "application/json", "pdserve-resumable": "1"},
@@ -69,9 +70,12 @@ async def resumable_chunks(
     while True:
         try:
             async with request as resp:
-                if resp.status in (409, 503) and stream_id is not None:
+                if resp.status in (409, 429, 503) and stream_id is not None:
                     # the nodes have not yet seen its gateway go (their heartbeat timeout),
-                    # or that gateway is still up: ask again shortly
+                    # that gateway is still up, or this one looks for too many: ask again
+                    # shortly (a 429's Retry-After)
+                    retry = resp.headers.get("Retry-After", "")
+                    pause = min(float(retry), 5.0) if retry.isdigit() else 0.5
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
                 if resp.status != 200:
                     raise StreamLost(f"HTTP {resp.status}: {(await resp.text())[:300]}")
@@ -88,7 +92,7 @@ async def resumable_chunks(
             if stream_id is None or turn > attempts:
                 raise StreamLost(f"{type(exc).__name__}: {exc}") from exc
             if isinstance(exc, aiohttp.ClientResponseError):
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(pause)
         if resumed is not None:
             resumed[0] += 1
         url = urls[turn % len(urls)]

@@ -41,7 +41,8 @@ class Adoption:
     async def on_gateway(self, msg: Adopt | Release, link: GatewayLink) -> None:
         if isinstance(msg, Release):
             self.release(msg.request_id, link, time.monotonic())
-        elif (adopted := self.adopt(msg, link)) is not None:
+            return
+        for adopted in self.adopt(msg, link):
             await link.send(adopted)
 
     def release(self, rid: str, link: GatewayLink, now: float) -> None:
@@ -53,30 +54,35 @@ class Adoption:
             self.gateways.owners.move(rid, gone)
             log.info("%s released by the gateway at %s: kept for a resume", rid, link.address)
 
-    def adopt(self, msg: Adopt, link: GatewayLink) -> Adopted | None:
-        """The orphan `msg.request_id` (any attempt) for `link`'s gateway; None when this
-        node does not hold it."""
-        prefix = msg.request_id + "."
-        held = [r for r in (*self.node.requests, *self.finished) if r.startswith(prefix)]
-        if not held:
-            return None
-        rid = max(held, key=lambda r: int(r.rsplit(".", 1)[1]) if r[-1].isdigit() else -1)
+    def adopt(self, msg: Adopt, link: GatewayLink) -> list[Adopted]:
+        """An answer for each stream of `msg` this node holds (its latest attempt): adopted
+        by `link`'s gateway if it is an orphan, else why not; none for the others. One pass
+        over what the node holds, however many streams are asked for."""
+        wanted = dict(msg.streams)
+        held: dict[str, str] = {}  # request id -> its latest wire id here
+        for wire_id in (*self.node.requests, *self.finished):
+            rid = wire_id.rpartition(".")[0]
+            if rid in wanted and (rid not in held or _attempt(wire_id) > _attempt(held[rid])):
+                held[rid] = wire_id
+        return [self._adopt(rid, wire_id, wanted[rid], link) for rid, wire_id in held.items()]
+
+    def _adopt(self, asked: str, rid: str, have: int, link: GatewayLink) -> Adopted:
         owners = self.gateways.owners
         if owners.get(rid) is link:  # asked again (a lost reply): the same answer
             pass
         elif not owners.orphan(rid):
-            return Adopted(request_id=msg.request_id, found=False,
+            return Adopted(request_id=asked, found=False,
                            reason="the stream is served by a live gateway")  # fmt: skip
         ended = self.finished.get(rid)
         req, reason = ended if ended is not None else (self.node.requests[rid], None)
         seq = req.seq
         if req.target is not None and ended is None:  # a prefill node: its KV is on its way
-            return Adopted(request_id=msg.request_id, found=False, reason="in prefill")
+            return Adopted(request_id=asked, found=False, reason="in prefill")
         start = req.prompt_len or seq.num_prompt_tokens
         outputs = seq.token_ids[start:]
-        if not 0 <= msg.have <= len(outputs):
-            return Adopted(request_id=msg.request_id, found=False,
-                           reason=f"Last-Event-ID {msg.have} is not a position of this stream "
+        if not 0 <= have <= len(outputs):
+            return Adopted(request_id=asked, found=False,
+                           reason=f"Last-Event-ID {have} is not a position of this stream "
                            f"(0 to {len(outputs)})")  # fmt: skip
         owners.move(rid, link)
         self.finished.pop(rid, None)
@@ -105,3 +111,8 @@ class Adoption:
             log.warning("freeing %d orphaned requests: no gateway adopted them within %.1f s",
                         len(live), self.grace)  # fmt: skip
             self.node.free_stale(live)
+
+
+def _attempt(wire_id: str) -> int:
+    tail = wire_id.rsplit(".", 1)[1]
+    return int(tail) if tail.isdigit() else -1

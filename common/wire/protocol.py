@@ -259,13 +259,13 @@ class PrefillOffer(Msg):
 
 
 class Adopt(Msg):
-    """A client resumes a stream whose gateway is gone or let it go (docs/architecture.md,
-    "Several gateways"): the node holding `request_id` (without the attempt) as an orphan
-    hands it to this gateway (`Adopted`) if the client's `have` output tokens are no more
-    than it made."""
+    """Clients resume streams whose gateway is gone or let them go (docs/architecture.md,
+    "Several gateways"): for each (request id without the attempt, `have`) in `streams`,
+    the node holding it as an orphan hands it to this gateway (`Adopted`) if the client's
+    `have` output tokens are no more than it made. One message per node per round carries
+    every stream the gateway looks for then, however many clients resume at once."""
 
-    request_id: str
-    have: int
+    streams: list[tuple[str, int]]
 
 
 class Release(Msg):

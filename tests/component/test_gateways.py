@@ -320,7 +320,7 @@ async def test_an_orphan_is_adopted_only_once_its_gateway_is_silent(tokenizer):
         p, d = prefill[0], decode[0]
         await a.offer(p, "r.0", d, 200)
         await until(lambda: len(a.streamed["r.0"]) >= 3, what="tokens to A")
-        await b.tell(d, Adopt(request_id="r", have=0))
+        await b.tell(d, Adopt(streams=[("r", 0)]))
         await until(lambda: [m for m in b.inbox if isinstance(m, Adopted)], what="an answer")
         refused = next(m for m in b.inbox if isinstance(m, Adopted))
         assert not refused.found and "live gateway" in refused.reason
@@ -328,7 +328,7 @@ async def test_an_orphan_is_adopted_only_once_its_gateway_is_silent(tokenizer):
         await until(lambda: d.control.links[0].silent_since is not None, what="A silent")
         had = len(a.streamed["r.0"])
         b.inbox.clear()
-        await b.tell(d, Adopt(request_id="r", have=had))
+        await b.tell(d, Adopt(streams=[("r", had)]))
         await until(lambda: [m for m in b.inbox if isinstance(m, Adopted)], what="adopted")
         adopted = next(m for m in b.inbox if isinstance(m, Adopted))
         assert adopted.found and adopted.request_id == "r.0"

@@ -151,7 +151,7 @@ SAMPLES: list[Msg] = [
         finish_reason=None,
     ),
     Adopted(request_id="r", found=False, reason="the stream is served by a live gateway"),
-    Adopt(request_id="r", have=2),
+    Adopt(streams=[("r", 2), ("s", 0)]),
     Release(request_id="r.0"),
     RegisterAck(node_id="p-1", tokens_address="tcp://127.0.0.1:8002"),
     RegisterRefuse(node_id="p-1", reason="dtype"),
