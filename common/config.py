@@ -228,6 +228,11 @@ class GatewayConfig:
         "seconds a resumed stream (GET /v1/streams/ID) looks for the node holding it (the "
         "nodes take their --heartbeat-timeout to see that its gateway is gone)",
     )
+    send_timeout: float = flag(
+        60.0,
+        "seconds a stream's chunk may wait to be taken by its client before the client counts "
+        "as gone (a vanished peer sends no FIN: nginx's send_timeout)",
+    )
     max_resuming: int = flag(
         1024, "streams looked for at once (GET /v1/streams/ID) at most; more get 429"
     )
@@ -239,6 +244,7 @@ class GatewayConfig:
             "heartbeat_timeout",
             "stream_gap_timeout",
             "progress_timeout",
+            "send_timeout",
         )
         for name in timeouts:
             if getattr(self, name) <= 0:

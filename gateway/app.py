@@ -34,6 +34,7 @@ from pdserve.gateway.openai_api import (
 from pdserve.gateway.openapi import spec
 from pdserve.gateway.requests import Delta, Done, Failed, GatewayRequest
 from pdserve.gateway.service import RequestService
+from pdserve.gateway.sse import Connection
 
 log = logging.getLogger(__name__)
 timeline_log = logging.getLogger("pdserve.timeline")
@@ -227,11 +228,14 @@ async def _stream(
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
 
+    conn = Connection(request, resp, request.app[CONFIG].send_timeout)
+    if req.resumable:  # its client may resume it elsewhere: this connection is then dead
+        req.hangup = conn.hangup
     covered = resumed or 0  # output tokens whose text went out
 
     async def sse(obj: Any) -> None:
         head = f"id: {covered}\n".encode() if ids else b""
-        await resp.write(head + b"data: " + orjson.dumps(obj) + b"\n\n")
+        await conn.write(head + b"data: " + orjson.dumps(obj) + b"\n\n")
 
     sent = 0  # output tokens whose ids went out (return_token_ids)
 
@@ -271,8 +275,9 @@ async def _stream(
                     await sse(usage_chunk(req.kind, rid, req.model, req.created, use))
             case Failed(status=status, message=message, code=code):
                 await sse(error_body(status, message, code=code))
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
+    await conn.write(b"data: [DONE]\n\n")
+    req.hangup = None
+    await conn.end()
     return resp
 
 

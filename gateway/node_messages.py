@@ -37,6 +37,7 @@ from pdserve.common.wire.protocol import (
     RegisterRefuse,
     Reject,
     TokenBatch,
+    Wanted,
 )
 from pdserve.common.wire.transport import decode_or_none
 from pdserve.gateway.cluster import ClusterView
@@ -184,6 +185,11 @@ class NodeMessages:
 
     async def _on_adopted(self, identity: bytes, msg: Adopted) -> None:
         self.service.resumes.answered(identity, msg)
+
+    async def _on_wanted(self, identity: bytes, msg: Wanted) -> None:
+        node = self.cluster.by_identity(identity)
+        if node is not None:
+            self.service.wanted(msg.request_id, node.node_id)
 
     async def _on_first_token(self, identity: bytes, msg: FirstToken) -> None:
         attempt = self._held_by(identity, msg.request_id, "prefill")
@@ -346,6 +352,7 @@ CONTROL: dict[type, Handler] = {
     Register: NodeMessages._on_register,
     Heartbeat: NodeMessages._on_heartbeat,
     Adopted: NodeMessages._on_adopted,
+    Wanted: NodeMessages._on_wanted,
     Accept: NodeMessages._on_answer,
     Reject: NodeMessages._on_answer,
     FirstToken: NodeMessages._on_first_token,

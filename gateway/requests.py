@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -83,6 +84,8 @@ class GatewayRequest:
     muted: int = 0  # a resumed stream: the client has the text of this many output tokens
     resumable: bool = False  # a stream whose client may resume it (`pdserve-resumable: 1`)
     detached: bool = False  # its client left: let go to its node once its KV is there
+    # a resumable stream's: ends the connection it streams on (its client resumes elsewhere)
+    hangup: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         self.detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)

@@ -130,14 +130,20 @@ class Resumes:
                            code="not_found")  # fmt: skip
         kind: Literal["chat", "completion"] = "chat" if match[1] == "chatcmpl" else "completion"
         rid = match[2]
-        if rid in self.asking or any(a.req.request_id == rid for a in self.table):
+        live = next((a.req for a in self.table if a.req.request_id == rid), None)
+        if rid in self.asking or (live is not None and live.hangup is None):
             raise ApiError(409, f"stream {public_id} is being served here", code="conflict")
         if len(self.asking) >= self.limit:
             raise Busy(self.limit)
         asking = self.asking[rid] = _Asking(have)
-        self._ask_soon()
         deadline = time.monotonic() + self.timeout
         try:
+            if live is not None and live.hangup is not None:
+                # its client asks again: the connection it is streamed on is dead to it
+                # (half-open, no FIN came); end that one, let the stream go, adopt it here
+                live.hangup()
+                await self._let_go(rid, public_id, deadline)
+            self._ask_soon()
             while (found := asking.found()) is None:
                 refused = [m.reason for m in asking.answers.values()]
                 if any(r.startswith("Last-Event-ID") for r in refused):
@@ -161,6 +167,16 @@ class Resumes:
         finally:
             del self.asking[rid]
         return req, early
+
+    async def _let_go(self, rid: str, public_id: str, deadline: float) -> None:
+        """Until the hung-up stream `rid` is let go (`Release`: at once in decode, once its
+        KV lands in prefill); then a round, so the Release goes out before the Adopt."""
+        while any(a.req.request_id == rid for a in self.table):
+            if time.monotonic() >= deadline:
+                raise ApiError(409, f"stream {public_id} is being served here",
+                               code="conflict")  # fmt: skip
+            await asyncio.sleep(GAP_S)
+        await asyncio.sleep(GAP_S)
 
     def _ask_soon(self) -> None:
         self._wake.set()

@@ -262,6 +262,16 @@ class RequestService:
                     self.spawn(self.link.send(node, Abort(request_id=attempt.wire_id)))
         self.placer.capacity_changed()
 
+    def wanted(self, wire_id: str, node_id: str) -> None:
+        """A client resumes `wire_id` at another gateway (`Wanted`, from a node holding it):
+        it lost the connection this gateway streams it on; hang that up (the stream is then
+        let go for the resume, `end`)."""
+        attempt = self.table.get(wire_id)
+        if attempt is None or node_id not in attempt.nodes() or attempt.req.hangup is None:
+            return
+        log.info("%s: resumed at another gateway, its connection here hung up", wire_id)
+        attempt.req.hangup()
+
     def _detach(self, req: GatewayRequest) -> bool:
         """Keep a resumable stream whose client left for a resume at any gateway (this one
         too): once its KV is where it decodes, its node holds it as an orphan for

@@ -16,7 +16,7 @@ from typing import Protocol
 from pdserve.common.node.gateways import Gateways
 from pdserve.common.node.links import GatewayLink, Gone
 from pdserve.common.node.role import NodeRequest
-from pdserve.common.wire.protocol import Adopt, Adopted, Release
+from pdserve.common.wire.protocol import Adopt, Adopted, Release, Wanted
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,12 @@ class Adoption:
         if isinstance(msg, Release):
             self.release(msg.request_id, link, time.monotonic())
             return
-        for adopted in self.adopt(msg, link):
+        for wire_id, adopted in self.adopt(msg, link):
             await link.send(adopted)
+            owner = self.gateways.owners.get(wire_id)
+            if not adopted.found and isinstance(owner, GatewayLink) and owner is not link:
+                # served by a live gateway: its client has lost that connection, tell it
+                await owner.send(Wanted(request_id=wire_id))
 
     def release(self, rid: str, link: GatewayLink, now: float) -> None:
         """`link`'s gateway lets go of `rid`, a resumable stream whose client left: an orphan
@@ -54,17 +58,17 @@ class Adoption:
             self.gateways.owners.move(rid, gone)
             log.info("%s released by the gateway at %s: kept for a resume", rid, link.address)
 
-    def adopt(self, msg: Adopt, link: GatewayLink) -> list[Adopted]:
-        """An answer for each stream of `msg` this node holds (its latest attempt): adopted
-        by `link`'s gateway if it is an orphan, else why not; none for the others. One pass
-        over what the node holds, however many streams are asked for."""
+    def adopt(self, msg: Adopt, link: GatewayLink) -> list[tuple[str, Adopted]]:
+        """(wire id, answer) for each stream of `msg` this node holds (its latest attempt):
+        adopted by `link`'s gateway if it is an orphan, else why not; none for the others.
+        One pass over what the node holds, however many streams are asked for."""
         wanted = dict(msg.streams)
         held: dict[str, str] = {}  # request id -> its latest wire id here
         for wire_id in (*self.node.requests, *self.finished):
             rid = wire_id.rpartition(".")[0]
             if rid in wanted and (rid not in held or _attempt(wire_id) > _attempt(held[rid])):
                 held[rid] = wire_id
-        return [self._adopt(rid, wire_id, wanted[rid], link) for rid, wire_id in held.items()]
+        return [(w, self._adopt(rid, w, wanted[rid], link)) for rid, w in held.items()]
 
     def _adopt(self, asked: str, rid: str, have: int, link: GatewayLink) -> Adopted:
         owners = self.gateways.owners

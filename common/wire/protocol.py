@@ -188,8 +188,18 @@ class Adopted(Msg):
     finish_reason: str | None = None
 
 
+class Wanted(Msg):
+    """To the gateway serving `request_id` (the wire id): a client resumes it at another
+    gateway, so it has lost this gateway's connection (one half-open: no FIN came). A
+    resumable stream's gateway hangs that connection up and lets the stream go (`Release`)
+    for the resume (docs/architecture.md, "Several gateways")."""
+
+    request_id: str
+
+
 NodeToGateway = (
     Adopted
+    | Wanted
     | KvTransferred
     | KvEvents
     | Register

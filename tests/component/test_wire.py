@@ -70,6 +70,7 @@ from pdserve.common.wire.protocol import (
     Release,
     SwitchRole,
     TokenBatch,
+    Wanted,
     encode,
 )
 from pdserve.common.wire.transport import decode_or_none, make_socket, send
@@ -152,6 +153,7 @@ SAMPLES: list[Msg] = [
     ),
     Adopted(request_id="r", found=False, reason="the stream is served by a live gateway"),
     Adopt(streams=[("r", 2), ("s", 0)]),
+    Wanted(request_id="r.0"),
     Release(request_id="r.0"),
     RegisterAck(node_id="p-1", tokens_address="tcp://127.0.0.1:8002"),
     RegisterRefuse(node_id="p-1", reason="dtype"),

@@ -1,0 +1,137 @@
+"""A client that vanishes without closing its connection (its host or network gone: no FIN
+reaches the gateway) neither holds its stream for TCP's many-minute timeout nor keeps it
+from being resumed (gateway/sse.py, docs/architecture.md "Several gateways"): a chunk it
+does not take within `--send-timeout` ends the connection (a resumable stream is then let
+go for a resume, another freed with its KV), and a resume of the stream, at the same
+gateway or another, hangs the dead connection up at once and goes on exactly. The vanished
+client is a real socket that stops reading and never closes. Real gateway and node
+processes; the sim engine's tokens are a pure function of (seed, position)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import aiohttp
+import pytest
+
+from tests.e2e.conftest import wait_for
+from tests.e2e.streams import sim_text
+from tests.e2e.test_client_leaves import _held, _read
+
+TOKENS = 20_000  # far more than the stall needs: a stream never ends within a test
+FLAGS = ("--sim-time-scale", "0.1", "--num-kv-blocks", "4096", "--orphan-grace", "30")
+
+
+def _body(seed: int) -> dict:
+    return {"prompt": list(range(1000, 1300)), "max_tokens": TOKENS, "seed": seed,
+            "temperature": 1.0, "ignore_eos": True, "stream": True}  # fmt: skip
+
+
+class Vanished:
+    """A client over a raw socket (a 4 KiB receive buffer) that reads the stream's first
+    events, then reads nothing and keeps the connection open: to the gateway, a peer gone
+    without a FIN (its writes back up). What it holds is what it read whole."""
+
+    def __init__(self, url: str, body: dict, resumable: bool) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.sock.settimeout(30)
+        self.sock.connect((host, int(port)))
+        payload = json.dumps(body).encode()
+        head = "POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+        head += "pdserve-resumable: 1\r\n" if resumable else ""
+        head += f"Content-Length: {len(payload)}\r\n\r\n"
+        self.sock.sendall(head.encode() + payload)
+        self.text, self.stream_id, self.last_id = "", "", "0"
+
+    def read(self, events: int) -> None:
+        data = b""
+        while data.count(b"\n\n") < events:  # the head ends in \r\n\r\n
+            data += self.sock.recv(1024)
+        _, _, stream = data.partition(b"\r\n\r\n")
+        for event in stream.split(b"\n\n")[:events]:
+            fields = dict(line.split(b": ", 1) for line in event.split(b"\n") if b": " in line)
+            chunk = json.loads(fields[b"data"])
+            self.stream_id = chunk["id"]
+            self.last_id = fields.get(b"id", b"0").decode()
+            self.text += chunk["choices"][0]["text"]
+
+    def ended(self) -> bool:
+        """Whether the gateway ended the connection (read what is left until EOF or RST)."""
+        try:
+            while self.sock.recv(1 << 16):
+                pass
+        except ConnectionResetError:
+            pass
+        except TimeoutError:
+            return False
+        return True
+
+
+async def _resume(url: str, stream_id: str, last_id: str) -> tuple[str, int]:
+    """40 more events of the stream from `last_id`, and the tokens covered then."""
+    async with aiohttp.ClientSession() as session:
+        for _ in range(40):  # 409 while its gateway lets it go
+            async with session.get(f"{url}/v1/streams/{stream_id}",
+                                   headers={"Last-Event-ID": last_id}) as resp:  # fmt: skip
+                if resp.status == 409:
+                    await asyncio.sleep(0.25)
+                    continue
+                assert resp.status == 200, (resp.status, await resp.text())
+                text, _, covered, _ = await _read(resp, 40)
+                return text, int(covered)
+    raise AssertionError(f"{stream_id} was never resumed at {url}")
+
+
+def test_a_vanished_client_is_let_go_after_the_send_timeout(make_cluster, tokenizer):
+    """`--send-timeout 1`: the stream a vanished client no longer takes ends its connection
+    a second after its writes back up: a resumable one is let go to its node (detached) and
+    resumes exactly on a new connection; a plain one is freed with its KV, both long
+    before their 20,000 tokens end."""
+    cluster = make_cluster(prefill=1, decode=1, engine="sim",
+                           gateway_flags=("--send-timeout", "1"), node_flags=FLAGS)  # fmt: skip
+    url = cluster.urls[0]
+    kept, plain = Vanished(url, _body(1), True), Vanished(url, _body(2), False)
+    kept.read(5)
+    plain.read(5)
+    start = time.monotonic()
+    assert wait_for(lambda: cluster.metric("pdserve:requests_total", url,
+                                           outcome="detached") == 1, 60)  # fmt: skip
+    assert wait_for(lambda: cluster.metric("pdserve:requests_total", url,
+                                           outcome="cancelled") == 1, 60)  # fmt: skip
+    print(f"\nboth let go {time.monotonic() - start:.1f} s after their clients stalled")
+    assert cluster.metric("pdserve:requests_total", url, outcome="ok") == 0  # none ended
+    assert kept.ended() and plain.ended()  # the gateway closed both connections
+    rest, covered = asyncio.run(_resume(url, kept.stream_id, kept.last_id))
+    assert kept.text + rest == sim_text(tokenizer, _body(1)["prompt"], 1, covered)
+    # the plain one's KV is freed; the resumed one runs on (held: exactly one)
+    assert wait_for(lambda: _held(cluster, url) == 1, 10)
+
+
+@pytest.mark.parametrize("where", ["same", "other"])
+def test_a_resume_hangs_up_the_dead_connection_at_once(make_cluster, tokenizer, where):
+    """The client of a resumable stream vanished (no FIN, default --send-timeout of 60 s);
+    it resumes at the same gateway, or at another (whose node tells the serving gateway:
+    `Wanted`): the dead connection is hung up at once and the text goes on exactly."""
+    cluster = make_cluster(prefill=1, decode=1, engine="sim", node_flags=FLAGS,
+                           gateways=2)  # fmt: skip
+    start_at, resume_at = cluster.urls[0], cluster.urls[0 if where == "same" else 1]
+    client = Vanished(start_at, _body(3), True)
+    client.read(5)
+    began = time.monotonic()
+    rest, covered = asyncio.run(_resume(resume_at, client.stream_id, client.last_id))
+    took = time.monotonic() - began
+    print(f"\nresumed at the {where} gateway in {took:.2f} s")
+    assert took < 10  # not the 60 s send timeout
+    assert client.ended()  # the dead connection was hung up
+    assert client.text + rest == sim_text(tokenizer, _body(3)["prompt"], 3, covered)
+    # let go: the dead connection's stream, and (same gateway) the resumed one's when this
+    # test's client left it after 40 events
+    detached = 2 if where == "same" else 1
+    assert wait_for(lambda: cluster.metric("pdserve:requests_total", start_at,
+                                           outcome="detached") == detached, 10)  # fmt: skip
+    assert cluster.metric("pdserve:stream_resumes_total", resume_at, outcome="adopted") == 1
