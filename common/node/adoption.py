@@ -19,6 +19,7 @@ from pdserve.common.node.role import NodeRequest
 from pdserve.common.wire.protocol import Adopt, Adopted, Release, Wanted
 
 log = logging.getLogger(__name__)
+RECENT_S = 5.0  # a Release is read within a step or two of the request's end
 
 
 class AdoptHost(Protocol):
@@ -32,11 +33,25 @@ class Adoption:
     def __init__(self, gateways: Gateways, node: AdoptHost, grace: float) -> None:
         self.gateways, self.node, self.grace = gateways, node, grace
         self.finished: dict[str, tuple[NodeRequest, str]] = {}  # ended orphans: tokens kept
+        # requests that ended for a live gateway in the last RECENT_S: its `Release` may be
+        # on its way (its client left in the step the request ended in)
+        self.recent: dict[str, tuple[NodeRequest, str, float, object]] = {}  # .., when, owner
 
-    def ended(self, req: NodeRequest, reason: str) -> None:
+    def ended(self, req: NodeRequest, reason: str, now: float | None = None) -> None:
         """A request finished on this node: an orphan's tokens wait for its adopter."""
-        if self.gateways.owners.orphan(req.seq.seq_id):
-            self.finished[req.seq.seq_id] = (req, reason)
+        now = time.monotonic() if now is None else now
+        rid = req.seq.seq_id
+        if self.gateways.owners.orphan(rid):
+            self.finished[rid] = (req, reason)
+            return
+        while self.recent and now - next(iter(self.recent.values()))[2] > RECENT_S:
+            del self.recent[next(iter(self.recent))]
+        self.recent[rid] = (req, reason, now, self.gateways.owners.get(rid))
+
+    def sweep(self, held: tuple[str, ...]) -> None:
+        """Forget the owners of requests gone from the node, not of ended orphans: their
+        tokens wait for an adopter (and the grace)."""
+        self.gateways.owners.sweep({*held, *self.finished})
 
     async def on_gateway(self, msg: Adopt | Release, link: GatewayLink) -> None:
         if isinstance(msg, Release):
@@ -52,11 +67,19 @@ class Adoption:
     def release(self, rid: str, link: GatewayLink, now: float) -> None:
         """`link`'s gateway lets go of `rid`, a resumable stream whose client left: an orphan
         from now, for any gateway (that one too) to adopt within the grace."""
-        if rid in self.node.requests and self.gateways.owners.get(rid) is link:
-            gone = Gone(link.gateway_id, now)
-            self.gateways.gone.append(gone)
-            self.gateways.owners.move(rid, gone)
-            log.info("%s released by the gateway at %s: kept for a resume", rid, link.address)
+        if rid in self.node.requests:
+            if self.gateways.owners.get(rid) is not link:
+                return
+        else:  # it ended before the Release came (its last step): its tokens are kept
+            ended = self.recent.get(rid)
+            if ended is None or ended[3] is not link:
+                return
+            del self.recent[rid]
+            self.finished[rid] = (ended[0], ended[1])
+        gone = Gone(link.gateway_id, now)
+        self.gateways.gone.append(gone)
+        self.gateways.owners.move(rid, gone)
+        log.info("%s released by the gateway at %s: kept for a resume", rid, link.address)
 
     def adopt(self, msg: Adopt, link: GatewayLink) -> list[tuple[str, Adopted]]:
         """(wire id, answer) for each stream of `msg` this node holds (its latest attempt):

@@ -369,7 +369,7 @@ class ControlPlane:
         while True:
             await asyncio.sleep(beat_delay(time.time(), self.cfg.heartbeat_interval))
             load = self.node.load()
-            self.owners.sweep(set(load.held))
+            self.adoption.sweep(load.held)
             events = self.events.take() if self.registered.is_set() else []
             for link in self.links:
                 await self._heartbeat(link, load, events[0] if events else None)

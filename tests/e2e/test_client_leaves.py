@@ -155,3 +155,36 @@ def test_one_gateway_resumes_its_own_stream_and_frees_one_never_resumed(
     # its ~30 s of decoding would have ended it
     assert wait_for(lambda: _held(cluster, url) == 0, 10)
     assert wait_for(lambda: cluster.metric("pdserve:kv_blocks", url, state="in_use") == 0, 10)
+
+
+def test_a_stream_that_ended_while_its_client_was_away_is_resumed_whole(make_cluster, tokenizer):
+    """The client comes back after its stream has ended on the node and several heartbeats
+    (and owner sweeps) have passed: the ended orphan's tokens were kept for the grace, the
+    resume gets the rest of the text and the end, and nothing is held after."""
+    flags = ("--sim-time-scale", "1", "--orphan-grace", "20")
+    cluster = make_cluster(prefill=1, decode=1, engine="sim", node_flags=flags)
+    url = cluster.urls[0]
+    (body,) = seeded_bodies(1, 40)  # ~0.4 s of decoding
+    headers = {"Content-Type": "application/json", "pdserve-resumable": "1"}
+
+    async def run() -> str:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{url}/v1/completions", data=orjson.dumps(body),
+                                    headers=headers) as resp:  # fmt: skip
+                text, stream_id, last_id, done = await _read(resp, 3)
+                resp.close()
+            assert not done
+            # it ends on the node as an orphan (nothing running), then 10 heartbeats (0.2 s)
+            assert await asyncio.to_thread(
+                wait_for, lambda: cluster.metric("pdserve:num_requests_running", url) == 0, 10
+            )
+            await asyncio.sleep(2.0)
+            async with session.get(f"{url}/v1/streams/{stream_id}",
+                                   headers={"Last-Event-ID": last_id}) as resp:  # fmt: skip
+                assert resp.status == 200, await resp.text()
+                rest, _, _, done = await _read(resp, None)
+            assert done
+            return text + rest
+
+    assert asyncio.run(run()) == sim_text(tokenizer, body["prompt"], body["seed"], 40)
+    assert wait_for(lambda: _held(cluster, url) == 0, 10)

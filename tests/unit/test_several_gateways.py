@@ -10,11 +10,14 @@ import zmq.asyncio
 
 from pdserve import launch
 from pdserve.common.config import NodeConfig
+from pdserve.common.engine.sequence import Sequence
 from pdserve.common.flags import from_args
 from pdserve.common.node.adoption import Adoption
 from pdserve.common.node.gateways import Gateways
 from pdserve.common.node.links import GatewayLink, Owners, gateway_addresses
-from pdserve.common.wire.protocol import Load, NodeInfo
+from pdserve.common.node.role import NodeRequest
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.wire.protocol import Adopt, Load, NodeInfo
 from pdserve.gateway.cluster import ClusterView
 from pdserve.supervisor import Child, Supervisor
 from tests.unit.test_config_file import parse, write
@@ -160,6 +163,48 @@ def test_a_released_stream_waits_for_an_adopter_until_the_grace_ends():
         assert node.freed == [] and gateways.gone
         adoption.expire(103.1)
         assert node.freed == ["r.0"] and not gateways.gone
+    finally:
+        own.close()
+        other.close()
+        ctx.term()
+
+
+def test_a_stream_that_ended_before_its_release_came_is_kept_for_a_resume():
+    """The client left in the very step its request ended: the node had sent the last tokens
+    to the gateway that let it go, and reads the `Release` after. It keeps the ended stream
+    (every token) as an orphan through any number of sweeps, adoptable by any gateway, until
+    the grace ends; an ended request nobody let go, or another gateway's, is not kept."""
+    ctx = zmq.asyncio.Context()
+    try:
+        own, other = (GatewayLink(ctx, f"tcp://127.0.0.1:{p}", "node-x") for p in (9, 10))
+        own.gateway_id, other.gateway_id = "g-own", "g-other"
+        node = _Node("r.0", "s.0")
+        gateways = Gateways("node-x", [own, other], node)  # type: ignore[arg-type]
+        for rid in node.requests:
+            assert gateways.owners.adopt(rid, own)
+        adoption = Adoption(gateways, node, grace=3.0)
+        params = SamplingParams(max_tokens=3, temperature=0.0)
+        for rid in ("r.0", "s.0"):  # both end for a live gateway
+            seq = Sequence.new(rid, [5, 6, 7], params)
+            seq.token_ids += [8, 9, 10]
+            del node.requests[rid]
+            adoption.ended(NodeRequest(seq=seq), "length", 100.0)
+        assert not adoption.finished  # nobody let them go
+        adoption.release("s.0", other, 100.1)  # not the other gateway's to let go
+        assert not adoption.finished
+        adoption.release("r.0", own, 100.1)
+        adoption.release("s.0", own, 100.1)
+        assert sorted(adoption.finished) == ["r.0", "s.0"] and gateways.owners.orphan("r.0")
+        for _ in range(3):  # heartbeats: the ended orphans' owners are not forgotten
+            adoption.sweep(node.load().held)
+        adoption.expire(103.0)  # within the grace
+        answers = adoption.adopt(Adopt(streams=[("r", 2)]), other)
+        assert [(w, a.found, a.output_ids, a.finish_reason) for w, a in answers] == [
+            ("r.0", True, [8, 9, 10], "length")
+        ]
+        assert list(adoption.finished) == ["s.0"]  # the adopter has every token of r
+        adoption.expire(103.2)  # the grace is over: the one never adopted is let go too
+        assert not adoption.finished
     finally:
         own.close()
         other.close()
