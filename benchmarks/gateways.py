@@ -291,6 +291,9 @@ def kill(out: Path, streams: int = 300) -> dict[str, Any]:
         "not_resumed_failed": sum(
             isinstance(results[i], StreamLost) for i in groups["not_resumed"]
         ),
+        "resume_errors": [  # the first few, for the reader
+            repr(results[i])[:300] for i in groups["resumed"] if not exact[i]
+        ][:5],
         "adopted": adopted,
         "replacements": replaced,
         "all_freed_after_kill_s": round(freed_at - killed, 2) if freed_at else None,

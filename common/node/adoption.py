@@ -19,7 +19,6 @@ from pdserve.common.node.role import NodeRequest
 from pdserve.common.wire.protocol import Adopt, Adopted, Release, Wanted
 
 log = logging.getLogger(__name__)
-RECENT_S = 5.0  # a Release is read within a step or two of the request's end
 
 
 class AdoptHost(Protocol):
@@ -30,11 +29,14 @@ class AdoptHost(Protocol):
 
 
 class Adoption:
-    def __init__(self, gateways: Gateways, node: AdoptHost, grace: float) -> None:
+    def __init__(self, gateways: Gateways, node: AdoptHost, grace: float,
+                 heartbeat_timeout: float = 2.0) -> None:  # fmt: skip
         self.gateways, self.node, self.grace = gateways, node, grace
         self.finished: dict[str, tuple[NodeRequest, str]] = {}  # ended orphans: tokens kept
-        # requests that ended for a live gateway in the last RECENT_S: its `Release` may be
-        # on its way (its client left in the step the request ended in)
+        # requests that ended for a live gateway in the last `window` seconds: its `Release`
+        # may be on its way (its client left in the step the request ended in), or it may
+        # have died before their last tokens reached it (seen only at its heartbeat timeout)
+        self.window = max(5.0, 2 * heartbeat_timeout)
         self.recent: dict[str, tuple[NodeRequest, str, float, object]] = {}  # .., when, owner
 
     def ended(self, req: NodeRequest, reason: str, now: float | None = None) -> None:
@@ -44,9 +46,18 @@ class Adoption:
         if self.gateways.owners.orphan(rid):
             self.finished[rid] = (req, reason)
             return
-        while self.recent and now - next(iter(self.recent.values()))[2] > RECENT_S:
+        while self.recent and now - next(iter(self.recent.values()))[2] > self.window:
             del self.recent[next(iter(self.recent))]
         self.recent[rid] = (req, reason, now, self.gateways.owners.get(rid))
+
+    def silenced(self, link: GatewayLink) -> None:
+        """`link`'s gateway is silent or gone: what ended for it lately may never have reached
+        it (its last tokens went to a dead process); kept as ended orphans, for the grace."""
+        for rid, (req, reason, _, owner) in list(self.recent.items()):
+            if owner is link:
+                del self.recent[rid]
+                self.finished[rid] = (req, reason)
+                self.gateways.owners.move(rid, link)
 
     def sweep(self, held: tuple[str, ...]) -> None:
         """Forget the owners of requests gone from the node, not of ended orphans: their

@@ -107,7 +107,7 @@ class ControlPlane:
         links = [GatewayLink(ctx, a, self.identity) for a in gateway_addresses(cfg.gateway)]
         self.gateways = Gateways(node_id, links, node)
         self.owners = self.gateways.owners
-        self.adoption = Adoption(self.gateways, node, cfg.orphan_grace)  # streams kept
+        self.adoption = Adoption(self.gateways, node, cfg.orphan_grace, cfg.heartbeat_timeout)
         self.fairness = Fairness()  # freed room to the oldest request of any gateway
         self.registered = asyncio.Event()  # with at least one gateway
         self.stopped = asyncio.Event()
@@ -360,6 +360,7 @@ class ControlPlane:
     def _drop_link(self, link: GatewayLink) -> None:
         log.info("%s: the gateway at %s is no more", self.node_id, link.address)
         if link.gateway_id:
+            self.adoption.silenced(link)
             self.gateways.retire(link, time.monotonic())  # its requests: orphans, adoptable
         self.links.remove(link)
         link.task.cancel()
@@ -392,6 +393,7 @@ class ControlPlane:
                             "orphans for %.1f s", link.address, silent,
                             len(self.owners.owned(link)), self.cfg.orphan_grace)  # fmt: skip
                 link.silent_since = time.monotonic()
+                self.adoption.silenced(link)
                 self.fairness.forget(link)
             link.registered = False
             await link.send(Register(info=self.node.info()))

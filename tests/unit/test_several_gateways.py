@@ -209,3 +209,41 @@ def test_a_stream_that_ended_before_its_release_came_is_kept_for_a_resume():
         own.close()
         other.close()
         ctx.term()
+
+
+def test_what_ended_as_its_gateway_died_is_kept_for_a_resume():
+    """A gateway dies; the node sees it only at its heartbeat timeout. Requests of that
+    gateway that ended meanwhile sent their last tokens to a dead process: once the node
+    sees the silence they are ended orphans, adoptable by another gateway, freed at the
+    grace's end. What ended long before, or for another gateway, is not kept."""
+    ctx = zmq.asyncio.Context()
+    try:
+        own, other = (GatewayLink(ctx, f"tcp://127.0.0.1:{p}", "node-x") for p in (9, 10))
+        own.gateway_id, other.gateway_id = "g-own", "g-other"
+        ends = {"old.0": 90.0, "r.0": 99.5, "t.0": 99.8, "u.0": 99.9}  # u.0 is the other's
+        node = _Node(*ends)
+        gateways = Gateways("node-x", [own, other], node)  # type: ignore[arg-type]
+        for rid in ends:
+            assert gateways.owners.adopt(rid, other if rid == "u.0" else own)
+        adoption = Adoption(gateways, node, grace=3.0, heartbeat_timeout=1.0)  # kept 5 s
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        for rid, at in ends.items():
+            seq = Sequence.new(rid, [5, 6], params)
+            seq.token_ids += [7, 8]
+            del node.requests[rid]
+            adoption.ended(NodeRequest(seq=seq), "length", at)
+        own.silent_since = 100.2  # 0.7 s after r.0 ended: its gateway's heartbeat timeout
+        adoption.silenced(own)
+        assert sorted(adoption.finished) == ["r.0", "t.0"]
+        for _ in range(3):
+            adoption.sweep(node.load().held)
+        answers = adoption.adopt(Adopt(streams=[("r", 1), ("old", 0), ("u", 0)]), other)
+        assert [(w, a.found, a.output_ids) for w, a in answers] == [("r.0", True, [7, 8])]
+        adoption.expire(103.1)  # within the grace of the silence
+        assert list(adoption.finished) == ["t.0"]
+        adoption.expire(103.3)
+        assert not adoption.finished
+    finally:
+        own.close()
+        other.close()
+        ctx.term()
