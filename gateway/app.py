@@ -187,15 +187,17 @@ async def resume_stream(request: web.Request) -> web.StreamResponse:
     service = request.app[SERVICE]
     public_id = request.match_info["stream_id"]
     raw = request.headers.get("Last-Event-ID", request.query.get("last_event_id", "0"))
-    if not raw.strip().isdigit():
+    text = raw.strip()
+    if not (text.isascii() and text.isdigit() and len(text) <= 9):  # none is 10^9 tokens
         raise ApiError(400, f"Last-Event-ID must be the id of the last chunk received (an "
-                       f"integer >= 0), got {raw[:64]!r}", param="Last-Event-ID")  # fmt: skip
+                       f"integer from 0 to 999999999), got {raw[:64]!r}",
+                       param="Last-Event-ID")  # fmt: skip
     include_usage = request.query.get("include_usage", "").lower() in TRUTHY
-    req = await service.resume(public_id, int(raw), include_usage)
+    req = await service.resume(public_id, int(text), include_usage)
     req.resumable = True  # its client may lose this connection too
     echo_id = request.headers.get("x-request-id") or public_id
     try:
-        return await _stream(request, req, public_id, echo_id, ids=True, resumed=int(raw))
+        return await _stream(request, req, public_id, echo_id, ids=True, resumed=int(text))
     finally:
         service.end(req)
         _log_timeline(req, echo_id)

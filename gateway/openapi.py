@@ -122,7 +122,7 @@ def _resume() -> dict[str, Any]:
                     "description": "the rest of the stream",
                     "content": {"text/event-stream": {"schema": {"type": "string"}}},
                 },
-                "400": _error("`Last-Event-ID` is not an integer >= 0"),
+                "400": _error("`Last-Event-ID` is not an integer from 0 to 999999999"),
                 "401": ERRORS["401"],
                 "404": _error(
                     "no node holds this stream (unknown, delivered, or past the "

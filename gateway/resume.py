@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 import time
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.link import NodeLink
 from pdserve.gateway.openai_api import ApiError
 from pdserve.gateway.requests import GatewayRequest
-from pdserve.gateway.table import RequestTable
+from pdserve.gateway.table import Phase, RequestTable
 
 log = logging.getLogger("pdserve.gateway.core")
 ROUND_S = 0.25  # a stream not found yet is asked for again this often
@@ -48,7 +49,7 @@ class _Asking:
     have: int  # the client's Last-Event-ID
     answers: dict[str, Adopted] = field(default_factory=dict)  # node id -> its latest answer
     news: asyncio.Event = field(default_factory=asyncio.Event)  # an answer came
-    due: float = 0.0  # when to ask the nodes (again)
+    due: float = 0.0  # when to ask the nodes (again); inf: not yet (its takeover, `_let_go`)
     # tokens the adopting node sent before its Adopted was read (another socket): by node
     early: dict[str, list[tuple[str, Token]]] = field(default_factory=dict)
 
@@ -104,12 +105,16 @@ class Resumes:
         """A stream being adopted here, or just let go: its node may name it as ours (a
         heartbeat's held ids) before the resume has put it in the table, or before it read
         the `Release`; the lease must not free it."""
+        self._trim(time.monotonic())
         return wire_id.rsplit(".", 1)[0] in self.asking or wire_id in self.let_go
 
     def released(self, wire_id: str, now: float) -> None:
+        self._trim(now)
+        self.let_go[wire_id] = now
+
+    def _trim(self, now: float) -> None:
         while self.let_go and now - next(iter(self.let_go.values())) > LET_GO_S:
             del self.let_go[next(iter(self.let_go))]
-        self.let_go[wire_id] = now
 
     def early(self, wire_id: str, node_id: str, index: int, token: int, reason: str | None
               ) -> None:  # fmt: skip
@@ -131,11 +136,13 @@ class Resumes:
         kind: Literal["chat", "completion"] = "chat" if match[1] == "chatcmpl" else "completion"
         rid = match[2]
         live = next((a.req for a in self.table if a.req.request_id == rid), None)
-        if rid in self.asking or (live is not None and live.hangup is None):
+        if rid in self.asking or (live is not None and not self._hangs_up(live)):
             raise ApiError(409, f"stream {public_id} is being served here", code="conflict")
         if len(self.asking) >= self.limit:
             raise Busy(self.limit)
-        asking = self.asking[rid] = _Asking(have)
+        # not asked for while its takeover lets it go: a round then would adopt it from
+        # the node while still ours, and the old handler's Release would orphan it again
+        asking = self.asking[rid] = _Asking(have, due=math.inf if live else 0.0)
         deadline = time.monotonic() + self.timeout
         try:
             if live is not None and live.hangup is not None:
@@ -143,6 +150,7 @@ class Resumes:
                 # (half-open, no FIN came); end that one, let the stream go, adopt it here
                 live.hangup()
                 await self._let_go(rid, public_id, deadline)
+                asking.due = 0.0
             self._ask_soon()
             while (found := asking.found()) is None:
                 refused = [m.reason for m in asking.answers.values()]
@@ -166,7 +174,15 @@ class Resumes:
             early = [t for w, t in asking.early.get(node_id, []) if w == msg.request_id]
         finally:
             del self.asking[rid]
+            self._wake.set()  # the rounds end with the last stream asked for
         return req, early
+
+    def _hangs_up(self, live: GatewayRequest) -> bool:
+        """A live stream here can be taken over by its client's resume: resumable, and on a
+        node (not being placed again after losing one: nothing holds it to adopt)."""
+        attempt = self.table.current(live)
+        offered = attempt is None or attempt.phase is Phase.OFFERED
+        return live.hangup is not None and not offered
 
     async def _let_go(self, rid: str, public_id: str, deadline: float) -> None:
         """Until the hung-up stream `rid` is let go (`Release`: at once in decode, once its
@@ -193,17 +209,23 @@ class Resumes:
             if due:
                 for rid, _ in due:
                     self.asking[rid].due = now + ROUND_S
-                msg = Adopt(streams=due)
-                for node in list(self.cluster.nodes.values()):
-                    await self.link.send(node, msg)
-                self.counted()
+                try:
+                    await self._round(Adopt(streams=due))
+                except Exception:  # one bad round must not end the asking for every stream
+                    log.exception("a round of resumes failed")
                 await asyncio.sleep(GAP_S)
                 continue
             self._wake.clear()
-            if self.asking:
-                nearest = min(a.due for a in self.asking.values()) - ROUND_S / 2
+            dues = [a.due for a in self.asking.values() if a.due < math.inf]
+            if self.asking:  # all taken over: till one is let go (woken)
+                wait = max(min(dues) - ROUND_S / 2 - now, 0.0) if dues else None
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), max(nearest - now, 0.0))
+                    await asyncio.wait_for(self._wake.wait(), wait)
+
+    async def _round(self, msg: Adopt) -> None:
+        for node in list(self.cluster.nodes.values()):
+            await self.link.send(node, msg)
+        self.counted()
 
     def _rebuild(self, kind: Literal["chat", "completion"], node_id: str, msg: Adopted,
                  have: int, include_usage: bool) -> GatewayRequest:  # fmt: skip

@@ -269,6 +269,8 @@ class RequestService:
         attempt = self.table.get(wire_id)
         if attempt is None or node_id not in attempt.nodes() or attempt.req.hangup is None:
             return
+        if attempt.phase is Phase.OFFERED:  # placed again: nothing holds it to adopt
+            return
         log.info("%s: resumed at another gateway, its connection here hung up", wire_id)
         attempt.req.hangup()
 

@@ -38,6 +38,9 @@ class Adoption:
         # have died before their last tokens reached it (seen only at its heartbeat timeout)
         self.window = max(5.0, 2 * heartbeat_timeout)
         self.recent: dict[str, tuple[NodeRequest, str, float, object]] = {}  # .., when, owner
+        # `Wanted` sent: request id -> (asking gateway, serving gateway) pairs. Once per pair:
+        # two clients resuming one stream at two gateways would bounce it between them
+        self.told: dict[str, set[tuple[str, str]]] = {}
 
     def ended(self, req: NodeRequest, reason: str, now: float | None = None) -> None:
         """A request finished on this node: an orphan's tokens wait for its adopter."""
@@ -46,23 +49,34 @@ class Adoption:
         if self.gateways.owners.orphan(rid):
             self.finished[rid] = (req, reason)
             return
+        self._trim(now)
+        self.recent[rid] = (req, reason, now, self.gateways.owners.get(rid))
+
+    def _trim(self, now: float) -> None:
         while self.recent and now - next(iter(self.recent.values()))[2] > self.window:
             del self.recent[next(iter(self.recent))]
-        self.recent[rid] = (req, reason, now, self.gateways.owners.get(rid))
 
     def silenced(self, link: GatewayLink) -> None:
         """`link`'s gateway is silent or gone: what ended for it lately may never have reached
-        it (its last tokens went to a dead process); kept as ended orphans, for the grace."""
-        for rid, (req, reason, _, owner) in list(self.recent.items()):
-            if owner is link:
-                del self.recent[rid]
-                self.finished[rid] = (req, reason)
-                self.gateways.owners.move(rid, link)
+        it (its last tokens went to a dead process); kept as ended orphans, for the grace.
+        Owned by a `Gone` of their own: if that gateway answers again under the same id
+        (it was slow, not dead), they stay orphans and are freed at the grace's end."""
+        gone = Gone(link.gateway_id, link.silent_since or time.monotonic())
+        ended = [rid for rid, (*_, owner) in self.recent.items() if owner is link]
+        for rid in ended:
+            req, reason, *_ = self.recent.pop(rid)
+            self.finished[rid] = (req, reason)
+            self.gateways.owners.move(rid, gone)
+        if ended:
+            self.gateways.gone.append(gone)
 
     def sweep(self, held: tuple[str, ...]) -> None:
         """Forget the owners of requests gone from the node, not of ended orphans: their
         tokens wait for an adopter (and the grace)."""
         self.gateways.owners.sweep({*held, *self.finished})
+        self._trim(time.monotonic())
+        for rid in [r for r in self.told if r not in self.gateways.owners.of]:
+            del self.told[rid]
 
     async def on_gateway(self, msg: Adopt | Release, link: GatewayLink) -> None:
         if isinstance(msg, Release):
@@ -73,7 +87,10 @@ class Adoption:
             owner = self.gateways.owners.get(wire_id)
             if not adopted.found and isinstance(owner, GatewayLink) and owner is not link:
                 # served by a live gateway: its client has lost that connection, tell it
-                await owner.send(Wanted(request_id=wire_id))
+                pair = (link.gateway_id, owner.gateway_id)
+                if pair not in self.told.setdefault(wire_id, set()):
+                    self.told[wire_id].add(pair)
+                    await owner.send(Wanted(request_id=wire_id))
 
     def release(self, rid: str, link: GatewayLink, now: float) -> None:
         """`link`'s gateway lets go of `rid`, a resumable stream whose client left: an orphan

@@ -1,0 +1,114 @@
+"""A node's orphans when gateways misbehave (common/node/adoption.py): a client resuming one
+stream at two gateways at once, and a gateway that fell silent and answers again."""
+
+from __future__ import annotations
+
+import zmq.asyncio
+
+from pdserve.common.engine.sequence import Sequence
+from pdserve.common.node.adoption import Adoption
+from pdserve.common.node.gateways import Gateways
+from pdserve.common.node.links import GatewayLink
+from pdserve.common.node.role import NodeRequest
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.wire.protocol import Adopt, Release, Wanted
+from tests.unit.test_several_gateways import _Node
+
+
+def _links(ctx: zmq.asyncio.Context, *ids: str) -> list[GatewayLink]:
+    links = []
+    for port, gateway_id in enumerate(ids, start=9):
+        link = GatewayLink(ctx, f"tcp://127.0.0.1:{port}", "node-x")
+        link.gateway_id, link.registered = gateway_id, True
+        links.append(link)
+    return links
+
+
+async def test_a_stream_resumed_at_two_gateways_at_once_is_not_bounced_between_them():
+    """Gateway A serves a stream whose client resumes it at B and at C at once. The node
+    tells the gateway serving it once per asker (`Wanted`): A lets it go, B adopts it, C's
+    asking makes B let it go once, and then B and C ask in vain (no `Wanted` every round,
+    which would move the stream back and forth while both ask)."""
+    ctx = zmq.asyncio.Context()
+    a, b, c = links = _links(ctx, "g-a", "g-b", "g-c")
+    told: list[tuple[str, str]] = []  # (gateway told, request id)
+    try:
+        for link in links:
+
+            async def send(msg, link=link) -> None:
+                if isinstance(msg, Wanted):
+                    told.append((link.gateway_id, msg.request_id))
+
+            link.send = send  # type: ignore[method-assign]
+        node = _Node("r.0")
+        seq = Sequence.new("r.0", [5, 6], SamplingParams(max_tokens=9, temperature=0.0))
+        node.requests["r.0"] = NodeRequest(seq=seq)  # decoding
+        gateways = Gateways("node-x", links, node)  # type: ignore[arg-type]
+        assert gateways.owners.adopt("r.0", a)
+        adoption = Adoption(gateways, node, grace=10.0)
+        ask = Adopt(streams=[("r", 0)])
+        for _ in range(3):  # rounds of B and C while A has not let go
+            await adoption.on_gateway(ask, b)
+            await adoption.on_gateway(ask, c)
+        assert told == [("g-a", "r.0")] * 2  # once for B, once for C
+        await adoption.on_gateway(Release(request_id="r.0"), a)
+        await adoption.on_gateway(ask, b)
+        assert gateways.owners.get("r.0") is b
+        for _ in range(3):
+            await adoption.on_gateway(ask, c)
+        assert told[2:] == [("g-b", "r.0")]  # B told once: it lets go
+        await adoption.on_gateway(Release(request_id="r.0"), b)
+        await adoption.on_gateway(ask, c)
+        assert gateways.owners.get("r.0") is c
+        for _ in range(3):
+            await adoption.on_gateway(ask, b)
+        assert told[3:] == [("g-c", "r.0")]
+        await adoption.on_gateway(Release(request_id="r.0"), c)
+        await adoption.on_gateway(ask, b)
+        for _ in range(3):  # B holds it: C asks in vain, B is not told again
+            await adoption.on_gateway(ask, c)
+        assert gateways.owners.get("r.0") is b and len(told) == 4
+        node.requests.clear()  # the stream ends: what was told is forgotten with it
+        for _ in range(2):
+            adoption.sweep(node.load().held)
+        assert not adoption.told
+    finally:
+        for link in links:
+            link.close()
+        ctx.term()
+
+
+def test_what_ended_while_its_gateway_was_silent_is_freed_when_it_answers_again():
+    """A gateway falls silent (slow, not dead) while requests of its end: they are kept as
+    ended orphans. It answers again under the same id: they stay adoptable orphans (not its
+    again, so its lease does not count them) and are freed at the grace's end."""
+    ctx = zmq.asyncio.Context()
+    own, other = links = _links(ctx, "g-own", "g-other")
+    try:
+        node = _Node("r.0")
+        gateways = Gateways("node-x", links, node)  # type: ignore[arg-type]
+        assert gateways.owners.adopt("r.0", own)
+        adoption = Adoption(gateways, node, grace=3.0, heartbeat_timeout=1.0)
+        seq = Sequence.new("r.0", [5, 6], SamplingParams(max_tokens=2, temperature=0.0))
+        seq.token_ids += [7, 8]
+        del node.requests["r.0"]
+        adoption.ended(NodeRequest(seq=seq), "length", 99.5)
+        own.silent_since = 100.0
+        adoption.silenced(own)
+        own.silent_since = None  # it answers again, the same process
+        assert gateways.owners.orphan("r.0") and list(adoption.finished) == ["r.0"]
+        for _ in range(3):
+            adoption.sweep(node.load().held)
+        adoption.expire(102.9)
+        assert list(adoption.finished) == ["r.0"]
+        adoption.expire(103.1)  # the grace since it fell silent is over: freed
+        assert not adoption.finished
+        for _ in range(2):
+            adoption.sweep(node.load().held)
+        assert not gateways.owners.of and not gateways.gone
+        answers = adoption.adopt(Adopt(streams=[("r", 0)]), other)
+        assert answers == []
+    finally:
+        for link in links:
+            link.close()
+        ctx.term()
