@@ -86,6 +86,5 @@ PrefillToDecode = KvHeader | KvLayer | KvDone | Abort | KvFetch
 DecodeToPrefill = KvAck | KvRefuse | KvGrant
 
 
-
 TO_DECODE_DECODER = msgspec.msgpack.Decoder(PrefillToDecode)
 TO_PREFILL_DECODER = msgspec.msgpack.Decoder(DecodeToPrefill)

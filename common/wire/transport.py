@@ -123,4 +123,3 @@ def decode_or_none(decoder: msgspec.msgpack.Decoder, data: bytes) -> Any:
         return decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-
