@@ -125,8 +125,8 @@ def _resume() -> dict[str, Any]:
                 "400": _error("`Last-Event-ID` is not an integer from 0 to 999999999"),
                 "401": ERRORS["401"],
                 "404": _error(
-                    "no node holds this stream (unknown, delivered, or past the "
-                    "nodes' `--orphan-grace`)"
+                    "no node holds this stream (unknown, or ended or left longer ago "
+                    "than the nodes' `--orphan-grace`)"
                 ),
                 "409": _error(
                     "`Last-Event-ID` is not a position of this stream, or another "

@@ -163,8 +163,8 @@ class Resumes:
                     raise ApiError(409, f"stream {public_id} is still served by another "
                                    "gateway", code="conflict")  # fmt: skip
                 if left <= 0:
-                    raise ApiError(404, f"no node holds stream {public_id} (finished and "
-                                   "delivered, never started, or past the nodes' "
+                    raise ApiError(404, f"no node holds stream {public_id} (never started, "
+                                   "or ended or left longer ago than the nodes' "
                                    "--orphan-grace)", code="not_found")  # fmt: skip
                 asking.news.clear()
                 with contextlib.suppress(TimeoutError):
@@ -237,11 +237,13 @@ class Resumes:
             include_usage=include_usage, tokenizer=self.tokenizer,
         )  # fmt: skip
         req.attempt = int(msg.request_id.rsplit(".", 1)[1])
+        req.resumable = True  # its client may lose this connection too
         try:
             req.replay(msg.output_ids, have, msg.base, msg.finish_reason)
         except ValueError as exc:  # not a position a chunk ended at: the client is confused;
             # not in our table, the request is freed on its node by our lease
             raise ApiError(409, str(exc), code="conflict") from exc
+        req.ran_on = {"decode": node_id}
         if not req.finished:
             attempt = self.table.open(req, len(msg.prompt_ids) + msg.base)
             self.table.adopt(attempt, node_id, time.monotonic())

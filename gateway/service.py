@@ -293,21 +293,31 @@ class RequestService:
             return
         if attempt.phase is not Phase.DECODE or attempt.nodes() != {attempt.decode}:
             return
-        node = self.cluster.nodes.get(attempt.decode or "")
         self._release(req, notify=False)
         req.finish(Failed(499, "the client left a resumable stream: kept for a resume",
                           "detached"))  # fmt: skip
         self.metrics.requests.labels("detached").inc()
+        self._let_go(attempt.wire_id, attempt.decode)
+
+    def _let_go(self, wire_id: str, node_id: str | None) -> None:
+        """`Release` a resumable stream to its node: kept there for any gateway's resume."""
+        node = self.cluster.nodes.get(node_id or "")
         if node is not None:
-            self.resumes.released(attempt.wire_id, time.monotonic())
-            self.spawn(self.link.send(node, Release(request_id=attempt.wire_id)))
+            self.resumes.released(wire_id, time.monotonic())
+            self.spawn(self.link.send(node, Release(request_id=wire_id)))
 
     def _complete(self, req: GatewayRequest, abort_nodes: bool) -> None:
         self.metrics.requests.labels("ok").inc()
         self.metrics.generation_tokens.inc(len(req.output_ids))
         self.metrics.e2e.observe(time.monotonic() - req.arrival)
         self.metrics.observe_phases(req.phases())
+        attempt = self.table.current(req)  # none: resumed after it ended (gateway/resume.py)
+        decode = attempt.decode if attempt is not None else req.ran_on.get("decode")
         self._release(req, notify=abort_nodes)
+        if req.resumable and not abort_nodes:
+            # its client may not have the last chunks (they can sit in a dead connection's
+            # buffers): its node keeps the ended stream for a resume, as an orphan's
+            self._let_go(req.wire_id, decode)
 
 
 def _log_failure(task: asyncio.Future) -> None:

@@ -140,7 +140,9 @@ class Adoption:
                            reason=f"Last-Event-ID {have} is not a position of this stream "
                            f"(0 to {len(outputs)})")  # fmt: skip
         owners.move(rid, link)
-        self.finished.pop(rid, None)
+        if self.finished.pop(rid, None) is not None:  # ended: its adopter may let it go again
+            self._trim(time.monotonic())
+            self.recent[rid] = (req, reason or "", time.monotonic(), link)
         log.info("%s adopted by the gateway at %s (%d tokens)", rid, link.address, len(outputs))
         return Adopted(
             request_id=rid, found=True, prompt_ids=seq.token_ids[:start], output_ids=outputs,

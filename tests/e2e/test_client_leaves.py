@@ -188,3 +188,54 @@ def test_a_stream_that_ended_while_its_client_was_away_is_resumed_whole(make_clu
 
     assert asyncio.run(run()) == sim_text(tokenizer, body["prompt"], body["seed"], 40)
     assert wait_for(lambda: _held(cluster, url) == 0, 10)
+
+
+def test_a_stream_that_ended_unread_is_resumed_at_any_gateway_until_the_grace_ends(
+    make_cluster, tokenizer
+):
+    """A client stops reading (its connection dead, or its host gone, no FIN) and its stream
+    ends: the gateway wrote every chunk into the connection's buffers and finished it, the
+    client has only the first few. The node kept the ended stream (its gateway let it go at
+    its end): the client resumes at the other gateway with the exact rest, again from the
+    start at the first one, and once the grace is over the stream is gone (404)."""
+    grace = 4.0
+    cluster = make_cluster(
+        prefill=1, decode=1, engine="sim", gateways=2, gateway_flags=("--resume-timeout", "2"),
+        node_flags=("--sim-time-scale", "1", "--orphan-grace", str(grace)),
+    )  # fmt: skip
+    first, second = cluster.urls
+    (body,) = seeded_bodies(1, 40)  # ~0.4 s of decoding
+    whole = sim_text(tokenizer, body["prompt"], body["seed"], 40)
+    headers = {"Content-Type": "application/json", "pdserve-resumable": "1"}
+
+    def ended() -> bool:
+        return cluster.metric("pdserve:requests_total", first, outcome="ok") == 1
+
+    async def resume(session, url: str, stream_id: str, last_id: str) -> tuple[int, str]:
+        async with session.get(f"{url}/v1/streams/{stream_id}",
+                               headers={"Last-Event-ID": last_id}) as resp:  # fmt: skip
+            if resp.status != 200:
+                return resp.status, await resp.text()
+            rest, _, _, done = await _read(resp, None)
+            assert done
+            return 200, rest
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(f"{first}/v1/completions", data=orjson.dumps(body),
+                                      headers=headers)  # fmt: skip
+            text, stream_id, last_id, done = await _read(resp, 3)
+            assert not done
+            # not read any more: the stream ends at the node and at its gateway
+            assert await asyncio.to_thread(wait_for, ended, 10)
+            assert await resume(session, second, stream_id, last_id) == (200, whole[len(text) :])
+            assert await resume(session, first, stream_id, "0") == (200, whole)
+            resp.close()
+            # each resume's end let it go again: the grace counts from the last one's end
+            await asyncio.sleep(grace + 1.0)  # + the nodes' expiry pass (each heartbeat)
+            status, reply = await resume(session, second, stream_id, "0")
+            assert status == 404, reply
+
+    asyncio.run(run())
+    for url in cluster.urls:
+        assert wait_for(lambda url=url: _held(cluster, url) == 0, 10)

@@ -112,3 +112,33 @@ def test_what_ended_while_its_gateway_was_silent_is_freed_when_it_answers_again(
         for link in links:
             link.close()
         ctx.term()
+
+
+def test_an_ended_stream_let_go_at_its_end_is_kept_through_every_resume():
+    """A resumable stream's gateway lets it go as it ends (`Release`: its client may not have
+    the last chunks). Another gateway adopts it whole; that one lets it go again at its end
+    and a third resume gets it too, until the grace ends."""
+    ctx = zmq.asyncio.Context()
+    own, other = links = _links(ctx, "g-own", "g-other")
+    try:
+        node = _Node("r.0")
+        gateways = Gateways("node-x", links, node)  # type: ignore[arg-type]
+        assert gateways.owners.adopt("r.0", own)
+        adoption = Adoption(gateways, node, grace=3.0)
+        seq = Sequence.new("r.0", [5, 6], SamplingParams(max_tokens=2, temperature=0.0))
+        seq.token_ids += [7, 8]
+        del node.requests["r.0"]
+        adoption.ended(NodeRequest(seq=seq), "length", 100.0)
+        adoption.release("r.0", own, 100.0)
+        for asker, t in ((other, 101.0), (own, 102.0)):
+            (answer,) = adoption.adopt(Adopt(streams=[("r", 1)]), asker)
+            assert (answer[0], answer[1].found, answer[1].output_ids) == ("r.0", True, [7, 8])
+            assert not adoption.finished and gateways.owners.get("r.0") is asker
+            adoption.release("r.0", asker, t)  # its end at that gateway: kept again
+            assert list(adoption.finished) == ["r.0"]
+        adoption.expire(105.1)  # 3 s after the last release
+        assert not adoption.finished
+    finally:
+        for link in links:
+            link.close()
+        ctx.term()
