@@ -72,7 +72,7 @@ class GatewayRequest:
     pending: dict[int, tuple[int, str | None]] = field(default_factory=dict)  # index -> token
     gap_since: float | None = None  # when a token first waited for an earlier one
     losses: int = 0  # re-placements because a node died or failed
-    ran_on: dict[str, str] = field(default_factory=dict)  # last placement: the log, and its node once ended
+    ran_on: dict[str, str] = field(default_factory=dict)  # last placement (the log; a resumed end)
     finished: bool = False
     first_token_at: float | None = None
     last_token_at: float | None = None
