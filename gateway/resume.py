@@ -77,6 +77,7 @@ class Resumes:
         timeout: float,
         limit: int,
         counted: Callable[[], None] = lambda: None,
+        release: Callable[[str, str], None] = lambda wire_id, node_id: None,
     ) -> None:
         self.cluster, self.table, self.link, self.tokenizer = cluster, table, link, tokenizer
         self.model_id, self.timeout, self.limit = model_id, timeout, limit
@@ -87,6 +88,9 @@ class Resumes:
         # one task asks the nodes for every stream looked for (`_ask`): a message per node
         # per round however many clients resume, so a flood of resumes costs the nodes little
         self.counted = counted  # a round went out (pdserve:stream_resume_rounds_total)
+        # `Release` to its node a stream adopted here but not served (the resume ended first,
+        # or its rebuild failed): kept there for the client's next resume, not lost
+        self.release = release
         self._wake = asyncio.Event()
         self._asker: asyncio.Task[None] | None = None
 
@@ -95,8 +99,10 @@ class Resumes:
         rid = msg.request_id.rsplit(".", 1)[0] if msg.found else msg.request_id
         asking = self.asking.get(rid)
         if node is None or asking is None:
-            # nobody asks any more (it timed out): the node made it ours, and our lease
-            # (the heartbeat's stale ids) frees it there
+            # nobody asks any more (it timed out, its client left): the node made it ours;
+            # let it go again unless served here (a late copy of the answer used)
+            if node is not None and msg.found and self.table.get(msg.request_id) is None:
+                self.release(msg.request_id, node.node_id)
             return
         asking.answers[node.node_id] = msg
         asking.news.set()
@@ -170,7 +176,11 @@ class Resumes:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asking.news.wait(), left)
             node_id, msg = found
-            req = self._rebuild(kind, node_id, msg, have, include_usage)
+            try:
+                req = self._rebuild(kind, node_id, msg, have, include_usage)
+            except ApiError:
+                self.release(msg.request_id, node_id)
+                raise
             early = [t for w, t in asking.early.get(node_id, []) if w == msg.request_id]
         finally:
             del self.asking[rid]
@@ -224,7 +234,10 @@ class Resumes:
 
     async def _round(self, msg: Adopt) -> None:
         for node in list(self.cluster.nodes.values()):
-            await self.link.send(node, msg)
+            try:  # one node's socket failing must not keep the others from being asked
+                await self.link.send(node, msg)
+            except Exception:
+                log.exception("asking %s for %d streams failed", node.node_id, len(msg.streams))
         self.counted()
 
     def _rebuild(self, kind: Literal["chat", "completion"], node_id: str, msg: Adopted,

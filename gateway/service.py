@@ -50,7 +50,7 @@ class RequestService:
         # streams resumed from a gateway that is gone (gateway/resume.py)
         self.resumes = Resumes(cluster, table, link, tokenizer, lambda: self.model_id,
                                cfg.resume_timeout, cfg.max_resuming,
-                               metrics.resume_rounds.inc)  # fmt: skip
+                               metrics.resume_rounds.inc, self._let_go)  # fmt: skip
 
     # -- for the HTTP layer ----------------------------------------------------------------
     @property

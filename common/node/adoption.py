@@ -10,6 +10,7 @@ then on. Past the grace, orphans are freed, their KV with them.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Protocol
 
@@ -38,14 +39,21 @@ class Adoption:
         # have died before their last tokens reached it (seen only at its heartbeat timeout)
         self.window = max(5.0, 2 * heartbeat_timeout)
         self.recent: dict[str, tuple[NodeRequest, str, float, object]] = {}  # .., when, owner
-        # `Wanted` sent: request id -> (asking gateway, serving gateway) pairs. Once per pair:
-        # two clients resuming one stream at two gateways would bounce it between them
-        self.told: dict[str, set[tuple[str, str]]] = {}
+        # `Wanted` sent: request id -> (asking gateway, serving gateway) -> when. Once per
+        # pair per `window`: two clients resuming one stream at two gateways would bounce it
+        # between them every round; one client moving between them again is told again
+        self.told: dict[str, dict[tuple[str, str], float]] = {}
+        self.clock = time.monotonic
 
     def ended(self, req: NodeRequest, reason: str, now: float | None = None) -> None:
         """A request finished on this node: an orphan's tokens wait for its adopter."""
         now = time.monotonic() if now is None else now
         rid = req.seq.seq_id
+        owner = self.gateways.owners.get(rid)
+        if isinstance(owner, GatewayLink) and owner.silent_since is not None:
+            # its gateway is silent: should it answer again (slow, not dead), the stream
+            # stays an orphan, freed at the grace's end (its own Release would not find it)
+            self.gateways.owners.move(rid, self._gone(owner))
         if self.gateways.owners.orphan(rid):
             self.finished[rid] = (req, reason)
             return
@@ -61,14 +69,25 @@ class Adoption:
         it (its last tokens went to a dead process); kept as ended orphans, for the grace.
         Owned by a `Gone` of their own: if that gateway answers again under the same id
         (it was slow, not dead), they stay orphans and are freed at the grace's end."""
-        gone = Gone(link.gateway_id, link.silent_since or time.monotonic())
-        ended = [rid for rid, (*_, owner) in self.recent.items() if owner is link]
-        for rid in ended:
+        for rid in [rid for rid, (*_, owner) in self.recent.items() if owner is link]:
             req, reason, *_ = self.recent.pop(rid)
             self.finished[rid] = (req, reason)
-            self.gateways.owners.move(rid, gone)
-        if ended:
+            self.gateways.owners.move(rid, self._gone(link))
+
+    def retire(self, link: GatewayLink, now: float) -> None:
+        """`link`'s gateway is no more (a new process under its address, or a vanished
+        pod): what it held and what ended for it lately are orphans."""
+        self.silenced(link)
+        self.gateways.retire(link, now)
+
+    def _gone(self, link: GatewayLink) -> Gone:
+        """The `Gone` of `link`'s silence (one per silence, not per stream)."""
+        since = link.silent_since or time.monotonic()
+        gone = self.gateways.gone[-1] if self.gateways.gone else None
+        if gone is None or (gone.gateway_id, gone.since) != (link.gateway_id, since):
+            gone = Gone(link.gateway_id, since)
             self.gateways.gone.append(gone)
+        return gone
 
     def sweep(self, held: tuple[str, ...]) -> None:
         """Forget the owners of requests gone from the node, not of ended orphans: their
@@ -87,9 +106,10 @@ class Adoption:
             owner = self.gateways.owners.get(wire_id)
             if not adopted.found and isinstance(owner, GatewayLink) and owner is not link:
                 # served by a live gateway: its client has lost that connection, tell it
-                pair = (link.gateway_id, owner.gateway_id)
-                if pair not in self.told.setdefault(wire_id, set()):
-                    self.told[wire_id].add(pair)
+                pair, now = (link.gateway_id, owner.gateway_id), self.clock()
+                told = self.told.setdefault(wire_id, {})
+                if now - told.get(pair, -math.inf) > self.window:
+                    told[pair] = now
                     await owner.send(Wanted(request_id=wire_id))
 
     def release(self, rid: str, link: GatewayLink, now: float) -> None:

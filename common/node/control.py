@@ -316,7 +316,7 @@ class ControlPlane:
         if link.gateway_id and ack.gateway_id != link.gateway_id:
             # a new process: the old one's requests are orphans (another gateway may adopt
             # them, common/node/adoption.py), never this one's to free as stale
-            self.gateways.retire(link, time.monotonic())
+            self.adoption.retire(link, time.monotonic())
             self.fairness.forget(link)
         link.silent_since = None
         self.events.resync()  # a new gateway, or one that dropped us
@@ -360,8 +360,7 @@ class ControlPlane:
     def _drop_link(self, link: GatewayLink) -> None:
         log.info("%s: the gateway at %s is no more", self.node_id, link.address)
         if link.gateway_id:
-            self.adoption.silenced(link)
-            self.gateways.retire(link, time.monotonic())  # its requests: orphans, adoptable
+            self.adoption.retire(link, time.monotonic())  # its requests: orphans, adoptable
         self.links.remove(link)
         link.task.cancel()
         link.close()

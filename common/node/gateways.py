@@ -51,7 +51,9 @@ class Gateways:
         node never heard of that gateway, or the id belongs to another gateway. A silent or
         gone gateway's request is taken as its orphan (another gateway may adopt it)."""
         owner: Owner | None = next((k for k in self.links if k.gateway_id == gateway_id), None)
-        owner = owner or next((g for g in self.gone if g.gateway_id == gateway_id), None)
+        # its latest Gone: an older one of that id may be a stream let go long ago
+        owner = owner or next((g for g in reversed(self.gone) if g.gateway_id == gateway_id),
+                              None)  # fmt: skip
         if owner is None and not gateway_id and len(self.links) == 1:
             owner = self.links[0]
         return owner is not None and self.owners.adopt(rid, owner)

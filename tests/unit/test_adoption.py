@@ -28,7 +28,8 @@ async def test_a_stream_resumed_at_two_gateways_at_once_is_not_bounced_between_t
     """Gateway A serves a stream whose client resumes it at B and at C at once. The node
     tells the gateway serving it once per asker (`Wanted`): A lets it go, B adopts it, C's
     asking makes B let it go once, and then B and C ask in vain (no `Wanted` every round,
-    which would move the stream back and forth while both ask)."""
+    which would move the stream back and forth while both ask) until the pair's window
+    (seconds) is over."""
     ctx = zmq.asyncio.Context()
     a, b, c = links = _links(ctx, "g-a", "g-b", "g-c")
     told: list[tuple[str, str]] = []  # (gateway told, request id)
@@ -68,6 +69,13 @@ async def test_a_stream_resumed_at_two_gateways_at_once_is_not_bounced_between_t
         for _ in range(3):  # B holds it: C asks in vain, B is not told again
             await adoption.on_gateway(ask, c)
         assert gateways.owners.get("r.0") is b and len(told) == 4
+        # later, one client moves between the two gateways again: C's asking tells B again
+        # once the pair's `window` is over (it used to be never: 409 until B's send timeout)
+        now = adoption.clock()
+        adoption.clock = lambda: now + adoption.window + 0.1
+        for _ in range(3):
+            await adoption.on_gateway(ask, c)
+        assert told[4:] == [("g-b", "r.0")]
         node.requests.clear()  # the stream ends: what was told is forgotten with it
         for _ in range(2):
             adoption.sweep(node.load().held)
@@ -138,6 +146,96 @@ def test_an_ended_stream_let_go_at_its_end_is_kept_through_every_resume():
             assert list(adoption.finished) == ["r.0"]
         adoption.expire(105.1)  # 3 s after the last release
         assert not adoption.finished
+    finally:
+        for link in links:
+            link.close()
+        ctx.term()
+
+
+def test_what_ends_while_its_gateway_is_silent_is_freed_when_it_answers_again():
+    """A request ends while its gateway is silent (slow, not dead). The gateway answers
+    again under the same id: the ended stream stays an adoptable orphan (that gateway's
+    late `Release` does not find it) and is freed at the grace's end, not kept forever."""
+    ctx = zmq.asyncio.Context()
+    own, other = links = _links(ctx, "g-own", "g-other")
+    try:
+        node = _Node("r.0")
+        gateways = Gateways("node-x", links, node)  # type: ignore[arg-type]
+        assert gateways.owners.adopt("r.0", own)
+        adoption = Adoption(gateways, node, grace=3.0, heartbeat_timeout=1.0)
+        own.silent_since = 100.0
+        adoption.silenced(own)
+        seq = Sequence.new("r.0", [5, 6], SamplingParams(max_tokens=2, temperature=0.0))
+        seq.token_ids += [7, 8]
+        del node.requests["r.0"]
+        adoption.ended(NodeRequest(seq=seq), "length", 101.0)
+        own.silent_since = None  # it answers again, the same process
+        adoption.release("r.0", own, 101.5)  # it read the last tokens and lets it go
+        assert gateways.owners.orphan("r.0") and list(adoption.finished) == ["r.0"]
+        for _ in range(3):
+            adoption.sweep(node.load().held)
+        adoption.expire(102.9)
+        assert list(adoption.finished) == ["r.0"]
+        adoption.expire(103.1)  # the grace since it fell silent is over: freed
+        assert not adoption.finished
+        for _ in range(2):
+            adoption.sweep(node.load().held)
+        assert not gateways.owners.of and not gateways.gone
+        assert adoption.adopt(Adopt(streams=[("r", 0)]), other) == []
+    finally:
+        for link in links:
+            link.close()
+        ctx.term()
+
+
+def test_a_gateway_restarted_fast_leaves_what_ended_for_it_adoptable():
+    """A gateway process is replaced before its silence is noticed (it registers again
+    under a new id): what ended for the old one lately may never have reached it, so it is
+    kept as an orphan for the grace, like the old one's running requests."""
+    ctx = zmq.asyncio.Context()
+    own, other = links = _links(ctx, "g-old", "g-other")
+    try:
+        node = _Node("r.0", "s.0")
+        gateways = Gateways("node-x", links, node)  # type: ignore[arg-type]
+        for rid in node.requests:
+            assert gateways.owners.adopt(rid, own)
+        adoption = Adoption(gateways, node, grace=3.0)
+        seq = Sequence.new("r.0", [5, 6], SamplingParams(max_tokens=1, temperature=0.0))
+        seq.token_ids += [7]
+        del node.requests["r.0"]
+        adoption.ended(NodeRequest(seq=seq), "length", 100.0)
+        adoption.retire(own, 100.5)  # as the node does when "g-old" registers as "g-new"
+        own.gateway_id = "g-new"
+        assert gateways.owners.orphan("r.0") and gateways.owners.orphan("s.0")
+        (answer,) = adoption.adopt(Adopt(streams=[("r", 0)]), other)
+        assert answer[1].found and answer[1].output_ids == [7]
+    finally:
+        for link in links:
+            link.close()
+        ctx.term()
+
+
+def test_kv_for_a_restarted_gateway_is_kept_as_long_as_its_other_orphans():
+    """KV that arrives naming a gateway that came back under a new id is that gateway's
+    orphan for the grace from when it went, not from an older stream it let go (the oldest
+    `Gone` of that id, which freed it at once)."""
+    ctx = zmq.asyncio.Context()
+    own, _ = links = _links(ctx, "g-old", "g-other")
+    try:
+        node = _Node("r.0")
+        gateways = Gateways("node-x", links, node)  # type: ignore[arg-type]
+        assert gateways.owners.adopt("r.0", own)
+        adoption = Adoption(gateways, node, grace=3.0)
+        adoption.release("r.0", own, 100.0)  # a stream let go long before
+        own.silent_since = 110.0
+        adoption.retire(own, 110.5)
+        own.gateway_id, own.silent_since = "g-new", None
+        assert gateways.adopt("k.0", "g-old")  # its KvHeader names the old id
+        node.requests["k.0"] = None
+        adoption.expire(112.0)
+        assert "k.0" in node.requests and "k.0" not in node.freed
+        adoption.expire(113.1)  # 3 s after the old gateway fell silent
+        assert "k.0" in node.freed
     finally:
         for link in links:
             link.close()

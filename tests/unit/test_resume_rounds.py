@@ -23,26 +23,30 @@ ID = "0123456789abcdef01234567"  # a request id as the gateway makes them (24 he
 class _Link:
     """The gateway's sockets to its nodes: what went out, and a first send that fails."""
 
-    def __init__(self, fail_first: bool = False) -> None:
+    def __init__(self, fail_first: bool = False, broken: str = "") -> None:
         self.sent: list[Adopt] = []
-        self.fail_first = fail_first
+        self.fail_first, self.broken = fail_first, broken
+        self.to: list[str] = []  # the node of each sent message
 
     async def send(self, node, msg: Adopt) -> None:
-        if self.fail_first:
+        if self.fail_first or node.node_id == self.broken:
             self.fail_first = False
             raise OverflowError("can't serialize an int that large")
         self.sent.append(msg)
+        self.to.append(node.node_id)
 
     def asked(self, rid: str) -> int:
         return sum(rid in dict(m.streams) for m in self.sent)
 
 
-def _resumes(tokenizer, link: _Link) -> tuple[Resumes, RequestTable]:
+def _resumes(tokenizer, link: _Link, let_go: list | None = None, nodes: int = 1
+             ) -> tuple[Resumes, RequestTable]:  # fmt: skip
     cluster = ClusterView(heartbeat_timeout=2.0)
-    assert cluster.register(_info("d0"), b"d0", 0.0, "t") is None
-    table = RequestTable()
+    for i in range(nodes):
+        assert cluster.register(_info(f"d{i}"), f"d{i}".encode(), 0.0, "t") is None
+    table, gone = RequestTable(), let_go if let_go is not None else []
     resumes = Resumes(cluster, table, link, tokenizer, lambda: "m", timeout=5.0,  # type: ignore[arg-type]
-                      limit=16)  # fmt: skip
+                      limit=16, release=lambda w, n: gone.append((w, n)))  # fmt: skip
     return resumes, table
 
 
@@ -123,3 +127,55 @@ async def test_a_stream_being_placed_again_is_not_taken_over(tokenizer):
     with pytest.raises(ApiError) as err:
         await resumes.resume(f"cmpl-{ID}", 0, False)
     assert err.value.status == 409 and hung == [] and link.sent == []
+
+
+async def test_one_node_failing_to_be_asked_keeps_no_other_from_being_asked(tokenizer):
+    """A round's message to one node fails (its socket): the other nodes are asked in the
+    same round, and the stream is found on one of them."""
+    link = _Link(broken="d0")
+    resumes, _ = _resumes(tokenizer, link, nodes=2)
+    task = asyncio.create_task(resumes.resume(f"cmpl-{ID}", 7, False))
+    await _until(lambda: "d1" in link.to)
+    resumes.answered(b"d1", Adopted(request_id=ID, found=False,
+                                    reason="Last-Event-ID 7 is not a position"))  # fmt: skip
+    with pytest.raises(ApiError):
+        await task
+
+
+def _found(rid: str, outputs: tuple[int, ...] = (7, 8)) -> Adopted:
+    return Adopted(request_id=f"{rid}.0", found=True, prompt_ids=[5, 6], output_ids=[*outputs],
+                   base=0, params=SamplingParams(max_tokens=4, temperature=0.0))  # fmt: skip
+
+
+async def test_a_stream_adopted_but_not_served_is_let_go_again(tokenizer):
+    """The node hands a stream over (it is this gateway's from then on) but the resume
+    does not serve it: the answer came after the resume gave up, or the client's position
+    is not one a chunk ended at. The gateway lets it go again (`Release`), so the node
+    keeps it for the client's next resume instead of losing it; a late copy of the
+    answer for a stream served here lets nothing go."""
+    link, let_go = _Link(), list[tuple[str, str]]()
+    resumes, table = _resumes(tokenizer, link, let_go)
+    task = asyncio.create_task(resumes.resume(f"cmpl-{ID}", 0, False))
+    await _until(lambda: link.asked(ID) >= 1)
+    task.cancel()  # the client left while its stream was looked for
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    resumes.answered(b"d0", _found(ID))
+    assert let_go == [(f"{ID}.0", "d0")]
+    let_go.clear()
+    bad = asyncio.create_task(resumes.resume(f"cmpl-{ID}", 1, False))
+    await _until(lambda: link.asked(ID) >= 2)
+    smile = tuple(tokenizer.encode("\U0001f642", add_special_tokens=False))
+    assert len(smile) == 2  # the emoji's bytes in two tokens: no chunk ends after the first
+    resumes.answered(b"d0", _found(ID, smile))
+    with pytest.raises(ApiError) as err:
+        await bad
+    assert err.value.status == 409 and let_go == [(f"{ID}.0", "d0")]
+    served = asyncio.create_task(resumes.resume(f"cmpl-{ID}", 0, False))
+    await _until(lambda: link.asked(ID) >= 3)
+    resumes.answered(b"d0", _found(ID))
+    req, _ = await served
+    assert table.get(f"{ID}.0") is not None and not req.finished
+    let_go.clear()
+    resumes.answered(b"d0", _found(ID))  # a late copy (asked twice): it is served here
+    assert let_go == []
