@@ -196,7 +196,7 @@ class NodeMessages:
         self.placer.capacity_changed()
         if attempt is None:
             return  # an old attempt's, or not from the node that holds the request
-        req = attempt.req
+        req, prefill = attempt.req, attempt.prefill  # `delivered` below forgets it
         self.table.prefilled(attempt)
         req.mark(f"prefilled.{req.attempt}")
         req.timeline[f"prefill_ms.{req.attempt}"] = round(msg.prefill_ms, 3)
@@ -209,7 +209,7 @@ class NodeMessages:
         elif attempt.prefill == attempt.decode and node is not None and node.info.role == "decode":
             self.table.prefilled_in_place(attempt, now)  # a decode node prefilled it itself
             self.metrics.local_prefills.inc()
-        self.service.on_token(req, msg.index, msg.token_id, msg.finish_reason)
+        self.service.on_token(req, msg.index, msg.token_id, msg.finish_reason, prefill)
         if req.detached:  # its client left: let go now its KV is where it decodes
             self.service.settle(req)
 
@@ -338,7 +338,7 @@ class NodeMessages:
             if attempt is not None and (
                 attempt.decode is None or msg.node_id in (attempt.decode, attempt.prefill)
             ):
-                self.service.on_token(attempt.req, index, token, reason)
+                self.service.on_token(attempt.req, index, token, reason, msg.node_id)
             elif attempt is None:  # a stream being resumed: its node's tokens may come first
                 self.service.resumes.early(rid, msg.node_id, index, token, reason)
 

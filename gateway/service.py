@@ -154,7 +154,9 @@ class RequestService:
         self._release(req, notify=True)
 
     # -- for the node messages and the liveness loop ---------------------------------------
-    def on_token(self, req: GatewayRequest, index: int, token: int, reason: str | None) -> None:
+    def on_token(self, req: GatewayRequest, index: int, token: int, reason: str | None,
+                 node_id: str | None = None) -> None:  # fmt: skip
+        """A token of `req` from `node_id` (None: its attempt's decode node)."""
         previous, count = req.last_token_at, len(req.output_ids)
         try:
             done = req.add_token(index, token, reason)
@@ -171,7 +173,7 @@ class RequestService:
             self.metrics.itl.observe(now - previous)
         if done:
             # a stop string (no finish reason from the node) leaves KV on the nodes: abort it
-            self._complete(req, abort_nodes=reason is None)
+            self._complete(req, abort_nodes=reason is None, node_id=node_id)
 
     async def replace(self, attempt: Attempt, reason: str, kind: str = "lost") -> None:
         """Re-place the request of `attempt` as a prefill of prompt + generated tokens on the
@@ -306,13 +308,15 @@ class RequestService:
             self.resumes.released(wire_id, time.monotonic())
             self.spawn(self.link.send(node, Release(request_id=wire_id)))
 
-    def _complete(self, req: GatewayRequest, abort_nodes: bool) -> None:
+    def _complete(self, req: GatewayRequest, abort_nodes: bool, node_id: str | None = None
+                  ) -> None:  # fmt: skip
         self.metrics.requests.labels("ok").inc()
         self.metrics.generation_tokens.inc(len(req.output_ids))
         self.metrics.e2e.observe(time.monotonic() - req.arrival)
         self.metrics.observe_phases(req.phases())
         attempt = self.table.current(req)  # none: resumed after it ended (gateway/resume.py)
-        decode = attempt.decode if attempt is not None else req.ran_on.get("decode")
+        # where it ended: its first token's prefill node, or the decode node it migrated from
+        decode = node_id or (attempt.decode if attempt is not None else req.ran_on.get("decode"))
         self._release(req, notify=abort_nodes)
         if req.resumable and not abort_nodes:
             # its client may not have the last chunks (they can sit in a dead connection's

@@ -205,10 +205,12 @@ class PrefillRole(RoleDefaults):
             token = seq.token_ids[-1]
             reason = check_stop(seq, self.node.engine.eos_token_ids, self.node.engine.max_model_len)
             if reason is not None or t is None:  # nothing to hand off: let go now
-                self.node.requests.pop(seq.seq_id)
+                req = self.node.requests.pop(seq.seq_id)
                 self.node.scheduler.release(seq.seq_id)
                 self.node.sender.abort(seq.seq_id)
                 self.node.steps.wake()
+                if reason is not None:  # it ended here: kept for a resume as a decode node's
+                    self.node.control.adoption.ended(req, reason)
             first = FirstToken(
                 request_id=seq.seq_id,
                 token_id=token,

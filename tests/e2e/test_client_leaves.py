@@ -197,7 +197,8 @@ def test_a_stream_that_ended_unread_is_resumed_at_any_gateway_until_the_grace_en
     ends: the gateway wrote every chunk into the connection's buffers and finished it, the
     client has only the first few. The node kept the ended stream (its gateway let it go at
     its end): the client resumes at the other gateway with the exact rest, again from the
-    start at the first one, and once the grace is over the stream is gone (404)."""
+    start at the first one, and once the grace is over the stream is gone (404). A stream
+    that ends at its first token is kept by its prefill node the same way."""
     grace = 4.0
     cluster = make_cluster(
         prefill=1, decode=1, engine="sim", gateways=2, gateway_flags=("--resume-timeout", "2"),
@@ -231,6 +232,13 @@ def test_a_stream_that_ended_unread_is_resumed_at_any_gateway_until_the_grace_en
             assert await resume(session, second, stream_id, last_id) == (200, whole[len(text) :])
             assert await resume(session, first, stream_id, "0") == (200, whole)
             resp.close()
+            # one that ends at its first token ends on the prefill node: kept there too
+            one = {**body, "max_tokens": 1}
+            async with session.post(f"{first}/v1/completions", data=orjson.dumps(one),
+                                    headers=headers) as short:  # fmt: skip
+                token, short_id, _, done = await _read(short, None)
+            assert done and token == sim_text(tokenizer, body["prompt"], body["seed"], 1)
+            assert await resume(session, second, short_id, "0") == (200, token)
             # each resume's end let it go again: the grace counts from the last one's end
             await asyncio.sleep(grace + 1.0)  # + the nodes' expiry pass (each heartbeat)
             status, reply = await resume(session, second, stream_id, "0")
