@@ -252,13 +252,14 @@ class RequestService:
         self.metrics.placement_wait.observe(time.monotonic() - start)
         req.mark(f"accepted.{req.attempt}")
 
-    def _release(self, req: GatewayRequest, notify: bool) -> None:
+    def _release(self, req: GatewayRequest, notify: bool, keep: str | None = None) -> None:
+        """Close its attempt; `notify`: abort it on its nodes (but `keep`, told otherwise)."""
         attempt = self.table.current(req)
         if attempt is None:
             return
         self.table.close(attempt.wire_id)
         if notify:
-            for node_id in attempt.nodes():
+            for node_id in attempt.nodes() - {keep}:
                 node = self.cluster.nodes.get(node_id)
                 if node is not None:
                     self.spawn(self.link.send(node, Abort(request_id=attempt.wire_id)))
@@ -301,12 +302,13 @@ class RequestService:
         self.metrics.requests.labels("detached").inc()
         self._let_go(attempt.wire_id, attempt.decode)
 
-    def _let_go(self, wire_id: str, node_id: str | None) -> None:
-        """`Release` a resumable stream to its node: kept there for any gateway's resume."""
+    def _let_go(self, wire_id: str, node_id: str | None, tokens: int = -1) -> None:
+        """`Release` a resumable stream to its node: kept there for any gateway's resume
+        (`tokens` >= 0: it ended here after those, a stop string; ended there too)."""
         node = self.cluster.nodes.get(node_id or "")
         if node is not None:
             self.resumes.released(wire_id, time.monotonic())
-            self.spawn(self.link.send(node, Release(request_id=wire_id)))
+            self.spawn(self.link.send(node, Release(request_id=wire_id, tokens=tokens)))
 
     def _complete(self, req: GatewayRequest, abort_nodes: bool, node_id: str | None = None
                   ) -> None:  # fmt: skip
@@ -317,11 +319,13 @@ class RequestService:
         attempt = self.table.current(req)  # none: resumed after it ended (gateway/resume.py)
         # where it ended: its first token's prefill node, or the decode node it migrated from
         decode = node_id or (attempt.decode if attempt is not None else req.ran_on.get("decode"))
-        self._release(req, notify=abort_nodes)
-        if req.resumable and not abort_nodes:
+        keep = decode if req.resumable and decode in self.cluster.nodes else None
+        self._release(req, notify=abort_nodes, keep=keep)
+        if keep is not None:
             # its client may not have the last chunks (they can sit in a dead connection's
-            # buffers): its node keeps the ended stream for a resume, as an orphan's
-            self._let_go(req.wire_id, decode)
+            # buffers): its node keeps the ended stream for a resume, as an orphan's; one
+            # ended here by a stop string is ended there at the same token
+            self._let_go(req.wire_id, keep, len(req.output_ids) if abort_nodes else -1)
 
 
 def _log_failure(task: asyncio.Future) -> None:

@@ -9,6 +9,7 @@ then on. Past the grace, orphans are freed, their KV with them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -27,6 +28,8 @@ class AdoptHost(Protocol):
     def requests(self) -> dict[str, NodeRequest]: ...
 
     def free_stale(self, request_ids: tuple[str, ...]) -> None: ...
+
+    def abort(self, rid: str) -> None: ...
 
 
 class Adoption:
@@ -49,6 +52,8 @@ class Adoption:
         """A request finished on this node: an orphan's tokens wait for its adopter."""
         now = time.monotonic() if now is None else now
         rid = req.seq.seq_id
+        if rid in self.finished or rid in self.recent:
+            return  # its gateway ended it first (a stop string, `release`): that is kept
         owner = self.gateways.owners.get(rid)
         if isinstance(owner, GatewayLink) and owner.silent_since is not None:
             # its gateway is silent: should it answer again (slow, not dead), the stream
@@ -99,7 +104,7 @@ class Adoption:
 
     async def on_gateway(self, msg: Adopt | Release, link: GatewayLink) -> None:
         if isinstance(msg, Release):
-            self.release(msg.request_id, link, time.monotonic())
+            self.release(msg.request_id, link, time.monotonic(), msg.tokens)
             return
         for wire_id, adopted in self.adopt(msg, link):
             await link.send(adopted)
@@ -112,18 +117,24 @@ class Adoption:
                     told[pair] = now
                     await owner.send(Wanted(request_id=wire_id))
 
-    def release(self, rid: str, link: GatewayLink, now: float) -> None:
-        """`link`'s gateway lets go of `rid`, a resumable stream whose client left: an orphan
-        from now, for any gateway (that one too) to adopt within the grace."""
+    def release(self, rid: str, link: GatewayLink, now: float, tokens: int = -1) -> None:
+        """`link`'s gateway lets go of `rid`, a resumable stream whose client left or that
+        ended: an orphan from now, for any gateway (that one too) to adopt within the grace.
+        `tokens` >= 0: the gateway ended it after that many output tokens (a stop string):
+        ended here too, those kept."""
         if rid in self.node.requests:
             if self.gateways.owners.get(rid) is not link:
                 return
+            if tokens >= 0:  # its KV is freed; what the client may not have is kept
+                self.finished[rid] = (_upto(self.node.requests[rid], tokens), "stop")
+                self.node.abort(rid)
         else:  # it ended before the Release came (its last step): its tokens are kept
             ended = self.recent.get(rid)
             if ended is None or ended[3] is not link:
                 return
             del self.recent[rid]
-            self.finished[rid] = (ended[0], ended[1])
+            stop = tokens >= 0
+            self.finished[rid] = (_upto(ended[0], tokens), "stop") if stop else ended[:2]
         gone = Gone(link.gateway_id, now)
         self.gateways.gone.append(gone)
         self.gateways.owners.move(rid, gone)
@@ -188,6 +199,15 @@ class Adoption:
             log.warning("freeing %d orphaned requests: no gateway adopted them within %.1f s",
                         len(live), self.grace)  # fmt: skip
             self.node.free_stale(live)
+
+
+def _upto(req: NodeRequest, tokens: int) -> NodeRequest:
+    """`req` as it was after `tokens` output tokens: what a stop string at its gateway kept
+    (the node decodes a step or two past it before the gateway's word comes)."""
+    seq, start = req.seq, req.prompt_len or req.seq.num_prompt_tokens
+    kept = seq.token_ids[: max(start + tokens, seq.num_prompt_tokens)]
+    return dataclasses.replace(req, seq=dataclasses.replace(seq, token_ids=kept, block_table=[],
+                                                            block_hashes=[]))  # fmt: skip
 
 
 def _attempt(wire_id: str) -> int:

@@ -279,11 +279,14 @@ class Adopt(Msg):
 
 
 class Release(Msg):
-    """The gateway lets go of a resumable stream whose client left (docs/architecture.md,
-    "Several gateways"): the node keeps it as an orphan, decoding on, for any gateway to
-    adopt (`Adopt`) within `--orphan-grace`, this one included."""
+    """The gateway lets go of a resumable stream whose client left, or that ended
+    (docs/architecture.md, "Several gateways"): the node keeps it as an orphan, decoding
+    on, for any gateway to adopt (`Adopt`) within `--orphan-grace`, this one included.
+    `tokens` >= 0: it ended at the gateway after that many output tokens (a stop string):
+    the node ends it there too and keeps those."""
 
     request_id: str
+    tokens: int = -1
 
 
 class Redirect(Msg):

@@ -198,7 +198,8 @@ def test_a_stream_that_ended_unread_is_resumed_at_any_gateway_until_the_grace_en
     client has only the first few. The node kept the ended stream (its gateway let it go at
     its end): the client resumes at the other gateway with the exact rest, again from the
     start at the first one, and once the grace is over the stream is gone (404). A stream
-    that ends at its first token is kept by its prefill node the same way."""
+    that ends at its first token is kept by its prefill node the same way, and one ended
+    by a stop string at its gateway is ended on its node there and kept too."""
     grace = 4.0
     cluster = make_cluster(
         prefill=1, decode=1, engine="sim", gateways=2, gateway_flags=("--resume-timeout", "2"),
@@ -239,6 +240,16 @@ def test_a_stream_that_ended_unread_is_resumed_at_any_gateway_until_the_grace_en
                 token, short_id, _, done = await _read(short, None)
             assert done and token == sim_text(tokenizer, body["prompt"], body["seed"], 1)
             assert await resume(session, second, short_id, "0") == (200, token)
+            # one ended by a stop string at its gateway is ended on its node at that token
+            # (its KV freed: 2,000 tokens would decode for 20 s) and kept for a resume too
+            stop = whole[len(whole) // 2 :][:4]
+            stopped = {**body, "max_tokens": 2000, "stop": [stop]}
+            async with session.post(f"{first}/v1/completions", data=orjson.dumps(stopped),
+                                    headers=headers) as cut:  # fmt: skip
+                text, cut_id, _, done = await _read(cut, None)
+            assert done and text == whole[: whole.index(stop)]
+            assert await asyncio.to_thread(wait_for, lambda: _held(cluster, first) == 0, 5)
+            assert await resume(session, second, cut_id, "0") == (200, text)
             # each resume's end let it go again: the grace counts from the last one's end
             await asyncio.sleep(grace + 1.0)  # + the nodes' expiry pass (each heartbeat)
             status, reply = await resume(session, second, stream_id, "0")

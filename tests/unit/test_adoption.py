@@ -240,3 +240,38 @@ def test_kv_for_a_restarted_gateway_is_kept_as_long_as_its_other_orphans():
         for link in links:
             link.close()
         ctx.term()
+
+
+def test_a_stream_its_gateway_ended_at_a_stop_string_is_kept_as_ended_there():
+    """The gateway ends a resumable stream at a stop string after 2 tokens; the node has
+    decoded 4 before its `Release` comes. The node ends it (KV freed) and keeps the 2 for a
+    resume; the step that was computing it ending it afterwards changes nothing. Released
+    after the node ended it on its own, the same."""
+    ctx = zmq.asyncio.Context()
+    own, other = links = _links(ctx, "g-own", "g-other")
+    try:
+        node = _Node()
+        gateways = Gateways("node-x", links, node)  # type: ignore[arg-type]
+        adoption = Adoption(gateways, node, grace=3.0)
+        seqs = {}
+        for rid in ("r.0", "s.0"):
+            seqs[rid] = Sequence.new(rid, [5, 6], SamplingParams(max_tokens=9, temperature=0.0))
+            seqs[rid].token_ids += [7, 8, 9, 10]
+            node.requests[rid] = NodeRequest(seq=seqs[rid])
+            assert gateways.owners.adopt(rid, own)
+        adoption.release("r.0", own, 100.0, tokens=2)
+        assert node.freed == ["r.0"]  # its KV: the gateway's stop ended it
+        adoption.ended(NodeRequest(seq=seqs["r.0"]), "length", 100.1)  # that step's end
+        del node.requests["s.0"]
+        adoption.ended(NodeRequest(seq=seqs["s.0"]), "length", 100.1)
+        adoption.release("s.0", own, 100.2, tokens=3)
+        for rid, kept in (("r", [7, 8]), ("s", [7, 8, 9])):
+            (answer,) = adoption.adopt(Adopt(streams=[(rid, 0)]), other)
+            assert answer[1].output_ids == kept and answer[1].finish_reason == "stop"
+        adoption.ended(NodeRequest(seq=seqs["r.0"]), "length", 100.3)  # late: still 2
+        assert adoption.recent["r.0"][0].seq.token_ids == [5, 6, 7, 8]
+        assert seqs["r.0"].token_ids == [5, 6, 7, 8, 9, 10]  # the engine's own untouched
+    finally:
+        for link in links:
+            link.close()
+        ctx.term()

@@ -134,6 +134,9 @@ class _Node:
         for rid in request_ids:
             self.requests.pop(rid, None)
 
+    def abort(self, rid: str) -> None:
+        self.free_stale((rid,))
+
     def load(self) -> Load:
         return Load(running=len(self.requests), waiting=0, blocks_free=0, blocks_cached=0,
                     blocks_in_use=0, held=tuple(self.requests))  # fmt: skip
