@@ -100,8 +100,11 @@ class Resumes:
         asking = self.asking.get(rid)
         if node is None or asking is None:
             # nobody asks any more (it timed out, its client left): the node made it ours;
-            # let it go again unless served here (a late copy of the answer used)
-            if node is not None and msg.found and self.table.get(msg.request_id) is None:
+            # let it go again unless served here (a late copy of the answer used; or an
+            # older attempt's, the request placed again since)
+            if node is not None and msg.found and not any(
+                a.req.request_id == rid for a in self.table
+            ):
                 self.release(msg.request_id, node.node_id)
             return
         asking.answers[node.node_id] = msg

@@ -54,11 +54,8 @@ class Adoption:
         rid = req.seq.seq_id
         if rid in self.finished or rid in self.recent:
             return  # its gateway ended it first (a stop string, `release`): that is kept
-        owner = self.gateways.owners.get(rid)
-        if isinstance(owner, GatewayLink) and owner.silent_since is not None:
-            # its gateway is silent: should it answer again (slow, not dead), the stream
-            # stays an orphan, freed at the grace's end (its own Release would not find it)
-            self.gateways.owners.move(rid, self._gone(owner))
+        # a silent gateway's stays its own: its last tokens go out after this (a paused
+        # gateway reads them when it wakes); `registered` makes it an orphan's then
         if self.gateways.owners.orphan(rid):
             self.finished[rid] = (req, reason)
             return
@@ -69,7 +66,20 @@ class Adoption:
         while self.recent and now - next(iter(self.recent.values()))[2] > self.window:
             del self.recent[next(iter(self.recent))]
 
-    def silenced(self, link: GatewayLink) -> None:
+    def registered(self, link: GatewayLink, gateway_id: str, now: float) -> bool:
+        """`link`'s gateway registered as `gateway_id`. True: a new process, what the old one
+        held is orphaned. The same one after a silence: what ended for it meanwhile stays an
+        orphan, freed at the grace's end (its own `Release` would not find it)."""
+        if link.gateway_id and gateway_id != link.gateway_id:
+            self.retire(link, now)
+            return True
+        if link.silent_since is not None:
+            owners = self.gateways.owners
+            for rid in [r for r in self.finished if owners.get(r) is link]:
+                owners.move(rid, self._gone(link, now))
+        return False
+
+    def silenced(self, link: GatewayLink, now: float | None = None) -> None:
         """`link`'s gateway is silent or gone: what ended for it lately may never have reached
         it (its last tokens went to a dead process); kept as ended orphans, for the grace.
         Owned by a `Gone` of their own: if that gateway answers again under the same id
@@ -77,17 +87,17 @@ class Adoption:
         for rid in [rid for rid, (*_, owner) in self.recent.items() if owner is link]:
             req, reason, *_ = self.recent.pop(rid)
             self.finished[rid] = (req, reason)
-            self.gateways.owners.move(rid, self._gone(link))
+            self.gateways.owners.move(rid, self._gone(link, now))
 
     def retire(self, link: GatewayLink, now: float) -> None:
         """`link`'s gateway is no more (a new process under its address, or a vanished
         pod): what it held and what ended for it lately are orphans."""
-        self.silenced(link)
+        self.silenced(link, now)
         self.gateways.retire(link, now)
 
-    def _gone(self, link: GatewayLink) -> Gone:
+    def _gone(self, link: GatewayLink, now: float | None) -> Gone:
         """The `Gone` of `link`'s silence (one per silence, not per stream)."""
-        since = link.silent_since or time.monotonic()
+        since = link.silent_since or now or time.monotonic()
         gone = self.gateways.gone[-1] if self.gateways.gone else None
         if gone is None or (gone.gateway_id, gone.since) != (link.gateway_id, since):
             gone = Gone(link.gateway_id, since)

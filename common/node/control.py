@@ -314,10 +314,9 @@ class ControlPlane:
             self.fairness.answered(link, rid, since, n, self.node.holds(rid), now)
 
     def _registered(self, link: GatewayLink, ack: RegisterAck) -> None:
-        if link.gateway_id and ack.gateway_id != link.gateway_id:
-            # a new process: the old one's requests are orphans (another gateway may adopt
-            # them, common/node/adoption.py), never this one's to free as stale
-            self.adoption.retire(link, time.monotonic())
+        # a new process: the old one's requests are orphans (another gateway may adopt
+        # them, common/node/adoption.py), never this one's to free as stale
+        if self.adoption.registered(link, ack.gateway_id, time.monotonic()):
             self.fairness.forget(link)
         link.silent_since = None
         self.events.resync()  # a new gateway, or one that dropped us

@@ -153,9 +153,11 @@ def test_an_ended_stream_let_go_at_its_end_is_kept_through_every_resume():
 
 
 def test_what_ends_while_its_gateway_is_silent_is_freed_when_it_answers_again():
-    """A request ends while its gateway is silent (slow, not dead). The gateway answers
-    again under the same id: the ended stream stays an adoptable orphan (that gateway's
-    late `Release` does not find it) and is freed at the grace's end, not kept forever."""
+    """A request ends while its gateway is silent (slow, not dead): its last tokens still go
+    to that gateway (sent after the end; a paused one reads them when it wakes). The
+    gateway answers again under the same id: the ended stream stays an adoptable orphan
+    (that gateway's late `Release` does not find it) and is freed at the grace's end, not
+    kept forever."""
     ctx = zmq.asyncio.Context()
     own, other = links = _links(ctx, "g-own", "g-other")
     try:
@@ -169,7 +171,9 @@ def test_what_ends_while_its_gateway_is_silent_is_freed_when_it_answers_again():
         seq.token_ids += [7, 8]
         del node.requests["r.0"]
         adoption.ended(NodeRequest(seq=seq), "length", 101.0)
-        own.silent_since = None  # it answers again, the same process
+        assert gateways.link_for("r.0") is own  # where its last token goes next
+        assert not adoption.registered(own, "g-own", 101.2)  # it answers again, the same
+        own.silent_since = None
         adoption.release("r.0", own, 101.5)  # it read the last tokens and lets it go
         assert gateways.owners.orphan("r.0") and list(adoption.finished) == ["r.0"]
         for _ in range(3):
@@ -204,8 +208,9 @@ def test_a_gateway_restarted_fast_leaves_what_ended_for_it_adoptable():
         seq.token_ids += [7]
         del node.requests["r.0"]
         adoption.ended(NodeRequest(seq=seq), "length", 100.0)
-        adoption.retire(own, 100.5)  # as the node does when "g-old" registers as "g-new"
+        assert adoption.registered(own, "g-new", 100.5)  # the node's `_registered`
         own.gateway_id = "g-new"
+        assert len(gateways.gone) == 2  # one Gone for the old process (and the Gateways')
         assert gateways.owners.orphan("r.0") and gateways.owners.orphan("s.0")
         (answer,) = adoption.adopt(Adopt(streams=[("r", 0)]), other)
         assert answer[1].found and answer[1].output_ids == [7]
