@@ -130,7 +130,7 @@ class RequestService:
             raise
         self.metrics.resumes.labels("adopted").inc()
         if req.finished:  # it ended while orphaned: every token is in its events
-            self._complete(req, abort_nodes=False)
+            self._complete(req, abort_nodes=False, counted=False)
         for index, token, reason in early:  # duplicates of replayed ones are dropped
             self.on_token(req, index, token, reason)
         return req
@@ -310,12 +310,13 @@ class RequestService:
             self.resumes.released(wire_id, time.monotonic())
             self.spawn(self.link.send(node, Release(request_id=wire_id, tokens=tokens)))
 
-    def _complete(self, req: GatewayRequest, abort_nodes: bool, node_id: str | None = None
-                  ) -> None:  # fmt: skip
-        self.metrics.requests.labels("ok").inc()
-        self.metrics.generation_tokens.inc(len(req.output_ids))
-        self.metrics.e2e.observe(time.monotonic() - req.arrival)
-        self.metrics.observe_phases(req.phases())
+    def _complete(self, req: GatewayRequest, abort_nodes: bool, node_id: str | None = None,
+                  counted: bool = True) -> None:  # fmt: skip
+        if counted:  # not a replay of a stream that ended before: counted where it ended
+            self.metrics.requests.labels("ok").inc()
+            self.metrics.generation_tokens.inc(len(req.output_ids))
+            self.metrics.e2e.observe(time.monotonic() - req.arrival)
+            self.metrics.observe_phases(req.phases())
         attempt = self.table.current(req)  # none: resumed after it ended (gateway/resume.py)
         # where it ended: its first token's prefill node, or the decode node it migrated from
         decode = node_id or (attempt.decode if attempt is not None else req.ran_on.get("decode"))

@@ -54,6 +54,7 @@ class Adoption:
         rid = req.seq.seq_id
         if rid in self.finished or rid in self.recent:
             return  # its gateway ended it first (a stop string, `release`): that is kept
+        req = _slim(req)  # its tokens, not its block hashes: kept seconds, for thousands
         # a silent gateway's stays its own: its last tokens go out after this (a paused
         # gateway reads them when it wakes); `registered` makes it an orphan's then
         if self.gateways.owners.orphan(rid):
@@ -216,8 +217,14 @@ def _upto(req: NodeRequest, tokens: int) -> NodeRequest:
     (the node decodes a step or two past it before the gateway's word comes)."""
     seq, start = req.seq, req.prompt_len or req.seq.num_prompt_tokens
     kept = seq.token_ids[: max(start + tokens, seq.num_prompt_tokens)]
-    return dataclasses.replace(req, seq=dataclasses.replace(seq, token_ids=kept, block_table=[],
-                                                            block_hashes=[]))  # fmt: skip
+    return _slim(req, kept)
+
+
+def _slim(req: NodeRequest, tokens: list[int] | None = None) -> NodeRequest:
+    """A copy of an ended `req` with what a resume needs (its tokens), not its blocks."""
+    kept = req.seq.token_ids if tokens is None else tokens
+    seq = dataclasses.replace(req.seq, block_table=[], block_hashes=[], token_ids=kept)
+    return dataclasses.replace(req, seq=seq)
 
 
 def _attempt(wire_id: str) -> int:

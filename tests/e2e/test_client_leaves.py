@@ -233,6 +233,11 @@ def test_a_stream_that_ended_unread_is_resumed_at_any_gateway_until_the_grace_en
             assert await resume(session, second, stream_id, last_id) == (200, whole[len(text) :])
             assert await resume(session, first, stream_id, "0") == (200, whole)
             resp.close()
+            # a replay is a resume (stream_resumes_total), not a request done again
+            for url, ok in ((first, 1), (second, 0)):
+                assert cluster.metric("pdserve:requests_total", url, outcome="ok") == ok
+                assert cluster.metric("pdserve:stream_resumes_total", url,
+                                      outcome="adopted") == 1  # fmt: skip
             # one that ends at its first token ends on the prefill node: kept there too
             one = {**body, "max_tokens": 1}
             async with session.post(f"{first}/v1/completions", data=orjson.dumps(one),
