@@ -84,6 +84,7 @@ class GatewayRequest:
     muted: int = 0  # a resumed stream: the client has the text of this many output tokens
     resumable: bool = False  # a stream whose client may resume it (`pdserve-resumable: 1`)
     detached: bool = False  # its client left: let go to its node once its KV is there
+    ended_before: bool = False  # resumed after it had ended on its node (counted there)
     # a resumable stream's: ends the connection it streams on (its client resumes elsewhere)
     hangup: Callable[[], None] | None = None
 
@@ -160,6 +161,8 @@ class GatewayRequest:
         ValueError."""
         self.muted = have
         for i, token in enumerate(outputs):
+            if self.finished:  # a stop string: its node decoded past it, orphaned
+                break
             if i == have and self.unsent:
                 raise ValueError(f"Last-Event-ID {have} is not where a chunk of this stream "
                                  "ended")  # fmt: skip

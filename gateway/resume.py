@@ -254,6 +254,7 @@ class Resumes:
         )  # fmt: skip
         req.attempt = int(msg.request_id.rsplit(".", 1)[1])
         req.resumable = True  # its client may lose this connection too
+        req.ended_before = msg.finish_reason is not None
         try:
             req.replay(msg.output_ids, have, msg.base, msg.finish_reason)
         except ValueError as exc:  # not a position a chunk ended at: the client is confused;

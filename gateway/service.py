@@ -129,8 +129,10 @@ class RequestService:
             self.metrics.resumes.labels("refused").inc()
             raise
         self.metrics.resumes.labels("adopted").inc()
-        if req.finished:  # it ended while orphaned: every token is in its events
-            self._complete(req, abort_nodes=False, counted=False)
+        if req.finished:  # every token is in its events: it ended while orphaned, or
+            # (decoding on past it) at a stop string the replay matched: ended on its node
+            live = not req.ended_before
+            self._complete(req, abort_nodes=live, counted=live)
         for index, token, reason in early:  # duplicates of replayed ones are dropped
             self.on_token(req, index, token, reason)
         return req
@@ -252,14 +254,15 @@ class RequestService:
         self.metrics.placement_wait.observe(time.monotonic() - start)
         req.mark(f"accepted.{req.attempt}")
 
-    def _release(self, req: GatewayRequest, notify: bool, keep: str | None = None) -> None:
+    def _release(self, req: GatewayRequest, notify: bool, keep: set[str] | None = None
+                 ) -> None:  # fmt: skip
         """Close its attempt; `notify`: abort it on its nodes (but `keep`, told otherwise)."""
         attempt = self.table.current(req)
         if attempt is None:
             return
         self.table.close(attempt.wire_id)
         if notify:
-            for node_id in attempt.nodes() - {keep}:
+            for node_id in attempt.nodes() - (keep or set()):
                 node = self.cluster.nodes.get(node_id)
                 if node is not None:
                     self.spawn(self.link.send(node, Abort(request_id=attempt.wire_id)))
@@ -320,13 +323,16 @@ class RequestService:
         attempt = self.table.current(req)  # none: resumed after it ended (gateway/resume.py)
         # where it ended: its first token's prefill node, or the decode node it migrated from
         decode = node_id or (attempt.decode if attempt is not None else req.ran_on.get("decode"))
-        keep = decode if req.resumable and decode in self.cluster.nodes else None
+        # its client may not have the last chunks (they can sit in a dead connection's
+        # buffers): its node keeps the ended stream for a resume, as an orphan's. One ended
+        # here by a stop string is ended at that token on every node that may hold it (the
+        # node it came from may have handed it on): told instead of aborted
+        keep = {decode} if req.resumable and decode is not None else set()
+        if keep and abort_nodes and attempt is not None:
+            keep |= attempt.nodes()
         self._release(req, notify=abort_nodes, keep=keep)
-        if keep is not None:
-            # its client may not have the last chunks (they can sit in a dead connection's
-            # buffers): its node keeps the ended stream for a resume, as an orphan's; one
-            # ended here by a stop string is ended there at the same token
-            self._let_go(req.wire_id, keep, len(req.output_ids) if abort_nodes else -1)
+        for node_id in keep:
+            self._let_go(req.wire_id, node_id, len(req.output_ids) if abort_nodes else -1)
 
 
 def _log_failure(task: asyncio.Future) -> None:

@@ -140,16 +140,28 @@ class Adoption:
                 self.finished[rid] = (_upto(self.node.requests[rid], tokens), "stop")
                 self.node.abort(rid)
         else:  # it ended before the Release came (its last step): its tokens are kept
-            ended = self.recent.get(rid)
-            if ended is None or ended[3] is not link:
+            ended = self._ended_for(rid, link)
+            if ended is None:
+                if tokens >= 0 and self.gateways.owners.get(rid) is link:
+                    self.node.abort(rid)  # its KV on its way here: the stop ended it
                 return
-            del self.recent[rid]
             stop = tokens >= 0
-            self.finished[rid] = (_upto(ended[0], tokens), "stop") if stop else ended[:2]
+            self.finished[rid] = (_upto(ended[0], tokens), "stop") if stop else ended
         gone = Gone(link.gateway_id, now)
         self.gateways.gone.append(gone)
         self.gateways.owners.move(rid, gone)
         log.info("%s released by the gateway at %s: kept for a resume", rid, link.address)
+
+    def _ended_for(self, rid: str, link: GatewayLink) -> tuple[NodeRequest, str] | None:
+        """`rid`, ended here for `link`'s gateway: lately, or while it was silent (an orphan
+        of that gateway's id since it answered again; its Release times the grace anew)."""
+        ended = self.recent.get(rid)
+        if ended is not None and ended[3] is link:
+            del self.recent[rid]
+            return ended[0], ended[1]
+        owner = self.gateways.owners.get(rid)
+        mine = owner is link or (isinstance(owner, Gone) and owner.gateway_id == link.gateway_id)
+        return self.finished[rid] if rid in self.finished and mine else None
 
     def adopt(self, msg: Adopt, link: GatewayLink) -> list[tuple[str, Adopted]]:
         """(wire id, answer) for each stream of `msg` this node holds (its latest attempt):

@@ -155,9 +155,9 @@ def test_an_ended_stream_let_go_at_its_end_is_kept_through_every_resume():
 def test_what_ends_while_its_gateway_is_silent_is_freed_when_it_answers_again():
     """A request ends while its gateway is silent (slow, not dead): its last tokens still go
     to that gateway (sent after the end; a paused one reads them when it wakes). The
-    gateway answers again under the same id: the ended stream stays an adoptable orphan
-    (that gateway's late `Release` does not find it) and is freed at the grace's end, not
-    kept forever."""
+    gateway answers again under the same id: the ended stream stays an adoptable orphan,
+    freed at the grace's end, not kept forever; that gateway's `Release` (here at a stop
+    string) ends it where it ended there and times the grace anew."""
     ctx = zmq.asyncio.Context()
     own, other = links = _links(ctx, "g-own", "g-other")
     try:
@@ -174,13 +174,14 @@ def test_what_ends_while_its_gateway_is_silent_is_freed_when_it_answers_again():
         assert gateways.link_for("r.0") is own  # where its last token goes next
         assert not adoption.registered(own, "g-own", 101.2)  # it answers again, the same
         own.silent_since = None
-        adoption.release("r.0", own, 101.5)  # it read the last tokens and lets it go
         assert gateways.owners.orphan("r.0") and list(adoption.finished) == ["r.0"]
+        adoption.release("r.0", own, 101.5, 1)  # it read the last tokens: a stop at the 1st
+        assert adoption.finished["r.0"][0].seq.token_ids == [5, 6, 7]
         for _ in range(3):
             adoption.sweep(node.load().held)
-        adoption.expire(102.9)
+        adoption.expire(104.4)
         assert list(adoption.finished) == ["r.0"]
-        adoption.expire(103.1)  # the grace since it fell silent is over: freed
+        adoption.expire(104.6)  # the grace since its gateway let it go is over: freed
         assert not adoption.finished
         for _ in range(2):
             adoption.sweep(node.load().held)
@@ -266,6 +267,9 @@ def test_a_stream_its_gateway_ended_at_a_stop_string_is_kept_as_ended_there():
             assert gateways.owners.adopt(rid, own)
         adoption.release("r.0", own, 100.0, tokens=2)
         assert node.freed == ["r.0"]  # its KV: the gateway's stop ended it
+        assert gateways.owners.adopt("k.0", own)  # its KV on its way here (an intake)
+        adoption.release("k.0", own, 100.0, tokens=2)
+        assert node.freed == ["r.0", "k.0"] and "k.0" not in adoption.finished
         adoption.ended(NodeRequest(seq=seqs["r.0"]), "length", 100.1)  # that step's end
         del node.requests["s.0"]
         adoption.ended(NodeRequest(seq=seqs["s.0"]), "length", 100.1)

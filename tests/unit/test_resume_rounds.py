@@ -188,3 +188,21 @@ async def test_a_stream_adopted_but_not_served_is_let_go_again(tokenizer):
     table.open(req, 4)
     resumes.answered(b"d0", _found(ID))  # a very late copy for attempt 0: nothing let go
     assert let_go == []
+
+
+async def test_a_stream_that_decoded_past_its_stop_string_ends_at_it_when_resumed(tokenizer):
+    """An orphan decodes on past its stop string (stop strings are the gateway's): its
+    resume replays up to the stop and no further, the request finished there with that
+    many output tokens (usage), not the node's count."""
+    link = _Link()
+    resumes, table = _resumes(tokenizer, link)
+    words = tokenizer.encode(" one two three four five", add_special_tokens=False)
+    task = asyncio.create_task(resumes.resume(f"cmpl-{ID}", 0, False))
+    await _until(lambda: link.asked(ID) >= 1)
+    params = SamplingParams(max_tokens=9, temperature=0.0, stop=(" three",))
+    resumes.answered(b"d0", Adopted(request_id=f"{ID}.0", found=True, prompt_ids=[5, 6],
+                                    output_ids=words, base=0, params=params))  # fmt: skip
+    req, _ = await task
+    assert req.finished and req.ended_before is False
+    assert tokenizer.decode(req.output_ids) == " one two three" and len(words) > 3
+    assert table.get(f"{ID}.0") is None  # over: nothing opened for it
