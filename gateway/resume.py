@@ -102,9 +102,7 @@ class Resumes:
             # nobody asks any more (it timed out, its client left): the node made it ours;
             # let it go again unless served here (a late copy of the answer used; or an
             # older attempt's, the request placed again since)
-            if node is not None and msg.found and not any(
-                a.req.request_id == rid for a in self.table
-            ):
+            if node is not None and msg.found and self._served(rid) is None:
                 self.release(msg.request_id, node.node_id)
             return
         asking.answers[node.node_id] = msg
@@ -144,7 +142,7 @@ class Resumes:
                            code="not_found")  # fmt: skip
         kind: Literal["chat", "completion"] = "chat" if match[1] == "chatcmpl" else "completion"
         rid = match[2]
-        live = next((a.req for a in self.table if a.req.request_id == rid), None)
+        live = self._served(rid)
         if rid in self.asking or (live is not None and not self._hangs_up(live)):
             raise ApiError(409, f"stream {public_id} is being served here", code="conflict")
         if len(self.asking) >= self.limit:
@@ -190,6 +188,10 @@ class Resumes:
             self._wake.set()  # the rounds end with the last stream asked for
         return req, early
 
+    def _served(self, rid: str) -> GatewayRequest | None:
+        """The request `rid` (any attempt) if this gateway serves it."""
+        return next((a.req for a in self.table if a.req.request_id == rid), None)
+
     def _hangs_up(self, live: GatewayRequest) -> bool:
         """A live stream here can be taken over by its client's resume: resumable, and on a
         node (not being placed again after losing one: nothing holds it to adopt)."""
@@ -200,7 +202,7 @@ class Resumes:
     async def _let_go(self, rid: str, public_id: str, deadline: float) -> None:
         """Until the hung-up stream `rid` is let go (`Release`: at once in decode, once its
         KV lands in prefill); then a round, so the Release goes out before the Adopt."""
-        while any(a.req.request_id == rid for a in self.table):
+        while self._served(rid) is not None:
             if time.monotonic() >= deadline:
                 raise ApiError(409, f"stream {public_id} is being served here",
                                code="conflict")  # fmt: skip

@@ -131,8 +131,7 @@ class RequestService:
         self.metrics.resumes.labels("adopted").inc()
         if req.finished:  # every token is in its events: it ended while orphaned, or
             # (decoding on past it) at a stop string the replay matched: ended on its node
-            live = not req.ended_before
-            self._complete(req, abort_nodes=live, counted=live)
+            self._complete(req, abort_nodes=not req.ended_before)
         for index, token, reason in early:  # duplicates of replayed ones are dropped
             self.on_token(req, index, token, reason)
         return req
@@ -313,9 +312,9 @@ class RequestService:
             self.resumes.released(wire_id, time.monotonic())
             self.spawn(self.link.send(node, Release(request_id=wire_id, tokens=tokens)))
 
-    def _complete(self, req: GatewayRequest, abort_nodes: bool, node_id: str | None = None,
-                  counted: bool = True) -> None:  # fmt: skip
-        if counted:  # not a replay of a stream that ended before: counted where it ended
+    def _complete(self, req: GatewayRequest, abort_nodes: bool, node_id: str | None = None
+                  ) -> None:  # fmt: skip
+        if not req.ended_before:  # a replay of a stream that had ended: counted where it did
             self.metrics.requests.labels("ok").inc()
             self.metrics.generation_tokens.inc(len(req.output_ids))
             self.metrics.e2e.observe(time.monotonic() - req.arrival)
@@ -331,8 +330,8 @@ class RequestService:
         if keep and abort_nodes and attempt is not None:
             keep |= attempt.nodes()
         self._release(req, notify=abort_nodes, keep=keep)
-        for node_id in keep:
-            self._let_go(req.wire_id, node_id, len(req.output_ids) if abort_nodes else -1)
+        for held_by in keep:
+            self._let_go(req.wire_id, held_by, len(req.output_ids) if abort_nodes else -1)
 
 
 def _log_failure(task: asyncio.Future) -> None:

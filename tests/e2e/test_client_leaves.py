@@ -81,9 +81,19 @@ async def _many(
         ))  # fmt: skip
 
 
+def _stopped_half_way(text: str) -> tuple[str, list[str]]:
+    """A stop string first found in the second half of `text`, and the text it leaves."""
+    for at in range(len(text) // 2, len(text) - 6):
+        stop = text[at : at + 6]
+        if text.index(stop) == at:
+            return text[:at], [stop]
+    raise AssertionError("no stop string found once in the second half")
+
+
 def test_two_hundred_clients_leave_live_gateways_and_resume_at_the_other(make_cluster, tokenizer):
     """200 resumable streams over two gateways; each client drops its connection after 1 to
-    40 events (seeded) and resumes at the other gateway: every text is exact, each gateway
+    40 events (seeded) and resumes at the other gateway; a quarter end at a stop string half
+    way (the orphan decodes on past it: the resume ends it there): every text is exact, each gateway
     let go of what its clients left and adopted what the other's did, nothing was
     re-placed (the nodes decoded on), and nothing is held afterwards."""
     cluster = make_cluster(
@@ -96,8 +106,10 @@ def test_two_hundred_clients_leave_live_gateways_and_resume_at_the_other(make_cl
     bodies = seeded_bodies(200, 600)
     rng = random.Random(7)
     leave_after = [rng.randint(1, 40) for _ in bodies]  # 1: often before its KV is delivered
-    got = asyncio.run(_many(cluster.urls, bodies, leave_after))
     expected = [sim_text(tokenizer, b["prompt"], b["seed"], b["max_tokens"]) for b in bodies]
+    for i in range(0, len(bodies), 4):  # a stop string half way: past where its client left
+        expected[i], bodies[i]["stop"] = _stopped_half_way(expected[i])
+    got = asyncio.run(_many(cluster.urls, bodies, leave_after))
     assert [text for text, _ in got] == expected
     assert all(resumed for _, resumed in got)
     for url in cluster.urls:

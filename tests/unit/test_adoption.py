@@ -24,6 +24,22 @@ def _links(ctx: zmq.asyncio.Context, *ids: str) -> list[GatewayLink]:
     return links
 
 
+def _seq(rid: str, *outputs: int) -> Sequence:
+    """A request of prompt [5, 6] that has made these output tokens."""
+    seq = Sequence.new(rid, [5, 6], SamplingParams(max_tokens=9, temperature=0.0))
+    seq.token_ids += outputs
+    return seq
+
+
+def _node(links: list[GatewayLink], *rids: str, **kw: float) -> tuple[_Node, Gateways, Adoption]:
+    """A node holding `rids` for the first gateway of `links`, and its adoption."""
+    node = _Node(*rids)
+    gateways = Gateways("node-x", links, node)  # type: ignore[arg-type]
+    for rid in rids:
+        assert gateways.owners.adopt(rid, links[0])
+    return node, gateways, Adoption(gateways, node, **kw)  # type: ignore[arg-type]
+
+
 async def test_a_stream_resumed_at_two_gateways_at_once_is_not_bounced_between_them():
     """Gateway A serves a stream whose client resumes it at B and at C at once. The node
     tells the gateway serving it once per asker (`Wanted`): A lets it go, B adopts it, C's
@@ -93,12 +109,8 @@ def test_what_ended_while_its_gateway_was_silent_is_freed_when_it_answers_again(
     ctx = zmq.asyncio.Context()
     own, other = links = _links(ctx, "g-own", "g-other")
     try:
-        node = _Node("r.0")
-        gateways = Gateways("node-x", links, node)  # type: ignore[arg-type]
-        assert gateways.owners.adopt("r.0", own)
-        adoption = Adoption(gateways, node, grace=3.0, heartbeat_timeout=1.0)
-        seq = Sequence.new("r.0", [5, 6], SamplingParams(max_tokens=2, temperature=0.0))
-        seq.token_ids += [7, 8]
+        node, gateways, adoption = _node(links, "r.0", grace=3.0, heartbeat_timeout=1.0)
+        seq = _seq("r.0", 7, 8)
         del node.requests["r.0"]
         adoption.ended(NodeRequest(seq=seq), "length", 99.5)
         own.silent_since = 100.0
@@ -129,12 +141,8 @@ def test_an_ended_stream_let_go_at_its_end_is_kept_through_every_resume():
     ctx = zmq.asyncio.Context()
     own, other = links = _links(ctx, "g-own", "g-other")
     try:
-        node = _Node("r.0")
-        gateways = Gateways("node-x", links, node)  # type: ignore[arg-type]
-        assert gateways.owners.adopt("r.0", own)
-        adoption = Adoption(gateways, node, grace=3.0)
-        seq = Sequence.new("r.0", [5, 6], SamplingParams(max_tokens=2, temperature=0.0))
-        seq.token_ids += [7, 8]
+        node, gateways, adoption = _node(links, "r.0", grace=3.0)
+        seq = _seq("r.0", 7, 8)
         del node.requests["r.0"]
         adoption.ended(NodeRequest(seq=seq), "length", 100.0)
         adoption.release("r.0", own, 100.0)
@@ -161,14 +169,10 @@ def test_what_ends_while_its_gateway_is_silent_is_freed_when_it_answers_again():
     ctx = zmq.asyncio.Context()
     own, other = links = _links(ctx, "g-own", "g-other")
     try:
-        node = _Node("r.0")
-        gateways = Gateways("node-x", links, node)  # type: ignore[arg-type]
-        assert gateways.owners.adopt("r.0", own)
-        adoption = Adoption(gateways, node, grace=3.0, heartbeat_timeout=1.0)
+        node, gateways, adoption = _node(links, "r.0", grace=3.0, heartbeat_timeout=1.0)
         own.silent_since = 100.0
         adoption.silenced(own)
-        seq = Sequence.new("r.0", [5, 6], SamplingParams(max_tokens=2, temperature=0.0))
-        seq.token_ids += [7, 8]
+        seq = _seq("r.0", 7, 8)
         del node.requests["r.0"]
         adoption.ended(NodeRequest(seq=seq), "length", 101.0)
         assert gateways.link_for("r.0") is own  # where its last token goes next
@@ -200,13 +204,8 @@ def test_a_gateway_restarted_fast_leaves_what_ended_for_it_adoptable():
     ctx = zmq.asyncio.Context()
     own, other = links = _links(ctx, "g-old", "g-other")
     try:
-        node = _Node("r.0", "s.0")
-        gateways = Gateways("node-x", links, node)  # type: ignore[arg-type]
-        for rid in node.requests:
-            assert gateways.owners.adopt(rid, own)
-        adoption = Adoption(gateways, node, grace=3.0)
-        seq = Sequence.new("r.0", [5, 6], SamplingParams(max_tokens=1, temperature=0.0))
-        seq.token_ids += [7]
+        node, gateways, adoption = _node(links, "r.0", "s.0", grace=3.0)
+        seq = _seq("r.0", 7)
         del node.requests["r.0"]
         adoption.ended(NodeRequest(seq=seq), "length", 100.0)
         assert adoption.registered(own, "g-new", 100.5)  # the node's `_registered`
@@ -228,10 +227,7 @@ def test_kv_for_a_restarted_gateway_is_kept_as_long_as_its_other_orphans():
     ctx = zmq.asyncio.Context()
     own, _ = links = _links(ctx, "g-old", "g-other")
     try:
-        node = _Node("r.0")
-        gateways = Gateways("node-x", links, node)  # type: ignore[arg-type]
-        assert gateways.owners.adopt("r.0", own)
-        adoption = Adoption(gateways, node, grace=3.0)
+        node, gateways, adoption = _node(links, "r.0", grace=3.0)
         adoption.release("r.0", own, 100.0)  # a stream let go long before
         own.silent_since = 110.0
         adoption.retire(own, 110.5)
@@ -256,15 +252,9 @@ def test_a_stream_its_gateway_ended_at_a_stop_string_is_kept_as_ended_there():
     ctx = zmq.asyncio.Context()
     own, other = links = _links(ctx, "g-own", "g-other")
     try:
-        node = _Node()
-        gateways = Gateways("node-x", links, node)  # type: ignore[arg-type]
-        adoption = Adoption(gateways, node, grace=3.0)
-        seqs = {}
-        for rid in ("r.0", "s.0"):
-            seqs[rid] = Sequence.new(rid, [5, 6], SamplingParams(max_tokens=9, temperature=0.0))
-            seqs[rid].token_ids += [7, 8, 9, 10]
-            node.requests[rid] = NodeRequest(seq=seqs[rid])
-            assert gateways.owners.adopt(rid, own)
+        node, gateways, adoption = _node(links, "r.0", "s.0", grace=3.0)
+        seqs = {rid: _seq(rid, 7, 8, 9, 10) for rid in ("r.0", "s.0")}
+        node.requests.update({rid: NodeRequest(seq=seq) for rid, seq in seqs.items()})
         adoption.release("r.0", own, 100.0, tokens=2)
         assert node.freed == ["r.0"]  # its KV: the gateway's stop ended it
         assert gateways.owners.adopt("k.0", own)  # its KV on its way here (an intake)
@@ -274,6 +264,7 @@ def test_a_stream_its_gateway_ended_at_a_stop_string_is_kept_as_ended_there():
         del node.requests["s.0"]
         adoption.ended(NodeRequest(seq=seqs["s.0"]), "length", 100.1)
         adoption.release("s.0", own, 100.2, tokens=3)
+        adoption.release("s.0", own, 100.3, tokens=2**62)  # again, absurd: changes nothing
         for rid, kept in (("r", [7, 8]), ("s", [7, 8, 9])):
             (answer,) = adoption.adopt(Adopt(streams=[(rid, 0)]), other)
             assert answer[1].output_ids == kept and answer[1].finish_reason == "stop"
