@@ -107,8 +107,10 @@ def test_two_hundred_clients_leave_live_gateways_and_resume_at_the_other(make_cl
     rng = random.Random(7)
     leave_after = [rng.randint(1, 40) for _ in bodies]  # 1: often before its KV is delivered
     expected = [sim_text(tokenizer, b["prompt"], b["seed"], b["max_tokens"]) for b in bodies]
-    for i in range(0, len(bodies), 4):  # a stop string half way: past where its client left
-        expected[i], bodies[i]["stop"] = _stopped_half_way(expected[i])
+    for i in range(0, len(bodies), 4):  # a stop string past 600 tokens: its client left
+        bodies[i]["max_tokens"] = 1200  # before it however slowly it read (as above)
+        whole = sim_text(tokenizer, bodies[i]["prompt"], bodies[i]["seed"], 1200)
+        expected[i], bodies[i]["stop"] = _stopped_half_way(whole)
     got = asyncio.run(_many(cluster.urls, bodies, leave_after))
     assert [text for text, _ in got] == expected
     assert all(resumed for _, resumed in got)
