@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pdserve.common.config import GatewayConfig
 from pdserve.common.model.tokenizer import Tokenizer
-from pdserve.common.wire.protocol import Abort, Release
+from pdserve.common.wire.protocol import RELEASE_TOKENS, Abort, Release
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.link import NodeLink
 from pdserve.gateway.metrics import GatewayMetrics
@@ -304,6 +304,10 @@ class RequestService:
         self.metrics.requests.labels("detached").inc()
         self._let_go(attempt.wire_id, attempt.decode)
 
+    def _reads(self, node_id: str, feature: str) -> bool:
+        node = self.cluster.nodes.get(node_id)
+        return node is not None and feature in node.info.features
+
     def _let_go(self, wire_id: str, node_id: str | None, tokens: int = -1) -> None:
         """`Release` a resumable stream to its node: kept there for any gateway's resume
         (`tokens` >= 0: it ended here after those, a stop string; ended there too)."""
@@ -327,8 +331,11 @@ class RequestService:
         # here by a stop string is ended at that token on every node that may hold it (the
         # node it came from may have handed it on): told instead of aborted
         keep = {decode} if req.resumable and decode is not None else set()
-        if keep and abort_nodes and attempt is not None:
-            keep |= attempt.nodes()
+        if keep and abort_nodes:
+            keep |= attempt.nodes() if attempt is not None else set()
+            # a node of an older version reads `Release(tokens)` as a plain `Release` and
+            # would decode a stopped stream on: aborted, as before that field
+            keep = {n for n in keep if self._reads(n, RELEASE_TOKENS)}
         self._release(req, notify=abort_nodes, keep=keep)
         for held_by in keep:
             self._let_go(req.wire_id, held_by, len(req.output_ids) if abort_nodes else -1)

@@ -44,7 +44,15 @@ from pdserve.common.node.kv import NodeKv
 from pdserve.common.node.role import NodeRequest, Role
 from pdserve.common.node.steps import StepLoop
 from pdserve.common.node_metrics import NodeMetrics
-from pdserve.common.wire.protocol import Foreign, Load, Msg, NodeInfo, Preempted, TokenBatch
+from pdserve.common.wire.protocol import (
+    NODE_FEATURES,
+    Foreign,
+    Load,
+    Msg,
+    NodeInfo,
+    Preempted,
+    TokenBatch,
+)
 from pdserve.common.wire.security import ClusterKey, close_context, make_context
 
 log = logging.getLogger(__name__)
@@ -134,6 +142,7 @@ class NodeRuntime:
             max_batch_tokens=self.ecfg.max_batch_tokens,
             max_model_len=eng.max_model_len,
             kv_endpoints=self.kv.endpoints if self.kv is not None else {},
+            features=NODE_FEATURES,
         )
 
     def load(self) -> Load:

@@ -49,6 +49,14 @@ class NodeInfo(msgspec.Struct, kw_only=True, frozen=True):
     # decode: where each KV backend it offers reaches it (common/kv): "zmq" its data
     # socket, "tcp" HOST:PORT of its stream listener, "shm" its host identity, "ucx" HOST:PORT
     kv_endpoints: dict[str, str] = msgspec.field(default_factory=dict)
+    # what this node's version understands beyond the base protocol (NODE_FEATURES): a
+    # gateway asks a node only what it reads (a rolling update mixes versions)
+    features: tuple[str, ...] = ()
+
+
+# `Release.tokens`: the node ends a stream at that many output tokens and keeps them
+RELEASE_TOKENS = "release-tokens"
+NODE_FEATURES = (RELEASE_TOKENS,)
 
 
 class Foreign(msgspec.Struct, kw_only=True, frozen=True):

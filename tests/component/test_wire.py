@@ -226,6 +226,19 @@ def test_every_message_round_trips_through_its_channel_only():
         assert channels >= 1, f"{type(msg).__name__} is on no channel"
 
 
+def test_a_register_of_an_older_or_newer_version_reads_with_what_both_know():
+    """A rolling update mixes versions: a `Register` without `features` (older) reads as a
+    node with none, one with fields this version lacks (newer) drops them."""
+    fields = {k: v for k, v in msgspec.structs.asdict(INFO).items() if k != "features"}
+    older = msgspec.msgpack.encode({"type": "Register", "info": fields})
+    assert decode_or_none(NODE_DECODER, older) == Register(info=INFO)
+    newer = dict(fields, features=["release-tokens", "not-yet"], later_field=[1, 2])
+    got = decode_or_none(NODE_DECODER, msgspec.msgpack.encode({"type": "Register", "info": newer}))
+    assert got == Register(
+        info=msgspec.structs.replace(INFO, features=("release-tokens", "not-yet"))
+    )
+
+
 @pytest.mark.parametrize("decoder", [d for d, _ in CHANNELS])
 def test_garbage_and_malformed_messages_are_rejected(decoder):
     offer = msgspec.to_builtins(next(m for m in SAMPLES if isinstance(m, PrefillOffer)))

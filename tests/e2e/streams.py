@@ -129,6 +129,15 @@ def sim_text(tokenizer: Any, prompt: list[int], seed: int, n: int) -> str:
     return "".join(detok.add(t) for t in ids)
 
 
+def stopped_half_way(text: str) -> tuple[str, list[str]]:
+    """A stop string first found in the second half of `text`, and the text it leaves."""
+    for at in range(len(text) // 2, len(text) - 6):
+        stop = text[at : at + 6]
+        if text.index(stop) == at:
+            return text[:at], [stop]
+    raise AssertionError("no stop string found once in the second half")
+
+
 def seeded_bodies(count: int, max_tokens: int) -> list[dict[str, Any]]:
     """`count` streamed seeded requests of 300-token prompts, all different (sim text known)."""
     return [

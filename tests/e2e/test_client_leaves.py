@@ -16,7 +16,7 @@ import pytest
 
 from pdserve.loadgen.resumable import sse_events
 from tests.e2e.conftest import wait_for
-from tests.e2e.streams import seeded_bodies, sim_text
+from tests.e2e.streams import seeded_bodies, sim_text, stopped_half_way
 
 
 def _held(cluster, at: str) -> float:
@@ -81,15 +81,6 @@ async def _many(
         ))  # fmt: skip
 
 
-def _stopped_half_way(text: str) -> tuple[str, list[str]]:
-    """A stop string first found in the second half of `text`, and the text it leaves."""
-    for at in range(len(text) // 2, len(text) - 6):
-        stop = text[at : at + 6]
-        if text.index(stop) == at:
-            return text[:at], [stop]
-    raise AssertionError("no stop string found once in the second half")
-
-
 def test_two_hundred_clients_leave_live_gateways_and_resume_at_the_other(make_cluster, tokenizer):
     """200 resumable streams over two gateways; each client drops its connection after 1 to
     40 events (seeded) and resumes at the other gateway; a quarter end at a stop string half
@@ -110,7 +101,7 @@ def test_two_hundred_clients_leave_live_gateways_and_resume_at_the_other(make_cl
     for i in range(0, len(bodies), 4):  # a stop string past 600 tokens: its client left
         bodies[i]["max_tokens"] = 1200  # before it however slowly it read (as above)
         whole = sim_text(tokenizer, bodies[i]["prompt"], bodies[i]["seed"], 1200)
-        expected[i], bodies[i]["stop"] = _stopped_half_way(whole)
+        expected[i], bodies[i]["stop"] = stopped_half_way(whole)
     got = asyncio.run(_many(cluster.urls, bodies, leave_after))
     assert [text for text, _ in got] == expected
     assert all(resumed for _, resumed in got)
