@@ -252,7 +252,7 @@ def test_resuming_an_unknown_or_wrong_stream_is_a_clear_4xx_and_frees_nothing_el
     # past any stream's length (2^64 once killed the gateway's asking: every resume 404)
     assert resume("cmpl-" + "0" * 24, str(2**64))[0] == 400
     # one long stream through gateway 1, read for a few chunks, then gateway 1 is killed
-    body = {**seeded_bodies(1, 3000)[0]}
+    body = {**seeded_bodies(1, 1500)[0]}  # ~12 s of modelled decode: running when resumed
     req = urllib.request.Request(f"{victim}/v1/completions", data=orjson.dumps(body),
                                  headers={"Content-Type": "application/json",
                                           "pdserve-resumable": "1"})  # fmt: skip
