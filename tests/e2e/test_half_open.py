@@ -22,7 +22,10 @@ from tests.e2e.streams import sim_text
 from tests.e2e.test_client_leaves import _held, _read
 
 TOKENS = 20_000  # far more than the stall needs: a stream never ends within a test
-FLAGS = ("--sim-time-scale", "0.1", "--num-kv-blocks", "4096", "--orphan-grace", "30")
+# --drain-timeout 1: the streams never end, so a node stopped at teardown would decode on for
+# the 30 s default drain (the fixture kills it at 10 s): it hands them back after 1 s instead
+FLAGS = ("--sim-time-scale", "0.1", "--num-kv-blocks", "4096", "--orphan-grace", "30",
+         "--drain-timeout", "1")  # fmt: skip
 
 
 def _body(seed: int) -> dict:
