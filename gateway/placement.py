@@ -57,10 +57,11 @@ class _Offer:
     attempt: Attempt
     node: NodeView
     decode: NodeView
-    answer: asyncio.Future[bool] = field(
+    answer: asyncio.Future[bool | None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     room: int = -1  # with a Reject: the longest prompt the node would take now
+    lost: bool = False  # accepted after a node of the pair left: aborted, its wire id spent
 
     def commit(self, table: RequestTable) -> None:
         blocks = self.decode.blocks_for(self.attempt.prompt_len + 1)
@@ -141,6 +142,12 @@ class Placer:
         if offer is None or offer.node.node.identity != identity or offer.answer.done():
             return False
         del self.offers[wire_id]
+        if accepted and not all(self._registered(v.node) for v in (offer.node, offer.decode)):
+            # a node of the pair left while the offer was out: placed there, the request
+            # would wait on a node nobody watches (its leaving re-placed only what it held)
+            offer.lost = True
+            offer.answer.set_result(None)
+            return False  # the caller aborts the acceptance on the node
         if self.table.get(wire_id) is not offer.attempt:
             # its client left (or it moved on) while the offer was out: the attempt is closed,
             # and an acceptance must not link nodes to it (the caller aborts it on the node)
@@ -151,6 +158,10 @@ class Placer:
         offer.room = room
         offer.answer.set_result(accepted)
         return True
+
+    def _registered(self, node: NodeState) -> bool:
+        """Still the registered process of its node id (not dropped, not restarted)."""
+        return self.cluster.nodes.get(node.node_id) is node
 
     def prefill_seconds(self, tokens: int) -> float:
         """Estimated prefill time: the prefill nodes' measured seconds per token (median),
@@ -328,6 +339,9 @@ class Placer:
             attempt = self.table.current(req)
             if req.finished or attempt is None or attempt.phase is not Phase.OFFERED:
                 return True  # cancelled or placed otherwise while waiting: nothing to offer
+            if not all(self._registered(v.node) and not v.node.load.draining
+                       for v in (node, decode)):  # fmt: skip
+                continue  # gone or draining since the plan (an unanswered offer took seconds)
             attempt.hashes = need.hashes
             # the decode node's cache holds this much of the prompt: its KV need not travel
             # (at least one token always does; the node checks, and asks for all if it lost it)
@@ -359,8 +373,12 @@ class Placer:
             except OSError as exc:  # never reached the node
                 log.warning("offer of %s to %s failed (%r)", attempt.wire_id, node.node_id, exc)
             finally:
+                if pending.lost and self.table.current(req) is attempt:
+                    self.table.renew(req)  # accepted, then aborted there: that wire id is spent
                 if self.offers.get(attempt.wire_id) is pending:
                     del self.offers[attempt.wire_id]
+            if pending.lost:
+                continue  # neither a no nor a silence of the node: its room stands
             if self.on_answer is not None:
                 self.on_answer(node.node, answer)
             if answer:

@@ -169,7 +169,9 @@ class Adoption:
         One pass over what the node holds, however many streams are asked for."""
         wanted = dict(msg.streams)
         held: dict[str, str] = {}  # request id -> its latest wire id here
-        for wire_id in (*self.node.requests, *self.finished):
+        # an ended stream `link` adopted already: asked again, its reply was lost
+        again = [r for r, (*_, owner) in self.recent.items() if owner is link]
+        for wire_id in (*self.node.requests, *self.finished, *again):
             rid = wire_id.rpartition(".")[0]
             if rid in wanted and (rid not in held or _attempt(wire_id) > _attempt(held[rid])):
                 held[rid] = wire_id
@@ -177,12 +179,13 @@ class Adoption:
 
     def _adopt(self, asked: str, rid: str, have: int, link: GatewayLink) -> Adopted:
         owners = self.gateways.owners
-        if owners.get(rid) is link:  # asked again (a lost reply): the same answer
-            pass
+        again = self.recent.get(rid) if rid not in self.finished else None
+        if owners.get(rid) is link or (again is not None and again[3] is link):
+            pass  # asked again (a lost reply): the same answer
         elif not owners.orphan(rid):
             return Adopted(request_id=asked, found=False,
                            reason="the stream is served by a live gateway")  # fmt: skip
-        ended = self.finished.get(rid)
+        ended = self.finished.get(rid) or (again[:2] if again is not None else None)
         req, reason = ended if ended is not None else (self.node.requests[rid], None)
         seq = req.seq
         if req.target is not None and ended is None:  # a prefill node: its KV is on its way

@@ -160,6 +160,30 @@ def test_an_ended_stream_let_go_at_its_end_is_kept_through_every_resume():
         ctx.term()
 
 
+def test_an_ended_stream_asked_for_again_by_its_adopter_gets_the_same_answer():
+    """A gateway adopted an ended orphan and asks again (its `Adopted` lost, or late past its
+    next round): the same answer, not silence that leaves its client waiting for the round's
+    timeout."""
+    ctx = zmq.asyncio.Context()
+    own, other = links = _links(ctx, "g-own", "g-other")
+    try:
+        node, gateways, adoption = _node(links, "r.0", grace=3.0)
+        del node.requests["r.0"]
+        adoption.ended(NodeRequest(seq=_seq("r.0", 7, 8)), "length", 100.0)
+        adoption.release("r.0", own, 100.0)
+        answers = [adoption.adopt(Adopt(streams=[("r", 2)]), other) for _ in range(2)]
+        for (wire_id, answer), in answers:
+            assert (wire_id, answer.found, answer.output_ids) == ("r.0", True, [7, 8])
+            assert answer.finish_reason == "length"
+        assert gateways.owners.get("r.0") is other and not adoption.finished
+        adoption.release("r.0", other, 101.0)  # its end at the adopter: kept for the grace
+        assert list(adoption.finished) == ["r.0"]
+    finally:
+        for link in links:
+            link.close()
+        ctx.term()
+
+
 def test_what_ends_while_its_gateway_is_silent_is_freed_when_it_answers_again():
     """A request ends while its gateway is silent (slow, not dead): its last tokens still go
     to that gateway (sent after the end; a paused one reads them when it wakes). The
