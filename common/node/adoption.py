@@ -42,6 +42,7 @@ class Adoption:
         # have died before their last tokens reached it (seen only at its heartbeat timeout)
         self.window = max(5.0, 2 * heartbeat_timeout)
         self.recent: dict[str, tuple[NodeRequest, str, float, object]] = {}  # .., when, owner
+        self.handed: set[str] = set()  # of `recent`, ended orphans a gateway adopted
         # `Wanted` sent: request id -> (asking gateway, serving gateway) -> when. Once per
         # pair per `window`: two clients resuming one stream at two gateways would bounce it
         # between them every round; one client moving between them again is told again
@@ -66,6 +67,8 @@ class Adoption:
     def _trim(self, now: float) -> None:
         while self.recent and now - next(iter(self.recent.values()))[2] > self.window:
             del self.recent[next(iter(self.recent))]
+        if self.handed:
+            self.handed.intersection_update(self.recent)
 
     def registered(self, link: GatewayLink, gateway_id: str, now: float) -> bool:
         """`link`'s gateway registered as `gateway_id`. True: a new process, what the old one
@@ -170,7 +173,7 @@ class Adoption:
         wanted = dict(msg.streams)
         held: dict[str, str] = {}  # request id -> its latest wire id here
         # an ended stream `link` adopted already: asked again, its reply was lost
-        again = [r for r, (*_, owner) in self.recent.items() if owner is link]
+        again = [r for r in self.handed if r in self.recent and self.recent[r][3] is link]
         for wire_id in (*self.node.requests, *self.finished, *again):
             rid = wire_id.rpartition(".")[0]
             if rid in wanted and (rid not in held or _attempt(wire_id) > _attempt(held[rid])):
@@ -179,7 +182,7 @@ class Adoption:
 
     def _adopt(self, asked: str, rid: str, have: int, link: GatewayLink) -> Adopted:
         owners = self.gateways.owners
-        again = self.recent.get(rid) if rid not in self.finished else None
+        again = self.recent.get(rid) if rid in self.handed and rid not in self.finished else None
         if owners.get(rid) is link or (again is not None and again[3] is link):
             pass  # asked again (a lost reply): the same answer
         elif not owners.orphan(rid):
@@ -200,6 +203,7 @@ class Adoption:
         if self.finished.pop(rid, None) is not None:  # ended: its adopter may let it go again
             self._trim(time.monotonic())
             self.recent[rid] = (req, reason or "", time.monotonic(), link)
+            self.handed.add(rid)
         log.info("%s adopted by the gateway at %s (%d tokens)", rid, link.address, len(outputs))
         return Adopted(
             request_id=rid, found=True, prompt_ids=seq.token_ids[:start], output_ids=outputs,

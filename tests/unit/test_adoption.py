@@ -163,14 +163,18 @@ def test_an_ended_stream_let_go_at_its_end_is_kept_through_every_resume():
 def test_an_ended_stream_asked_for_again_by_its_adopter_gets_the_same_answer():
     """A gateway adopted an ended orphan and asks again (its `Adopted` lost, or late past its
     next round): the same answer, not silence that leaves its client waiting for the round's
-    timeout."""
+    timeout. Only an adopted one: a stream that ended for its live gateway stays its own."""
     ctx = zmq.asyncio.Context()
     own, other = links = _links(ctx, "g-own", "g-other")
     try:
-        node, gateways, adoption = _node(links, "r.0", grace=3.0)
-        del node.requests["r.0"]
+        node, gateways, adoption = _node(links, "r.0", "s.0", grace=3.0)
+        del node.requests["r.0"], node.requests["s.0"]
         adoption.ended(NodeRequest(seq=_seq("r.0", 7, 8)), "length", 100.0)
+        adoption.ended(NodeRequest(seq=_seq("s.0", 9)), "length", 100.0)
         adoption.release("r.0", own, 100.0)
+        # a stream that just ended for its live gateway, never let go (not resumable): no
+        # gateway adopts it, its own neither
+        assert adoption.adopt(Adopt(streams=[("s", 0)]), own) == []
         answers = [adoption.adopt(Adopt(streams=[("r", 2)]), other) for _ in range(2)]
         for (wire_id, answer), in answers:
             assert (wire_id, answer.found, answer.output_ids) == ("r.0", True, [7, 8])
