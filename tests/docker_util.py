@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -41,12 +42,27 @@ def compose_or_skip() -> list[str]:
     return cmd
 
 
+# what one test session did once: both stacks use one image of one source tree, so the
+# second stack's wheels check and cached build (~15 s on 2 vCPUs) would only repeat the first's
+_DONE: set[str] = set()
+
+
+def build_once(run: Callable[..., subprocess.CompletedProcess]) -> None:
+    """`compose build` of the test image, the first time a stack asks in this session."""
+    if "build" not in _DONE:
+        run("build", "gateway")
+        _DONE.add("build")
+
+
 def stack_env(root: Path, port: int, models: Path) -> dict[str, str]:
-    """The wheels downloaded on the host (docker/wheels.sh: the image installs offline) and
-    the environment of a test stack: the test image on the local base image, the API on
-    127.0.0.1:`port`, the embedded model (`models` is empty), small KV and shared memory."""
-    subprocess.run(["bash", str(root / "docker/wheels.sh")], check=True, cwd=root,
-                   timeout=900, env={**os.environ, "PYTHON": sys.executable})  # fmt: skip
+    """The wheels downloaded on the host (docker/wheels.sh: the image installs offline; once
+    per session) and the environment of a test stack: the test image on the local base
+    image, the API on 127.0.0.1:`port`, the embedded model (`models` is empty), small KV and
+    shared memory."""
+    if "wheels" not in _DONE:
+        subprocess.run(["bash", str(root / "docker/wheels.sh")], check=True, cwd=root,
+                       timeout=900, env={**os.environ, "PYTHON": sys.executable})  # fmt: skip
+        _DONE.add("wheels")
     return {
         **os.environ,
         "PDSERVE_IMAGE": "pdserve:test",

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.common.wire.transport import free_port
-from tests.docker_util import compose_or_skip, stack_env
+from tests.docker_util import build_once, compose_or_skip, stack_env
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Name three colours of the rainbow."
@@ -105,7 +105,7 @@ def stack(tmp_path_factory):
         return done
 
     started = time.monotonic()
-    run("build", "gateway")
+    build_once(run)
     built = time.monotonic()
     try:
         run(

@@ -18,7 +18,7 @@ import pytest
 
 from pdserve.common.wire.transport import free_port
 from pdserve.loadgen.resumable import parse_event
-from tests.docker_util import compose_or_skip, stack_env
+from tests.docker_util import build_once, compose_or_skip, stack_env
 from tests.e2e.test_compose import PROMPT, _stream_chat, _wait_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ def ha(tmp_path_factory):
         assert done.returncode == 0, f"{' '.join(args)}:\n{out}"
         return done
 
-    run("build", "gateway")
+    build_once(run)
     try:
         run("up", "-d", "--wait", "--wait-timeout", "600", timeout=700)
         url = f"http://127.0.0.1:{port}"
