@@ -101,6 +101,10 @@ class ClusterView:
         "Several gateways")."""
         return all(n.leader in ("", gateway_id) for n in self.nodes.values())
 
+    def holds(self, node: NodeState) -> bool:
+        """`node` is still the registered process of its id (not dropped, not restarted)."""
+        return self.nodes.get(node.node_id) is node
+
     def by_identity(self, identity: bytes) -> NodeState | None:
         return next((n for n in self.nodes.values() if n.identity == identity), None)
 

@@ -142,7 +142,7 @@ class Placer:
         if offer is None or offer.node.node.identity != identity or offer.answer.done():
             return False
         del self.offers[wire_id]
-        if accepted and not all(self._registered(v.node) for v in (offer.node, offer.decode)):
+        if accepted and not all(self.cluster.holds(v.node) for v in (offer.node, offer.decode)):
             # a node of the pair left while the offer was out: placed there, the request
             # would wait on a node nobody watches (its leaving re-placed only what it held)
             offer.lost = True
@@ -158,10 +158,6 @@ class Placer:
         offer.room = room
         offer.answer.set_result(accepted)
         return True
-
-    def _registered(self, node: NodeState) -> bool:
-        """Still the registered process of its node id (not dropped, not restarted)."""
-        return self.cluster.nodes.get(node.node_id) is node
 
     def prefill_seconds(self, tokens: int) -> float:
         """Estimated prefill time: the prefill nodes' measured seconds per token (median),
@@ -339,7 +335,7 @@ class Placer:
             attempt = self.table.current(req)
             if req.finished or attempt is None or attempt.phase is not Phase.OFFERED:
                 return True  # cancelled or placed otherwise while waiting: nothing to offer
-            if not all(self._registered(v.node) and not v.node.load.draining
+            if not all(self.cluster.holds(v.node) and not v.node.load.draining
                        for v in (node, decode)):  # fmt: skip
                 continue  # gone or draining since the plan (an unanswered offer took seconds)
             attempt.hashes = need.hashes

@@ -7,6 +7,7 @@ and say what is missing.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -42,16 +43,22 @@ def compose_or_skip() -> list[str]:
     return cmd
 
 
-# what one test session did once: both stacks use one image of one source tree, so the
-# second stack's wheels check and cached build (~15 s on 2 vCPUs) would only repeat the first's
-_DONE: set[str] = set()
+# once per test session: both stacks use one image of one source tree, so the second stack's
+# wheels check and cached build (~15 s on 2 vCPUs) would only repeat the first's
+_built: list[bool] = []
 
 
 def build_once(run: Callable[..., subprocess.CompletedProcess]) -> None:
     """`compose build` of the test image, the first time a stack asks in this session."""
-    if "build" not in _DONE:
+    if not _built:
         run("build", "gateway")
-        _DONE.add("build")
+        _built.append(True)
+
+
+@functools.cache
+def _wheels(root: Path) -> None:
+    subprocess.run(["bash", str(root / "docker/wheels.sh")], check=True, cwd=root,
+                   timeout=900, env={**os.environ, "PYTHON": sys.executable})  # fmt: skip
 
 
 def stack_env(root: Path, port: int, models: Path) -> dict[str, str]:
@@ -59,10 +66,7 @@ def stack_env(root: Path, port: int, models: Path) -> dict[str, str]:
     per session) and the environment of a test stack: the test image on the local base
     image, the API on 127.0.0.1:`port`, the embedded model (`models` is empty), small KV and
     shared memory."""
-    if "wheels" not in _DONE:
-        subprocess.run(["bash", str(root / "docker/wheels.sh")], check=True, cwd=root,
-                       timeout=900, env={**os.environ, "PYTHON": sys.executable})  # fmt: skip
-        _DONE.add("wheels")
+    _wheels(root)
     return {
         **os.environ,
         "PDSERVE_IMAGE": "pdserve:test",
