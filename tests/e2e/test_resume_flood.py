@@ -19,7 +19,7 @@ from tests.e2e.test_client_leaves import _held, _read
 
 BOGUS = 400
 LIMIT = 64
-TIMEOUT_S = 2.0  # the gateway's --resume-timeout here
+TIMEOUT_S = 3.0  # the gateway's --resume-timeout here
 GAP_S = 0.02  # gateway/resume.py: rounds go out at most this often
 
 
@@ -90,17 +90,22 @@ def test_a_flood_of_resumes_is_bounded_and_a_real_resume_amid_it_goes_on_exactly
     assert set(statuses) <= {404, 429}, statuses
     limited = [(retry, s) for status, retry, s in bogus if status == 429]
     looked = statuses.count(404)
-    # all but the first LIMIT arrive while those are looked for (2 s): at once refused
+    # all but the first LIMIT arrive while those are looked for (3 s): at once refused
     assert len(limited) >= BOGUS - 2 * LIMIT and looked >= LIMIT, (len(limited), looked)
-    assert all(int(retry) >= 1 and s < 1.0 for retry, s in limited), limited[:5]
+    # refused without a look: one that waited for the looks ahead of it would take at least
+    # TIMEOUT_S. The rest is the client's own lag opening 400 connections on 2 vCPUs: at
+    # most 0.10 s idle and 0.21 s beside 3 busy processes on a Zen 4, 0.4 to over 1 s in
+    # one CI run on a loaded host; so the bound is the analysis's, not a fraction of it
+    slowest = max(s for _, s in limited)
+    assert all(int(retry) >= 1 for retry, _ in limited) and slowest < TIMEOUT_S, slowest
     assert all(s >= TIMEOUT_S for status, _, s in bogus if status == 404)  # they did look
     assert cluster.metric("pdserve:stream_resumes_total", url, outcome="busy") == (
         len(limited) + busy
     )
     # rounds: one Adopt per node each, however many streams are looked for. Asked one by
-    # one, every stream looked for would cost a message per node every 250 ms, looked x 8
-    # here (512); rounds go out at most every GAP_S whatever the flood, and streams asked
-    # apart share them (17-33 here on a 2-vCPU AMD EPYC Zen 4: the 64 arrivals' spread)
+    # one, every stream looked for would cost a message per node every 250 ms, looked x 12
+    # here (768); rounds go out at most every GAP_S whatever the flood, and streams asked
+    # apart share them (49 here on a 2-vCPU AMD EPYC Zen 4: the arrivals' spread)
     assert rounds <= elapsed / GAP_S + 1, (rounds, elapsed)
     assert rounds < looked * (TIMEOUT_S / 0.25) / 4, (rounds, looked)
     status, _ = cluster.get("/health")
