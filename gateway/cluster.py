@@ -50,6 +50,7 @@ class ClusterView:
         self.heartbeat_timeout = heartbeat_timeout
         self.nodes: dict[str, NodeState] = {}
         self.reference: NodeInfo | None = None  # the first node fixes model/dtype/layout
+        self.stalled_s = 0.0  # seconds excused so far: detection is late by as much
 
     def register(
         self, info: NodeInfo, identity: bytes, now: float, gateway_tokenizer: str
@@ -116,6 +117,7 @@ class ClusterView:
 
     def excuse(self, seconds: float) -> None:
         """Moves every lease on by `seconds` the gateway itself could not run."""
+        self.stalled_s += seconds
         for n in self.nodes.values():
             n.last_seen += seconds
             n.progress_at += seconds

@@ -109,7 +109,13 @@ class ClusterCollector(Collector):
             "Placement attempts in the gateway's request table (placed, in prefill or decoding)",
         )
         in_flight.add_metric([], len(self.table))
+        stalled = CounterMetricFamily(
+            "pdserve:gateway_stall_seconds", "Seconds this gateway's loop could not run (CPU "
+            "starved, a pause): node leases were extended by as much, so detection is later",
+        )  # fmt: skip
+        stalled.add_metric([], self.cluster.stalled_s)
         yield from (running, waiting, prefill, usage, blocks, others, gw_waiting, in_flight)
+        yield stalled
         if self.desired is not None:
             desired = GaugeMetricFamily(
                 "pdserve:desired_replicas",

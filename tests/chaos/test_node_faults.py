@@ -123,6 +123,7 @@ def test_kill_restart_and_freeze_nodes_under_streaming_load(
     # least n requests long (the long form's length)
     load = SteadyLoad(cluster.url, lambda i: _body(i % n, 10**6 + i), spacing, BOUND_S).start()
     detector = Detector(cluster)
+    stalled_before = cluster.metric("pdserve:gateway_stall_seconds_total")
     faults: dict[str, float] = {}
     held: dict[str, float] = {}
 
@@ -147,7 +148,7 @@ def test_kill_restart_and_freeze_nodes_under_streaming_load(
     procs[dead].kill()
     faults[dead] = time.monotonic()
     held[dead] = running[dead]
-    assert wait_for(lambda: {"prefill-0", dead} <= set(detector.gone_at), timeout=5)
+    assert wait_for(lambda: {"prefill-0", dead} <= set(detector.gone_at), timeout=10)
     restarted = [_restart(cluster, "prefill", "prefill-0"), _restart(cluster, "decode", dead)]
     assert wait_for(lambda: {"prefill-0", dead} <= _nodes(cluster), timeout=60)
     # the restarted decode node can take KV once the gateway has its load report (free blocks):
@@ -164,7 +165,7 @@ def test_kill_restart_and_freeze_nodes_under_streaming_load(
     frozen = procs["prefill-1"].pid
     os.kill(frozen, signal.SIGSTOP)
     faults["prefill-1"] = time.monotonic()
-    assert wait_for(lambda: "prefill-1" in detector.gone_at, timeout=5)
+    assert wait_for(lambda: "prefill-1" in detector.gone_at, timeout=10)
     time.sleep(max(0.0, faults["prefill-1"] + 5.0 - time.monotonic()))
     os.kill(frozen, signal.SIGCONT)
     assert wait_for(lambda: len(load.bodies) >= n, timeout=n * spacing + 30)
@@ -182,10 +183,11 @@ def test_kill_restart_and_freeze_nodes_under_streaming_load(
         if r.text != sim_text(tokenizer, b["prompt"], b["seed"], b["max_tokens"])
     ]
     detection = {node: detector.gone_at[node] - t for node, t in faults.items()}
+    stalled = cluster.metric("pdserve:gateway_stall_seconds_total") - stalled_before
     back = {"prefill-0", "prefill-1", dead}  # the frozen one is back; the other drained
     assert wait_for(lambda: _nodes(cluster) >= back, timeout=30)
     assert wait_for(lambda: cluster.metric("pdserve:kv_blocks", state="in_use") == 0, timeout=15)
-    assert wait_for(lambda: cluster.metric("pdserve:gateway_attempts_in_flight") == 0, timeout=5)
+    assert wait_for(lambda: cluster.metric("pdserve:gateway_attempts_in_flight") == 0, timeout=15)
     rss = _rss_kib(gateway.pid)
     figures = {
         "requests": sent,
@@ -195,6 +197,7 @@ def test_kill_restart_and_freeze_nodes_under_streaming_load(
         "wrong_text": len(wrong),
         "held_when_hit": held,
         "detection_s": {k: round(v, 2) for k, v in detection.items()},
+        "gateway_stalled_s": round(stalled, 2),
         "replacements": cluster.metric("pdserve:request_replacements_total"),
         "migrated": cluster.metric("pdserve:kv_migrations_total", result="moved"),
         "stayed": cluster.metric("pdserve:kv_migrations_total", result="stayed"),
@@ -206,7 +209,9 @@ def test_kill_restart_and_freeze_nodes_under_streaming_load(
     assert not hung, [r.error for r in hung[:3]]
     assert not wrong, wrong[:3]
     assert len(completed) >= 0.99 * sent, [r.error for r in results if not r.ok][:5]
-    assert all(v <= 2.0 for v in detection.values()), detection
+    # the 1 s lease, up to two of the gateway's 0.25 s checks, the detector's polling; and
+    # later by what the gateway could not run (a loaded host), its leases extended by as much
+    assert all(v <= 2.0 + stalled for v in detection.values()), (detection, stalled)
     assert rss <= 1.10 * rss_warm, (rss, rss_warm)
     survivors = [gateway, procs["prefill-1"], *restarted]
     assert all(p.poll() is None for p in survivors), "a process died"
