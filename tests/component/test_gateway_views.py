@@ -57,21 +57,22 @@ async def test_an_offer_placed_on_a_stale_view_is_rejected_with_the_truth(tokeni
 async def test_heartbeats_ask_for_a_reply_only_when_one_is_due(tokenizer):
     """A node asks a gateway for a heartbeat reply only when it has heard nothing from it
     for one and a half intervals: with a gateway that answers every asking beat, every
-    second beat asks (0.05 s beats, 0.2 s timeout), and the gateway is never taken for
-    silent; once it stops answering, every beat asks."""
+    second beat asks (0.1 s beats, 0.5 s timeout), and the gateway is never taken for
+    silent; once it stops answering, every beat asks. An answer later than half a beat
+    (0.05 s: the two processes of a loaded host) makes the next ask a beat later."""
     a = ScriptedGateway("gw-a")
     a.asked_only = True
     beats = a.beats
     node = None
     try:
-        node = await _node(tokenizer, DecodeRole, "decode-0", [a],
-                           node_cfg={"heartbeat_timeout": 0.2})  # fmt: skip
+        cfg = {"heartbeat_timeout": 0.5, "heartbeat_interval": 0.1}
+        node = await _node(tokenizer, DecodeRole, "decode-0", [a], node_cfg=cfg)
         link = node[0].control.links[0]
         await until(lambda: len(beats) >= 40, 10, "40 heartbeats")
         window = beats[-36:]
         asked = sum(b.reply for b in window)
-        # one in two: quiet just under 0.05 s (no: the answer came just after the asking
-        # beat), just under 0.10 s (asks); a late loop may make one more or one fewer ask
+        # one in two: quiet just under 0.1 s (no: the answer came just after the asking
+        # beat), just under 0.2 s (asks); a late loop may make one more or one fewer ask
         assert 14 <= asked <= 24, [b.reply for b in window]
         assert link.registered and link.silent_since is None
         a.muted = True

@@ -145,8 +145,9 @@ def _target(node: NodeRuntime) -> DecodeTarget:
 
 async def _node(tokenizer, role, node_id: str, gateways: list[ScriptedGateway], node_cfg=None,
                 **ecfg):  # fmt: skip
+    node_cfg = {"heartbeat_interval": 0.05, **(node_cfg or {})}
     cfg = NodeConfig(gateway=",".join(g.control_address for g in gateways), node_id=node_id,
-                     heartbeat_interval=0.05, kv_backend="tcp", **(node_cfg or {}))  # fmt: skip
+                     kv_backend="tcp", **node_cfg)  # fmt: skip
     engine_cfg = dataclasses.replace(SIM, **ecfg)
     node = NodeRuntime(role, cfg, engine_cfg, SimEngine(engine_cfg), tokenizer)
     task = asyncio.create_task(node.serve())

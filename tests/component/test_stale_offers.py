@@ -44,7 +44,9 @@ async def test_no_offer_names_a_decode_node_that_left_during_an_unanswered_one(t
     """prefill-a never answers; the round's next pair, (prefill-b, decode-1), was planned
     before decode-1 left during prefill-a's offer timeout: it is not offered, the request is
     placed on decode-2 and completes."""
-    async with Cluster(tokenizer, offer_timeout=0.5, placement_timeout=5.0) as c:
+    # the node's leaving and decode-2's first report must fit in prefill-a's offer timeout:
+    # ~0.2 s idle on 2 vCPUs, so 3 s holds on a host 10x slower
+    async with Cluster(tokenizer, offer_timeout=3.0, placement_timeout=10.0) as c:
         silent = _offers(await c.add(c.node(PrefillRole, "prefill-a")), answer=False)
         answering = await c.add(c.node(PrefillRole, "prefill-b"))
         seen = _offers(answering)
@@ -55,7 +57,7 @@ async def test_no_offer_names_a_decode_node_that_left_during_an_unanswered_one(t
         assert silent[0][1] == "decode-1"  # the pairs of this round name decode-1
         await _replace_decode(c, leaving)
         assert not silent[1:] and not seen  # all within prefill-a's offer timeout
-        await asyncio.wait_for(run, 5.0)
+        await asyncio.wait_for(run, 10.0)
         assert await outcome(req, 5.0) == Done("length")
         assert all(decode == "decode-2" for _, decode in seen), seen
         assert req.ran_on["decode"] == "decode-2"
@@ -65,7 +67,9 @@ async def test_no_offer_names_a_decode_node_that_left_during_an_unanswered_one(t
 async def test_an_accept_naming_a_decode_node_that_left_is_aborted_and_placed_again(tokenizer):
     """prefill-b answers the offer naming decode-1 only after decode-1 has left: its Accept
     is aborted there, the request goes on under a new wire id, placed on decode-2."""
-    async with Cluster(tokenizer, offer_timeout=2.0, placement_timeout=5.0) as c:
+    # the late Accept must come before the offer times out: decode-1's leaving and
+    # decode-2's registering take ~0.2 s idle on 2 vCPUs
+    async with Cluster(tokenizer, offer_timeout=5.0, placement_timeout=10.0) as c:
         node = await c.add(c.node(PrefillRole, "prefill-b"))
         leaving = await c.add(c.node(DecodeRole, "decode-1"))
         on_offer, held = node.role._on_offer, asyncio.Event()
@@ -83,7 +87,7 @@ async def test_an_accept_naming_a_decode_node_that_left_is_aborted_and_placed_ag
         run = asyncio.create_task(c.gw.service.run(req))
         await asyncio.wait_for(held.wait(), 5.0)
         await _replace_decode(c, leaving)
-        await asyncio.wait_for(run, 5.0)
+        await asyncio.wait_for(run, 10.0)
         assert await outcome(req, 5.0) == Done("length")
         assert [d for _, d in seen] == ["decode-1", "decode-2"], seen
         assert seen[0][0] != seen[1][0]  # the aborted acceptance's wire id is spent

@@ -51,7 +51,7 @@ def test_short_placement_timeout_answers_503_with_retry_after(make_cluster):
     assert "retry" in failed["error"]["message"]
 
 
-def test_client_disconnect_frees_kv_on_both_nodes_within_a_second(make_cluster):
+def test_client_disconnect_frees_kv_on_both_nodes_at_once(make_cluster):
     cluster = make_cluster()
     assert wait_for(lambda: in_use(cluster, "decode") == 0 and in_use(cluster, "prefill") == 0)
     body = json.dumps(
@@ -69,10 +69,12 @@ def test_client_disconnect_frees_kv_on_both_nodes_within_a_second(make_cluster):
     sock.close()
     closed = time.monotonic()
     assert wait_for(
-        lambda: in_use(cluster, "decode") == 0 and in_use(cluster, "prefill") == 0, timeout=3
+        lambda: in_use(cluster, "decode") == 0 and in_use(cluster, "prefill") == 0, timeout=10
     )
-    # heartbeats every 0.2 s carry the node's block counts: allow one report of slack
-    assert time.monotonic() - closed < 1.0 + 0.3
+    # freed at the next decode step, seen at the next 0.2 s heartbeat: 0.3-0.4 s on an idle
+    # 2-vCPU host. Kept instead, the blocks would stay until the 2,000 tokens are decoded
+    # (over 20 s), so 5 s tells the two apart on a host 10x slower than idle
+    assert time.monotonic() - closed < 5.0
 
 
 def test_small_decode_cache_preempts_and_every_request_completes(
@@ -111,9 +113,14 @@ def test_silent_node_is_dropped_and_rejoins(make_cluster):
     decode = cluster.procs[2]
     decode.send_signal(signal.SIGSTOP)
     try:
+        stalled = cluster.metric("pdserve:gateway_stall_seconds_total")
         stopped = time.monotonic()
-        assert wait_for(lambda: cluster.get("/health")[0] == 503, timeout=4)
-        assert time.monotonic() - stopped < 2.0 + 1.0
+        assert wait_for(lambda: cluster.get("/health")[0] == 503, timeout=10)
+        took = time.monotonic() - stopped
+        # the 2 s lease and the gateway's 0.25 s checks; later by what the gateway itself
+        # could not run (a loaded host: its leases are extended by as much)
+        stalled = cluster.metric("pdserve:gateway_stall_seconds_total") - stalled
+        assert took < 2.0 + 1.0 + stalled, (took, stalled)
         assert "decode" in cluster.get("/health")[1]
     finally:
         decode.send_signal(signal.SIGCONT)
@@ -129,7 +136,8 @@ def test_nodes_register_again_after_a_gateway_restart(make_cluster):
     gateway.send_signal(signal.SIGTERM)
     gateway.wait(10)
     cluster.procs[0] = subprocess.Popen(args)
-    assert wait_for(lambda: cluster.get("/health")[0] == 200, timeout=15)
+    # a fresh process's imports, then the nodes' re-registering (~2.5 s idle on 2 vCPUs)
+    assert wait_for(lambda: cluster.get("/health")[0] == 200, timeout=60)
     status, resp = cluster.post("/v1/completions", {"prompt": "hi", "max_tokens": 3})
     assert status == 200 and resp["usage"]["completion_tokens"] == 3
 
@@ -216,14 +224,14 @@ def test_decode_node_dying_mid_transfer_frees_prefill_kv_and_retries_elsewhere(
         victim = receiving()[0]
         cluster.procs[2 + int(victim[-1])].kill()  # procs: gateway, prefill-0, decode-0, -1
         # mid-prefill (the gateway sees the prefill's load at its next heartbeat, 0.2 s)
-        assert wait_for(
-            lambda: cluster.metric("pdserve:num_requests_running", role="prefill") > 0, 1.0
+        assert wait_for(  # within the ~1.5 s of the pass left after the kill
+            lambda: cluster.metric("pdserve:num_requests_running", role="prefill") > 0, 1.5
         )
         status, resp = future.result(timeout=60)
     assert status == 200 and resp["usage"]["completion_tokens"] == 5
     assert cluster.metric("pdserve:request_replacements_total", kind="lost") >= 1
     assert cluster.metric("pdserve:kv_transfer_bytes_total", backend=backend) > 0  # the retry
-    assert wait_for(lambda: in_use(cluster, "prefill") == 0, timeout=5)
+    assert wait_for(lambda: in_use(cluster, "prefill") == 0, timeout=15)
 
 
 def test_sim_nodes_serve_without_loading_torch(make_cluster):

@@ -149,10 +149,13 @@ async def test_metrics_match_a_server_with_known_delays():
     assert s["completed"] == 10 and s["failed"] == 0
     assert all(r.output_tokens == TOKENS for r in records)
     truth = {"ttft": TTFT, "tpot": STEP, "itl": STEP, "e2e": TTFT + (TOKENS - 1) * STEP}
+    # the server sleeps at least these; the client reads them later by its own lag (a few
+    # ms idle, more on a loaded host). A wrong definition is further off: a gap per token,
+    # not per gap, 12 % low; the first token's wait counted in the ITL, 37 % high
     for name, seconds in truth.items():
         for stat in ("mean", "p50"):
             got = s[f"{name}_ms_{stat}"] / 1000
-            assert abs(got - seconds) <= 0.05 * seconds, (name, stat, got, seconds)
+            assert 0.95 * seconds <= got <= 1.25 * seconds, (name, stat, got, seconds)
 
 
 def test_sharegpt_file_gives_prompts_and_reply_sized_outputs(tmp_path):
