@@ -47,11 +47,15 @@ def test_a_frozen_gateway_keeps_its_nodes_and_every_stream(make_cluster, tokeniz
         return min(running.values()) > 0
 
     assert wait_for(busy, timeout=60, interval=0.01), f"no streams on both nodes: {running}"
+    stalled = cluster.metric("pdserve:gateway_stall_seconds_total")
     os.kill(gateway.pid, signal.SIGSTOP)
     time.sleep(4.0)  # the heartbeat timeout is 2 s
     os.kill(gateway.pid, signal.SIGCONT)
     load.join(90)
     assert not load.is_alive()
+    # the freeze, less the 0.25 s liveness tick it fell in, is counted as the gateway's own
+    stalled = cluster.metric("pdserve:gateway_stall_seconds_total") - stalled
+    assert stalled >= 4.0 - 0.25 - 0.05, stalled
     _check_texts(tokenizer, bodies, results)
     assert cluster.metric("pdserve:request_replacements_total") == 0
     assert all(p.poll() is None for p in cluster.procs)
