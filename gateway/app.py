@@ -366,6 +366,10 @@ def serve(cfg: GatewayConfig) -> None:
         host=cfg.host,
         port=cfg.port,
         handler_cancellation=True,
+        # aiohttp's 128 overflows in a burst of connections (hundreds of clients at once,
+        # a flood of resumes): a dropped SYN costs its client a 1 s retransmit. uvicorn's
+        # 2048 (the kernel caps it at net.core.somaxconn)
+        backlog=2048,
         print=lambda *_: log.info("gateway on http://%s:%d", cfg.host, cfg.port),
         access_log=None,
     )
