@@ -297,7 +297,7 @@ def test_nodes_on_separate_hosts_move_kv_over_tcp_and_survive_a_cut_link(hosts, 
     assert wait_for(holding, timeout=60), "decode-0 held nothing to cut"
     cut = time.monotonic()
     _link("d0", up=False)  # the cable is pulled
-    detected = wait_for(lambda: "decode-0" not in _nodes(cluster), timeout=3.0, interval=0.05)
+    detected = wait_for(lambda: "decode-0" not in _nodes(cluster), timeout=10, interval=0.05)
     detection_s = time.monotonic() - cut
     assert detected, "the gateway never noticed decode-0's link was cut"
     time.sleep(max(0.0, 3.0 - detection_s))

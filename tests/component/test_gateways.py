@@ -314,7 +314,7 @@ async def test_an_orphan_is_adopted_only_once_its_gateway_is_silent(tokenizer):
     every later token; A gets none of those."""
     a, b = ScriptedGateway("gw-a"), ScriptedGateway("gw-b")
     prefill, decode = None, None
-    fast = {"heartbeat_timeout": 0.3, "orphan_grace": 30.0}
+    fast = {"heartbeat_timeout": 1.0, "orphan_grace": 30.0}  # a stall under 1 s is no silence
     try:
         prefill = await _node(tokenizer, PrefillRole, "prefill-0", [a, b], fast)
         decode = await _node(tokenizer, DecodeRole, "decode-0", [a, b], fast, sim_time_scale=20.0)
