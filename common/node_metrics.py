@@ -28,6 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pdserve.common.wire.protocol import Load
+from pdserve.common.wire.security import REFUSALS
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,18 @@ class _LoadCollector(Collector):
         draining.add_metric(self.key, int(load.draining))
         yield from (running, waiting, usage, blocks, draining)
         yield from prefix_counters([(self.key, load)])
+        yield refused_peers(labels, self.key)
+
+
+def refused_peers(labels: list[str], key: list[str]) -> Metric:
+    """This process's refusals of peers without the cluster key, by kind."""
+    refused = CounterMetricFamily(
+        "pdserve:refused_peers", "Peers refused for want of the cluster key (--cluster-key)",
+        labels=[*labels, "kind"],
+    )  # fmt: skip
+    for kind, count in REFUSALS.counts.items():
+        refused.add_metric([*key, kind], count)
+    return refused
 
 
 def prefix_counters(loads: list[tuple[list[str], Load]]) -> Iterator[Metric]:

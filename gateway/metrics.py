@@ -18,7 +18,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdserve.common.node_metrics import prefix_counters
+from pdserve.common.node_metrics import prefix_counters, refused_peers
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.table import RequestTable
 
@@ -115,7 +115,7 @@ class ClusterCollector(Collector):
         )  # fmt: skip
         stalled.add_metric([], self.cluster.stalled_s)
         yield from (running, waiting, prefill, usage, blocks, others, gw_waiting, in_flight)
-        yield stalled
+        yield from (stalled, refused_peers([], []))
         if self.desired is not None:
             desired = GaugeMetricFamily(
                 "pdserve:desired_replicas",

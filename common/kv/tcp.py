@@ -183,7 +183,9 @@ class TcpListener:
         if self.key is not None and not self.key.check(
             bytes(ident[ID_BYTES:]), nonce, bytes(ident[:ID_BYTES])
         ):
-            REFUSALS.refuse("a tcp KV connection from %s without the cluster key", addr)
+            REFUSALS.refuse(
+                "kv-stream", "a tcp KV connection from %s without the cluster key", addr
+            )
             conn.close()
             return
         peer = ident[:ID_BYTES].decode(errors="replace").strip()

@@ -85,15 +85,21 @@ class ClusterKey:
 
 
 class Refusals:
-    """Logs refused peers, at most one line per reason every 10 s (a scanner must not flood
-    the log)."""
+    """Counts refused peers by kind (`handshake`: a ZeroMQ peer without the key or with
+    another; `other-key`: one with another key, also counted as a failed handshake;
+    `kv-stream`: a tcp KV connection failing the challenge) and logs them, at most one line
+    per reason every 10 s (a scanner must not flood the log)."""
 
     def __init__(self) -> None:
         self.last: dict[str, float] = {}
-        self.count = 0
+        self.counts: dict[str, int] = {"handshake": 0, "other-key": 0, "kv-stream": 0}
 
-    def refuse(self, reason: str, *args: object) -> None:
-        self.count += 1
+    @property
+    def count(self) -> int:
+        return sum(self.counts.values())
+
+    def refuse(self, kind: str, reason: str, *args: object) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
         now = time.monotonic()
         if now - self.last.get(reason, -1e9) >= 10.0:
             self.last[reason] = now
@@ -112,7 +118,7 @@ class _OnlyClusterKey:
     def callback(self, domain: str, client_key: bytes) -> bool:
         ok = hmac.compare_digest(client_key, self.public)  # both Z85
         if not ok:
-            REFUSALS.refuse("a ZeroMQ client with another CURVE key")
+            REFUSALS.refuse("other-key", "a ZeroMQ client with another CURVE key")
         return ok
 
 
@@ -164,7 +170,7 @@ async def watch_handshakes(sock: zmq.asyncio.Socket, name: str) -> None:
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())
             where, code = event["endpoint"], event["value"]
-            REFUSALS.refuse("handshake failed on %s %s (%s)", name, where, code)
+            REFUSALS.refuse("handshake", "handshake failed on %s %s (%s)", name, where, code)
     finally:
         with contextlib.suppress(zmq.ZMQError):  # the socket may be closed already
             sock.disable_monitor()

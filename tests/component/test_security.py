@@ -94,7 +94,7 @@ async def test_kv_moves_byte_exact_with_a_cluster_key(backend):
 async def test_a_tcp_kv_connection_without_the_key_is_closed_unread(caplog):
     pair = await Pair("tcp", capacity=600, key=ClusterKey.generate()).start()
     host, port = pair.tcp_address.rsplit(":", 1)
-    before = security.REFUSALS.count
+    before = security.REFUSALS.counts["kv-stream"]
     try:
         loop = asyncio.get_running_loop()
         for mac in (b"\0" * security.MAC_BYTES, ClusterKey.generate().mac(b"x")):
@@ -105,7 +105,7 @@ async def test_a_tcp_kv_connection_without_the_key_is_closed_unread(caplog):
             await loop.sock_sendall(sock, b"p".ljust(64) + mac)
             assert await asyncio.wait_for(loop.sock_recv(sock, 10), 5) == b""  # closed
             sock.close()
-        assert security.REFUSALS.count == before + 2
+        assert security.REFUSALS.counts["kv-stream"] == before + 2  # pdserve:refused_peers
         # the member still gets through afterwards
         intake = await pair.send("after", 40, [0, 1, 2], layerwise=False)
         assert digest(pair.dst, intake.block_table, 40) == digest(pair.src, [0, 1, 2], 40)

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
+import urllib.error
+import urllib.request
 
+from pdserve.common.wire.transport import free_port
 from tests.e2e.conftest import wait_for
 from tests.e2e.streams import sim_text
 
@@ -22,6 +24,17 @@ def _keygen(path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "public key" in done.stdout
+
+
+def _unregistered(port: int) -> bool:
+    """The node on this metrics port is up and says it is not registered."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+            return False  # 200: registered
+    except urllib.error.HTTPError as err:
+        return "not registered" in err.read().decode()
+    except OSError:
+        return False  # not up yet
 
 
 def test_a_keyed_cluster_serves_and_refuses_nodes_without_the_key(
@@ -38,18 +51,30 @@ def test_a_keyed_cluster_serves_and_refuses_nodes_without_the_key(
         gateway_flags=flags,
         node_flags=(*flags, "--sim-time-scale", "0.02", "--kv-backend", "tcp"),
     )
-    rogues = []
-    for name, extra in (("rogue-nokey", ()), ("rogue-otherkey", ("--cluster-key", str(other)))):
+    rogues, ports = [], [free_port(), free_port()]
+    kinds = (("rogue-nokey", ()), ("rogue-otherkey", ("--cluster-key", str(other))))
+    for (name, extra), port in zip(kinds, ports, strict=True):
         cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "decode"]
         cmd += ["--gateway", cluster.control, "--node-id", name, "--engine", "sim"]
-        cmd += ["--heartbeat-interval", "0.2", *extra]
+        cmd += ["--heartbeat-interval", "0.2", "--metrics-port", str(port), *extra]
         rogues.append(subprocess.Popen(cmd))
+
+    def refused() -> float:  # a peer without the key (or with another) fails its handshake
+        return cluster.metric("pdserve:refused_peers_total", kind="handshake")
+
     try:
-        deadline = time.monotonic() + 4.0  # long enough to register many times over
-        while time.monotonic() < deadline:
+        # both up and trying (not from their launch: a slow start would leave the window
+        # empty), then refused many times over while the gateway knows only its members
+        assert wait_for(lambda: all(_unregistered(p) for p in ports), 60), "rogues never up"
+        seen = refused()
+
+        def only_members() -> bool:
             _, text = cluster.get("/health")
             assert set(json.loads(text)["nodes"]) == {"prefill-0", "decode-0"}
-            time.sleep(0.2)
+            return refused() >= seen + 20
+
+        assert wait_for(only_members, 60, interval=0.2)
+        assert all(_unregistered(p) for p in ports)
         for i in range(12):  # nothing goes to the rogues: every text exact, from decode-0
             prompt = list(range(2000 + 10 * i, 2030 + 10 * i))
             body = {"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": i}
