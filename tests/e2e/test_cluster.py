@@ -36,9 +36,11 @@ def test_full_prefill_nodes_make_requests_wait_and_all_complete(make_cluster):
 
 
 def test_short_placement_timeout_answers_503_with_retry_after(make_cluster):
+    # the first request placed within 1 s (an offer's round trip), the others waiting for
+    # the one slot longer than that: a 4,000-token pass is 2.6 s at this scale
     cluster = make_cluster(
         engine="sim",
-        gateway_flags=("--placement-timeout", "0.3"),
+        gateway_flags=("--placement-timeout", "1.0"),
         node_flags=("--max-batch", "1", "--sim-time-scale", "20"),
     )
     body = {"prompt": list(range(100, 4100)), "max_tokens": 2}
