@@ -50,7 +50,7 @@ class ClusterView:
         self.heartbeat_timeout = heartbeat_timeout
         self.nodes: dict[str, NodeState] = {}
         self.reference: NodeInfo | None = None  # the first node fixes model/dtype/layout
-        self.stalled_s = 0.0  # seconds excused so far: detection is late by as much
+        self.stalled_s = 0.0  # stalls excused so far (past a tick): detection is that late
 
     def register(
         self, info: NodeInfo, identity: bytes, now: float, gateway_tokenizer: str

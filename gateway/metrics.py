@@ -110,8 +110,8 @@ class ClusterCollector(Collector):
         )
         in_flight.add_metric([], len(self.table))
         stalled = CounterMetricFamily(
-            "pdserve:gateway_stall_seconds", "Seconds this gateway's loop could not run (CPU "
-            "starved, a pause): node leases were extended by as much, so detection is later",
+            "pdserve:gateway_stall_seconds", "Stalls of this gateway's loop past its liveness "
+            "tick (0.25 s): node leases were extended by as much, so detection is later",
         )  # fmt: skip
         stalled.add_metric([], self.cluster.stalled_s)
         yield from (running, waiting, prefill, usage, blocks, others, gw_waiting, in_flight)

@@ -116,4 +116,4 @@ def test_generated_nonsense_on_every_live_socket_changes_nothing(
     assert cluster.get("/health")[0] == 200
     bodies = _bodies(40, 8)
     _check_texts(tokenizer, bodies, run_streams(cluster.url, bodies, timeout=30))
-    assert wait_for(lambda: cluster.metric("pdserve:kv_blocks", state="in_use") == 0, timeout=15)
+    assert wait_for(lambda: cluster.metric("pdserve:kv_blocks", state="in_use") == 0, timeout=8)

@@ -59,7 +59,7 @@ def test_a_frozen_gateway_keeps_its_nodes_and_every_stream(make_cluster, tokeniz
     _check_texts(tokenizer, bodies, results)
     assert cluster.metric("pdserve:request_replacements_total") == 0
     assert all(p.poll() is None for p in cluster.procs)
-    assert wait_for(lambda: _blocks_in_use(cluster) == 0, timeout=15)
+    assert wait_for(lambda: _blocks_in_use(cluster) == 0, timeout=8)
 
 
 async def test_a_gateway_loop_blocked_past_the_heartbeat_timeout_drops_no_node(tokenizer):
@@ -81,6 +81,7 @@ async def test_a_gateway_loop_blocked_past_the_heartbeat_timeout_drops_no_node(t
         time.sleep(1.5)  # blocks the loop: nobody runs, nothing is read
         await asyncio.sleep(0.6)
         assert not dropped
+        assert c.gw.cluster.stalled_s >= 1.5 - 0.25 - 0.05  # counted, less the tick it was in
         reqs = [c.request(f"r{i}", prompt(20, 3000 + 40 * i)) for i in range(4)]
         runs = [asyncio.create_task(c.gw.service.run(r)) for r in reqs]
         results = [await outcome(r) for r in reqs]

@@ -61,7 +61,7 @@ async def test_a_long_prompt_behind_a_stream_of_short_ones_waits_at_most_its_bou
     ecfg = EngineConfig(
         engine="sim", sim_time_scale=15, num_kv_blocks=256, max_batch=8, max_batch_tokens=1000
     )
-    max_wait = 1.0
+    max_wait = 2.0  # longer than the slack below: a bound applied twice does not pass
     async with Cluster(
         tokenizer, admission="spf", admission_max_wait=max_wait, placement_timeout=30
     ) as c:
@@ -99,10 +99,10 @@ async def test_a_long_prompt_behind_a_stream_of_short_ones_waits_at_most_its_bou
         await asyncio.wait_for(placed, 1)
         waited = time.monotonic() - start
         # it did go after the short ones (spf), and not longer than the bound: the wait, the
-        # pass running then and the one the node finishes, and 2 s for rounds and offers
+        # pass running then and the one the node finishes, and 1 s for rounds and offers
         # on a loaded host (without the bound it waits the whole 10 s of short arrivals)
         assert waited >= max_wait * 0.9, waited
-        assert waited <= max_wait + 2 * batch_s + 2.0, (waited, batch_s)
+        assert waited <= max_wait + 2 * batch_s + 1.0, (waited, batch_s)
         await asyncio.wait_for(asyncio.gather(*tasks), 30)
         events = [await outcome(r, 30) for r in [long, *shorts]]
         assert all(e == Done("length") for e in events), events

@@ -59,7 +59,8 @@ async def test_heartbeats_ask_for_a_reply_only_when_one_is_due(tokenizer):
     for one and a half intervals: with a gateway that answers every asking beat, every
     second beat asks (0.1 s beats, 0.5 s timeout), and the gateway is never taken for
     silent; once it stops answering, every beat asks. An answer later than half a beat
-    (0.05 s: the two processes of a loaded host) makes the next ask a beat later."""
+    (0.05 s: the loop the node and the scripted gateway share, on a loaded host) makes the
+    next ask a beat later."""
     a = ScriptedGateway("gw-a")
     a.asked_only = True
     beats = a.beats

@@ -258,7 +258,7 @@ def test_a_stream_that_ended_unread_is_resumed_at_any_gateway_until_the_grace_en
                                     headers=headers) as cut:  # fmt: skip
                 text, cut_id, _, done = await _read(cut, None)
             assert done and text == whole[: whole.index(stop)]
-            assert await asyncio.to_thread(wait_for, lambda: _held(cluster, first) == 0, 15)
+            assert await asyncio.to_thread(wait_for, lambda: _held(cluster, first) == 0, 10)
             assert await resume(session, second, cut_id, "0") == (200, text)
             # each resume's end let it go again: the grace counts from the last one's end
             await asyncio.sleep(grace + 1.0)  # + the nodes' expiry pass (each heartbeat)

@@ -233,7 +233,7 @@ def test_decode_node_dying_mid_transfer_frees_prefill_kv_and_retries_elsewhere(
     assert status == 200 and resp["usage"]["completion_tokens"] == 5
     assert cluster.metric("pdserve:request_replacements_total", kind="lost") >= 1
     assert cluster.metric("pdserve:kv_transfer_bytes_total", backend=backend) > 0  # the retry
-    assert wait_for(lambda: in_use(cluster, "prefill") == 0, timeout=15)
+    assert wait_for(lambda: in_use(cluster, "prefill") == 0, timeout=8)
 
 
 def test_sim_nodes_serve_without_loading_torch(make_cluster):

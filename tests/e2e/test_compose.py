@@ -249,7 +249,8 @@ def test_compose_stack_survives_a_node_container_killed_and_restarted_under_load
 ):
     """The chaos suite on the real stack: while greedy streams run, the decode container
     running more of them is SIGKILLed and started again through the Docker SDK. Figures
-    (printed, asserted): 0 hung, >= 99 % completed, detection <= 2 s, every completed text
+    (printed, asserted): 0 hung, >= 99 % completed, detection <= 2 s (plus the gateway's
+    own stalls meanwhile, which extend every lease), every completed text
     equal to the single-process engine's, no KV block in use on any node and the gateway's
     table empty afterwards, the gateway's RSS within 10 % of its level after a warm-up run."""
     import docker

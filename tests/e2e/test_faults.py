@@ -112,7 +112,8 @@ def test_garbage_on_every_internal_socket_changes_nothing(make_cluster, tokenize
     assert cluster.metric(messages, type="Heartbeat") > 0
     bodies = _bodies(40, 8)
     _check_texts(tokenizer, bodies, run_streams(cluster.url, bodies, timeout=30))
-    assert wait_for(lambda: _blocks_in_use(cluster) == 0, timeout=15)
+    # a free and a 0.2 s heartbeat; under the nodes' 10 s safety timeouts, which would hide a leak
+    assert wait_for(lambda: _blocks_in_use(cluster) == 0, timeout=8)
 
 
 def _tokens_port(cluster) -> int:
@@ -221,7 +222,7 @@ def test_transfers_behind_a_long_prefill_pass_never_time_out(make_cluster, token
     _check_texts(tokenizer, bodies, results)
     assert cluster.metric("pdserve:request_replacements_total") == 0
     assert cluster.metric("pdserve:placement_offer_timeouts_total") == 0
-    assert wait_for(lambda: _blocks_in_use(cluster) == 0, timeout=15)
+    assert wait_for(lambda: _blocks_in_use(cluster) == 0, timeout=8)
 
 
 # -- 6. every request ends ------------------------------------------------------------------
@@ -238,7 +239,7 @@ def test_offers_answered_after_their_timeout_leave_no_hung_request_and_no_kv(
     bodies = _bodies(300, 8, stream=False)
     _check_texts(tokenizer, bodies, run_streams(cluster.url, bodies, timeout=40))
     assert cluster.metric("pdserve:placement_offer_timeouts_total") > 0  # the case did occur
-    assert wait_for(lambda: _blocks_in_use(cluster) == 0, timeout=15)
+    assert wait_for(lambda: _blocks_in_use(cluster) == 0, timeout=8)
 
 
 WEIRD = [None, True, False, 0, -1, 1, 2**63 - 1, 2**64 - 1, -(2**63), 1.5, -0.0, 1e308, "",
@@ -304,4 +305,4 @@ def test_twelve_hundred_malformed_or_unusual_requests_all_end_and_none_is_a_5xx(
     assert all(s == 200 or 400 <= s < 500 for s in statuses), sorted(set(statuses))
     assert statuses.count(200) > 100 and statuses.count(400) > 500
     assert all(p.poll() is None for p in cluster.procs)
-    assert wait_for(lambda: _blocks_in_use(cluster) == 0, timeout=15)
+    assert wait_for(lambda: _blocks_in_use(cluster) == 0, timeout=8)

@@ -12,7 +12,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import orjson
@@ -124,12 +123,13 @@ def test_a_flooding_gateway_does_not_starve_the_other(make_cluster):
     node gives freed room to the request that waited longest, whichever gateway holds it
     (common/node/fairness.py), so a request of gateway 1 waits behind at most the flood's
     older ones. Without the rule gateway 1, offering in rounds 20 ms apart, loses most races
-    for the slot (measured on a 2-vCPU Xeon with 64 ms passes: waits up to 13 passes, 0.86 s;
-    with it, at most 0.05 s). Passes here are 4x longer (~0.26 s), so the bound is counted in
-    passes, not in what a loaded host adds to offers and rounds."""
+    for the slot. Every pass is 2,000 uncached tokens (prefix caching off: the prompts are
+    equal), ~0.13 s, so the bound is counted in passes, not in what a loaded host adds to
+    offers and rounds; the quiet requests come 0.6 s apart, leaving the flood most passes."""
     cluster = make_cluster(
         prefill=1, decode=1, engine="sim", gateways=2,
-        node_flags=("--sim-time-scale", "4", "--max-batch", "1", "--sim-kv-scale", "0.001"),
+        node_flags=("--sim-time-scale", "2", "--max-batch", "1", "--sim-kv-scale", "0.001",
+                    "--prefix-caching", "off"),
     )  # fmt: skip
     flood_url, quiet_url = cluster.urls
     concurrency, quiet_count = 3, 10
@@ -151,16 +151,17 @@ def test_a_flooding_gateway_does_not_starve_the_other(make_cluster):
     thread = threading.Thread(target=closed_loop)
     thread.start()
     assert wait_for(lambda: len(flood) >= 2 * concurrency, 60)  # the flood is on
-    quiet = run_streams(quiet_url, [body] * quiet_count, timeout=60, spacing=0.3)
+    quiet = run_streams(quiet_url, [body] * quiet_count, timeout=60, spacing=0.6)
     stop.set()
     thread.join(120)
     results = [*quiet, *flood]
     assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
     # one pass (the longest measured) for each request that may be ahead of it (the flood's
-    # in flight, the pass running, one more), and one for offers, gateway rounds (20 ms
-    # apart) and processes sharing two cores
+    # in flight, the pass running, one more), and three for offers, gateway rounds (20 ms
+    # apart) and processes sharing two cores. Measured on a 2-vCPU AMD EPYC Zen 4: at most
+    # 2.9 passes; without the rule (common/node/fairness.py HOLD_S < 0) 18-28
     pass_s = max(r.timings["prefill_ms"] for r in results) / 1000
-    bound = (concurrency + 3) * pass_s
+    bound = (concurrency + 5) * pass_s
     waits = [r.timings["gateway_wait_ms"] / 1000 for r in quiet]
     assert max(waits) <= bound, (waits, bound)
     flood_during = [r for r in flood if r.sent >= quiet[0].sent]
@@ -247,9 +248,8 @@ def test_resuming_an_unknown_or_wrong_stream_is_a_clear_4xx_and_frees_nothing_el
         except urllib.error.HTTPError as err:
             return err.code, err.read().decode()
 
-    with ThreadPoolExecutor(2) as pool:  # each looked for the whole 3 s: side by side
-        unknown = list(pool.map(resume, ["nonsense", "cmpl-" + "0" * 24], ["0", "0"]))
-    assert [status for status, _ in unknown] == [404, 404]  # the second well formed, unheld
+    assert resume("nonsense", "0")[0] == 404
+    assert resume("cmpl-" + "0" * 24, "0")[0] == 404  # well formed, held by no node
     assert resume("cmpl-" + "0" * 24, "-3")[0] == 400
     assert resume("cmpl-" + "0" * 24, "abc")[0] == 400
     # past any stream's length (2^64 once killed the gateway's asking: every resume 404)

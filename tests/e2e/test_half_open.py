@@ -129,7 +129,7 @@ def test_a_resume_hangs_up_the_dead_connection_at_once(make_cluster, tokenizer, 
     rest, covered = asyncio.run(_resume(resume_at, client.stream_id, client.last_id))
     took = time.monotonic() - began
     print(f"\nresumed at the {where} gateway in {took:.2f} s")
-    assert took < 30  # not the 60 s send timeout (idle: 0.1-0.2 s)
+    assert took < 10  # not the 60 s send timeout (idle: 0.1-0.2 s)
     assert client.ended()  # the dead connection was hung up
     assert client.text + rest == sim_text(tokenizer, _body(3)["prompt"], 3, covered)
     # let go: the dead connection's stream, and (same gateway) the resumed one's when this
