@@ -176,8 +176,10 @@ async def test_a_malformed_or_unanswerable_fetch_is_refused_and_the_node_goes_on
 async def test_hundreds_of_streams_fetch_shared_prefixes_and_free_everything(tokenizer):
     """Two small prefill nodes: on-demand offers each request to the one holding its prefix,
     which is often full, so the other fetches the prefix from it (or from the decode node)."""
-    # prefill caches of 6,400 tokens for 40 prefixes of 256: they evict, and fetch again
-    small = dataclasses.replace(SIM, sim_time_scale=1.0, max_batch=4, num_kv_blocks=400)
+    # prefill caches of 6,400 tokens for 40 prefixes of 256: they evict, and fetch again.
+    # Passes 4x the modelled time: a holder stays full while the gateway offers its requests
+    # to the other node (at 1x, a loaded host placed the whole load with no fetch at all)
+    small = dataclasses.replace(SIM, sim_time_scale=4.0, max_batch=4, num_kv_blocks=400)
     big = dataclasses.replace(SIM, num_kv_blocks=8192)
     async with Cluster(tokenizer, placement_timeout=60.0) as c:
         prefills = [
@@ -190,6 +192,19 @@ async def test_hundreds_of_streams_fetch_shared_prefixes_and_free_everything(tok
         warm = [c.request(f"warm{g}", [*p, 7]) for g, p in enumerate(prefixes)]
         await asyncio.wait_for(asyncio.gather(*(c.gw.service.run(r) for r in warm)), 30)
         assert [await outcome(r, 30) for r in warm] == [Done("length")] * len(warm)
+        # the load's offers name a holder only from the gateway's prefix index (the nodes'
+        # KV events ride in their heartbeats): wait until it agrees with every prefill
+        # node's cache, or a loaded host places the whole load before it knows anything
+        hashes = [prefills[0].blocks.hashes(p) for p in prefixes]
+
+        def indexed() -> bool:
+            return all(
+                c.gw.index.cached_blocks(n.node_id, h) == len(n.blocks.match(h))
+                for n in prefills
+                for h in hashes
+            )
+
+        await until(indexed, 10, "the gateway's index of the warm prefixes")
         reqs = [
             c.request(f"r{i}", prefixes[i % 40] + list(range(500 + i * 20, 516 + i * 20)))
             for i in range(240)
