@@ -201,23 +201,16 @@ async def test_refused_and_aborted_transfers_leave_nothing_behind(backend):
             "big", pair.target, list(range(500)), 500, SamplingParams(), list(range(32))
         )
         pair.sender.push_all(t, pair.sender.stage_all(t))  # refused at the header
-        for _ in range(100):
-            if pair.refusals:
-                break
-            await asyncio.sleep(0.01)
+        # waits on the state, not on time (a loaded host took over 1 s here)
+        await until(lambda: bool(pair.refusals), 5.0, "the refusal")
         assert pair.refusals == ["no room"]
         pair.sender.release("big")
         t = pair.sender.begin("gone", pair.target, list(range(40)), 40, SamplingParams(), [0, 1, 2])
         for layer in range(10):
             pair.sender.push(t, layer, pair.sender.stage(t, layer))
-        await asyncio.sleep(0.2)
-        assert len(pair.free) < total  # reserved while in flight
+        await until(lambda: len(pair.free) < total, 5.0, "blocks reserved while in flight")
         pair.sender.abort("gone")
-        for _ in range(100):
-            if len(pair.free) == total and not pair.intake.active:
-                break
-            await asyncio.sleep(0.01)
-        assert len(pair.free) == total and not pair.intake.active
+        await until(lambda: len(pair.free) == total and not pair.intake.active, 5.0, "all freed")
         ok = await pair.send("after", 20, [5, 6], layerwise=True)  # the channel still works
         assert digest(pair.dst, ok.block_table, 20) == digest(pair.src, [5, 6], 20)
     finally:
@@ -255,15 +248,10 @@ async def test_a_broken_tcp_stream_refuses_its_transfer_frees_blocks_and_reconne
         host, port = pair.tcp_address.rsplit(":", 1)
         raw = socket.create_connection((host, int(port)))  # "p"'s stream, by hand
         raw.sendall(b"p".ljust(ID_BYTES) + frame_head("cut", 0, t.frame_bytes) + b"x" * 100)
-        for _ in range(100):
-            if "cut" in pair.intake.incoming and pair.intake.incoming["cut"].receiving:
-                break
-            await asyncio.sleep(0.01)
+        incoming = pair.intake.incoming
+        await until(lambda: "cut" in incoming and incoming["cut"].receiving, 5.0, "receiving")
         raw.close()  # the stream breaks mid-frame
-        for _ in range(200):
-            if pair.refusals and len(pair.free) == total:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: bool(pair.refusals) and len(pair.free) == total, 5.0, "refused")
         assert pair.refusals == ["KV stream failed"] and len(pair.free) == total
         pair.sender.release("cut")
         ok = await pair.send("after", 37, [7, 8, 9], layerwise=False)  # a fresh stream

@@ -15,6 +15,7 @@ import torch
 from pdserve.common.engine.shared_kv import PREFIX, SHM_DIR, map_cache, sweep_orphans
 from pdserve.common.kv.grants import GrantTable, GrantView
 from pdserve.common.sampling import SamplingParams
+from tests.component.cluster import until
 from tests.component.test_kv_backends import BLOCK, LAYOUT, Pair, digest
 
 
@@ -46,10 +47,7 @@ async def test_two_hundred_transfers_in_flight_land_byte_exact_and_free_every_gr
             assert intake.header.backend == "shm_direct"
             assert digest(pair.dst, intake.block_table, n) == digest(pair.src, tables[i], n), i
         grants = pair.receivers["shm_direct"].grants  # type: ignore[attr-defined]
-        for _ in range(100):
-            if not pair.sender.transfers:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: not pair.sender.transfers, 5.0, "every transfer ended")
         assert grants.outstanding == 0 and not pair.sender.transfers
     finally:
         await pair.close()
