@@ -185,7 +185,16 @@ class NodeMetrics:
             "Prefix fetches between nodes: fetched, fell_back (recomputed), served (to a peer)",
             ("result",),
         )
+        self._orphans = counter(
+            "pdserve:orphans",
+            "Streams whose gateway went silent or let them go (docs/architecture.md, resume):"
+            " adopted, or freed at --orphan-grace's end while running (lost) or ended",
+            ("outcome",),
+        )
         r.register(_LoadCollector(node, role, load, num_blocks))
+
+    def orphans(self, outcome: str, n: int) -> None:
+        self._orphans.labels(**self.labels, outcome=outcome).inc(n)
 
     def engine_info(self, dtype: str, quantization: str, kernels: str) -> None:
         """pdserve:engine_info{dtype,quantization,kernels} = 1: which path this node runs

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from pdserve.common.node.gateways import Gateways
@@ -34,8 +35,10 @@ class AdoptHost(Protocol):
 
 class Adoption:
     def __init__(self, gateways: Gateways, node: AdoptHost, grace: float,
-                 heartbeat_timeout: float = 2.0) -> None:  # fmt: skip
+                 heartbeat_timeout: float = 2.0,
+                 count: Callable[[str, int], None] = lambda outcome, n: None) -> None:  # fmt: skip
         self.gateways, self.node, self.grace = gateways, node, grace
+        self.count = count  # pdserve:orphans_total{outcome}: adopted, freed_running/_ended
         self.finished: dict[str, tuple[NodeRequest, str]] = {}  # ended orphans: tokens kept
         # requests that ended for a live gateway in the last `window` seconds: its `Release`
         # may be on its way (its client left in the step the request ended in), or it may
@@ -183,7 +186,8 @@ class Adoption:
     def _adopt(self, asked: str, rid: str, have: int, link: GatewayLink) -> Adopted:
         owners = self.gateways.owners
         again = self.recent.get(rid) if rid in self.handed and rid not in self.finished else None
-        if owners.get(rid) is link or (again is not None and again[3] is link):
+        reasked = owners.get(rid) is link or (again is not None and again[3] is link)
+        if reasked:
             pass  # asked again (a lost reply): the same answer
         elif not owners.orphan(rid):
             return Adopted(request_id=asked, found=False,
@@ -199,6 +203,8 @@ class Adoption:
             return Adopted(request_id=asked, found=False,
                            reason=f"Last-Event-ID {have} is not a position of this stream "
                            f"(0 to {len(outputs)})")  # fmt: skip
+        if not reasked:  # a stream saved, counted once
+            self.count("adopted", 1)
         owners.move(rid, link)
         if self.finished.pop(rid, None) is not None:  # ended: its adopter may let it go again
             self._trim(time.monotonic())
@@ -221,10 +227,13 @@ class Adoption:
             late += [r for r, o in owners.of.items()
                      if isinstance(o, Gone) and now - o.since > self.grace]  # fmt: skip
             self.gateways.gone = [g for g in self.gateways.gone if now - g.since <= self.grace]
+        live = tuple(r for r in late if r in self.node.requests)
+        if late:  # nobody resumed them: a running one is lost to its client
+            self.count("freed_running", len(live))
+            self.count("freed_ended", len(late) - len(live))
         for rid in late:
             self.finished.pop(rid, None)
             owners.move(rid, Gone("", now))  # nobody's: the sweep forgets it once freed
-        live = tuple(r for r in late if r in self.node.requests)
         if live:
             log.warning("freeing %d orphaned requests: no gateway adopted them within %.1f s",
                         len(live), self.grace)  # fmt: skip

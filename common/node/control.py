@@ -108,7 +108,8 @@ class ControlPlane:
         links = [GatewayLink(ctx, a, self.identity) for a in gateway_addresses(cfg.gateway)]
         self.gateways = Gateways(node_id, links, node)
         self.owners = self.gateways.owners
-        self.adoption = Adoption(self.gateways, node, cfg.orphan_grace, cfg.heartbeat_timeout)
+        self.adoption = Adoption(self.gateways, node, cfg.orphan_grace, cfg.heartbeat_timeout,
+                                 metrics.orphans)  # fmt: skip
         self.fairness = Fairness()  # freed room to the oldest request of any gateway
         self.registered = asyncio.Event()  # with at least one gateway
         self.stopped = asyncio.Event()

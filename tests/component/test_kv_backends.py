@@ -383,19 +383,16 @@ async def test_a_transfer_ended_while_its_frame_lands_frees_its_blocks_once_land
                           frame_bytes=size, prefill_node="p3", backend="tcp")  # fmt: skip
         await dealer.send(encode(header))
         raw.sendall(b"p3".ljust(ID_BYTES) + frame_head("mid", 0, size) + b"x" * (size // 2))
-        for _ in range(200):
-            if "mid" in pair.intake.incoming and pair.intake.incoming["mid"].receiving:
-                break
-            await asyncio.sleep(0.01)
+        incoming = pair.intake.incoming
+        await until(lambda: "mid" in incoming and incoming["mid"].receiving, 5.0, "receiving")
         assert len(pair.free) < total  # reserved, half a frame landed
         await dealer.send(encode(Abort(request_id="mid")))
-        await asyncio.sleep(0.2)
+        # the abort taken (the intake marked dropped), the blocks must still be held: a check
+        # on the state, not after a sleep that a slow host could cut short
+        await until(lambda: incoming["mid"].dropped, 5.0, "the abort taken")
         assert len(pair.free) < total  # still landing: not released under the reader
         raw.sendall(b"x" * (size - size // 2))
-        for _ in range(200):
-            if len(pair.free) == total:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: len(pair.free) == total, 5.0, "freed once landed")
         assert len(pair.free) == total and "mid" not in pair.intake.incoming
     finally:
         raw.close()

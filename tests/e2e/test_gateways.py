@@ -16,6 +16,7 @@ import urllib.request
 import aiohttp
 import orjson
 
+from pdserve.common.wire.transport import free_port
 from pdserve.loadgen.resumable import parse_event, resumable_chunks
 from tests.e2e.conftest import wait_for
 from tests.e2e.streams import run_streams, seeded_bodies, sim_text
@@ -23,6 +24,23 @@ from tests.e2e.streams import run_streams, seeded_bodies, sim_text
 
 def _expected(tokenizer, bodies):
     return [sim_text(tokenizer, b["prompt"], b["seed"], b["max_tokens"]) for b in bodies]
+
+
+def _decode_metrics() -> tuple[dict[str, tuple[str, ...]], list[int]]:
+    """`extra` flags giving both decode nodes a /metrics port, and the ports."""
+    ports = [free_port(), free_port()]
+    return {f"decode-{i}": ("--metrics-port", str(p)) for i, p in enumerate(ports)}, ports
+
+
+def _orphans(ports: list[int], outcome: str) -> float:
+    """pdserve:orphans_total{outcome} summed over the decode nodes' own /metrics."""
+    total = 0.0
+    for port in ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith("pdserve:orphans_total{") and f'outcome="{outcome}"' in line:
+                    total += float(line.rpartition(" ")[2])
+    return total
 
 
 def _held_everywhere(cluster, at: str) -> float:
@@ -71,8 +89,9 @@ def test_killing_one_gateway_changes_nothing_for_the_other_and_frees_its_kv(
     streams would have ended."""
     timeout = 1.0  # the nodes' --heartbeat-timeout: when a silent gateway's work is orphaned
     grace = 1.0  # --orphan-grace: how long orphans wait for another gateway to adopt them
+    extra, ports = _decode_metrics()
     cluster = make_cluster(
-        prefill=2, decode=2, engine="sim", gateways=2,
+        prefill=2, decode=2, engine="sim", gateways=2, extra=extra,
         node_flags=("--sim-time-scale", "1", "--kv-backend", "tcp",
                     "--heartbeat-timeout", str(timeout), "--orphan-grace", str(grace)),
     )  # fmt: skip
@@ -102,6 +121,9 @@ def test_killing_one_gateway_changes_nothing_for_the_other_and_frees_its_kv(
     assert wait_for(lambda: cluster.metric(others, survivor) == 0, 30)
     freed_after = time.monotonic() - killed
     assert freed_after < timeout + grace + 4 * 0.2 + 2.0, freed_after
+    # each one counted by its node as lost: freed while decoding, with nobody resuming it
+    assert _orphans(ports, "freed_running") == len(doomed)
+    assert _orphans(ports, "adopted") == _orphans(ports, "freed_ended") == 0
     for t in threads:
         t.join(180)
     assert all(not r.ok for r in out["doomed"])  # their gateway is gone: the clients see it
@@ -193,8 +215,9 @@ def test_a_stream_survives_its_gateway(make_cluster, tokenizer):
     Each client resumes on gateway 0 (`GET /v1/streams/{id}`, `Last-Event-ID`); gateway 0
     adopts each orphan from the node that holds it and the text goes on exactly: nothing
     lost, repeated, or recomputed (no re-placement: the node decodes on)."""
+    extra, ports = _decode_metrics()
     cluster = make_cluster(
-        prefill=2, decode=2, engine="sim", gateways=2,
+        prefill=2, decode=2, engine="sim", gateways=2, extra=extra,
         node_flags=("--sim-time-scale", "1", "--kv-backend", "tcp",
                     "--heartbeat-timeout", "1", "--orphan-grace", "20"),
     )  # fmt: skip
@@ -221,6 +244,8 @@ def test_a_stream_survives_its_gateway(make_cluster, tokenizer):
     assert out == _expected(tokenizer, bodies)
     assert all(resumed[i] >= 1 for i in range(len(bodies))), resumed
     assert cluster.metric("pdserve:stream_resumes_total", survivor, outcome="adopted") >= 40
+    assert _orphans(ports, "adopted") == len(bodies)  # each once, however often it was asked
+    assert _orphans(ports, "freed_running") == _orphans(ports, "freed_ended") == 0
     assert cluster.metric("pdserve:request_replacements_total", survivor) == 0
     assert wait_for(lambda: _held_everywhere(cluster, survivor) == 0, 10)
 

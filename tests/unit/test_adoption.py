@@ -168,6 +168,8 @@ def test_an_ended_stream_asked_for_again_by_its_adopter_gets_the_same_answer():
     own, other = links = _links(ctx, "g-own", "g-other")
     try:
         node, gateways, adoption = _node(links, "r.0", "s.0", grace=3.0)
+        counted: list[tuple[str, int]] = []  # pdserve:orphans_total
+        adoption.count = lambda outcome, n: counted.append((outcome, n))
         del node.requests["r.0"], node.requests["s.0"]
         adoption.ended(NodeRequest(seq=_seq("r.0", 7, 8)), "length", 100.0)
         adoption.ended(NodeRequest(seq=_seq("s.0", 9)), "length", 100.0)
@@ -180,8 +182,12 @@ def test_an_ended_stream_asked_for_again_by_its_adopter_gets_the_same_answer():
             assert (wire_id, answer.found, answer.output_ids) == ("r.0", True, [7, 8])
             assert answer.finish_reason == "length"
         assert gateways.owners.get("r.0") is other and not adoption.finished
+        assert counted == [("adopted", 1)]  # asked twice, one stream saved
         adoption.release("r.0", other, 101.0)  # its end at the adopter: kept for the grace
         assert list(adoption.finished) == ["r.0"]
+        adoption.expire(104.1)  # nobody resumed it again: an ended one freed
+        assert counted == [("adopted", 1), ("freed_running", 0), ("freed_ended", 1)]
+        assert not adoption.finished
     finally:
         for link in links:
             link.close()
