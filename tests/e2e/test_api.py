@@ -350,7 +350,9 @@ def test_openai_completions(client: openai.OpenAI) -> None:
         )
     )
     texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
-    assert len(texts) == n
+    # one token per chunk while the client keeps up; a client read late gets the tokens that
+    # came meanwhile in one chunk (gateway/requests.py), as from vLLM: never more chunks
+    assert 1 <= len(texts) <= n
     assert "".join(texts) == full.choices[0].text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert [f for f in finishes if f is not None] == ["length"]

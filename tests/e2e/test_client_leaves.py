@@ -26,18 +26,22 @@ def _held(cluster, at: str) -> float:
 
 
 async def _read(resp: aiohttp.ClientResponse, upto: int | None) -> tuple[str, str, str, bool]:
-    """Text, stream id and last event id read from `resp`, at most `upto` events (None: to
-    the end); the last item says whether the stream ended ([DONE])."""
-    text, stream_id, last_id, seen = "", "", "0", 0
+    """Text, stream id and last event id read from `resp` until the events cover `upto`
+    output tokens (None: to the end); the last item says whether the stream ended ([DONE]).
+    Counted in tokens (the event id), not events: a client that reads slowly gets several
+    tokens per event (gateway/requests.py), so a count of events says nothing of how far
+    into its stream a client leaves. A stream that is not resumable has no ids: its events
+    are counted."""
+    text, stream_id, last_id, covered = "", "", "0", 0
     async for event_id, payload in sse_events(resp.content):
         if payload == b"[DONE]":
             return text, stream_id, last_id, True
         chunk = orjson.loads(payload)
         stream_id = stream_id or chunk["id"]
         last_id = event_id if event_id is not None else last_id
+        covered = int(event_id) if event_id is not None else covered + 1
         text += "".join(c.get("text") or "" for c in chunk["choices"])
-        seen += 1
-        if upto is not None and seen >= upto:
+        if upto is not None and covered >= upto:
             return text, stream_id, last_id, False
     raise AssertionError("the stream ended without [DONE]")
 
@@ -45,9 +49,9 @@ async def _read(resp: aiohttp.ClientResponse, upto: int | None) -> tuple[str, st
 async def _leave_and_resume(
     session, start: str, resume_at: str, body: dict, upto: int
 ) -> tuple[str, bool]:
-    """The stream through `start`, its connection closed after `upto` events while that
+    """The stream through `start`, its connection closed after `upto` tokens while that
     gateway lives, then resumed at `resume_at`: its whole text, and whether it was resumed
-    (not when it ended within those events)."""
+    (not when it ended within those tokens)."""
     headers = {"Content-Type": "application/json", "pdserve-resumable": "1"}
     async with session.post(f"{start}/v1/completions", data=orjson.dumps(body),
                             headers=headers) as resp:  # fmt: skip
@@ -83,7 +87,7 @@ async def _many(
 
 def test_two_hundred_clients_leave_live_gateways_and_resume_at_the_other(make_cluster, tokenizer):
     """200 resumable streams over two gateways; each client drops its connection after 1 to
-    40 events (seeded) and resumes at the other gateway; a quarter end at a stop string half
+    40 tokens (seeded) and resumes at the other gateway; a quarter end at a stop string half
     way (the orphan decodes on past it: the resume ends it there): every text is exact, each gateway
     let go of what its clients left and adopted what the other's did, nothing was
     re-placed (the nodes decoded on), and nothing is held afterwards."""
