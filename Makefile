@@ -24,10 +24,14 @@ run: setup
 	$(BIN)/pdserve up --prefill 1 --decode 1
 
 # Lint, then every test; prints how long it all took (the limit: 20 minutes on 2 cores of the
-# slowest CPU the project runs on, an AVX2-only AMD EPYC).
+# slowest CPU the project runs on, an AVX2-only AMD EPYC). Two pytest-xdist workers, a test
+# file per worker at a time (tests/conftest.py): the suite waits on sockets, timeouts and
+# subprocesses for ~40 % of a serial run, which the other worker fills. TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 2
 test: setup
 	@start=$$(date +%s); \
-	$(MAKE) --no-print-directory lint && $(BIN)/python -m pytest -q -x --durations=15 tests; \
+	$(MAKE) --no-print-directory lint && $(BIN)/python -m pytest -q -x --durations=15 \
+		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup) tests; \
 	rc=$$?; echo "make test: $$(( $$(date +%s) - start )) s (exit $$rc)"; exit $$rc
 
 # The CPU-dependent tests (marker `cpu`: dtype choice, fused kernels, packed weights, the

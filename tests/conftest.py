@@ -22,6 +22,33 @@ CHAT_PROMPTS = [
 ]
 
 
+# `make test` runs two pytest-xdist workers (`-n 2 --dist loadgroup`): a test file is one
+# group, so its module fixtures (a cluster, a stack) start once on one worker; the Docker
+# files are one group (one image build and wheels folder per session) and go first, as the
+# longest.
+DOCKER_FILES = ("tests/e2e/test_compose.py", "tests/e2e/test_compose_ha.py")
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if WORKER.startswith("gw") and WORKER[2:].isdigit():
+    # each worker's free_port draws from its own slice of the ports below the kernel's
+    # ephemeral range: two workers never hand one port to two clusters starting at once
+    from pdserve.common.wire.transport import _port_range
+
+    _low, _high = _port_range()
+    _slice = (_high - _low) // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
+    _start = _low + int(WORKER[2:]) * _slice
+    os.environ["PDSERVE_PORT_RANGE"] = f"{_start}-{_start + _slice}"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        group = "docker" if path in DOCKER_FILES else path.removeprefix("tests/")[:-3]
+        item.add_marker(pytest.mark.xdist_group(group))
+    if WORKER:
+        items.sort(key=lambda item: item.nodeid.split("::")[0] not in DOCKER_FILES)  # stable
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--chaos-long",

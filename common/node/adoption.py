@@ -186,10 +186,9 @@ class Adoption:
     def _adopt(self, asked: str, rid: str, have: int, link: GatewayLink) -> Adopted:
         owners = self.gateways.owners
         again = self.recent.get(rid) if rid in self.handed and rid not in self.finished else None
+        # asked again (a lost reply): the same answer, even though it now has a live owner
         reasked = owners.get(rid) is link or (again is not None and again[3] is link)
-        if reasked:
-            pass  # asked again (a lost reply): the same answer
-        elif not owners.orphan(rid):
+        if not reasked and not owners.orphan(rid):
             return Adopted(request_id=asked, found=False,
                            reason="the stream is served by a live gateway")  # fmt: skip
         ended = self.finished.get(rid) or (again[:2] if again is not None else None)

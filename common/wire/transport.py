@@ -15,6 +15,7 @@ from its event loop's thread only.
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 from typing import Any
@@ -86,15 +87,25 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def _port_range() -> tuple[int, int]:
+    """Where free_port draws: below the kernel's ephemeral range, or PDSERVE_PORT_RANGE
+    ("low-high"), which keeps processes that pick ports at once (test workers) apart."""
+    given = os.environ.get("PDSERVE_PORT_RANGE", "")
+    low, _, high = given.partition("-")
+    if low.isdigit() and high.isdigit() and int(low) < int(high):
+        return int(low), int(high)
+    return 10_000, max(_ephemeral_low(), 10_001)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free now for a process started later to bind. Taken below the kernel's
     ephemeral range: a port the kernel handed out (bind to 0) can be given again to any
     outgoing connection before the later process binds it (seen: a gateway's ZeroMQ bind
     failing with EADDRINUSE under a loaded test run). Never the same port twice per process."""
-    low = _ephemeral_low()
+    low, high = _port_range()
     rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(10_000, max(low, 10_001))
+        port = rng.randrange(low, high)
         if port in _GIVEN:
             continue
         with socket.socket() as s:
