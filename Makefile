@@ -31,7 +31,7 @@ TEST_WORKERS ?= 2
 test: setup
 	@start=$$(date +%s); \
 	$(MAKE) --no-print-directory lint && $(BIN)/python -m pytest -q -x --durations=15 \
-		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup) tests; \
+		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) tests; \
 	rc=$$?; echo "make test: $$(( $$(date +%s) - start )) s (exit $$rc)"; exit $$rc
 
 # The CPU-dependent tests (marker `cpu`: dtype choice, fused kernels, packed weights, the

@@ -22,10 +22,9 @@ CHAT_PROMPTS = [
 ]
 
 
-# `make test` runs two pytest-xdist workers (`-n 2 --dist loadgroup`): a test file is one
-# group, so its module fixtures (a cluster, a stack) start once on one worker; the Docker
-# files are one group (one image build and wheels folder per session) and go first, as the
-# longest.
+# `make test` runs two pytest-xdist workers (`-n 2`): a test file is one unit of work, so
+# its module fixtures (a cluster, a stack) start once, on one worker; both Docker files are
+# one unit (one image build and wheels folder per session), started first as the longest.
 DOCKER_FILES = ("tests/e2e/test_compose.py", "tests/e2e/test_compose_ha.py")
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if WORKER.startswith("gw") and WORKER[2:].isdigit():
@@ -39,14 +38,27 @@ if WORKER.startswith("gw") and WORKER[2:].isdigit():
     os.environ["PDSERVE_PORT_RANGE"] = f"{_start}-{_start + _slice}"
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def unit_of_work(nodeid: str) -> str:
+    path = nodeid.split("::")[0]
+    return "docker" if path in DOCKER_FILES else path
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # type: ignore[no-untyped-def]
+    # xdist's own `--dist loadgroup` marks do not reach its scheduler under pytest 9.2
+    # (pytest-xdist#1386), so the grouping is this scheduler's
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of_work(nodeid)
+
+    return ByFile(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        group = "docker" if path in DOCKER_FILES else path.removeprefix("tests/")[:-3]
-        item.add_marker(pytest.mark.xdist_group(group))
-    if WORKER:
-        items.sort(key=lambda item: item.nodeid.split("::")[0] not in DOCKER_FILES)  # stable
+    if WORKER:  # the Docker unit first: the scheduler hands units out in collection order
+        items.sort(key=lambda item: unit_of_work(item.nodeid) != "docker")  # stable
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
