@@ -19,7 +19,7 @@ from tests.e2e.test_client_leaves import _held, _read
 
 BOGUS = 400
 LIMIT = 64
-TIMEOUT_S = 3.0  # the gateway's --resume-timeout here
+TIMEOUT_S = 6.0  # the gateway's --resume-timeout here (the refusals' bound: see below)
 GAP_S = 0.02  # gateway/resume.py: rounds go out at most this often
 
 
@@ -96,7 +96,9 @@ def test_a_flood_of_resumes_is_bounded_and_a_real_resume_amid_it_goes_on_exactly
     # TIMEOUT_S. The rest is opening 400 connections on 2 vCPUs: at most 0.10 s idle, 0.21 s
     # beside 3 busy processes, 1.13 s beside 8 (a Zen 4); 0.4 to over 1 s in one CI run (a
     # loaded host, or SYNs dropped at the gateway's accept queue, 128 long then: 1 s to the
-    # retransmit). So the bound is the analysis's, not a multiple of an idle figure
+    # retransmit); 3.46 s once with two test workers on a 2-vCPU Xeon whose CPU a cgroup
+    # quota halved, when the timeout was 3 s. So the bound is the analysis's, not a multiple
+    # of an idle figure, and the timeout is long enough to leave it room
     slowest = max(s for _, s in limited)
     assert all(int(retry) >= 1 for retry, _ in limited) and slowest < TIMEOUT_S, slowest
     assert all(s >= TIMEOUT_S for status, _, s in bogus if status == 404)  # they did look
