@@ -58,12 +58,15 @@ bench: setup
 chaos: setup
 	$(BIN)/python -m pytest -q -s --chaos-long tests/chaos
 
-# The committed comparison report (docs/results): every study it shows, ~2.5 hours on 2
+# The committed comparison report (docs/results): every study it shows, ~3.5 hours on 2
 # cores (the KV-reuse torch study alone ~50 minutes).
 results: setup
-	for study in sim-4p4d sim-4p4d-seed12 smollm2 mooncake-replay sim-8p8d sim-decode-fit; do \
+	for study in sim-4p4d sim-4p4d-seed12 sim-4p4d-seed13 sim-4p4d-seed14 sim-4p4d-seed15 \
+			sim-4p4d-seed16 smollm2 mooncake-replay sim-8p8d sim-decode-fit; do \
 		$(BIN)/pdserve compare --config docs/results/$$study.yaml --out docs/results/$$study || exit 1; \
 	done
+	$(BIN)/python -m benchmarks.seed_spread docs/results/sim-4p4d docs/results/sim-4p4d-seed1[2-6] \
+		--out docs/results/sim-4p4d-seeds.md
 	for study in sim torch; do \
 		$(BIN)/python -m benchmarks.kv_reuse $$study --out docs/results/kv-reuse || exit 1; \
 	done

@@ -23,7 +23,7 @@ TOP = (
 CITED = re.compile(rf"(?<![\w./$~-])(?:{TOP})/[\w./-]*[\w/]")
 # files that a documented command writes, not files of the repository
 WRITTEN = {"deploy/k8s/base/cluster.key"}  # `pdserve keygen` (README, Kubernetes)
-PATTERN_TAIL = re.compile(r"[-_.]?[*{<]")
+PATTERN_TAIL = re.compile(r"[-_.]?[*{<[]")  # a glob or a placeholder
 MD_LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
 CODE_FOLDERS = (
     "common", "gateway", "prefill_node", "decode_node", "colocated_node", "loadgen", "planner",
