@@ -46,6 +46,7 @@ def cell(ratios: list[float], allowance: float) -> dict[str, Any]:
     n = len(logs)
     mean = sum(logs) / n
     sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1)) if n > 1 else 0.0
+    # past 8 degrees of freedom the normal quantile: a slightly narrower bound, the strict side
     half = T95.get(n - 1, 1.645) * sd / math.sqrt(n) if n > 1 else 0.0
     low, high = math.exp(mean - half), math.exp(mean + half)
     gmean = math.exp(mean)
@@ -57,19 +58,23 @@ def cell(ratios: list[float], allowance: float) -> dict[str, Any]:
 
 
 def spread(folders: list[Path], default: str, baselines: list[str]) -> list[dict[str, Any]]:
+    """Every folder must hold every configuration at the default's rates: a seed missing a
+    run would silently drop out of that cell's spread."""
     runs = [load(f) for f in folders]
     rates = sorted({rate for run in runs for (name, rate) in run if name == default})
+    for folder, run in zip(folders, runs, strict=True):
+        missing = [(n, r) for n in (default, *baselines) for r in rates if (n, r) not in run]
+        if missing:
+            raise ValueError(f"{folder}: no run of {missing}")
     out = []
     for rate in rates:
         for label, (key, higher, allowance) in METRICS.items():
             row: dict[str, Any] = {"rate": rate, "metric": label}
-            per_base: dict[str, list[float]] = {}
-            for base in baselines:
-                per_base[base] = [
-                    ratio(run[(default, rate)][key], run[(base, rate)][key], higher)
-                    for run in runs
-                    if (default, rate) in run and (base, rate) in run
-                ]
+            per_base = {
+                base: [ratio(run[(default, rate)][key], run[(base, rate)][key], higher)
+                       for run in runs]
+                for base in baselines
+            }  # fmt: skip
             if label == "TTFT p50":  # within 10 % of the better baseline, seed by seed:
                 # the better baseline gives the larger ratio
                 best = [max(pair) for pair in zip(*per_base.values(), strict=True)]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from benchmarks import seed_spread
 
 
@@ -49,3 +51,10 @@ def test_ratios_are_oriented_so_that_under_one_is_the_default_better(tmp_path):
     assert math.isclose(by["TTFT p50"]["best"]["gmean"], 200.0 / 180.0)
     assert by["TTFT p50"]["best"]["ok"] is False  # 11 % over on both seeds, no spread
     assert "**no**" in seed_spread.markdown(rows, [tmp_path / "s1"], "on_demand")
+
+
+def test_a_seed_missing_a_run_is_an_error_not_a_smaller_sample(tmp_path):
+    row = {"goodput": 1.0, "ttft_ms_p99": 1.0, "ttft_ms_p50": 1.0, "rate": 8}
+    write(tmp_path / "s1", [{**row, "configuration": c} for c in ("on_demand", "jsq")])
+    with pytest.raises(ValueError, match="round_robin"):
+        seed_spread.spread([tmp_path / "s1"], "on_demand", ["round_robin", "jsq"])
