@@ -124,8 +124,10 @@ async def test_early_rejection_answers_503_with_retry_after_when_the_queue_is_to
     tokenizer,
 ):
     assert GatewayConfig().reject_ttft == 0  # off by default
-    one = EngineConfig(engine="sim", sim_time_scale=30, num_kv_blocks=256, max_batch=1)
-    async with Cluster(tokenizer, reject_ttft=1.0) as c:
+    # a 400-token pass lasts ~2.4 s (16 ms modelled x 150): "at once" is judged against it,
+    # not against a wall-clock figure a loaded 2-core runner can miss
+    one = EngineConfig(engine="sim", sim_time_scale=150, num_kv_blocks=256, max_batch=1)
+    async with Cluster(tokenizer, reject_ttft=5.0) as c:
         await c.add(c.node(PrefillRole, "prefill-0", ecfg=one))
         await c.add(c.node(DecodeRole, "decode-0"))
         runner, url = await _serve(c.gw)
@@ -133,14 +135,14 @@ async def test_early_rejection_answers_503_with_retry_after_when_the_queue_is_to
             async with aiohttp.ClientSession() as session:
 
                 async def post(i: int) -> tuple[int, str | None, float, dict]:
+                    """(status, Retry-After, when the answer came, body)"""
                     body = {"prompt": prompt(400, 2000 + 500 * i), "max_tokens": 2}
-                    t = time.monotonic()
                     async with session.post(url, json=body) as resp:
                         data = await resp.json()
                         return (
                             resp.status,
                             resp.headers.get("Retry-After"),
-                            time.monotonic() - t,
+                            time.monotonic(),
                             data,
                         )
 
@@ -154,13 +156,16 @@ async def test_early_rejection_answers_503_with_retry_after_when_the_queue_is_to
         ok = [r for r in results if r[0] == 200]
         shed = [r for r in results if r[0] == 503]
         assert len(ok) + len(shed) == len(results), [r[0] for r in results]
-        # a ~0.4 s prefill and one batch slot: a few fit under 1 s, the rest are shed at once
+        # a ~2.4 s prefill and one batch slot: a few fit under 5 s, the rest are shed at once
         assert 1 <= len(ok) <= 4 and len(shed) >= 8, [r[0] for r in results]
-        for _, retry, seconds, data in shed:
+        first_ok = min(r[2] for r in ok)  # after a whole pass at least
+        for _, retry, answered, data in shed:
             assert retry is not None and int(retry) >= 1
             assert data["error"]["code"] == "service_unavailable"
             assert "overloaded" in data["error"]["message"]
-            assert seconds < 0.5  # answered at once, not after waiting
+            # answered at once: before the first admitted request's pass ended (a refusal
+            # that waited for room or for a pass would come after it)
+            assert answered < first_ok, (answered, first_ok)
         assert all(len(r[3]["choices"][0]["text"]) > 0 for r in ok)
         assert c.gw.metrics.requests.labels("overloaded")._value.get() == len(shed)
         await until(lambda: not c.gw.table, what="every request finished")
