@@ -36,6 +36,17 @@ if WORKER.startswith("gw") and WORKER[2:].isdigit():
     _slice = (_high - _low) // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
     _start = _low + int(WORKER[2:]) * _slice
     os.environ["PDSERVE_PORT_RANGE"] = f"{_start}-{_start + _slice}"
+    # The other worker holds a core most of the time: a worker's own torch team (2 threads)
+    # then has one thread descheduled, and libgomp's default spin at every barrier stalls
+    # it (measured, GGUF parity with one core busy: 31.5 s spinning, 13.3 s passive; alone
+    # 9.0 against 9.8 s). libgomp reads the policy once, when torch loads it: set for this
+    # process only, then removed, so the nodes a test starts keep pdserve's own rule
+    # (launch.py node_spawn_options), which is what the tests check.
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "passive"
+        import torch  # noqa: F401
+
+        del os.environ["OMP_WAIT_POLICY"]
 
 
 def unit_of_work(nodeid: str) -> str:

@@ -144,7 +144,9 @@ def stack(tmp_path_factory):
         )
 
 
-def test_compose_stack_serves_streams_benches_and_reports(stack, smol_runner, tokenizer):
+def test_compose_stack_serves_streams_benches_and_reports(
+    stack, smol_runner, tokenizer, tmp_path
+):
     from tests.conftest import chat_ids, make_engine
 
     url, run, health = stack.url, stack.run, stack.health
@@ -196,7 +198,11 @@ def test_compose_stack_serves_streams_benches_and_reports(stack, smol_runner, to
     )
     assert bench.returncode == 0, bench.stderr[-3000:]
     summary = json.loads(bench.stdout.strip().splitlines()[-1])
-    assert summary["completed"] == 12 and summary["failed"] == 0
+    if summary["completed"] != 12 or summary["failed"] != 0:  # say why, with the gateway's log
+        lines = (tmp_path / "bench" / "requests.jsonl").read_text().splitlines()
+        errors = [e for line in lines if (e := json.loads(line)["error"])]
+        log = run("logs", "--tail", "60", "gateway").stdout[-6000:]
+        raise AssertionError(f"{summary}\nerrors: {errors}\ngateway log:\n{log}")
 
     with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
         metrics = resp.read().decode()

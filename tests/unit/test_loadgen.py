@@ -104,15 +104,17 @@ def test_summary_math_and_goodput():
 
 
 async def fake_completions(request: web.Request) -> web.StreamResponse:
-    """A server with exactly known timing: first token after TTFT, then one per STEP."""
+    """A server with exactly known timing: first token after TTFT, then one per STEP. The
+    deadlines are absolute, so a loaded host's wake-up lag delays a token but does not add
+    to every later one (with relative sleeps it did, and the ITL grew by it)."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
     body = await request.json()
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
-    await asyncio.sleep(TTFT)
     n = body["max_tokens"]
     for i in range(n):
-        if i:
-            await asyncio.sleep(STEP)
+        await asyncio.sleep(max(0.0, start + TTFT + i * STEP - loop.time()))
         chunk = {"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
         await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
     usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n, "total_tokens": 0}
