@@ -82,11 +82,13 @@ def hf_smollm():
     from transformers import AutoModelForCausalLM
 
     from pdserve.common.model.config import default_model_path
+    from tests.hf_gguf import each_parse_once
 
     path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    with each_parse_once():  # the fixture's ~19 s -> ~12 s, the same model
+        return AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
 
 
 def test_smollm2_gguf_greedy_matches_transformers(smol_runner, tokenizer, hf_smollm):
