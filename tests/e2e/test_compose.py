@@ -191,6 +191,8 @@ def test_compose_stack_serves_streams_benches_and_reports(
             "--seed",
             "5",
             "--no-progress",
+            "--out",
+            str(tmp_path / "bench"),
         ],
         capture_output=True,
         text=True,
