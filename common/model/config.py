@@ -181,10 +181,12 @@ def _config_from_gguf(path: Path) -> ModelConfig:
     num_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     names = {t.name for t in reader.tensors}
-    tokens = gguf_field(reader, "tokenizer.ggml.tokens", [])
+    vocab = gguf_field(reader, "llama.vocab_size")
+    if vocab is None:  # older files: the vocabulary's length (decoding ~50k strings)
+        vocab = len(gguf_field(reader, "tokenizer.ggml.tokens", []))
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
-        vocab_size=int(get("vocab_size", len(tokens))),
+        vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
         num_layers=int(get("block_count")),

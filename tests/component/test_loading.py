@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -162,7 +163,8 @@ def test_the_gguf_tokenizer_cache_gives_the_same_tokenizer_and_survives_corrupti
     text = "Hello <|im_start|>user\nwörld 123<|im_end|>"
     assert cached.encode(text) == fresh.encode(text)
     assert cached.decode(fresh.encode(text)) == fresh.decode(fresh.encode(text))
-    assert cached.fingerprint() == fresh.fingerprint()
+    assert cached.fingerprint() == fresh.fingerprint()  # kept in the entry: not hashed again
+    assert replace(cached).fingerprint() == cached.fingerprint()  # and the backend's hash
     assert (cached.chat_template, cached.eos_token_ids) == (
         fresh.chat_template,
         fresh.eos_token_ids,

@@ -50,3 +50,24 @@ def test_a_damaged_file_is_a_value_error(path, tmp_path, cut):
     bad.write_bytes(b"GGUF\x09\x00\x00\x00" + data[8:64])  # a version it does not read
     with pytest.raises(ValueError, match="version"):
         GgufFile(bad)
+
+
+def test_string_arrays_are_decoded_only_when_read(path, monkeypatch):
+    """A node's model config needs none of the vocabulary's ~100k strings (its tokenizer is
+    cached): they stay undecoded (~0.25 s of every engine's start), and a read gives what
+    the eager parse gave."""
+    from pdserve.common.model import config, gguf_file
+
+    decoded: list[int] = []
+    eager = gguf_file._Strings.decode
+    monkeypatch.setattr(gguf_file._Strings, "decode", lambda s: decoded.append(s.count) or eager(s))
+    config.open_gguf.cache_clear()  # this process's reader, parsed again under the counter
+    try:
+        cfg = config.load_model_config(config.resolve_model(None))
+        assert decoded == [] and cfg.vocab_size == 49152
+        reader = config.open_gguf(path)
+        tokens = reader.fields["tokenizer.ggml.tokens"]
+        assert decoded == [49152] and reader.fields["tokenizer.ggml.tokens"] is tokens  # kept
+        assert tokens == GGUFReader(str(path)).fields["tokenizer.ggml.tokens"].contents()
+    finally:
+        config.open_gguf.cache_clear()

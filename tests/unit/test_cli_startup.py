@@ -1,0 +1,55 @@
+"""A serving process builds its command line without the tools' parsers (bench, compare,
+plan import aiohttp's client, numpy and the planner: ~0.4 s of CPU at each of the hundreds
+of process starts of `pdserve up` and the tests); every other command line, `--help`
+included, still sees every command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.cli import SERVING, build_parser, command_of
+
+PROBE = """
+import sys
+from pdserve.cli import build_parser
+args = build_parser(sys.argv[1:]).parse_args(sys.argv[1:])
+tools = [m for m in ("pdserve.loadgen.bench", "pdserve.planner.cli") if m in sys.modules]
+print(args.command, tools)
+"""
+
+
+SERVING_ARGV = [["prefill", "--node-id", "p"], ["--log-level", "INFO", "gateway"]]
+
+
+@pytest.mark.parametrize("argv", SERVING_ARGV)
+def test_a_serving_process_imports_no_tool(argv):
+    out = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True,
+                         timeout=60, check=True).stdout  # fmt: skip
+    assert out.split()[0] in SERVING and out.strip().endswith("[]"), out
+
+
+@pytest.mark.parametrize(
+    ("argv", "command"),
+    [
+        (["--log-level", "INFO", "up", "--prefill", "2"], "up"),
+        (["decode"], "decode"),
+        (["--help"], None),
+        ([], None),
+        (["bench", "--url", "x"], "bench"),
+        (["--log-format=json", "plan"], "plan"),
+    ],
+)
+def test_the_command_is_read_past_the_global_flags(argv, command):
+    assert command_of(argv) == command
+
+
+def test_help_and_the_tools_still_see_every_command():
+    for argv in (None, ["bench"], ["--help"], ["nosuch"]):
+        parser = build_parser(argv)
+        subs = next(a for a in parser._actions if a.dest == "command")
+        assert {"bench", "compare", "plan", "prefill", "up"} <= set(subs.choices), argv
+    argv = ["bench", "--url", "http://x"]
+    assert build_parser(argv).parse_args(argv).url == ["http://x"]  # repeatable: gateways
