@@ -21,6 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from pdserve.common.numerics import cpu_description
@@ -45,7 +46,7 @@ def health(port: int) -> dict:
         return json.loads(exc.read())
 
 
-def wait_until(ready, timeout: float = 120.0) -> None:  # type: ignore[no-untyped-def]
+def wait_until(ready: Callable[[], bool], timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
