@@ -49,6 +49,7 @@ class GgufOps:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._matmul = lib.gguf_matmul_f32
         self._dequantize = lib.gguf_dequantize_f32
+        self.path: str = lib.gguf_matmul_path().decode()  # the SIMD code it was built with
 
     def matmul(self, x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
         """x (T, K) float32 @ W.T, W (N, K) as `blocks` (N, K / 32 * block bytes) -> (T, N)."""

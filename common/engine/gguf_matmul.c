@@ -24,6 +24,8 @@
 #include <string.h>
 #if (defined(__AVX2__) && defined(__FMA__)) || defined(__F16C__)
 #include <immintrin.h>
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
 #endif
 
 #define QK 32
@@ -38,12 +40,19 @@ enum { GG_Q4_0 = 0, GG_Q4_1 = 1, GG_Q8_0 = 2 };
 static const int64_t gg_block_bytes[3] = {18, 20, 34};
 
 /* IEEE half to float, exact (subnormals included): one instruction with F16C (every AVX2
- * CPU has it), else bit by bit; twice a block, as much work as a block's FMAs without F16C. */
+ * CPU has it) or on arm64 (fcvt, in the base ISA), else bit by bit; twice a block, as much
+ * work as a block's FMAs without either. */
 #if defined(__F16C__)
 static inline float gg_half(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return _cvtsh_ss(h);
+}
+#elif defined(__aarch64__)
+static inline float gg_half(const uint8_t *p) {
+    __fp16 h; /* IEEE binary16 on AArch64 */
+    memcpy(&h, p, 2);
+    return (float)h;
 }
 #else
 static inline float gg_half(const uint8_t *p) {
@@ -155,6 +164,84 @@ static inline __attribute__((always_inline)) void gg_tile(const uint8_t *wr, int
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) y[r * N] = gg_fold(a[r][0], a[r][1]);
 }
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+/* NEON (every arm64 CPU): the same 16 lanes as four 4-lane accumulators a row (lane l sums
+ * k = l mod 16, weights 4c..4c+3 of a block going to accumulator c mod 4), the same fused
+ * multiply-adds in the same order and the same fold as the AVX2 path: the results are the
+ * AVX2 path's bit for bit. 4 x 4 accumulators and a block's 8 weight vectors fit the 32
+ * registers. */
+typedef struct {
+    float32x4_t v[8];
+} gg_w4x8;
+
+static inline __attribute__((always_inline)) void gg_s8_to_f32(int8x16_t q, float32x4_t d,
+                                                              float32x4_t *w) {
+    const int16x8_t lo = vmovl_s8(vget_low_s8(q)), hi = vmovl_high_s8(q);
+    w[0] = vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), d);
+    w[1] = vmulq_f32(vcvtq_f32_s32(vmovl_high_s16(lo)), d);
+    w[2] = vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))), d);
+    w[3] = vmulq_f32(vcvtq_f32_s32(vmovl_high_s16(hi)), d);
+}
+
+static inline __attribute__((always_inline)) void gg_u8_to_f32(uint8x16_t q, float32x4_t d,
+                                                              float32x4_t m, float32x4_t *w) {
+    const uint16x8_t lo = vmovl_u8(vget_low_u8(q)), hi = vmovl_high_u8(q);
+    /* q * d is exact: the fused multiply-add rounds as mul + add would */
+    w[0] = vfmaq_f32(m, vcvtq_f32_u32(vmovl_u16(vget_low_u16(lo))), d);
+    w[1] = vfmaq_f32(m, vcvtq_f32_u32(vmovl_high_u16(lo)), d);
+    w[2] = vfmaq_f32(m, vcvtq_f32_u32(vmovl_u16(vget_low_u16(hi))), d);
+    w[3] = vfmaq_f32(m, vcvtq_f32_u32(vmovl_high_u16(hi)), d);
+}
+
+static inline __attribute__((always_inline)) gg_w4x8 gg_widen_neon(const uint8_t *blk,
+                                                                   const int kind) {
+    gg_w4x8 w;
+    const float32x4_t d = vdupq_n_f32(gg_half(blk));
+    if (kind == GG_Q8_0) {
+        gg_s8_to_f32(vld1q_s8((const int8_t *)(blk + 2)), d, w.v);
+        gg_s8_to_f32(vld1q_s8((const int8_t *)(blk + 18)), d, w.v + 4);
+        return w;
+    }
+    const uint8x16_t raw = vld1q_u8(blk + (kind == GG_Q4_1 ? 4 : 2));
+    const uint8x16_t lo = vandq_u8(raw, vdupq_n_u8(0x0F)), hi = vshrq_n_u8(raw, 4);
+    if (kind == GG_Q4_1) {
+        const float32x4_t m = vdupq_n_f32(gg_half(blk + 2));
+        gg_u8_to_f32(lo, d, m, w.v);
+        gg_u8_to_f32(hi, d, m, w.v + 4);
+    } else {
+        const int8x16_t eight = vdupq_n_s8(8);
+        gg_s8_to_f32(vsubq_s8(vreinterpretq_s8_u8(lo), eight), d, w.v);
+        gg_s8_to_f32(vsubq_s8(vreinterpretq_s8_u8(hi), eight), d, w.v + 4);
+    }
+    return w;
+}
+
+static inline __attribute__((always_inline)) void gg_tile(const uint8_t *wr, int64_t nb,
+                                                         const int kind, const float *x,
+                                                         int64_t K, float *y, int64_t N,
+                                                         const int R) {
+    const int64_t bs = gg_block_bytes[kind];
+    float32x4_t a[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = vdupq_n_f32(0.0f);
+    for (int64_t k = 0; k < nb; k++) {
+        __builtin_prefetch(wr + k * bs + GG_PREFETCH);
+        const gg_w4x8 w = gg_widen_neon(wr + k * bs, kind);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const float *p = x + r * K + k * QK;
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++)
+                a[r][c & 3] = vfmaq_f32(a[r][c & 3], w.v[c], vld1q_f32(p + 4 * c));
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) { /* lanes l + l+8, then + l+4, then the AVX2 fold's pairs */
+        const float32x4_t s = vaddq_f32(vaddq_f32(a[r][0], a[r][2]), vaddq_f32(a[r][1], a[r][3]));
+        const float32x2_t h = vadd_f32(vget_low_f32(s), vget_high_f32(s));
+        y[r * N] = vget_lane_f32(h, 0) + vget_lane_f32(h, 1);
+    }
+}
 #else
 /* The same sums in portable C: 16 lanes (a row's two 8-lane accumulators), the same fold. */
 static inline void gg_tile(const uint8_t *wr, int64_t nb, const int kind, const float *x,
@@ -218,4 +305,15 @@ void gguf_dequantize_f32(const uint8_t *w, int64_t N, int64_t K, int kind, float
     const int64_t nb = K / QK, bs = gg_block_bytes[kind];
     for (int64_t n = 0; n < N; n++)
         for (int64_t k = 0; k < nb; k++) gg_widen(w + (n * nb + k) * bs, kind, out + n * K + k * QK);
+}
+
+/* Which of the sums above this build runs (tests/unit/test_gguf_targets.py). */
+const char *gguf_matmul_path(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return "avx2";
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+    return "neon";
+#else
+    return "portable";
+#endif
 }

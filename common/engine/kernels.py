@@ -42,6 +42,7 @@ SIGNATURES: dict[str, tuple[type[ctypes._SimpleCData[Any]], ...]] = {
 GGUF_SIGNATURES: dict[str, tuple[type[ctypes._SimpleCData[Any]], ...]] = {
     "gguf_matmul_f32": (P, I64, I64, P, I64, INT, P),
     "gguf_dequantize_f32": (P, I64, I64, INT, P),
+    "gguf_matmul_path": (),
 }
 
 
@@ -63,6 +64,7 @@ def library() -> ctypes.CDLL | str:
             getattr(lib, name).argtypes = list(args)
         lib.gguf_matmul_f32.restype = ctypes.c_int
         lib.gguf_dequantize_f32.restype = None
+        lib.gguf_matmul_path.restype = ctypes.c_char_p  # "avx2", "neon" or "portable"
         _loaded["lib"] = lib
     return _loaded["lib"]
 

@@ -117,7 +117,8 @@ class ModelRunner:
         self.kernels = "gguf"
         log.info(
             "--quantization int4: %d projections on their GGUF blocks for generated tokens "
-            "(dense float32 for prompt tokens)%s", n, ", the LM head on its blocks" if head else "",
+            "(dense float32 for prompt tokens)%s; the %s kernel", n,
+            ", the LM head on its blocks" if head else "", got[0].path,
         )  # fmt: skip
         return True
 
