@@ -222,6 +222,11 @@ class GatewayConfig:
         "", "key file (pdserve keygen) authenticating node traffic (CurveZMQ); empty: none"
     )
     max_body_bytes: int = flag(8 * 2**20, "largest accepted request body")
+    body_timeout: float = flag(
+        60.0,
+        "seconds a request body may go without a byte before the gateway answers 408 "
+        "(a client that stalls mid-body holds no handler: nginx's client_body_timeout)",
+    )
     served_model_name: str = flag("", "model name clients use; default: the nodes' model id")
     resume_timeout: float = flag(
         5.0,
@@ -245,6 +250,7 @@ class GatewayConfig:
             "stream_gap_timeout",
             "progress_timeout",
             "send_timeout",
+            "body_timeout",
         )
         for name in timeouts:
             if getattr(self, name) <= 0:

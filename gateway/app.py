@@ -8,6 +8,7 @@ handler that finds its client gone aborts the request on every node that holds i
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -100,8 +101,30 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     return await handler(request)
 
 
+async def read_body(request: web.Request) -> bytes:
+    """The whole body, each read within --body-timeout (an idle bound, not a total one: a
+    slow upload that keeps moving is read; a stalled one is a 408, then aiohttp's lingering
+    close), and 413 past --max-body-bytes as `request.read()` would."""
+    cfg = request.app[CONFIG]
+    body = bytearray()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(request.content.readany(), cfg.body_timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(
+                408, f"the request body stalled for {cfg.body_timeout:g} s", code="timeout"
+            ) from None
+        if not chunk:
+            return bytes(body)
+        body += chunk
+        if len(body) > cfg.max_body_bytes:
+            raise web.HTTPRequestEntityTooLarge(
+                max_size=cfg.max_body_bytes, actual_size=len(body)
+            )
+
+
 async def read_json(request: web.Request) -> Any:
-    raw = await request.read()  # raises 413 past client_max_size
+    raw = await read_body(request)
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:

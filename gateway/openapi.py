@@ -39,6 +39,7 @@ ERRORS = {
     "400": _error("invalid request (OpenAI's error object; `param` names the field)"),
     "401": _error("missing or wrong API key (when the gateway has one)"),
     "404": _error("unknown model"),
+    "408": _error("the request body stalled past `--body-timeout`"),
     "413": _error("request body too large"),
     "429": _error("too many requests waiting for a prefill node (`--max-waiting`); `Retry-After`"),
     "503": _error("no capacity or no nodes; `Retry-After` says when to come back"),

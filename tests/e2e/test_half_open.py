@@ -138,3 +138,49 @@ def test_a_resume_hangs_up_the_dead_connection_at_once(make_cluster, tokenizer, 
     assert wait_for(lambda: cluster.metric("pdserve:requests_total", start_at,
                                            outcome="detached") == detached, 10)  # fmt: skip
     assert cluster.metric("pdserve:stream_resumes_total", resume_at, outcome="adopted") == 1
+
+
+def _post_head(url: str, payload: bytes) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode())
+    return sock
+
+
+def test_a_body_that_stalls_gets_408_and_a_slow_one_that_moves_is_served(make_cluster):
+    """`--body-timeout 1`: a client that sends its body's first bytes, then nothing, is
+    answered 408 once no byte has come for the timeout (before it, the handler held only the
+    read: nothing is placed before the whole body) and its connection is closed; a body
+    that trickles in a byte every 20 ms, 2 s and more in all, is read and served."""
+    cluster = make_cluster(prefill=1, decode=1, engine="sim",
+                           gateway_flags=("--body-timeout", "1"), node_flags=FLAGS)  # fmt: skip
+    url = cluster.urls[0]
+    payload = json.dumps({"prompt": list(range(1000, 1030)), "max_tokens": 4}).encode()
+    stalled = _post_head(url, payload)
+    stalled.sendall(payload[:10])
+    start = time.monotonic()
+    answer = stalled.recv(4096)
+    waited = time.monotonic() - start
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert b"stalled for 1 s" in answer
+    # it waited for the idle bound (asyncio's timer: not earlier, to its clock's grain), and
+    # it was the flag's 1 s, not the 60 s default
+    assert 0.95 <= waited < 30, waited
+
+    slow = _post_head(url, payload)
+    began = time.monotonic()
+    for i in range(len(payload)):
+        slow.sendall(payload[i : i + 1])
+        time.sleep(0.02)
+    assert time.monotonic() - began > 2 * 1  # longer in all than the idle bound
+    answer = b""
+    while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+        answer += slow.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer
+    body = json.loads(answer.partition(b"\r\n\r\n")[2])
+    assert body["usage"]["completion_tokens"] == 4
+    assert cluster.metric("pdserve:requests_total", url, outcome="ok") == 1
+    stalled.settimeout(30)  # aiohttp reads on for up to 10 s (lingering close), then closes
+    while stalled.recv(4096):
+        pass
