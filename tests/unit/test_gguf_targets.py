@@ -1,7 +1,7 @@
 """gguf_matmul.c compiled for each target it has a path for, run as a plain program
 (tests/unit/gguf_check.c): this CPU's build (AVX2 + FMA on x86-64, NEON on arm64, else the
-portable loop) and, cross-compiled, arm64's NEON path under qemu-aarch64, so the NEON code
-is held to the same checks on every CPU the suite runs on.
+portable loop) and arm64's NEON path (elsewhere cross-compiled and run under qemu-aarch64),
+so the NEON code is held to the same checks on every CPU the suite runs on.
 
 Checked per block kind, on odd shapes and row counts around the 4-, 2- and 1-row tiles:
 - the SIMD paths give the bits of a scalar emulation of their sums (16 lanes, `fmaf` in
@@ -47,9 +47,13 @@ def _cc() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
+def _on_arm64() -> bool:
+    return platform.machine().lower() in ("aarch64", "arm64")
+
+
 def _native_path(cc: str) -> str:
     """The path gguf_matmul.c compiles to here, from the compiler's own macros."""
-    if platform.machine().lower() in ("aarch64", "arm64"):
+    if _on_arm64():
         return "neon"
     march = compile_flags()[0]  # -march=native, or x86-64-v3 under PDSERVE_CPU_ISA=avx2
     probe = subprocess.run(
@@ -76,6 +80,11 @@ def native(tmp_path_factory) -> tuple[list[str], str]:
 
 @pytest.fixture(scope="module")
 def arm64(tmp_path_factory) -> list[str]:
+    out = tmp_path_factory.mktemp("arm64") / "check"
+    if _on_arm64():  # this CPU is one: its own compiler, run as it is
+        cc = _cc()
+        assert cc is not None, "no C compiler (cc, gcc) on PATH"
+        return [str(_build(cc, ["-march=armv8-a"], out))]
     missing = [tool for tool in (ARM64_CC, QEMU) if shutil.which(tool) is None]
     if missing:
         why = f"{', '.join(missing)} not on PATH (Debian: gcc-aarch64-linux-gnu qemu-user)"
@@ -83,8 +92,7 @@ def arm64(tmp_path_factory) -> list[str]:
             pytest.fail(f"CI=true but {why}")
         pytest.skip(why)
     # armv8-a: the base every arm64 CPU has (NEON included); static, so qemu needs no sysroot
-    exe = _build(ARM64_CC, ["-march=armv8-a"], tmp_path_factory.mktemp("arm64") / "check", True)
-    return [QEMU, str(exe)]
+    return [QEMU, str(_build(ARM64_CC, ["-march=armv8-a"], out, static=True))]
 
 
 def _run(cmd: list[str], kind: str, n: int, k: int, rows: int) -> dict:
@@ -153,8 +161,10 @@ def test_the_nodes_library_runs_the_path_this_cpus_build_has(native):
 def test_the_whole_kernel_library_builds_for_arm64(arm64, tmp_path):
     """What a node on arm64 compiles at start (cbuild.build: both sources, one library)."""
     out = tmp_path / "kernels.so"
+    cc = _cc() if _on_arm64() else ARM64_CC
+    assert cc is not None
     done = subprocess.run(
-        [ARM64_CC, "-march=armv8-a", *FLAGS, "-Werror", "-o", str(out), *map(str, SOURCES)],
+        [cc, "-march=armv8-a", *FLAGS, "-Werror", "-o", str(out), *map(str, SOURCES)],
         capture_output=True,
         text=True,
     )
