@@ -65,6 +65,16 @@ class GgufOps:
             raise ValueError(f"gguf_matmul_f32: {kind} with K={k}")
         return out
 
+    def widen(self, data: np.ndarray, kind: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A GGUF tensor's blocks as the file holds them (read-only pages: only read) to
+        float32 of `shape`, the bits of gguf's dequantization (loader.iter_weights)."""
+        n, k = shape[0], int(np.prod(shape[1:]))
+        assert data.dtype == np.uint8 and data.flags.c_contiguous and k % BLOCK == 0
+        assert data.size == n * (k // BLOCK) * BLOCK_BYTES[kind], (data.size, shape, kind)
+        out = torch.empty(shape, dtype=torch.float32)
+        self._dequantize(data.ctypes.data, n, k, KINDS[kind], out.data_ptr())
+        return out
+
     def dequantize(self, blocks: torch.Tensor, kind: str) -> torch.Tensor:
         """W (N, K) float32: the values the kernel multiplies by."""
         assert blocks.is_contiguous() and blocks.dtype == torch.uint8

@@ -85,12 +85,21 @@ static inline void gg_widen(const uint8_t *blk, int kind, float *w) {
         for (int j = 0; j < QK; j++) w[j] = (float)q[j] * d;
         return;
     }
-    const uint8_t *qs = blk + (kind == GG_Q4_1 ? 4 : 2);
-    const float m = kind == GG_Q4_1 ? gg_half(blk + 2) : 0.0f;
-    const int off = kind == GG_Q4_1 ? 0 : 8;
+    if (kind == GG_Q4_1) {
+        const uint8_t *qs = blk + 4;
+        const float m = gg_half(blk + 2);
+        for (int j = 0; j < 16; j++) {
+            w[j] = (float)(qs[j] & 0x0F) * d + m;
+            w[j + 16] = (float)(qs[j] >> 4) * d + m;
+        }
+        return;
+    }
+    /* no "+ 0": (8 - 8) * d is -0 where d < 0 (llama.cpp's Q4_0 scales take either sign), as
+     * in gguf's dequantization and the SIMD paths; + 0 would make it +0 */
+    const uint8_t *qs = blk + 2;
     for (int j = 0; j < 16; j++) {
-        w[j] = (float)((qs[j] & 0x0F) - off) * d + m;
-        w[j + 16] = (float)((qs[j] >> 4) - off) * d + m;
+        w[j] = (float)((qs[j] & 0x0F) - 8) * d;
+        w[j + 16] = (float)((qs[j] >> 4) - 8) * d;
     }
 }
 
@@ -300,9 +309,11 @@ int gguf_matmul_f32(const float *x, int64_t rows, int64_t K, const uint8_t *w, i
     return 0;
 }
 
-/* W's rows widened to float (N, K): the reference the tests hold the kernel to. */
+/* W's rows widened to float (N, K): the reference the tests hold the kernel to, and a GGUF
+ * model's weights at load (loader.py; rows split across the caller's threads). */
 void gguf_dequantize_f32(const uint8_t *w, int64_t N, int64_t K, int kind, float *out) {
     const int64_t nb = K / QK, bs = gg_block_bytes[kind];
+#pragma omp parallel for schedule(static) if (N * K >= 64 * GG_PAR_MIN)
     for (int64_t n = 0; n < N; n++)
         for (int64_t k = 0; k < nb; k++) gg_widen(w + (n * nb + k) * bs, kind, out + n * K + k * QK);
 }

@@ -11,7 +11,7 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.engine import shared_kv
 from pdserve.common.engine.interface import DecodeWork, LayerHook, PrefillWork, sample_positions
 from pdserve.common.engine.kv_cache import KVCache
-from pdserve.common.engine.loader import iter_weights
+from pdserve.common.engine.loader import Widen, iter_weights
 from pdserve.common.engine.model import AttentionMetadata, LlamaModel, PrefillSpan
 from pdserve.common.engine.sampler import sample
 from pdserve.common.errors import ConfigError
@@ -33,6 +33,17 @@ def num_kv_blocks(cfg: EngineConfig, model_cfg: ModelConfig, element_size: int) 
     return max(1, int(cfg.kv_cache_gb * 2**30) // per_block)
 
 
+def _widen(cfg: EngineConfig) -> Widen | None:
+    """The C kernels' dequantizer for a GGUF's blocks at load, where they build and are not
+    turned off (--cpu-kernels); else None: torch's ops, the same bits."""
+    if cfg.cpu_kernels == "off":
+        return None
+    from pdserve.common.engine.gguf_linear import gguf_ops
+
+    got = gguf_ops()
+    return None if isinstance(got, str) else got[0].widen
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, eos_token_ids: tuple[int, ...] | None = None) -> None:
         if cfg.num_threads:
@@ -48,7 +59,7 @@ class ModelRunner:
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
         with torch.device(self.device):
             self.model = LlamaModel(self.model_config, self.max_model_len)
-        self.model.load_weights(iter_weights(source, self.model_config), self.dtype)
+        self.model.load_weights(iter_weights(source, self.model_config, _widen(cfg)), self.dtype)
         self.kernels = "eager"  # what runs the model (engine_info on /metrics): set below
         self._quantize(cfg, source)
         self._use_kernels(cfg)

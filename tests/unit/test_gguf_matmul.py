@@ -29,11 +29,13 @@ def ops() -> gl.GgufOps:
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """(n, k / 32, block bytes) uint8: random quants, scales of a real model's size (and a
-    subnormal half among them), Q4_1 mins of both signs."""
+    """(n, k / 32, block bytes) uint8: random quants, scales of a real model's size and of
+    both signs (llama.cpp's Q4_0 and Q8_0 scales take either; a negative one makes a zero
+    weight -0), a subnormal half among them, Q4_1 mins of both signs."""
     gen = np.random.default_rng(seed)
     blocks = gen.integers(0, 256, (n, k // 32, gl.BLOCK_BYTES[kind]), dtype=np.uint8)
-    d = gen.uniform(0.001, 0.05, (n, k // 32)).astype(np.float16)
+    sign = np.where(gen.random((n, k // 32)) < 0.5, -1.0, 1.0) if kind != "Q4_1" else 1.0
+    d = (sign * gen.uniform(0.001, 0.05, (n, k // 32))).astype(np.float16)
     d.flat[0] = np.float16(3e-6)  # subnormal in half precision
     blocks[..., 0:2] = d[..., None].view(np.uint8)
     if kind == "Q4_1":
@@ -47,7 +49,7 @@ def test_widened_weights_equal_ggufs_dequantization_bit_for_bit(ops, kind):
     blocks = random_blocks(kind, 37, 96)
     ours = ops.dequantize(torch.from_numpy(blocks.reshape(37, -1)), kind)
     theirs = dequantize_blocks(blocks.reshape(-1), kind).reshape(37, 96)
-    assert torch.equal(ours, theirs)
+    assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32))  # -0 is not +0
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -96,18 +96,26 @@ def test_int8_per_channel_linear_is_close_to_the_float_one():
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
-def test_the_loaders_torch_dequantization_is_gguf_s_bit_for_bit(tensors, kind):
-    """loader.dequantize_blocks (torch, a node's start) against gguf's numpy dequantize: on
-    random weights quantized by gguf, and on every tensor of that type in the embedded file."""
+def test_the_loaders_dequantizations_are_gguf_s_bit_for_bit(tensors, kind):
+    """Both ways a node's start widens GGUF blocks, loader.dequantize_blocks (torch) and the
+    C kernels' (GgufOps.widen, on the file's read-only pages as the loader passes them),
+    against gguf's numpy dequantize: on random weights quantized by gguf, and on every tensor
+    of that type in the embedded file (the large ones on several threads)."""
     from gguf.quants import quantize
 
+    from pdserve.common.engine.gguf_linear import gguf_ops
     from pdserve.common.engine.loader import dequantize_blocks
 
+    ops = gguf_ops()
+    assert not isinstance(ops, str), ops  # the suite's machines have gcc
     qtype = GGMLQuantizationType[kind]
     x = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)
-    raws = [quantize(x, qtype)]
-    raws += [np.asarray(t.data) for t in tensors.values() if t.tensor_type == qtype]
-    for raw in raws:
-        want = dequantize(raw, qtype).reshape(-1)
-        got = dequantize_blocks(raw, kind).numpy()
-        assert np.array_equal(want.view(np.uint32), got.view(np.uint32))
+    raws = [(quantize(x, qtype), x.shape)]
+    raws += [(np.asarray(t.data), _shape(t)) for t in tensors.values() if t.tensor_type == qtype]
+    torch.set_num_threads(2)
+    for raw, shape in raws:
+        want = dequantize(raw, qtype).reshape(-1).view(np.uint32)
+        assert np.array_equal(want, dequantize_blocks(raw, kind).numpy().view(np.uint32))
+        widened = ops[0].widen(raw, kind, shape)
+        assert widened.shape == shape
+        assert np.array_equal(want, widened.numpy().reshape(-1).view(np.uint32))
