@@ -59,7 +59,8 @@ class ModelRunner:
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
         with torch.device(self.device):
             self.model = LlamaModel(self.model_config, self.max_model_len)
-        self.model.load_weights(iter_weights(source, self.model_config, _widen(cfg)), self.dtype)
+        widen = _widen(cfg) if source.kind == "gguf" else None
+        self.model.load_weights(iter_weights(source, self.model_config, widen), self.dtype)
         self.kernels = "eager"  # what runs the model (engine_info on /metrics): set below
         self._quantize(cfg, source)
         self._use_kernels(cfg)
