@@ -43,9 +43,14 @@ def cache_dir() -> Path:
     return Path(base) / "pdserve" / "kernels"
 
 
+def compiler() -> str | None:
+    """The C compiler: $CC, else cc, else gcc (None: none on PATH)."""
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
 def build() -> Path | str:
     """The compiled library's path (compiled now if not cached), or why it cannot be."""
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    cc = compiler()
     if cc is None:
         return "no C compiler (cc, gcc) on PATH"
     try:

@@ -68,19 +68,21 @@ class GgufOps:
     def widen(self, data: np.ndarray, kind: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A GGUF tensor's blocks as the file holds them (read-only pages: only read) to
         float32 of `shape`, the bits of gguf's dequantization (loader.iter_weights)."""
-        n, k = shape[0], int(np.prod(shape[1:]))
-        assert data.dtype == np.uint8 and data.flags.c_contiguous and k % BLOCK == 0
-        assert data.size == n * (k // BLOCK) * BLOCK_BYTES[kind], (data.size, shape, kind)
-        out = torch.empty(shape, dtype=torch.float32)
-        self._dequantize(data.ctypes.data, n, k, KINDS[kind], out.data_ptr())
-        return out
+        assert data.dtype == np.uint8 and data.flags.c_contiguous
+        return self._widen(data.ctypes.data, data.size, kind, shape)
 
     def dequantize(self, blocks: torch.Tensor, kind: str) -> torch.Tensor:
         """W (N, K) float32: the values the kernel multiplies by."""
         assert blocks.is_contiguous() and blocks.dtype == torch.uint8
-        n, k = blocks.shape[0], blocks.shape[1] * BLOCK // BLOCK_BYTES[kind]
-        out = torch.empty((n, k), dtype=torch.float32)
-        self._dequantize(blocks.data_ptr(), n, k, KINDS[kind], out.data_ptr())
+        assert blocks.device.type == "cpu"  # raw pointers: host memory only
+        shape = (blocks.shape[0], blocks.shape[1] * BLOCK // BLOCK_BYTES[kind])
+        return self._widen(blocks.data_ptr(), blocks.numel(), kind, shape)
+
+    def _widen(self, ptr: int, nbytes: int, kind: str, shape: tuple[int, ...]) -> torch.Tensor:
+        n, k = shape[0], int(np.prod(shape[1:]))
+        assert k % BLOCK == 0 and nbytes == n * (k // BLOCK) * BLOCK_BYTES[kind], (shape, kind)
+        out = torch.empty(shape, dtype=torch.float32)
+        self._dequantize(ptr, n, k, KINDS[kind], out.data_ptr())
         return out
 
 

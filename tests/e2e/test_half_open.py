@@ -173,7 +173,7 @@ def test_a_body_that_stalls_gets_408_and_a_slow_one_that_moves_is_served(make_cl
     for i in range(len(payload)):
         slow.sendall(payload[i : i + 1])
         time.sleep(0.02)
-    assert time.monotonic() - began > 2 * 1  # longer in all than the idle bound
+    assert time.monotonic() - began > 2.0  # twice the idle bound in all, never 1 s idle
     answer = b""
     while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
         answer += slow.recv(4096)

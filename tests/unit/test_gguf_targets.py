@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdserve.common.cbuild import FLAGS, SOURCES, compile_flags
-from pdserve.common.engine.gguf_linear import gguf_ops
+from pdserve.common.cbuild import FLAGS, SOURCES, compile_flags, compiler
+from pdserve.common.engine.gguf_linear import KINDS, gguf_ops
 from pdserve.common.engine.loader import dequantize_blocks
 from tests.unit.test_gguf_matmul import random_blocks
 
@@ -34,17 +34,11 @@ pytestmark = pytest.mark.cpu  # make test-cpu-variants: native and AVX2-only
 
 CHECK = Path(__file__).with_name("gguf_check.c")
 GGUF = next(s for s in SOURCES if s.name == "gguf_matmul.c")
-KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
 SHAPES = [(1, 32, 1), (37, 96, 3), (577, 576, 9), (64, 1536, 6)]  # (N, K, rows)
 # the program is built like the library (cbuild.FLAGS), as an executable
 EXE_FLAGS = [f for f in FLAGS if f not in ("-fPIC", "-shared")]
 ARM64_CC = "aarch64-linux-gnu-gcc"  # Debian: gcc-aarch64-linux-gnu, libc6-dev-arm64-cross
 QEMU = "qemu-aarch64"  # Debian: qemu-user
-
-
-def _cc() -> str | None:
-    """The compiler cbuild.build uses."""
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
 def _on_arm64() -> bool:
@@ -71,7 +65,7 @@ def _build(cc: str, march: list[str], out: Path, static: bool = False) -> Path:
 
 @pytest.fixture(scope="module")
 def native(tmp_path_factory) -> tuple[list[str], str]:
-    cc = _cc()
+    cc = compiler()
     if cc is None:  # the suite's machines have gcc: a real failure there
         pytest.fail("no C compiler (cc, gcc) on PATH")
     exe = _build(cc, compile_flags()[:1], tmp_path_factory.mktemp("native") / "check")
@@ -82,7 +76,7 @@ def native(tmp_path_factory) -> tuple[list[str], str]:
 def arm64(tmp_path_factory) -> list[str]:
     out = tmp_path_factory.mktemp("arm64") / "check"
     if _on_arm64():  # this CPU is one: its own compiler, run as it is
-        cc = _cc()
+        cc = compiler()
         assert cc is not None, "no C compiler (cc, gcc) on PATH"
         return [str(_build(cc, ["-march=armv8-a"], out))]
     missing = [tool for tool in (ARM64_CC, QEMU) if shutil.which(tool) is None]
@@ -161,7 +155,7 @@ def test_the_nodes_library_runs_the_path_this_cpus_build_has(native):
 def test_the_whole_kernel_library_builds_for_arm64(arm64, tmp_path):
     """What a node on arm64 compiles at start (cbuild.build: both sources, one library)."""
     out = tmp_path / "kernels.so"
-    cc = _cc() if _on_arm64() else ARM64_CC
+    cc = compiler() if _on_arm64() else ARM64_CC
     assert cc is not None
     done = subprocess.run(
         [cc, "-march=armv8-a", *FLAGS, "-Werror", "-o", str(out), *map(str, SOURCES)],
