@@ -65,9 +65,21 @@ def parse_ptr_answer(packet: bytes, query_id: int) -> str | None:
     return None
 
 
+def embedded_dns(resolv_conf: str = "/etc/resolv.conf") -> bool:
+    """Docker gives a container its embedded DNS server (and lists it in resolv.conf) only
+    on a user-defined network, as compose's are; on the default bridge or the host's
+    network nothing listens at 127.0.0.11, and asking would wait the whole timeout."""
+    try:
+        with open(resolv_conf) as f:
+            lines = [line.split() for line in f]
+    except OSError:
+        return False
+    return any(w[:2] == ["nameserver", DOCKER_DNS[0]] for w in lines)
+
+
 def container_name(timeout: float = 0.5) -> str | None:
     """`pdserve-prefill-2` when compose runs us, else None."""
-    if not os.path.exists("/.dockerenv"):
+    if not os.path.exists("/.dockerenv") or not embedded_dns():
         return None
     try:
         address = socket.gethostbyname(socket.gethostname())

@@ -8,7 +8,12 @@ import struct
 
 import pytest
 
-from pdserve.common.container import parse_ptr_answer, ptr_query, replica_from_name
+from pdserve.common.container import (
+    embedded_dns,
+    parse_ptr_answer,
+    ptr_query,
+    replica_from_name,
+)
 from pdserve.common.devices import pick_gpu
 from pdserve.common.node import facing_address, resolve_tokens_address
 
@@ -90,3 +95,17 @@ def test_dtype_auto_is_resolved_once_in_the_config(caplog):
         cfg = EngineConfig(dtype="auto")
     assert cfg.dtype == choose_dtype("cpu")[0] != "auto"
     assert "--dtype auto" in caplog.text
+
+
+def test_the_name_is_asked_only_where_docker_lists_its_embedded_dns(tmp_path):
+    """A container on the default bridge (or the host's network) has no server at
+    127.0.0.11: its node must not wait the query's timeout for a name nobody gives."""
+    compose = tmp_path / "compose"
+    compose.write_text("search example\nnameserver 127.0.0.11\noptions ndots:0\n")
+    bridge = tmp_path / "bridge"
+    bridge.write_text("# copied from the host\nnameserver 10.0.0.2\nnameserver 127.0.0.110\n")
+    commented = tmp_path / "commented"
+    commented.write_text("# nameserver 127.0.0.11\n\n")
+    assert embedded_dns(str(compose))
+    assert not embedded_dns(str(bridge)) and not embedded_dns(str(commented))
+    assert not embedded_dns(str(tmp_path / "missing"))
