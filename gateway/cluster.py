@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.common.wire.protocol import DecodeTarget, Foreign, Load, NodeInfo
+from pdserve.common.wire.protocol import DecodeTarget, Foreign, Load, NodeInfo, Probe
 
 EMPTY_LOAD = Load(running=0, waiting=0, blocks_free=0, blocks_cached=0, blocks_in_use=0)
 
@@ -65,25 +65,34 @@ class ClusterView:
             return (
                 f"node id {info.node_id!r} is already registered; give each node a unique --node-id"
             )
-        if info.tokenizer_fingerprint != gateway_tokenizer:
-            return (
-                f"node {info.node_id} tokenizes differently from the gateway "
-                "(start both with the same --model)"
-            )
-        ref = self.reference
-        if ref is not None:
-            for name in ("model_id", "dtype", "kv_layout"):
-                mine, theirs = getattr(info, name), getattr(ref, name)
-                if mine != theirs:
-                    return (
-                        f"node {info.node_id} has {name} {mine!r} but the cluster runs "
-                        f"{theirs!r} (set by {ref.node_id})"
-                    )
-        else:
+        reason = self.refusal(info, gateway_tokenizer)
+        if reason is not None:
+            return reason
+        if self.reference is None:
             self.reference = info
         self.nodes[info.node_id] = NodeState(
             info=info, identity=identity, last_seen=now, progress_at=now
         )
+        return None
+
+    def refusal(self, node: NodeInfo | Probe, gateway_tokenizer: str) -> str | None:
+        """Why a node of this model, numerics and KV layout cannot join (None: it can); asked
+        at `Register`, and by a `Probe` before the node loads its weights."""
+        if node.tokenizer_fingerprint != gateway_tokenizer:
+            return (
+                f"node {node.node_id} tokenizes differently from the gateway "
+                "(start both with the same --model)"
+            )
+        ref = self.reference
+        if ref is None:
+            return None  # the first node sets what the cluster runs
+        for name in ("model_id", "dtype", "kv_layout"):
+            mine, theirs = getattr(node, name), getattr(ref, name)
+            if mine != theirs:
+                return (
+                    f"node {node.node_id} has {name} {mine!r} but the cluster runs "
+                    f"{theirs!r} (set by {ref.node_id})"
+                )
         return None
 
     def heartbeat(

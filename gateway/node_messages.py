@@ -23,6 +23,7 @@ from pdserve.common.wire.protocol import (
     Adopted,
     Deregister,
     FirstToken,
+    Fits,
     Heartbeat,
     HeartbeatReply,
     KvEvents,
@@ -31,6 +32,7 @@ from pdserve.common.wire.protocol import (
     NeedDecode,
     Preempted,
     PrefillFailed,
+    Probe,
     Redirect,
     Register,
     RegisterAck,
@@ -145,6 +147,14 @@ class NodeMessages:
         )
         await self.link.reply(identity, ack)
         self.placer.capacity_changed()
+
+    async def _on_probe(self, identity: bytes, msg: Probe) -> None:
+        """A node asks before loading its weights; nothing is registered or kept."""
+        reason = self.cluster.refusal(msg, self.tokenizer_fingerprint)
+        if reason is not None:
+            log.warning("refused node %s before it loaded: %s", msg.node_id, reason)
+        refuse = RegisterRefuse(node_id=msg.node_id, reason=reason or "")
+        await self.link.reply(identity, Fits(node_id=msg.node_id) if reason is None else refuse)
 
     async def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
         now = time.monotonic()
@@ -350,6 +360,7 @@ class NodeMessages:
 
 CONTROL: dict[type, Handler] = {
     Register: NodeMessages._on_register,
+    Probe: NodeMessages._on_probe,
     Heartbeat: NodeMessages._on_heartbeat,
     Adopted: NodeMessages._on_adopted,
     Wanted: NodeMessages._on_wanted,

@@ -76,7 +76,7 @@ def run_node(args: argparse.Namespace, role: str) -> int:
         idle = ecfg.engine_priority == "idle"
         executor = threads.engine_executor(ecfg.num_threads, idle)
         helpers = threads.helper_executor()
-        engine = executor.submit(make_engine, ecfg, tokenizer.eos_token_ids).result()
+        engine = _load_unless_refused(role, ecfg, ncfg, tokenizer, executor, make_engine)
         threads.pin_threads(1)  # this thread runs the event loop
     else:
         engine = make_engine(ecfg, tokenizer.eos_token_ids)
@@ -99,6 +99,20 @@ def run_node(args: argparse.Namespace, role: str) -> int:
     _use_uvloop()
     asyncio.run(main())
     return 0
+
+
+def _load_unless_refused(role: str, ecfg: EngineConfig, ncfg: NodeConfig, tokenizer: Any,
+                         executor: Any, make_engine: Any) -> Any:  # fmt: skip
+    """The engine, loaded on its thread while the gateways are asked whether they would take
+    it (common/node/precheck.py): a refused node leaves without waiting for its weights."""
+    from pdserve.common.node import precheck
+
+    probe = precheck.probe_of(role, ecfg, ncfg, tokenizer.fingerprint())
+    loading = executor.submit(make_engine, ecfg, tokenizer.eos_token_ids)
+    refused = asyncio.run(precheck.ask(ncfg, probe, loading, wait=precheck.WAIT_S))
+    if refused is not None:
+        precheck.leave(role, refused)
+    return loading.result()
 
 
 def role_class(role: str) -> type[RoleDefaults]:

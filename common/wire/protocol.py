@@ -86,6 +86,16 @@ class Register(Msg):
     info: NodeInfo
 
 
+class Probe(Msg):
+    """Would the cluster take a node of these? Asked before the weights load (precheck.py)."""
+
+    node_id: str
+    model_id: str
+    dtype: str
+    tokenizer_fingerprint: str
+    kv_layout: str
+
+
 class KvEvents(Msg):
     """Prefix blocks (chained hashes, common/engine/block_manager.py) the node's cache stored
     or evicted since its previous KvEvents; `seq` counts the node's messages from 0, so a
@@ -211,6 +221,7 @@ NodeToGateway = (
     | KvTransferred
     | KvEvents
     | Register
+    | Probe
     | Heartbeat
     | Accept
     | Reject
@@ -237,6 +248,10 @@ class RegisterAck(Msg):
 class RegisterRefuse(Msg):
     node_id: str
     reason: str
+
+
+class Fits(Msg):  # the answer to a `Probe` the cluster would take
+    node_id: str
 
 
 class HeartbeatReply(Msg):
@@ -330,6 +345,7 @@ GatewayToNode = (
     Adopt
     | RegisterAck
     | RegisterRefuse
+    | Fits
     | HeartbeatReply
     | PrefillOffer
     | Redirect

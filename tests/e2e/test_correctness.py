@@ -162,11 +162,13 @@ def test_cluster_with_4_bit_weights_matches_the_single_process_with_them(make_cl
         assert got["choices"][0]["text"] == exp.text
     assert cluster.metric("pdserve:kv_transfer_bytes_total") > 0
     # nodes whose KV would differ are refused: other weights (dequantized), another dtype
-    # (the same refusal as for any dtype: the numerics, dtype and quantization, must match)
+    # (the same refusal as for any dtype: the numerics, dtype and quantization, must match),
+    # while their weights load (common/node/precheck.py), not once they are loaded
     plain = cluster.add_node("decode", "decode-plain", "--quantization", "none")
     bf16 = cluster.add_node("decode", "decode-bf16", "--dtype", "bfloat16")
     for proc, theirs in ((plain, "float32"), (bf16, "bfloat16+int4")):
         out, _ = proc.communicate(timeout=180)
-        assert proc.returncode != 0 and "float32+int4" in out and theirs in out, out[-500:]
+        assert proc.returncode == 2 and "float32+int4" in out and theirs in out, out[-500:]
+        assert "refused before its weights loaded" in out, out[-500:]
     health = str(cluster.get("/health")[1])
     assert "decode-plain" not in health and "decode-bf16" not in health

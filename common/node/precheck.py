@@ -1,0 +1,89 @@
+"""Refused before the weights load, not after: a node asks each gateway whether the cluster
+would take a node of its model, numerics (dtype and quantization) and KV layout (`Probe`)
+while its weights load, and leaves at once on a refusal. Loading an 8B model reads and
+converts gigabytes; `Register`, after the load, would refuse such a node all the same.
+
+The answer only saves time: a gateway that does not answer before the weights are loaded
+(not up yet, or a version that drops the message) refuses nothing, and `Register` decides
+as before. Nothing is registered or kept by a `Probe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import sys
+from concurrent.futures import Future
+from typing import Any
+
+import zmq
+
+from pdserve.common.config import EngineConfig, NodeConfig
+from pdserve.common.model.config import load_model_config, resolve_model
+from pdserve.common.node.links import resolve
+from pdserve.common.wire.protocol import GATEWAY_DECODER, Probe, RegisterRefuse
+from pdserve.common.wire.security import ClusterKey, close_context, make_context
+from pdserve.common.wire.transport import CONTROL_MAX_MSG, decode_or_none, make_socket, send
+
+log = logging.getLogger(__name__)
+POLL_S = 0.05  # how often the load is looked at while answers are awaited
+WAIT_S = 10.0  # a gateway starting beside the node (pdserve up) answers well within it
+
+
+def probe_of(role: str, ecfg: EngineConfig, ncfg: NodeConfig, fingerprint: str) -> Probe:
+    """What `Register` will say of the node's model, from the model's files (the weights are
+    not read: the config is the GGUF's header or config.json)."""
+    source = resolve_model(ecfg.model)
+    return Probe(
+        node_id=ncfg.node_id or f"({role}, starting)",
+        model_id=source.model_id,
+        dtype=ecfg.numerics,
+        tokenizer_fingerprint=fingerprint,
+        kv_layout=load_model_config(source).layout_fingerprint(),
+    )
+
+
+def addresses(given: str) -> list[str]:
+    """Every gateway's address (a name resolving to several: each; unresolved: the name)."""
+    return [ip for name, ips in resolve(given).items() for ip in (ips or [name])]
+
+
+async def ask(cfg: NodeConfig, probe: Probe, loading: Future[Any], wait: float) -> str | None:
+    """The first refusal of any gateway, None if none refused by the time every gateway
+    answered, the weights loaded, or `wait` seconds passed."""
+    ctx = make_context(ClusterKey.load(cfg.cluster_key) if cfg.cluster_key else None)
+    pending: dict[asyncio.Future[Any], str] = {}
+    try:
+        for address in addresses(cfg.gateway):
+            sock = make_socket(ctx, "node.control", address, max_msg=CONTROL_MAX_MSG,
+                               identity=f"probe-{secrets.token_hex(8)}")  # fmt: skip
+            await send(sock, probe)
+            pending[asyncio.ensure_future(sock.recv())] = address
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while pending and not loading.done() and loop.time() < deadline:
+            done, _ = await asyncio.wait(pending, timeout=POLL_S)
+            for answered in done:
+                address = pending.pop(answered)
+                msg = decode_or_none(GATEWAY_DECODER, answered.result())
+                if isinstance(msg, RegisterRefuse):
+                    return f"the gateway at {address} refused it: {msg.reason}"
+        return None
+    except zmq.ZMQError as exc:  # only time is at stake: Register asks again
+        log.info("no probe before the load: %s", exc)
+        return None
+    finally:
+        for waiting in pending:
+            waiting.cancel()
+        close_context(ctx)  # closes the sockets (linger 0)
+
+
+def leave(role: str, reason: str) -> None:
+    """Exit now, the weights' load left unfinished on its thread (as SIGTERM during a load
+    would: a KV cache file it made in /dev/shm is swept by the next node's start)."""
+    log.error("%s node refused before its weights loaded: %s", role, reason)
+    print(f"pdserve {role}: error: {reason}", file=sys.stderr, flush=True)
+    logging.shutdown()
+    os._exit(2)  # the exit code of a refusal at Register
