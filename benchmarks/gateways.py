@@ -218,8 +218,14 @@ async def _streams(urls_of: list[list[str]], bodies: list[dict], resumable: list
         async def one(i: int) -> str:
             text, counted = "", False
             urls = urls_of[i] if resumable[i] else urls_of[i][:1]
-            async for chunk in resumable_chunks(session, urls, "/v1/completions", bodies[i],
-                                                timeout=300, attempts=12 if resumable[i] else 0):
+            async for chunk in resumable_chunks(
+                session,
+                urls,
+                "/v1/completions",
+                bodies[i],
+                timeout=300,
+                attempts=12 if resumable[i] else 0,
+            ):
                 for choice in chunk.get("choices", []):
                     text += choice.get("text") or ""
                     if not counted and text:
@@ -260,7 +266,8 @@ def kill(out: Path, streams: int = 300) -> dict[str, Any]:
         freed_at = None
         while thread.is_alive() or freed_at is None:
             held = _metric(urls[0], "pdserve:num_requests_running") + _metric(
-                urls[0], "pdserve:num_requests_waiting")
+                urls[0], "pdserve:num_requests_waiting"
+            )
             if not thread.is_alive() and held == 0 and freed_at is None:
                 freed_at = time.monotonic()
             if time.monotonic() - killed > 600:

@@ -118,9 +118,7 @@ async def read_body(request: web.Request) -> bytes:
             return bytes(body)
         body += chunk
         if len(body) > cfg.max_body_bytes:
-            raise web.HTTPRequestEntityTooLarge(
-                max_size=cfg.max_body_bytes, actual_size=len(body)
-            )
+            raise web.HTTPRequestEntityTooLarge(max_size=cfg.max_body_bytes, actual_size=len(body))
 
 
 async def read_json(request: web.Request) -> Any:

@@ -126,8 +126,10 @@ def tasks_of(*objs: object) -> list[str]:
     names = []
     for task in asyncio.all_tasks():
         frame = getattr(task.get_coro(), "cr_frame", None)
-        if not task.done() and frame is not None and any(
-            frame.f_locals.get("self") is obj for obj in objs if obj is not None
+        if (
+            not task.done()
+            and frame is not None
+            and any(frame.f_locals.get("self") is obj for obj in objs if obj is not None)
         ):
             names.append(task.get_coro().__qualname__)
     return names

@@ -144,9 +144,7 @@ def stack(tmp_path_factory):
         )
 
 
-def test_compose_stack_serves_streams_benches_and_reports(
-    stack, smol_runner, tokenizer, tmp_path
-):
+def test_compose_stack_serves_streams_benches_and_reports(stack, smol_runner, tokenizer, tmp_path):
     from tests.conftest import chat_ids, make_engine
 
     url, run, health = stack.url, stack.run, stack.health

@@ -64,9 +64,8 @@ def test_a_burst_of_connections_while_the_gateway_is_frozen_is_queued_and_answer
             assert socks[-1].connect_ex(("127.0.0.1", port)) in (0, errno.EINPROGRESS)
         # every handshake done by the kernel alone; with aiohttp's 128, 129 and the rest
         # pending for as long as the gateway is frozen (each SYN dropped again)
-        assert wait_for(lambda: _connected(socks) == BURST, timeout=5, interval=0.05), (
-            _connected(socks)
-        )
+        connected = wait_for(lambda: _connected(socks) == BURST, timeout=5, interval=0.05)
+        assert connected, _connected(socks)
         assert _listen_overflows() == overflows  # and none was dropped on the way
     finally:
         os.kill(gateway.pid, signal.SIGCONT)

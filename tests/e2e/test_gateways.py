@@ -101,6 +101,7 @@ def test_killing_one_gateway_changes_nothing_for_the_other_and_frees_its_kv(
         body["seed"] += 10_000
     steady = seeded_bodies(120, 24)
     out: dict[str, list] = {}
+
     def load(name: str, url: str, bodies: list, spacing: float) -> None:
         out[name] = run_streams(url, bodies, 120, spacing)
 
@@ -133,9 +134,7 @@ def test_killing_one_gateway_changes_nothing_for_the_other_and_frees_its_kv(
     assert [r.text for r in results] == _expected(tokenizer, steady)
     assert cluster.metric("pdserve:request_replacements_total", survivor) == 0
     assert wait_for(lambda: _held_everywhere(cluster, survivor) == 0, 10)
-    assert wait_for(
-        lambda: cluster.metric("pdserve:kv_blocks", survivor, state="in_use") == 0, 10
-    )
+    assert wait_for(lambda: cluster.metric("pdserve:kv_blocks", survivor, state="in_use") == 0, 10)
 
 
 def test_a_flooding_gateway_does_not_starve_the_other(make_cluster):

@@ -178,7 +178,7 @@ def test_an_ended_stream_asked_for_again_by_its_adopter_gets_the_same_answer():
         # gateway adopts it, its own neither
         assert adoption.adopt(Adopt(streams=[("s", 0)]), own) == []
         answers = [adoption.adopt(Adopt(streams=[("r", 2)]), other) for _ in range(2)]
-        for (wire_id, answer), in answers:
+        for ((wire_id, answer),) in answers:
             assert (wire_id, answer.found, answer.output_ids) == ("r.0", True, [7, 8])
             assert answer.finish_reason == "length"
         assert gateways.owners.get("r.0") is other and not adoption.finished
