@@ -70,7 +70,7 @@ def embedded_dns(resolv_conf: str = "/etc/resolv.conf") -> bool:
     on a user-defined network, as compose's are; on the default bridge or the host's
     network nothing listens at 127.0.0.11, and asking would wait the whole timeout."""
     try:
-        with open(resolv_conf) as f:
+        with open(resolv_conf, errors="replace") as f:
             lines = [line.split() for line in f]
     except OSError:
         return False

@@ -75,16 +75,21 @@ class ClusterView:
         )
         return None
 
-    def refusal(self, node: NodeInfo | Probe, gateway_tokenizer: str) -> str | None:
+    def refusal(
+        self, node: NodeInfo | Probe, gateway_tokenizer: str, probed_at: float | None = None
+    ) -> str | None:
         """Why a node of this model, numerics and KV layout cannot join (None: it can); asked
-        at `Register`, and by a `Probe` before the node loads its weights."""
+        at `Register`, and by a `Probe` (at `probed_at`) before the node loads its weights.
+        A probe is not held to what a leaving cluster runs (every node draining, or silent
+        for half its lease: a cluster being replaced by one of another model, as a compose
+        or Kubernetes rollout does it); its `Register`, after the load, is."""
         if node.tokenizer_fingerprint != gateway_tokenizer:
             return (
                 f"node {node.node_id} tokenizes differently from the gateway "
                 "(start both with the same --model)"
             )
         ref = self.reference
-        if ref is None:
+        if ref is None or (probed_at is not None and self.leaving(probed_at)):
             return None  # the first node sets what the cluster runs
         for name in ("model_id", "dtype", "kv_layout"):
             mine, theirs = getattr(node, name), getattr(ref, name)
@@ -94,6 +99,10 @@ class ClusterView:
                     f"{theirs!r} (set by {ref.node_id})"
                 )
         return None
+
+    def leaving(self, now: float) -> bool:
+        half = self.heartbeat_timeout / 2
+        return all(n.load.draining or now - n.last_seen > half for n in self.nodes.values())
 
     def heartbeat(
         self, node_id: str, identity: bytes, load: Load, now: float, leader: str = ""

@@ -150,7 +150,7 @@ class NodeMessages:
 
     async def _on_probe(self, identity: bytes, msg: Probe) -> None:
         """A node asks before loading its weights; nothing is registered or kept."""
-        reason = self.cluster.refusal(msg, self.tokenizer_fingerprint)
+        reason = self.cluster.refusal(msg, self.tokenizer_fingerprint, time.monotonic())
         if reason is not None:
             log.warning("refused node %s before it loaded: %s", msg.node_id, reason)
         refuse = RegisterRefuse(node_id=msg.node_id, reason=reason or "")

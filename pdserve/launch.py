@@ -106,10 +106,12 @@ def _load_unless_refused(role: str, ecfg: EngineConfig, ncfg: NodeConfig, tokeni
     """The engine, loaded on its thread while the gateways are asked whether they would take
     it (common/node/precheck.py): a refused node leaves without waiting for its weights."""
     from pdserve.common.node import precheck
+    from pdserve.common.wire.security import ClusterKey
 
     probe = precheck.probe_of(role, ecfg, ncfg, tokenizer.fingerprint())
+    key = ClusterKey.load(ncfg.cluster_key) if ncfg.cluster_key else None  # a bad one: now
     loading = executor.submit(make_engine, ecfg, tokenizer.eos_token_ids)
-    refused = asyncio.run(precheck.ask(ncfg, probe, loading, wait=precheck.WAIT_S))
+    refused = asyncio.run(precheck.ask(ncfg, key, probe, loading))
     if refused is not None:
         precheck.leave(role, refused)
     return loading.result()

@@ -4,14 +4,17 @@ while its weights load, and leaves at once on a refusal. Loading an 8B model rea
 converts gigabytes; `Register`, after the load, would refuse such a node all the same.
 
 The answer only saves time: a gateway that does not answer before the weights are loaded
-(not up yet, or a version that drops the message) refuses nothing, and `Register` decides
-as before. Nothing is registered or kept by a `Probe`.
+(not up yet, a version that drops the message, a peer without the cluster key) refuses
+nothing, and `Register` decides as before. Nothing is registered or kept by a `Probe`. A
+refused node leaves as SIGTERM during a load would: a KV cache file it had just made in
+/dev/shm is removed by the next node's start on that host (common/engine/shared_kv.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import secrets
 import sys
@@ -22,14 +25,13 @@ import zmq
 
 from pdserve.common.config import EngineConfig, NodeConfig
 from pdserve.common.model.config import load_model_config, resolve_model
-from pdserve.common.node.links import resolve
+from pdserve.common.node.links import gateway_addresses
 from pdserve.common.wire.protocol import GATEWAY_DECODER, Probe, RegisterRefuse
 from pdserve.common.wire.security import ClusterKey, close_context, make_context
 from pdserve.common.wire.transport import CONTROL_MAX_MSG, decode_or_none, make_socket, send
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05  # how often the load is looked at while answers are awaited
-WAIT_S = 10.0  # a gateway starting beside the node (pdserve up) answers well within it
 
 
 def probe_of(role: str, ecfg: EngineConfig, ncfg: NodeConfig, fingerprint: str) -> Probe:
@@ -45,21 +47,27 @@ def probe_of(role: str, ecfg: EngineConfig, ncfg: NodeConfig, fingerprint: str) 
     )
 
 
-def addresses(given: str) -> list[str]:
-    """Every gateway's address (a name resolving to several: each; unresolved: the name)."""
-    return [ip for name, ips in resolve(given).items() for ip in (ips or [name])]
-
-
-async def ask(cfg: NodeConfig, probe: Probe, loading: Future[Any], wait: float) -> str | None:
+async def ask(
+    cfg: NodeConfig, key: ClusterKey | None, probe: Probe, loading: Future[Any],
+    wait: float = math.inf,
+) -> str | None:  # fmt: skip
     """The first refusal of any gateway, None if none refused by the time every gateway
     answered, the weights loaded, or `wait` seconds passed."""
-    ctx = make_context(ClusterKey.load(cfg.cluster_key) if cfg.cluster_key else None)
+    try:
+        addresses = gateway_addresses(cfg.gateway)
+    except (ValueError, OSError):  # a malformed --gateway: the node's start says so
+        return None
+    ctx = make_context(key)
     pending: dict[asyncio.Future[Any], str] = {}
     try:
-        for address in addresses(cfg.gateway):
-            sock = make_socket(ctx, "node.control", address, max_msg=CONTROL_MAX_MSG,
-                               identity=f"probe-{secrets.token_hex(8)}")  # fmt: skip
-            await send(sock, probe)
+        for address in addresses:
+            try:
+                sock = make_socket(ctx, "node.control", address, max_msg=CONTROL_MAX_MSG,
+                                   identity=f"probe-{secrets.token_hex(8)}")  # fmt: skip
+                await send(sock, probe)
+            except (zmq.ZMQError, ValueError, OSError) as exc:  # only time is at stake
+                log.info("no probe to %s before the load: %s", address, exc)
+                continue
             pending[asyncio.ensure_future(sock.recv())] = address
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
@@ -70,9 +78,6 @@ async def ask(cfg: NodeConfig, probe: Probe, loading: Future[Any], wait: float) 
                 msg = decode_or_none(GATEWAY_DECODER, answered.result())
                 if isinstance(msg, RegisterRefuse):
                     return f"the gateway at {address} refused it: {msg.reason}"
-        return None
-    except zmq.ZMQError as exc:  # only time is at stake: Register asks again
-        log.info("no probe before the load: %s", exc)
         return None
     finally:
         for waiting in pending:

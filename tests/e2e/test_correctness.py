@@ -168,7 +168,8 @@ def test_cluster_with_4_bit_weights_matches_the_single_process_with_them(make_cl
     bf16 = cluster.add_node("decode", "decode-bf16", "--dtype", "bfloat16")
     for proc, theirs in ((plain, "float32"), (bf16, "bfloat16+int4")):
         out, _ = proc.communicate(timeout=180)
-        assert proc.returncode == 2 and "float32+int4" in out and theirs in out, out[-500:]
+        said = f"has dtype {theirs!r} but the cluster runs 'float32+int4'"
+        assert proc.returncode == 2 and said in out, out[-500:]
         assert "refused before its weights loaded" in out, out[-500:]
     health = str(cluster.get("/health")[1])
     assert "decode-plain" not in health and "decode-bf16" not in health
