@@ -153,8 +153,9 @@ class NodeMessages:
         reason = self.cluster.refusal(msg, self.tokenizer_fingerprint, time.monotonic())
         if reason is not None:
             log.warning("refused node %s before it loaded: %s", msg.node_id, reason)
-        refuse = RegisterRefuse(node_id=msg.node_id, reason=reason or "")
-        await self.link.reply(identity, Fits(node_id=msg.node_id) if reason is None else refuse)
+            await self.link.reply(identity, RegisterRefuse(node_id=msg.node_id, reason=reason))
+            return
+        await self.link.reply(identity, Fits(node_id=msg.node_id))
 
     async def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
         now = time.monotonic()
