@@ -19,6 +19,7 @@ import msgspec
 from msgspec import Meta
 
 MASK64 = (1 << 64) - 1
+SAMPLING_EPS = 1e-5  # a temperature below this is greedy (vLLM's threshold)
 
 
 class InvalidSampling(ValueError):
@@ -38,6 +39,16 @@ TopP = Annotated[float, Meta(gt=0, le=1, description="nucleus sampling mass")]
 TopK = Annotated[int, Meta(ge=-1, description="0 or -1: no top-k")]
 MinP = Annotated[float, Meta(ge=0, le=1, description="drop tokens below min_p x the top one")]
 Seed = Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1, description="a signed 64-bit seed")]
+# The gateway looks for every stop string in each token's text on its event loop, and a node
+# for every stop id in each step: bounded, so one request cannot stall the others (vLLM has
+# no bound; OpenAI takes 4 strings).
+MAX_STOPS = 64
+MAX_STOP_CHARS = 4096  # all of a request's stop strings together
+StopString = Annotated[str, Meta(max_length=MAX_STOP_CHARS)]
+Stops = Annotated[tuple[StopString, ...], Meta(max_length=MAX_STOPS, description="at most 64")]
+StopIds = Annotated[
+    tuple[Annotated[int, Meta(ge=0)], ...], Meta(max_length=MAX_STOPS, description="at most 64")
+]
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -47,8 +58,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     top_k: TopK = 0
     min_p: MinP = 0.0
     seed: Seed | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    stop: Stops = ()
+    stop_token_ids: StopIds = ()
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
@@ -56,11 +67,17 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             value = getattr(self, f.name)
             meta = bounds(f.type)
             if meta is not None and value is not None and not in_bounds(value, meta):
-                raise InvalidSampling(f.name, f"{f.name} must be {describe(meta)}, got {value}")
+                got = len(value) if isinstance(value, tuple) else value
+                raise InvalidSampling(f.name, f"{f.name} must be {describe(meta)}, got {got}")
+        if sum(len(s) for s in self.stop) > MAX_STOP_CHARS:
+            raise InvalidSampling("stop", f"stop strings may have {MAX_STOP_CHARS} characters "
+                                  "in all")  # fmt: skip
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # below SAMPLING_EPS, logits / temperature overflows float32 (1e-39 -> inf - inf = NaN,
+        # and the draw lands on any token): such a temperature means greedy, as in vLLM
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     def with_seed(self, seed: int) -> SamplingParams:
         return msgspec.structs.replace(self, seed=seed)
@@ -91,7 +108,9 @@ def bounds(annotation: Any) -> Meta | None:
     return next((b for a in get_args(annotation) if (b := bounds(a)) is not None), None)
 
 
-def in_bounds(value: float, meta: Meta) -> bool:
+def in_bounds(value: Any, meta: Meta) -> bool:
+    if isinstance(value, (str, tuple, list)):
+        return meta.max_length is None or len(value) <= meta.max_length
     return (
         (meta.ge is None or value >= meta.ge)
         and (meta.gt is None or value > meta.gt)
@@ -106,4 +125,6 @@ def describe(meta: Meta) -> str:
         for op, bound in ((">=", meta.ge), (">", meta.gt), ("<=", meta.le), ("<", meta.lt))
         if bound is not None
     ]
+    if meta.max_length is not None:
+        parts.append(f"at most {meta.max_length} long")
     return " and ".join(parts)

@@ -5,7 +5,9 @@ gateway/openapi.py turns them into `/openapi.json`.
 
 Sampling fields are not listed here: every `SamplingParams` field (common/sampling.py) is a
 request field of the same name, type and range, optional, so a new sampling field reaches
-the API and its schema by itself. Unknown fields are ignored, as OpenAI's clients send many.
+the API and its schema by itself. Unknown fields are ignored, as OpenAI's clients send many,
+but not the known ones this server does not implement (`UNSUPPORTED`): a request that asks for
+log probabilities, penalties or tools gets a 400 naming the field, not text made without them.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from pdserve.common.sampling import SamplingParams
+from pdserve.common.sampling import MAX_STOPS, SamplingParams, StopString
 
+StopList = Annotated[list[StopString], Meta(max_length=MAX_STOPS)]
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 
@@ -28,6 +31,36 @@ class TextPart(msgspec.Struct):
 class ChatMessage(msgspec.Struct):
     role: Role
     content: str | list[TextPart] | None = None  # None only for an assistant turn
+    tool_calls: list[Any] | None = None  # refused unless empty: no tools here
+
+
+# OpenAI's and vLLM's request fields that pdserve does not implement, with the values that ask
+# for nothing (also accepted: null). Any other value is a 400 naming the field.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "best_of": (1,),
+    "logprobs": (False,),  # completions: a count, and 0 asks for the chosen token's
+    "top_logprobs": (0,),
+    "prompt_logprobs": (),
+    "echo": (False,),
+    "suffix": ("",),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},),
+    "min_tokens": (0,),
+    "use_beam_search": (False,),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+}
 
 
 class StreamOptions(msgspec.Struct):
@@ -60,7 +93,7 @@ def _sampling_fields() -> list[tuple[str, Any, Any]]:
     for f in msgspec.structs.fields(SamplingParams):
         if f.name == "max_tokens":
             continue
-        kind = str | list[str] if f.name == "stop" else f.type
+        kind = StopString | StopList if f.name == "stop" else f.type
         out.append((f.name, kind | None, None))
     return out
 

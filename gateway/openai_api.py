@@ -14,7 +14,12 @@ import msgspec
 
 from pdserve.common.model.tokenizer import Tokenizer
 from pdserve.common.sampling import InvalidSampling, SamplingParams
-from pdserve.gateway.api_schema import ChatCompletionRequest, ChatMessage, CompletionRequest
+from pdserve.gateway.api_schema import (
+    UNSUPPORTED,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+)
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -70,6 +75,16 @@ def _param(exc: msgspec.ValidationError) -> str | None:
     return None
 
 
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name, nothing in UNSUPPORTED.items():
+        value = body.get(name)
+        # by type too: True == 1 and 0 == False, but `logprobs: 0` asks for something
+        if value is not None and not any(type(value) is type(v) and value == v for v in nothing):
+            also = f" (leave it out or send {nothing[0]!r})" if nothing else ""
+            raise ApiError(400, f"'{name}' is not supported by this server{also}", name,
+                           "unsupported_parameter")  # fmt: skip
+
+
 def _decode(kind: Literal["chat", "completion"], body: Any) -> Any:
     """The body as its request struct (gateway/api_schema.py): types and ranges checked."""
     schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
@@ -84,9 +99,12 @@ def _decode(kind: Literal["chat", "completion"], body: Any) -> Any:
 
 
 def _message_text(msg: ChatMessage, i: int) -> dict[str, str]:
+    if msg.tool_calls:
+        raise ApiError(400, f"messages[{i}].tool_calls: tools are not supported by this server",
+                       "messages", "unsupported_parameter")  # fmt: skip
     content = msg.content
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        content = "".join(part.text for part in content)
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...], joined as vLLM does
+        content = "\n".join(part.text for part in content)
     if content is None:
         if msg.role != "assistant":
             raise ApiError(
@@ -105,6 +123,7 @@ def parse_request(
 ) -> ParsedRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    _refuse_unsupported(body)
     req = _decode(kind, body)
     model = served_model if req.model is None else req.model
     if model != served_model:
@@ -148,7 +167,7 @@ def parse_request(
             "max_tokens",
             "context_length_exceeded",
         )
-    params = _sampling(req, max_tokens)
+    params = _sampling(req, max_tokens, vocab)
     stream = bool(req.stream)
     include_usage = bool(req.stream_options and req.stream_options.include_usage) and stream
     return ParsedRequest(
@@ -190,7 +209,7 @@ def _completion_prompt(prompt: Any, tokenizer: Tokenizer, max_model_len: int) ->
     )
 
 
-def _sampling(req: Any, max_tokens: int) -> SamplingParams:
+def _sampling(req: Any, max_tokens: int, vocab: int) -> SamplingParams:
     """The body's sampling fields (already type- and range-checked against SamplingParams'
     own declarations by `_decode`) as the struct nodes receive."""
     fields = {
@@ -205,7 +224,12 @@ def _sampling(req: Any, max_tokens: int) -> SamplingParams:
         fields["stop"] = tuple(s for s in stop if s != "")
     if "stop_token_ids" in fields:
         fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
-    params = SamplingParams(**fields, max_tokens=max_tokens)
+        if any(t >= vocab for t in fields["stop_token_ids"]):
+            raise ApiError(400, f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+    try:
+        params = SamplingParams(**fields, max_tokens=max_tokens)
+    except InvalidSampling as exc:  # what one field's type cannot say (stop's total length)
+        raise ApiError(400, str(exc), exc.field) from exc
     if params.seed is None and not params.greedy:
         # fixed now so every node of every attempt draws alike
         params = params.with_seed(secrets.randbits(63))

@@ -280,12 +280,16 @@ class IncrementalDetokenizer:
     vLLM's scheme: decode a short window before the new tokens (`prefix_offset`) and the
     window plus the new tokens, and emit the difference. A delta that ends in U+FFFD is an
     incomplete UTF-8 sequence; it is held back until the next token completes it.
+
+    The first window is the prompt's last 5 tokens (the 6th back may be the tail of a split
+    character): a SentencePiece decoder drops the space that starts a text, so the first
+    token decoded alone would lose its own ("is" + "▁Paris" -> "isParis").
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = list(prompt_ids or [])[-6:]
-        self.prefix_offset = len(self.ids)
+        self.prefix_offset = max(len(self.ids) - 5, 0)
         self.read_offset = len(self.ids)
 
     def add(self, token_id: int) -> str:
@@ -343,11 +347,18 @@ class StopStringMatcher:
 
 
 def _longest_stop_prefix_suffix(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string.
+
+    Only the places where a stop's first character occurs can start one (found by
+    `str.find`, in C): per token, the gateway's event loop pays for those, not for every
+    length of every stop string."""
     best = 0
     for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:n]):
-                best = n
+        start = len(text) - min(len(stop) - 1, len(text))
+        i = text.find(stop[0], start)
+        while i != -1 and len(text) - i > best:
+            if stop.startswith(text[i:]):
+                best = len(text) - i
                 break
+            i = text.find(stop[0], i + 1)
     return best

@@ -138,6 +138,8 @@ def _chat(**fields: Any) -> dict[str, Any]:
     return {"model": SIM_MODEL, "messages": MESSAGES, "max_tokens": 4, **fields}
 
 
+CALL = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+TOOL_TURN = {"role": "assistant", "content": None, "tool_calls": [CALL]}
 BAD_BODIES = [
     pytest.param(CHAT, b'{"messages": [', 400, None, id="invalid-json"),
     pytest.param(CHAT, b"", 400, None, id="empty-body"),
@@ -164,6 +166,29 @@ BAD_BODIES = [
     pytest.param(CHAT, _chat(min_p="x"), 400, "min_p", id="min-p-str"),
     pytest.param(CHAT, _chat(stop=5), 400, "stop", id="stop-int"),
     pytest.param(CHAT, _chat(stop=["a", 1]), 400, "stop", id="stop-list-mixed"),
+    pytest.param(CHAT, _chat(stop=[f"s{i}" for i in range(65)]), 400, "stop", id="stops-65"),
+    pytest.param(CHAT, _chat(stop_token_ids=[-1]), 400, "stop_token_ids", id="stop-id-negative"),
+    pytest.param(CHAT, _chat(stop_token_ids=[49152]), 400, "stop_token_ids", id="stop-id-vocab"),
+    pytest.param(
+        CHAT, _chat(stop_token_ids=list(range(65))), 400, "stop_token_ids", id="stop-ids-65"
+    ),
+    pytest.param(CHAT, _chat(logprobs=True), 400, "logprobs", id="logprobs"),
+    pytest.param(CHAT, _chat(presence_penalty=0.5), 400, "presence_penalty", id="penalty"),
+    pytest.param(
+        CHAT,
+        _chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        400,
+        "tools",
+        id="tools",
+    ),
+    pytest.param(CHAT, _chat(tool_choice="auto"), 400, "tool_choice", id="tool-choice"),
+    pytest.param(
+        CHAT, _chat(response_format={"type": "json_object"}), 400, "response_format", id="json-mode"
+    ),
+    pytest.param(CHAT, _chat(messages=[TOOL_TURN]), 400, "messages", id="tool-calls"),
+    pytest.param(COMPLETIONS, {"prompt": "hi", "logprobs": 0}, 400, "logprobs", id="c-logprobs"),
+    pytest.param(COMPLETIONS, {"prompt": "hi", "echo": True}, 400, "echo", id="c-echo"),
+    pytest.param(COMPLETIONS, {"prompt": "hi", "best_of": 2}, 400, "best_of", id="c-best-of"),
     pytest.param(CHAT, _chat(stream="yes"), 400, "stream", id="stream-str"),
     pytest.param(CHAT, _chat(seed="x"), 400, "seed", id="seed-str"),
     pytest.param(CHAT, _chat(n=2), 400, "n", id="n-2"),

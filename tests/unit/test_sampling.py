@@ -41,6 +41,19 @@ def test_greedy_and_top_k_1_pick_the_argmax():
     assert sample(logits, [topk1] * 3, [1, 2, 3]) == expected
 
 
+@pytest.mark.parametrize("temperature", [1e-39, 1e-20, 9e-6])
+def test_a_temperature_too_small_to_divide_by_is_greedy(temperature):
+    """logits / 1e-39 overflows float32 (softmax of inf - inf is NaN, and the inverse CDF
+    then picked the last token: the least likely one)."""
+    logits = torch.tensor([[1.0, 5.0, 2.0, 0.0, -3.0]] * 8)
+    p = SamplingParams(temperature=temperature, seed=7)
+    assert p.greedy
+    assert sample(logits, [p] * 8, list(range(8))) == [1] * 8
+    # the smallest temperature that is sampled still divides without overflow
+    tiny = SamplingParams(temperature=1e-5, seed=7)
+    assert not tiny.greedy and sample(logits, [tiny] * 8, list(range(8))) == [1] * 8
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
     logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(1))
     p = SamplingParams(temperature=1.0, seed=1234)

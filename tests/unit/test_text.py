@@ -80,3 +80,56 @@ def test_chat_template_renders_chatml(tokenizer):
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
+
+
+def _metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Metaspace: "▁" marks a word's space, and the decoder
+    drops the space that starts a text), as Llama-2, Mistral v0.1 and TinyLlama ship."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from pdserve.common.model.tokenizer import Tokenizer
+
+    words = ["The", "capital", "of", "France", "is", "Paris", ".", "Hi"]
+    vocab = {"<unk>": 0, **{w: i + 1 for i, w in enumerate(["\u2581" + w for w in words] + words)}}
+    backend = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    return Tokenizer(backend, eos_token_ids=(), bos_token_id=None, add_bos_token=False,
+                     chat_template=None)  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(range(1, 17)), min_size=1, max_size=12), st.integers(0, 12))
+def test_incremental_text_is_the_whole_texts_tail_for_a_sentencepiece_tokenizer(ids, cut):
+    """The deltas after any prompt are what the whole text adds to the prompt's text: the
+    first one keeps the space before its word (it lost it when decoded alone)."""
+    tokenizer = _metaspace_tokenizer()
+    prompt, out = ids[: min(cut, len(ids) - 1)], ids[min(cut, len(ids) - 1) :]
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt)
+    text = "".join(detok.add(i) for i in out)
+    whole, head = tokenizer.decode(ids), tokenizer.decode(prompt)
+    assert whole.startswith(head)
+    assert text == whole[len(head) :]
+
+
+def test_the_first_word_after_a_prompt_keeps_its_space():
+    tokenizer = _metaspace_tokenizer()
+    prompt = tokenizer.encode("The capital of France is", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt)
+    out = tokenizer.encode(" Paris", add_special_tokens=False)
+    assert [detok.add(i) for i in out] == [" Paris"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="abc", max_size=12), st.lists(st.text(alphabet="abc", min_size=1,
+       max_size=6), min_size=1, max_size=4))  # fmt: skip
+def test_held_back_text_is_the_longest_suffix_that_could_start_a_stop(text, stops):
+    from pdserve.common.model.tokenizer import _longest_stop_prefix_suffix
+
+    expected = max(
+        (n for s in stops for n in range(1, min(len(s) - 1, len(text)) + 1)
+         if text.endswith(s[:n])),
+        default=0,
+    )  # fmt: skip
+    assert _longest_stop_prefix_suffix(text, stops) == expected
