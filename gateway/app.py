@@ -85,6 +85,11 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         }.get(exc.status, exc.reason)
         allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None  # 405
         return json_response(error_body(exc.status, message), exc.status, allow)
+    except Exception:
+        if request.writer is not None and request.writer.output_size > 0:
+            raise  # a stream already under way: aiohttp closes it (it logs the error)
+        log.exception("%s %s failed", request.method, request.path)
+        return json_response(error_body(500, "internal error (logged by the gateway)"), 500)
 
 
 @web.middleware
@@ -314,19 +319,16 @@ async def _events(first: Any, req: GatewayRequest) -> AsyncIterator[Any]:
 
 
 async def models(request: web.Request) -> web.Response:
+    """GET /v1/models, and /v1/models/{model} (the OpenAI clients' `models.retrieve`)."""
     service = request.app[SERVICE]
-    data = []
-    if service.model_id:
-        data.append(
-            {
-                "id": service.model_id,
-                "object": "model",
-                "created": int(time.time()),
-                "owned_by": "pdserve",
-                "max_model_len": service.max_model_len,
-            }
-        )
-    return json_response({"object": "list", "data": data})
+    cards = [{"id": service.model_id, "object": "model", "created": int(time.time()),
+              "owned_by": "pdserve", "max_model_len": service.max_model_len}]  # fmt: skip
+    if "model" not in request.match_info:
+        return json_response({"object": "list", "data": cards if service.model_id else []})
+    name = request.match_info["model"]  # ids may hold slashes
+    if not service.model_id or name != service.model_id:
+        raise ApiError(404, f"the model '{name}' does not exist", "model", "model_not_found")
+    return json_response(cards[0])
 
 
 async def health(request: web.Request) -> web.Response:
@@ -369,6 +371,7 @@ def create_app(cfg: GatewayConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/streams/{stream_id}", resume_stream)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
@@ -376,12 +379,7 @@ def create_app(cfg: GatewayConfig) -> web.Application:
 
 
 def serve(cfg: GatewayConfig) -> None:
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
+    """Runs the gateway until SIGINT/SIGTERM (on uvloop where the caller installed it)."""
     web.run_app(
         create_app(cfg),
         host=cfg.host,

@@ -88,6 +88,13 @@ def _get(summary: str, schema: str | None, errors: dict[str, Any]) -> dict[str, 
     }
 
 
+def _model() -> dict[str, Any]:
+    out = _get("one served model", "Model", {"401": ERRORS["401"], "404": ERRORS["404"]})
+    out["get"]["parameters"] = [{"name": "model", "in": "path", "required": True,
+                                 "schema": {"type": "string"}}]  # fmt: skip
+    return out
+
+
 RESUME = (
     "The rest of a resumable stream (one asked with the header `pdserve-resumable: 1`, whose "
     "SSE events then carry `id: N`, N the output tokens whose text they bring) after its "
@@ -177,6 +184,7 @@ def spec(model_id: str = "") -> dict[str, Any]:
             ),
             "/v1/streams/{stream_id}": _resume(),
             "/v1/models": _get("the served model", "ModelList", {"401": ERRORS["401"]}),
+            "/v1/models/{model}": _model(),
             "/health": _get("cluster health", "Health", unhealthy),
             "/metrics": _get("Prometheus metrics", None, {}),
             "/openapi.json": {

@@ -51,6 +51,7 @@ def _use_uvloop() -> None:
 def run_gateway(args: argparse.Namespace) -> int:
     from pdserve.gateway.app import serve
 
+    _use_uvloop()
     serve(from_args(GatewayConfig, args))
     return 0
 

@@ -219,6 +219,33 @@ def test_bad_request_bodies(
         assert "gpt-17" in err["message"] or "nope" in err["message"]
 
 
+def test_fields_that_ask_for_nothing_are_accepted(cluster: Cluster) -> None:
+    """What OpenAI's and LangChain's clients send by default for the fields this server
+    refuses (a penalty of 0, one choice, no tools) changes nothing: 200, and the same text."""
+    defaults = {"n": 1, "best_of": 1, "logprobs": False, "presence_penalty": 0,
+                "frequency_penalty": 0.0, "logit_bias": {}, "tools": [], "tool_choice": "none",
+                "response_format": {"type": "text"}, "echo": False, "user": "u", "top_logprobs":
+                None}  # fmt: skip
+    texts = []
+    for body in (_chat(max_tokens=6, seed=3), _chat(max_tokens=6, seed=3, **defaults)):
+        status, text = cluster.post(CHAT, body)
+        assert status == 200, text
+        texts.append(text["choices"][0]["message"]["content"])
+    assert texts[0] == texts[1]
+
+
+def test_text_parts_are_joined_by_newlines(cluster: Cluster) -> None:
+    """vLLM's rule for a message of several text parts: the same prompt as one string."""
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    ids = []
+    for content in (parts, "Hello\nworld"):
+        body = _chat(messages=[{"role": "user", "content": content}], return_token_ids=True)
+        status, text = cluster.post(CHAT, body)
+        assert status == 200, text
+        ids.append(text["choices"][0]["prompt_token_ids"])
+    assert ids[0] == ids[1]
+
+
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
 def test_context_length_exceeded(cluster: Cluster, client: openai.OpenAI, path: str) -> None:
     status, text = cluster.get("/v1/models")
@@ -292,6 +319,10 @@ def test_models_listed(cluster: Cluster, client: openai.OpenAI) -> None:
     assert body["object"] == "list"
     assert body["data"][0]["id"] == SIM_MODEL
     assert body["data"][0]["object"] == "model"
+    card = client.models.retrieve(SIM_MODEL)  # GET /v1/models/{model}
+    assert (card.id, card.object) == (SIM_MODEL, "model")
+    status, text = cluster.get("/v1/models/gpt-17")
+    assert status == 404 and json.loads(text)["error"]["code"] == "model_not_found"
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "seed": 1234}])
