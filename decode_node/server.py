@@ -67,7 +67,9 @@ class DecodeRole(RoleDefaults):
     @staticmethod
     def scheduler_config(base: SchedulerConfig) -> SchedulerConfig:
         # every sequence that arrived decodes at each step: the KV it holds is its admission
-        return dataclasses.replace(base, max_num_seqs=1 << 30, max_batch_tokens=1 << 30)
+        # (a chunk budget would decode only the oldest --chunk-size of them)
+        return dataclasses.replace(base, max_num_seqs=1 << 30, max_batch_tokens=1 << 30,
+                                   chunk_size=0)  # fmt: skip
 
     def extra_held(self) -> list[str]:
         return self.node.intake.active  # reserved, KV on its way

@@ -269,6 +269,11 @@ class Scheduler(PrefixCaching):
                 break
             if waiting and not self._admit(seq, hits, loads):
                 break
+            if waiting and loads:  # a tier's block may be gone by now (pushed out by this very
+                # allocation's evictions, or corrupt): what did not load is computed now too,
+                # in this pass (a prefill node sends a prompt's KV after its one pass)
+                left = seq.num_tokens - seq.num_computed_tokens
+                n = min(left, budget) if self.cfg.chunk_size else left
             out.prefills.append((seq, n))
             budget -= n
             pass_tokens += n

@@ -35,3 +35,10 @@ def test_bad_values_name_the_setting(monkeypatch, env, value, match):
     monkeypatch.setenv(env, value)
     with pytest.raises(ConfigError, match=match):
         parse([])
+
+
+def test_a_chunk_budget_below_the_batch_is_refused():
+    """As vLLM's check: each running stream decodes a token of the step's budget first."""
+    with pytest.raises(ConfigError, match="--chunk-size must be at least --max-batch"):
+        EngineConfig(chunk_size=16, max_batch=32)
+    assert EngineConfig(chunk_size=32, max_batch=32).chunk_size == 32

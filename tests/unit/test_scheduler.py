@@ -255,3 +255,52 @@ def test_room_is_exactly_the_longest_prompt_can_take_accepts(taken, n, max_seqs,
     assert sched.can_take(room, False) is None or room == 0
     assert sched.room(True) == sched.largest_prompt  # queueing: only the cache bounds it
     assert sched.can_take(sched.largest_prompt + 1, True) is not None
+
+
+def test_a_tier_load_that_comes_up_short_is_computed_in_the_same_pass():
+    """A prompt whose prefix is in the host tier (no disk tier) is admitted; allocating its
+    blocks evicts other cached blocks into that full tier, which pushes out the very blocks
+    it was to load. What did not load is computed in the same pass: the prompt is still one
+    prefill (a prefill node sends a request's KV after its one pass: two passes sent it twice)."""
+    from pdserve.common.engine.tiers import TierStore
+
+    sched = make_scheduler(num_blocks=6, block_size=4, prefix_caching=True, max_batch_tokens=64)
+    tiers = TierStore(host_bytes=32)  # two blocks of 16 bytes
+    loaded: list[int] = []
+    sched.attach_tiers(tiers, lambda b: bytes([b]) * 16, lambda b, data: loaded.append(b))
+
+    def serve(seq_id: str, tokens: list[int]) -> None:
+        seq = Sequence.new(seq_id, tokens, SamplingParams(max_tokens=1, temperature=0.0))
+        sched.add(seq)
+        run_step(sched)
+        sched.finish(seq, "length")  # its full blocks stay cached, in the free queue
+
+    serve("a", list(range(1, 10)))  # blocks [1..4], [5..8] cached
+    serve("b", list(range(100, 121)))  # needs all 6 blocks: a's two go to the tier
+    assert tiers.stats["put"] == 2
+    c = Sequence.new("c", [*range(1, 9), 50, 51, 52, 53, 54], GREEDY)  # a's prefix, then more
+    sched.add(c)
+    out = sched.schedule()
+    assert tiers.stats["put"] > 2  # b's blocks evicted into the full tier by c's allocation
+    assert [s.seq_id for s, _ in out.prefills] == ["c"]
+    (_, n), cached = out.prefills[0], c.num_computed_tokens
+    assert cached < 8  # a load came up short: what is computed is the rest, in this pass
+    assert cached + n == c.num_tokens, (cached, n)
+    assert len(loaded) * 4 == cached
+
+
+
+def test_a_decode_node_decodes_every_sequence_it_holds_at_each_step_whatever_the_chunk_size():
+    """The engine flags are shared by every role (`pdserve up --chunk-size N`): a decode node's
+    scheduler took the chunk budget as its step's, and decoded only the oldest N of its
+    streams while the newest got no token until those ended."""
+    from pdserve.decode_node.server import DecodeRole
+
+    base = make_scheduler(chunk_size=4, num_blocks=64).cfg
+    sched = Scheduler(DecodeRole.scheduler_config(base))
+    for i in range(6):
+        sched.add(make_request(f"s{i}", 3))
+    run_step(sched)  # the six prompts (a decode node's own prefills), then only decodes
+    for _ in range(3):
+        out = run_step(sched)
+        assert sorted(s.seq_id for s in out.decodes) == [f"s{i}" for i in range(6)]
