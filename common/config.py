@@ -113,8 +113,10 @@ class EngineConfig:
         if self.chunk_size < 0 or self.num_kv_blocks < 0 or self.max_model_len < 0:
             raise ConfigError("--chunk-size, --num-kv-blocks and --max-model-len must be >= 0")
         if 0 < self.chunk_size < self.max_batch:  # as vLLM: decodes take a step's budget first
-            raise ConfigError(f"--chunk-size must be at least --max-batch ({self.max_batch}): "
-                              "a smaller budget leaves running streams without a token")  # fmt: skip
+            raise ConfigError(
+                f"--chunk-size must be at least --max-batch ({self.max_batch}): "
+                "a smaller budget leaves running streams without a token"
+            )
         if self.kv_host_cache_gb < 0 or self.kv_disk_cache_gb < 0:
             raise ConfigError("--kv-host-cache-gb and --kv-disk-cache-gb must be >= 0")
         if self.kv_cache_gb <= 0:

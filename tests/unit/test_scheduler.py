@@ -289,7 +289,6 @@ def test_a_tier_load_that_comes_up_short_is_computed_in_the_same_pass():
     assert len(loaded) * 4 == cached
 
 
-
 def test_a_decode_node_decodes_every_sequence_it_holds_at_each_step_whatever_the_chunk_size():
     """The engine flags are shared by every role (`pdserve up --chunk-size N`): a decode node's
     scheduler took the chunk budget as its step's, and decoded only the oldest N of its
