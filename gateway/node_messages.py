@@ -357,6 +357,8 @@ class NodeMessages:
         attempt = self.table.get(msg.request_id)
         if attempt is not None and attempt.decode == msg.node_id:
             self.service.spawn(self.service.replace(attempt, msg.reason, "preempted"))
+        elif attempt is None:  # a stream being resumed here, given back before it was rebuilt
+            self.service.resumes.preempted(msg.request_id, msg.node_id, msg.reason)
 
 
 CONTROL: dict[type, Handler] = {

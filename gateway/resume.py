@@ -52,6 +52,10 @@ class _Asking:
     due: float = 0.0  # when to ask the nodes (again); inf: not yet (its takeover, `_let_go`)
     # tokens the adopting node sent before its Adopted was read (another socket): by node
     early: dict[str, list[tuple[str, Token]]] = field(default_factory=dict)
+    # the adopting node gave the stream back (preempted) before its Adopted was read:
+    # node id -> (wire id, reason); the adopter places it again at once
+    gave_back: dict[str, tuple[str, str]] = field(default_factory=dict)
+    used: bool = False  # its found answer was taken (else, left unused, it is let go)
 
     def found(self) -> tuple[str, Adopted] | None:
         return next(((n, m) for n, m in self.answers.items() if m.found), None)
@@ -130,12 +134,20 @@ class Resumes:
         if asking is not None and len(asking.early.setdefault(node_id, [])) < 4096:
             asking.early[node_id].append((wire_id, (index, token, reason)))
 
+    def preempted(self, wire_id: str, node_id: str, reason: str) -> None:
+        """A `Preempted` for a wire id not in the table: kept if its stream is being resumed
+        (the node handed it to us, then gave it back, before our resume read the answer)."""
+        asking = self.asking.get(wire_id.rsplit(".", 1)[0])
+        if asking is not None:
+            asking.gave_back[node_id] = (wire_id, reason)
+
     async def resume(
         self, public_id: str, have: int, include_usage: bool
-    ) -> tuple[GatewayRequest, list[Token]]:
+    ) -> tuple[GatewayRequest, list[Token], str | None]:
         """The adopted request, its text from token `have` on queued in its events, and the
         tokens its node sent before the adoption was read (for the caller to add); raises
-        ApiError (404 unknown, 409 a position it does not have or a live stream)."""
+        ApiError (404 unknown, 409 a position it does not have or a live stream); and why
+        its node gave it back, if it did before the answer was read (to place it again)."""
         match = PUBLIC_ID.match(public_id)
         if match is None:
             raise ApiError(404, f"no stream {public_id!r}: ids look like cmpl-<24 hex>",
@@ -169,6 +181,9 @@ class Resumes:
                     # its gateway answers the node still: the client may retry later
                     raise ApiError(409, f"stream {public_id} is still served by another "
                                    "gateway", code="conflict")  # fmt: skip
+                if left <= 0 and "in prefill" in refused:  # adoptable once its first token is
+                    raise ApiError(409, f"stream {public_id} is still being prefilled",
+                                   code="conflict")  # fmt: skip
                 if left <= 0:
                     raise ApiError(404, f"no node holds stream {public_id} (never started, "
                                    "or ended or left longer ago than the nodes' "
@@ -177,16 +192,22 @@ class Resumes:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asking.news.wait(), left)
             node_id, msg = found
+            asking.used = True
             try:
                 req = self._rebuild(kind, node_id, msg, have, include_usage)
             except ApiError:
                 self.release(msg.request_id, node_id)
                 raise
             early = [t for w, t in asking.early.get(node_id, []) if w == msg.request_id]
+            back = asking.gave_back.get(node_id)
         finally:
+            if not asking.used and (unread := asking.found()) is not None:
+                # answered, but the resume ended first (its client left, cancelling it): the
+                # node made the stream ours; let it go for the client's next resume
+                self.release(unread[1].request_id, unread[0])
             del self.asking[rid]
             self._wake.set()  # the rounds end with the last stream asked for
-        return req, early
+        return req, early, back[1] if back is not None and back[0] == msg.request_id else None
 
     def _served(self, rid: str) -> GatewayRequest | None:
         """The request `rid` (any attempt) if this gateway serves it."""

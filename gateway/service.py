@@ -121,7 +121,7 @@ class RequestService:
         """Adopt the stream `public_id` from the node holding it as an orphan; its text from
         output token `have` on arrives in the returned request's events. `end` it too."""
         try:
-            req, early = await self.resumes.resume(public_id, have, include_usage)
+            req, early, gave_back = await self.resumes.resume(public_id, have, include_usage)
         except Busy:
             self.metrics.resumes.labels("busy").inc()
             raise
@@ -134,6 +134,9 @@ class RequestService:
             self._complete(req, abort_nodes=not req.ended_before)
         for index, token, reason in early:  # duplicates of replayed ones are dropped
             self.on_token(req, index, token, reason)
+        attempt = self.table.current(req)
+        if gave_back is not None and attempt is not None:  # preempted while being adopted
+            self.spawn(self.replace(attempt, gave_back, "preempted"))
         return req
 
     def end(self, req: GatewayRequest) -> None:

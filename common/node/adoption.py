@@ -194,7 +194,10 @@ class Adoption:
         ended = self.finished.get(rid) or (again[:2] if again is not None else None)
         req, reason = ended if ended is not None else (self.node.requests[rid], None)
         seq = req.seq
-        if req.target is not None and ended is None:  # a prefill node: its KV is on its way
+        # a prefill node (its KV on its way), or a node prefilling it itself that has not made
+        # this attempt's first token: its adopter would book it as decoding and drop the
+        # FirstToken to come (the stream then stalls until its gap re-places it)
+        if ended is None and (req.target is not None or seq.num_output_tokens == 0):
             return Adopted(request_id=asked, found=False, reason="in prefill")
         start = req.prompt_len or seq.num_prompt_tokens
         outputs = seq.token_ids[start:]

@@ -8,7 +8,7 @@ import zmq.asyncio
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.node.adoption import Adoption
 from pdserve.common.node.gateways import Gateways
-from pdserve.common.node.links import GatewayLink
+from pdserve.common.node.links import GatewayLink, Gone
 from pdserve.common.node.role import NodeRequest
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.wire.protocol import Adopt, Release, Wanted
@@ -58,8 +58,7 @@ async def test_a_stream_resumed_at_two_gateways_at_once_is_not_bounced_between_t
 
             link.send = send  # type: ignore[method-assign]
         node = _Node("r.0")
-        seq = Sequence.new("r.0", [5, 6], SamplingParams(max_tokens=9, temperature=0.0))
-        node.requests["r.0"] = NodeRequest(seq=seq)  # decoding
+        node.requests["r.0"] = NodeRequest(seq=_seq("r.0", 7))  # decoding
         gateways = Gateways("node-x", links, node)  # type: ignore[arg-type]
         assert gateways.owners.adopt("r.0", a)
         adoption = Adoption(gateways, node, grace=10.0)
@@ -305,6 +304,37 @@ def test_a_stream_its_gateway_ended_at_a_stop_string_is_kept_as_ended_there():
         adoption.ended(NodeRequest(seq=seqs["r.0"]), "length", 100.3)  # late: still 2
         assert adoption.recent["r.0"][0].seq.token_ids == [5, 6, 7, 8]
         assert seqs["r.0"].token_ids == [5, 6, 7, 8, 9, 10]  # the engine's own untouched
+    finally:
+        for link in links:
+            link.close()
+        ctx.term()
+
+
+def test_a_stream_without_its_attempts_first_token_is_in_prefill_not_adopted():
+    """A colocated node (or a decode node prefilling it itself) holds an orphan it has not
+    made this attempt's first token of: a fresh stream, or one placed again with its kept
+    output as prompt. Adopted, its gateway would book it as decoding here and drop the
+    FirstToken to come; it is answered "in prefill" until that token is made."""
+    ctx = zmq.asyncio.Context()
+    _, other = links = _links(ctx, "g-own", "g-other")
+    try:
+        node, gateways, adoption = _node(links, "r.0", "s.1", grace=10.0)
+        node.requests["r.0"] = NodeRequest(seq=_seq("r.0"))  # prefilling
+        again = Sequence.new("s.1", [5, 6, 7, 8], SamplingParams(max_tokens=9, temperature=0.0))
+        node.requests["s.1"] = NodeRequest(seq=again, prompt_len=2)  # 7, 8 kept from s.0
+        for rid in ("r.0", "s.1"):
+            gateways.owners.move(rid, Gone("g-own", 100.0))  # its gateway died
+        ask = Adopt(streams=[("r", 0), ("s", 2)])
+        answers = dict(adoption.adopt(ask, other))
+        assert {w: (a.found, a.reason) for w, a in answers.items()} == {
+            "r.0": (False, "in prefill"), "s.1": (False, "in prefill")}  # fmt: skip
+        for rid in ("r.0", "s.1"):  # each makes its first token
+            node.requests[rid].seq.token_ids.append(9)
+        answers = dict(adoption.adopt(ask, other))
+        assert answers["r.0"].found and answers["r.0"].output_ids == [9]
+        assert answers["s.1"].found and answers["s.1"].output_ids == [7, 8, 9]
+        assert answers["s.1"].base == 2  # 7, 8: the kept output the client has
+        assert gateways.owners.get("r.0") is other and gateways.owners.get("s.1") is other
     finally:
         for link in links:
             link.close()

@@ -178,7 +178,7 @@ async def test_a_stream_adopted_but_not_served_is_let_go_again(tokenizer):
     asked = link.asked(ID)
     await _until(lambda: link.asked(ID) > asked)
     resumes.answered(b"d0", _found(ID))
-    req, _ = await served
+    req, _, _ = await served
     assert table.get(f"{ID}.0") is not None and not req.finished
     let_go.clear()
     resumes.answered(b"d0", _found(ID))  # a late copy (asked twice): it is served here
@@ -202,7 +202,53 @@ async def test_a_stream_that_decoded_past_its_stop_string_ends_at_it_when_resume
     params = SamplingParams(max_tokens=9, temperature=0.0, stop=(" three",))
     resumes.answered(b"d0", Adopted(request_id=f"{ID}.0", found=True, prompt_ids=[5, 6],
                                     output_ids=words, base=0, params=params))  # fmt: skip
-    req, _ = await task
+    req, _, _ = await task
     assert req.finished and req.ended_before is False
     assert tokenizer.decode(req.output_ids) == " one two three" and len(words) > 3
     assert table.get(f"{ID}.0") is None  # over: nothing opened for it
+
+
+async def test_a_stream_still_in_prefill_is_a_409_to_retry_not_a_404(tokenizer):
+    """A node holds the stream but has not made this attempt's first token (common/node/
+    adoption.py answers "in prefill"): a node has it, so not the final 404 the client's
+    helper gives up on; a 409, retried (loadgen/resumable.py) until it is adoptable."""
+    link = _Link()
+    resumes, _ = _resumes(tokenizer, link)
+    resumes.timeout = 0.3
+    task = asyncio.create_task(resumes.resume(f"cmpl-{ID}", 0, False))
+    await _until(lambda: link.asked(ID) >= 1)
+    resumes.answered(b"d0", Adopted(request_id=ID, found=False, reason="in prefill"))
+    with pytest.raises(ApiError) as err:
+        await task
+    assert err.value.status == 409 and "prefilled" in err.value.message
+
+
+async def test_an_answer_the_resume_was_cancelled_before_reading_is_let_go(tokenizer):
+    """The node's answer (the stream now ours) is in, but the client leaves before the
+    resume reads it (aiohttp cancels the handler): the stream is let go again, not left to
+    our lease to free as stale."""
+    link, let_go = _Link(), list[tuple[str, str]]()
+    resumes, table = _resumes(tokenizer, link, let_go)
+    task = asyncio.create_task(resumes.resume(f"cmpl-{ID}", 0, False))
+    await _until(lambda: link.asked(ID) >= 1)
+    task.cancel()  # the client left; in the same turn of the loop the answer is read
+    resumes.answered(b"d0", _found(ID))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert let_go == [(f"{ID}.0", "d0")] and table.get(f"{ID}.0") is None
+
+
+async def test_a_stream_given_back_before_its_adoption_was_read_is_placed_again(tokenizer):
+    """The node hands the stream over, then preempts it: its `Preempted` (tokens socket) is
+    read before the `Adopted` (control socket), when the table does not know it yet. It is
+    kept, and the resume says so, for the stream to be placed again at once (else its
+    attempt waits on a node that holds nothing)."""
+    link = _Link()
+    resumes, table = _resumes(tokenizer, link)
+    task = asyncio.create_task(resumes.resume(f"cmpl-{ID}", 0, False))
+    await _until(lambda: link.asked(ID) >= 1)
+    resumes.preempted(f"{ID}.0", "d0", "KV cache full")
+    resumes.preempted(f"{ID}.0", "d9", "another node's")  # not the adopting node's
+    resumes.answered(b"d0", _found(ID))
+    req, _, gave_back = await task
+    assert gave_back == "KV cache full" and table.current(req) is not None
