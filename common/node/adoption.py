@@ -19,7 +19,7 @@ from typing import Protocol
 from pdserve.common.node.gateways import Gateways
 from pdserve.common.node.links import GatewayLink, Gone
 from pdserve.common.node.role import NodeRequest
-from pdserve.common.wire.protocol import Adopt, Adopted, Release, Wanted
+from pdserve.common.wire.protocol import Adopt, Adopted, Load, Release, Wanted
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,8 @@ class AdoptHost(Protocol):
     def free_stale(self, request_ids: tuple[str, ...]) -> None: ...
 
     def abort(self, rid: str) -> None: ...
+
+    def load(self) -> Load: ...
 
 
 class Adoption:
@@ -229,7 +231,10 @@ class Adoption:
             late += [r for r, o in owners.of.items()
                      if isinstance(o, Gone) and now - o.since > self.grace]  # fmt: skip
             self.gateways.gone = [g for g in self.gateways.gone if now - g.since <= self.grace]
-        live = tuple(r for r in late if r in self.node.requests)
+        # running, or reserved with its KV on its way (a decode node's intake: the intake's
+        # stall timer never starts for a reservation no frame reached)
+        held = set(self.node.load().held) if late else set()
+        live = tuple(r for r in late if r in held)
         if late:  # nobody resumed them: a running one is lost to its client
             self.count("freed_running", len(live))
             self.count("freed_ended", len(late) - len(live))

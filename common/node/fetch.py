@@ -304,6 +304,7 @@ class PrefixFetches:
         timer.cancel()
         self.kv.sender.release(fid)
         self.node.blocks.free(hits)
+        self.node.steps.wake()  # a prompt that did not fit beside the pinned blocks may now
         if acked:
             self.node.metrics.fetch("served")
         return True
@@ -314,6 +315,7 @@ class PrefixFetches:
             entry[1].cancel()
             self.kv.sender.abort(fid)
             self.node.blocks.free(entry[0])
+            self.node.steps.wake()
 
     def close(self) -> None:
         for f in self.fetching.values():

@@ -82,7 +82,7 @@ class NodeKv:
             self.data,
             kv,
             self._reserve,
-            node.blocks.free,
+            self._free,
             self._admit,
             receivers_for(local),
             timeout=cfg.kv_transfer_timeout,
@@ -96,6 +96,12 @@ class NodeKv:
             on_stray_refuse=self.fetches.refused,
         )
         self.endpoints: dict[str, str] = {}
+
+    def _free(self, blocks: list[int]) -> None:
+        """An intake's reservation given back (dropped, stalled, refused): a prompt waiting
+        for room may fit now, and nothing else would wake the step loop for it."""
+        self.node.blocks.free(blocks)
+        self.node.steps.wake()
 
     def target(self) -> DecodeTarget:
         """How peers send KV here."""

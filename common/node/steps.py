@@ -74,20 +74,27 @@ class StepLoop:
             self.work.clear()
             while self.scheduler.has_work:
                 out = self.scheduler.schedule()
-                if out.preempted:
-                    await hooks.on_preempted(out.preempted)
-                if out.empty:
-                    break  # nothing fits now (KV full): wait for blocks to free
-                for seq, _ in out.prefills:  # admission took its fetched blocks itself
-                    self.scheduled(seq.seq_id)
-                await hooks.before_step(out)
+                # the step's sequences are the engine's from here on: an abort while the hooks
+                # below wait (a Preempted held until a gateway registers) waits for the step,
+                # not frees blocks the step then computes into
                 self.in_step, self.step_over = out.seq_ids, loop.create_future()
-                started = time.monotonic()
                 try:
-                    result = await self.run_engine(hooks.engine_step, out, loop)
-                except Exception as exc:
-                    await hooks.step_failed(out, exc)
-                    continue
+                    if out.preempted:
+                        await hooks.on_preempted(out.preempted)
+                    if out.empty:
+                        break  # nothing fits now (KV full): wait for blocks to free
+                    for seq, _ in out.prefills:  # admission took its fetched blocks itself
+                        self.scheduled(seq.seq_id)
+                    await hooks.before_step(out)
+                    started = time.monotonic()
+                    try:
+                        result = await self.run_engine(hooks.engine_step, out, loop)
+                    except Exception as exc:
+                        await hooks.step_failed(out, exc)
+                        aborted, self.aborted = self.aborted, set()
+                        for rid in aborted:
+                            self.drop(rid)
+                        continue
                 finally:
                     self.in_step = set()
                     self.step_over.set_result(None)

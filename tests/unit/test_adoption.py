@@ -3,6 +3,7 @@ stream at two gateways at once, and a gateway that fell silent and answers again
 
 from __future__ import annotations
 
+import msgspec
 import zmq.asyncio
 
 from pdserve.common.engine.sequence import Sequence
@@ -335,6 +336,27 @@ def test_a_stream_without_its_attempts_first_token_is_in_prefill_not_adopted():
         assert answers["s.1"].found and answers["s.1"].output_ids == [7, 8, 9]
         assert answers["s.1"].base == 2  # 7, 8: the kept output the client has
         assert gateways.owners.get("r.0") is other and gateways.owners.get("s.1") is other
+    finally:
+        for link in links:
+            link.close()
+        ctx.term()
+
+
+def test_a_reservation_whose_kv_never_came_is_freed_with_its_gateways_orphans():
+    """A decode node reserved blocks for a request's KV (owned by the gateway that placed
+    it), no frame came (its prefill node died), and the gateway fell silent past the grace:
+    the reservation is freed with the orphans. It is not a running request, and was left
+    held for good (the intake's stall timer starts at the first frame)."""
+    ctx = zmq.asyncio.Context()
+    own, _ = links = _links(ctx, "g-own", "g-other")
+    try:
+        node, gateways, adoption = _node(links, "r.0", grace=3.0)
+        assert gateways.owners.adopt("k.0", own)  # reserved: KV on its way, not running
+        base = node.load()
+        node.load = lambda: msgspec.structs.replace(base, held=(*base.held, "k.0"))
+        own.silent_since = 100.0
+        adoption.expire(103.1)
+        assert sorted(node.freed) == ["k.0", "r.0"]
     finally:
         for link in links:
             link.close()
