@@ -108,6 +108,11 @@ class PrefixFetches:
         self.kv = kv
         self.enabled = node.cfg.kv_fetch == "on" and node.scheduler.cfg.prefix_caching
         self.stall_s = min(2.0, node.cfg.kv_transfer_timeout)
+        # a holder unpins what it serves 3 x --kv-transfer-timeout after our KvFetch reached
+        # it (`serve`): frames still in flight then would read blocks it may have reused, and
+        # we would cache those bytes as the prefix. A fetch still landing at 2 x is given up
+        # (the cluster's nodes share the flag); one that slow is no faster than computing
+        self.limit_s = 2 * node.cfg.kv_transfer_timeout
         self.fetching: dict[str, _Fetch] = {}  # by fetch id
         self.pins: dict[str, list[int]] = {}  # request id -> fetched blocks, until scheduled
         self.serving: dict[str, tuple[list[int], asyncio.TimerHandle]] = {}  # fetch id ->
@@ -203,6 +208,9 @@ class PrefixFetches:
             return
         rec = self.kv.intake.incoming.get(fid)
         now = time.monotonic()
+        if now - f.started > self.limit_s:
+            self._fail(fid, f"still landing after {self.limit_s:g} s")
+            return
         if (
             rec is not None
             and not rec.dropped

@@ -139,6 +139,50 @@ async def test_a_fetch_whose_holder_dies_midway_is_computed_instead(tokenizer, t
         await until(lambda: idle(fetcher), 5, "the abandoned fetch's blocks freed")
 
 
+async def test_a_fetch_that_lands_too_slowly_is_given_up_before_its_holder_unpins(
+    tokenizer, torch_runners
+):
+    """A holder pins what it serves for 3 x --kv-transfer-timeout; a fetch whose layers keep
+    landing, but too slowly to end before that, is given up at 2 x (else the holder's
+    frames still queued could read blocks it reused, cached here as the prefix)."""
+    ecfg, r0, r1, r2 = torch_runners
+    shared = tokenizer.encode("A long shared system prompt about ships. " * 80)[:320]
+    second_prompt = shared + tokenizer.encode(" Name one:")
+    expected = make_engine(own_cache(r0), tokenizer, prefix_caching="off").generate(
+        [second_prompt], GREEDY
+    )[0]
+    async with Cluster(tokenizer) as c:
+        holder = await holder_and_decode(c, ecfg, [r0, r1])
+        first = c.request("first", shared + tokenizer.encode(" Go:"), GREEDY)
+        await asyncio.wait_for(c.gw.service.run(first), 60)
+        assert await outcome(first, 60) == Done("length")
+        hashes = holder.blocks.hashes(shared)
+        await until(lambda: c.gw.index.cached_blocks("prefill-0", hashes) == 20, what="indexed")
+        fetcher = await c.add(
+            c.node(PrefillRole, "prefill-1", ecfg=ecfg, engine=r2, kv_transfer_timeout=1.0)
+        )
+        holder.scheduler.can_take = lambda *a: "batch full"  # type: ignore[method-assign]
+        sender, loop = holder.sender, asyncio.get_running_loop()
+        push, done = sender.push, sender.done
+
+        def later(t: Any, delay: float, send: Any) -> None:  # while the holder still serves it
+            loop.call_later(delay, lambda: t.request_id in sender.transfers and send())
+
+        def slowly(t: Any, payloads: list[Any]) -> None:  # a layer every 0.2 s: ~6 s in all
+            for i, p in enumerate(payloads):
+                later(t, 0.2 * (i + 1), lambda t=t, i=i, p=p: push(t, i, p))
+            sender.done = lambda t, token: later(t, 0.2 * (len(payloads) + 1),
+                                                 lambda: done(t, token))  # fmt: skip
+
+        sender.push_all = slowly  # type: ignore[method-assign]
+        second = c.request("second", second_prompt, GREEDY)
+        await asyncio.wait_for(c.gw.service.run(second), 60)
+        assert await outcome(second, 60) == Done("length")
+        assert second.output_ids == expected.token_ids
+        assert fetched(fetcher, "fell_back") == 1 and fetched(fetcher) == 0
+        await until(lambda: idle(fetcher), 5, "the abandoned fetch's blocks freed")
+
+
 async def test_a_malformed_or_unanswerable_fetch_is_refused_and_the_node_goes_on(tokenizer):
     async with Cluster(tokenizer) as c:
         node = await c.add(c.node(PrefillRole, "prefill-0"))
