@@ -262,6 +262,8 @@ async def _stream(
     covered = resumed or 0  # output tokens whose text went out
 
     async def sse(obj: Any) -> None:
+        if req.include_usage and "choices" in obj:  # OpenAI: null but in the usage chunk
+            obj.setdefault("usage", None)
         head = f"id: {covered}\n".encode() if ids else b""
         await conn.write(head + b"data: " + orjson.dumps(obj) + b"\n\n")
 

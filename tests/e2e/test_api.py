@@ -463,6 +463,8 @@ def test_sse_wire_format(cluster: Cluster, path: str) -> None:
     assert all(e["object"] == kind and "error" not in e for e in events)
     assert events[-1]["usage"]["completion_tokens"] == n
     assert events[-1]["choices"] == []
+    # OpenAI's rule with include_usage: every other chunk carries "usage": null
+    assert all("usage" in e and e["usage"] is None for e in events[:-1])
     assert events[-2]["choices"][0]["finish_reason"] == "length"
 
 
