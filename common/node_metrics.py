@@ -188,7 +188,8 @@ class NodeMetrics:
         self._orphans = counter(
             "pdserve:orphans",
             "Streams whose gateway went silent or let them go (docs/architecture.md, resume):"
-            " adopted, or freed at --orphan-grace's end while running (lost) or ended",
+            " adopted, or freed at --orphan-grace's end while running (lost) or ended;"
+            " given_back: preempted while an orphan (its adopter places it again)",
             ("outcome",),
         )
         r.register(_LoadCollector(node, role, load, num_blocks))

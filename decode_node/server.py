@@ -43,7 +43,6 @@ from pdserve.common.wire.protocol import (
     Drain,
     FirstToken,
     Migrate,
-    Preempted,
     PrefillOffer,
     Rebalance,
     Redirect,
@@ -203,11 +202,9 @@ class DecodeRole(RoleDefaults):
     # -- decoding --------------------------------------------------------------------------
     async def on_preempted(self, seqs: list[Sequence]) -> None:
         for seq in seqs:  # the scheduler freed its blocks: recompute happens elsewhere
-            self.node.requests.pop(seq.seq_id, None)
             self.node.metrics.preemptions.inc()
-            why = "out of KV blocks"
-            msg = Preempted(node_id=self.node.node_id, request_id=seq.seq_id, reason=why)
-            await self.node.control.push_tokens(msg)
+            req = self.node.requests.pop(seq.seq_id, None)
+            await self.node.give_back(seq.seq_id, req, "out of KV blocks")
 
     async def after_step(self, out: SchedulerOutput, grew: list[Sequence], result: Any) -> None:
         self.node.metrics.generation_tokens.inc(len(grew))

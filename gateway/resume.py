@@ -42,6 +42,7 @@ PUBLIC_ID = re.compile(r"^(chatcmpl|cmpl)-([0-9a-f]{24})$")
 
 
 Token = tuple[int, int, str | None]  # index, token id, finish reason
+GAVE_BACK = "preempted"  # an Adopted's finish_reason: its node gave it back (protocol.py)
 
 
 @dataclass
@@ -193,6 +194,10 @@ class Resumes:
                     await asyncio.wait_for(asking.news.wait(), left)
             node_id, msg = found
             asking.used = True
+            if msg.finish_reason == GAVE_BACK:  # preempted while orphaned: not ended, its
+                # tokens are all here and nothing holds it: rebuilt, then placed again
+                msg = msgspec.structs.replace(msg, finish_reason=None)
+                asking.gave_back[node_id] = (msg.request_id, "given back while orphaned")
             try:
                 req = self._rebuild(kind, node_id, msg, have, include_usage)
             except ApiError:

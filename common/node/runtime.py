@@ -183,6 +183,16 @@ class NodeRuntime:
         if req is not None:
             self.control.adoption.ended(req, reason)
 
+    async def give_back(self, rid: str, req: NodeRequest | None, reason: str) -> None:
+        """`rid` leaves this node to be placed again (preempted, handed back): its gateway
+        re-places it; an orphan's tokens wait for its adopter, which re-places it (`Adopted`
+        with finish_reason "preempted"), instead of its Preempted going nowhere."""
+        if req is not None and self.control.gateways.owners.orphan(rid):
+            self.control.adoption.ended(req, "preempted")
+            self.metrics.orphans("given_back", 1)
+        await self.control.push_tokens(Preempted(node_id=self.node_id, request_id=rid,
+                                                 reason=reason))  # fmt: skip
+
     def holds(self, rid: str) -> bool:
         return rid in self.requests
 
@@ -265,8 +275,7 @@ class NodeRuntime:
     async def hand_back(self, reason: str) -> None:
         """Give every held request back to the gateway to be re-placed (decode, colocated)."""
         for rid in list(self.requests):
-            msg = Preempted(node_id=self.node_id, request_id=rid, reason=reason)
-            await self.control.push_tokens(msg)
+            await self.give_back(rid, self.requests.get(rid), reason)
             self.abort(rid)
 
     def spawn(self, coro: Any) -> None:

@@ -194,7 +194,7 @@ class Adopted(Msg):
     or why not. `prompt_ids` is the client's prompt; `output_ids` every token generated for
     it so far, `base` of them by earlier attempts (the wire id's attempt counts from there);
     `params` are the attempt's (max_tokens: what it has left); `finish_reason` is set when
-    it already ended (its tokens are all here)."""
+    it ended (its tokens all here), "preempted" if its node gave it back (to place again)."""
 
     request_id: str  # the wire id (request_id.attempt); Adopt's request id when not found
     found: bool

@@ -342,3 +342,34 @@ async def test_an_orphan_is_adopted_only_once_its_gateway_is_silent(tokenizer):
         await _stop(*(x for x in (prefill, decode) if x is not None))
         await a.close()
         await b.close()
+
+
+async def test_an_orphan_its_node_gives_back_is_kept_for_its_adopter(tokenizer):
+    """A decode node gives a running orphan back (preempted, or handed back as it drains):
+    its Preempted has no gateway to go to, so its tokens wait for an adopter, which gets
+    them with finish_reason "preempted" (it places the stream again: gateway/resume.py);
+    before, the stream was gone (a resume found nothing: 404)."""
+    a, b = ScriptedGateway("gw-a"), ScriptedGateway("gw-b")
+    prefill, decode = None, None
+    fast = {"heartbeat_timeout": 1.0, "orphan_grace": 30.0}
+    try:
+        prefill = await _node(tokenizer, PrefillRole, "prefill-0", [a, b], fast)
+        decode = await _node(tokenizer, DecodeRole, "decode-0", [a, b], fast, sim_time_scale=20.0)
+        p, d = prefill[0], decode[0]
+        await a.offer(p, "r.0", d, 200)
+        await until(lambda: len(a.streamed["r.0"]) >= 3, what="tokens to A")
+        a.muted = True
+        await until(lambda: d.control.links[0].silent_since is not None, what="A silent")
+        made = len(d.requests["r.0"].seq.output_ids)
+        await d.hand_back("draining")  # a preemption gives it back the same way
+        await until(lambda: "r.0" not in d.requests, what="given back")
+        assert d.blocks.num_in_use_blocks == 0
+        await b.tell(d, Adopt(streams=[("r", 0)]))
+        await until(lambda: [m for m in b.inbox if isinstance(m, Adopted)], what="an answer")
+        adopted = next(m for m in b.inbox if isinstance(m, Adopted))
+        assert adopted.found and adopted.finish_reason == "preempted"
+        assert adopted.prompt_ids == prompt(32) and len(adopted.output_ids) >= made
+    finally:
+        await _stop(*(x for x in (prefill, decode) if x is not None))
+        await a.close()
+        await b.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from pdserve.common.sampling import SamplingParams
@@ -252,3 +253,19 @@ async def test_a_stream_given_back_before_its_adoption_was_read_is_placed_again(
     resumes.answered(b"d0", _found(ID))
     req, _, gave_back = await task
     assert gave_back == "KV cache full" and table.current(req) is not None
+
+
+async def test_a_stream_its_node_gave_back_while_orphaned_is_rebuilt_and_placed_again(tokenizer):
+    """A decode node preempted an orphan (no gateway to tell): it keeps its tokens as an
+    ended orphan of reason "preempted" (common/node/runtime.py `give_back`). Its adopter
+    rebuilds it unfinished, with every token, and is told to place it again (a finish
+    reason "preempted" would have reached the client)."""
+    link = _Link()
+    resumes, table = _resumes(tokenizer, link)
+    task = asyncio.create_task(resumes.resume(f"cmpl-{ID}", 0, False))
+    await _until(lambda: link.asked(ID) >= 1)
+    gave_back = msgspec.structs.replace(_found(ID), finish_reason="preempted")
+    resumes.answered(b"d0", gave_back)
+    req, _, back = await task
+    assert back is not None and not req.finished and req.output_ids == [7, 8]
+    assert table.current(req) is not None
