@@ -138,6 +138,10 @@ class KvIntake:
         if receiver is None:
             self._remember_closed(rid)
             return await self.refuse(peer, rid, f"KV backend {h.backend!r} not offered here")
+        problem = self._malformed(peer, h)
+        if problem is not None:  # refused before any block is reserved for it
+            self._remember_closed(rid)
+            return await self.refuse(peer, rid, problem)
         reserved = self.reserve(h)
         if isinstance(reserved, str):
             if receiver.drains_after_drop:  # its frames still come, in order: read, discard
@@ -155,6 +159,18 @@ class KvIntake:
         grant = receiver.grant(intake, self._frame_target(intake)[0])
         if grant is not None:  # the sender writes into our blocks itself (shm_direct)
             await self.sock.send_multipart([peer, encode(grant)])
+
+    def _malformed(self, peer: bytes, h: KvHeader) -> str | None:
+        """What no reservation may take: a header from another node than its sender, or one
+        whose layers or skipped prefix this cache cannot hold (fewer layers would complete a
+        request with the others' blocks holding whatever they held before)."""
+        if peer != h.prefill_node.encode():
+            return "header names another node as its sender"
+        if h.num_layers != self.kv.num_layers:
+            return f"KV layout mismatch: {h.num_layers} layers, this cache has {self.kv.num_layers}"
+        if not 0 <= h.skip_tokens < len(h.prompt_ids):
+            return "KV layout mismatch: skip_tokens outside the prompt"
+        return None
 
     async def _on_layer(self, peer: bytes, rid: str, layer: int, parts: list[Any]) -> None:
         intake = self.incoming.get(rid)
@@ -216,8 +232,10 @@ class KvIntake:
         h = intake.header
         if nbytes != h.frame_bytes or not 0 <= layer < h.num_layers or layer in intake.layers:
             return None
-        intake.receiving = True
+        if intake.receiving:  # a frame of it is landing on another stream (a reconnect)
+            return None
         views = self.kv.kv_targets(layer, *self._frame_target(intake))
+        intake.receiving = True  # set once nothing here can raise: it holds the blocks
         if views is not None:
             return views
         if intake.state is None or len(intake.state) < nbytes:

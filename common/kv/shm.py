@@ -99,15 +99,21 @@ class SegmentPool:
 
 
 class SegmentMaps:
-    """Decode side: segments by name, mapped once and kept while their size fits."""
+    """Decode side: segments by name, mapped once and kept while their size fits, and while
+    their file exists: a sender's pool destroys segments (more than `max_free` free, its
+    restart), and a mapping kept would hold an unlinked file's memory in /dev/shm for good."""
 
     def __init__(self) -> None:
         self.maps: dict[str, Segment] = {}
 
-    def get(self, name: str, size: int) -> Segment:
-        if "/" in name or not name.startswith("pdserve-"):
-            raise ValueError(f"refusing shared-memory name {name!r}")
+    def get(self, name: str, size: int, sender: str) -> Segment:
+        # only a segment of the sending node's pool (never a node's KV cache file, or
+        # another sender's live segment)
+        if "/" in name or not name.startswith(f"pdserve-{sender}-"):
+            raise ValueError(f"refusing shared-memory name {name!r} from {sender}")
         seg = self.maps.get(name)
+        if seg is None:
+            self._forget_unlinked()
         if seg is None or seg.size < size:
             path = os.path.join(SHM_DIR, name)
             real = os.path.getsize(path)
@@ -118,6 +124,15 @@ class SegmentMaps:
             seg = Segment(name, real, _map(path, real, create=False))
             self.maps[name] = seg
         return seg
+
+    def _forget_unlinked(self) -> None:
+        for name, seg in list(self.maps.items()):
+            if not os.path.exists(os.path.join(SHM_DIR, name)):
+                try:
+                    seg.mem.close()
+                except BufferError:  # a frame still reads it: forgotten on a later call
+                    continue
+                del self.maps[name]
 
     def close(self) -> None:
         for seg in self.maps.values():
@@ -162,7 +177,7 @@ class ShmReceive(ReceiveConnector):
     def open(self, rec: Intake) -> str | None:
         h = rec.header
         try:
-            rec.state = self.maps.get(h.location, h.frame_bytes * h.num_layers)
+            rec.state = self.maps.get(h.location, h.frame_bytes * h.num_layers, h.prefill_node)
         except (OSError, ValueError) as exc:
             return f"shared memory: {exc}"
         return None

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from pdserve.common.kv.base import (
     Backend,
+    Intake,
     Local,
     ReceiveConnector,
     SendConnector,
@@ -340,6 +341,12 @@ class TcpReceive(ReceiveConnector):
     async def listen(self, sink: Any) -> str:
         self.listener.start(sink)  # the intake lands the frames (FrameSink)
         return self.listener.address
+
+    async def frame(self, rec: Intake, layer: int, parts: list[Any]) -> Any:
+        """A tcp transfer's frames come on its stream, never as ZeroMQ parts: one that
+        does is dropped (landed beside a stream frame, it could complete the transfer while
+        that frame still writes into the blocks)."""
+        return None
 
     async def close(self) -> None:
         await self.listener.close()

@@ -17,6 +17,7 @@ from pdserve.common.sampling import SamplingParams
 from pdserve.common.wire.kv_messages import (
     TO_PREFILL_DECODER,
     KvFetch,
+    KvHeader,
     KvRefuse,
 )
 from pdserve.common.wire.protocol import (
@@ -261,3 +262,42 @@ async def test_hundreds_of_streams_fetch_shared_prefixes_and_free_everything(tok
         await until(lambda: idle(*prefills, decode), 10, "every node idle with every block freed")
         nodes = [*prefills, decode]  # each fetch landed once and its holder saw the ack
         assert sum(fetched(n) for n in nodes) == sum(fetched(n, "served") for n in nodes)
+
+
+async def test_kv_headers_a_cache_cannot_hold_are_refused_before_any_block_is_reserved(tokenizer):
+    """Headers on a decode node's data socket with more or fewer layers than its cache (a
+    layer past its last raised mid-frame and held the blocks for good; fewer completed the
+    request with the others' blocks unwritten), a skipped prefix outside the prompt, or
+    another node named as sender: each is refused at once, nothing reserved, and the node
+    serves on."""
+    async with Cluster(tokenizer) as c:
+        await c.add(c.node(PrefillRole, "prefill-0"))
+        decode = await c.add(c.node(DecodeRole, "decode-0"))
+        dealer = make_socket(c.gw.link.ctx, "node.data_out", decode.kv.address, identity="peer-x")
+        kv = decode.engine.kv_store
+        ok = {"prompt_ids": list(range(32)), "num_prompt_tokens": 32, "params": GREEDY,
+              "num_layers": kv.num_layers, "frame_bytes": kv.frame_bytes(32),
+              "prefill_node": "peer-x", "gateway": decode.control.links[0].gateway_id}  # fmt: skip
+        bad = [
+            ("more", {"num_layers": kv.num_layers + 1}),
+            ("fewer", {"num_layers": kv.num_layers - 1}),
+            ("none", {"num_layers": 0}),
+            ("negative-skip", {"skip_tokens": -16, "frame_bytes": kv.frame_bytes(48)}),
+            ("skip-all", {"skip_tokens": 32, "frame_bytes": kv.frame_bytes(0)}),
+            ("other-sender", {"prefill_node": "prefill-0"}),
+        ]
+        try:
+            for rid, fields in bad:
+                await dealer.send(encode(KvHeader(request_id=rid, **{**ok, **fields})))
+            replies = []
+            for _ in bad:
+                assert await dealer.poll(int(TIMEOUT * 1000), zmq.POLLIN)
+                replies.append(TO_PREFILL_DECODER.decode(await dealer.recv()))
+        finally:
+            dealer.close()
+        assert all(isinstance(r, KvRefuse) for r in replies), replies
+        assert sorted(r.request_id for r in replies) == sorted(rid for rid, _ in bad)
+        assert decode.blocks.num_in_use_blocks == 0 and not decode.intake.incoming
+        req = c.request("after", list(range(1000, 1040)))
+        await asyncio.wait_for(c.gw.service.run(req), TIMEOUT)
+        assert await outcome(req) == Done("length")
