@@ -245,6 +245,9 @@ class Placer:
             w = by_key[entry.key]
             if self.waiting.get(id(w.req)) is not w or w.done.done():
                 continue  # gone (cancelled) meanwhile
+            if w.req.finished:  # its client left while it was being placed again (a spawned
+                w.done.set_result(None)  # re-placement nobody cancels): no longer waiting
+                continue
             if time.monotonic() >= w.until:
                 w.done.set_exception(PlacementTimeout())
                 continue
@@ -363,9 +366,15 @@ class Placer:
                 await self.send_offer(node.node, offer)
                 answer = await asyncio.wait_for(pending.answer, self.offer_timeout)
             except asyncio.TimeoutError:  # first: TimeoutError is an OSError too
-                log.warning("offer of %s to %s got no answer", attempt.wire_id, node.node_id)
-                if self.table.current(req) is attempt:
-                    self.table.renew(req)  # the node may accept later: that wire id is spent
+                if pending.answer.done() and not pending.answer.cancelled():
+                    # answered in the turn the deadline fell in: Python 3.12's wait_for then
+                    # raises though the answer is in (the attempt committed: keep it)
+                    answer = pending.answer.result()
+                else:
+                    log.warning("offer of %s to %s got no answer", attempt.wire_id,
+                                node.node_id)  # fmt: skip
+                    if self.table.current(req) is attempt:
+                        self.table.renew(req)  # the node may accept later: that id is spent
             except OSError as exc:  # never reached the node
                 log.warning("offer of %s to %s failed (%r)", attempt.wire_id, node.node_id, exc)
             finally:

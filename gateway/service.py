@@ -205,7 +205,14 @@ class RequestService:
             "re-placing %s after %s (%d tokens so far)", req.request_id, reason, len(req.output_ids)
         )
         prompt, params = req.next_attempt()
-        await self._place(req, prompt, params)
+        try:
+            await self._place(req, prompt, params)
+        except Exception as exc:  # as a first placement's (`_run_or_fail`): a 500, not a hang
+            log.exception("re-placing %s failed", req.request_id)
+            self.table.close(req.wire_id)
+            if not req.finished:
+                req.finish(Failed(500, f"internal error while placing again: {exc!r}"))
+                self.metrics.requests.labels("failed").inc()
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -248,10 +255,14 @@ class RequestService:
             await self.placer.place(req, prompt_ids, params)
         except PlacementTimeout:
             self.table.close(req.wire_id)
+            if req.finished:  # cancelled while it waited: counted as such already
+                return
             timeout = self.cfg.placement_timeout
             req.finish(Failed(503, f"no prefill node accepted the request within {timeout:g} s; "
                               "retry later", "service_unavailable"))  # fmt: skip
             self.metrics.requests.labels("placement_timeout").inc()
+            return
+        if req.finished:  # cancelled while it waited (`_round` let it go)
             return
         self.metrics.placement_wait.observe(time.monotonic() - start)
         req.mark(f"accepted.{req.attempt}")

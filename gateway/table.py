@@ -157,6 +157,10 @@ class RequestTable:
         old = self.close(req.wire_id)
         placing = req.timeline.get(f"placing.{req.attempt}")
         req.attempt += 1
+        # tokens the spent attempt sent (a colocated node's, read before its late Accept)
+        # are not the fresh one's: its token 0 would pull them into the stream
+        req.pending.clear()
+        req.gap_since = None
         if placing is not None:
             req.timeline[f"placing.{req.attempt}"] = placing
         fresh = self.open(req, old.prompt_len if old is not None else len(req.prompt_ids))
@@ -170,10 +174,12 @@ class RequestTable:
         it holds none. The gateway's progress lease (core.py) runs from here or from the
         node's last token, whichever is later."""
         starts = [
-            a.placed_at if a.phase is Phase.PREFILL else a.delivered_at
+            a.placed_at if a.phase is Phase.PREFILL else a.delivered_at or a.placed_at
             for a in self.on_node(node_id)
             if (a.phase is Phase.PREFILL and a.prefill == node_id)
             or (a.phase is Phase.DECODE and a.decode == node_id and a.delivered_at)
+            # a colocated node decodes what it prefilled: no KV is delivered to mark it
+            or (a.phase is Phase.DECODE and a.decode == node_id == a.prefill)
         ]
         return min(starts) if starts else None
 

@@ -194,3 +194,41 @@ async def test_two_triggers_for_one_attempt_re_place_the_request_once(tokenizer)
         assert not c.gw.placer.waiting and not c.gw.table
         await until(lambda: not prefill.requests and not decode.requests, what="idle nodes")
         assert decode.blocks.num_in_use_blocks == 0
+
+
+async def test_a_re_placement_that_fails_ends_its_request_with_a_500(tokenizer):
+    """A first placement that raises answers 500 (`_run_or_fail`); a re-placement ran in a
+    spawned task whose exception was only logged: the request waited forever."""
+    async with Cluster(tokenizer) as c:
+        await c.add(c.node(PrefillRole, "prefill-0"))
+        await c.add(c.node(DecodeRole, "decode-0", ecfg=SLOW))
+        req = c.request("r", prompt(50), SamplingParams(max_tokens=400, ignore_eos=True))
+        await asyncio.wait_for(c.gw.service.run(req), 5)
+        await until(lambda: len(req.output_ids) >= 1, what="its first token")
+
+        async def broken(*args: object) -> None:
+            raise RuntimeError("a bug in placement")
+
+        c.gw.placer.place = broken  # type: ignore[method-assign]
+        c.gw.service.spawn(c.gw.service.replace(c.gw.table.current(req), "test", "preempted"))
+        failed = await outcome(req, 5)
+        assert isinstance(failed, Failed) and failed.status == 500
+        assert not c.gw.table
+
+
+async def test_a_request_whose_client_left_while_placed_again_stops_waiting(tokenizer):
+    """Placed again (a spawned re-placement nobody cancels) on a cluster with no room, its
+    client leaves: it no longer waits among the requests being placed (it counted toward
+    --max-waiting and the queue's predicted wait until its placement timeout)."""
+    async with Cluster(tokenizer, placement_timeout=30.0) as c:
+        prefill = await c.add(c.node(PrefillRole, "prefill-0", ecfg=SLOW))
+        await c.add(c.node(DecodeRole, "decode-0"))
+        req = c.request("r", prompt(50), SamplingParams(max_tokens=400, ignore_eos=True))
+        await asyncio.wait_for(c.gw.service.run(req), 5)
+        await until(lambda: len(req.output_ids) >= 1, what="its first token")
+        prefill.scheduler.can_take = lambda *a: "batch full"  # type: ignore[method-assign]
+        c.gw.service.spawn(c.gw.service.replace(c.gw.table.current(req), "test", "preempted"))
+        await until(lambda: len(c.gw.placer.waiting) == 1, what="waiting to be placed again")
+        c.gw.service.abort(req)  # its client left
+        await until(lambda: not c.gw.placer.waiting, 5, "no longer waiting")
+        assert c.gw.metrics.requests.labels("placement_timeout")._value.get() == 0

@@ -112,3 +112,30 @@ def test_a_migration_with_no_taker_stays_on_the_old_node():
     assert (attempt.prefill, attempt.decode) == (None, "d0") and req.ran_on["decode"] == "d0"
     assert table.on_node("d1") == [] and table.on_node("d0") == [attempt]
     assert table.work_since("d0") == 5.0
+
+
+def test_a_colocated_node_owes_decode_steps_after_its_first_token():
+    """A colocated node prefills and decodes the attempt: no KV is delivered to start its
+    decode steps' lease, which then never ran (a hung engine whose loop still heartbeats
+    left its streams waiting forever); its work runs from the placement on."""
+    table = RequestTable()
+    attempt = table.open(make_request("c", 40), 40)
+    table.commit(attempt, "c0", "c0", blocks=3, now=1.0)
+    assert table.work_since("c0") == 1.0  # its first token is due
+    table.prefilled(attempt)
+    assert attempt.phase is Phase.DECODE and table.work_since("c0") == 1.0  # and its steps
+    table.close("c.0")
+    assert table.work_since("c0") is None
+
+
+def test_a_renewed_attempt_starts_without_the_spent_ones_early_tokens():
+    """A colocated node's tokens 1..2 read before its Accept (two sockets), then the offer
+    timed out: the fresh attempt must not take them as its own (its token 0 pulled them into
+    the stream, and its own 1..2 were dropped as duplicates)."""
+    table = RequestTable()
+    req = make_request("e", 40)
+    table.open(req, 40)
+    assert not req.add_token(1, 11, None) and not req.add_token(2, 12, None)  # wait for 0
+    assert req.pending and req.gap_since is not None
+    table.renew(req)
+    assert req.attempt == 1 and not req.pending and req.gap_since is None
