@@ -8,7 +8,9 @@ happens in `__post_init__` with messages that say what to change.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -102,6 +104,7 @@ class EngineConfig:
         return self.dtype if self.quantization == "none" else f"{self.dtype}+{self.quantization}"
 
     def __post_init__(self) -> None:
+        _finite(self)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"--block-size must be a power of two, got {self.block_size}")
         if self.max_batch < 1:
@@ -248,6 +251,7 @@ class GatewayConfig:
     )
 
     def __post_init__(self) -> None:
+        _finite(self)
         timeouts = (
             "placement_timeout",
             "offer_timeout",
@@ -351,8 +355,12 @@ class NodeConfig:
     )
 
     def __post_init__(self) -> None:
+        _finite(self)
         for address in self.gateway.split(","):
-            if not address.strip().startswith(("tcp://", "ipc://")):
+            address = address.strip()
+            host, _, port = address.removeprefix("tcp://").rpartition(":")
+            tcp_ok = host and port.isdigit() and 0 < int(port) < 65536
+            if not (address.startswith("ipc://") or (address.startswith("tcp://") and tcp_ok)):
                 raise ConfigError(
                     f"--gateway must be a ZeroMQ address like tcp://HOST:PORT, got {address!r}"
                 )
@@ -362,3 +370,11 @@ class NodeConfig:
             raise ConfigError(
                 f"--kv-backend {self.kv_backend!r}: choose one of {list(KV_BACKENDS)}"
             )
+
+
+def _finite(cfg: object) -> None:
+    """NaN passes every `<= 0` check (a NaN heartbeat timeout never expires a node)."""
+    for f in dataclasses.fields(cfg):  # type: ignore[arg-type]
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")

@@ -32,3 +32,33 @@ def _set(fd: int, byte: int, kind: int, wait: bool) -> bool:
     except (BlockingIOError, PermissionError):
         return False
     return True
+
+
+SHM_DIR = "/dev/shm"
+KV_FILE_PREFIX = "pdserve-kv-"  # a node's KV cache in shared memory (common/engine/shared_kv.py)
+
+
+def sweep_dead_kv_files() -> int:
+    """Remove KV cache files whose owner died (nobody holds their byte-0 lock): how many.
+    Torch-free, for `pdserve up` after its children stop (a child killed before its finalizer
+    ran leaves a file of its whole KV cache, a GiB by default)."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(KV_FILE_PREFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if lock_byte(fd, 0):  # its owner is gone
+                os.unlink(path)
+                removed += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed

@@ -15,11 +15,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig
 from pdserve.common.errors import ConfigError
 from pdserve.common.flags import from_args
+from pdserve.common.ofd import sweep_dead_kv_files
 from pdserve.supervisor import Child, Supervisor
 
 if TYPE_CHECKING:
@@ -157,12 +159,16 @@ def _child_death_signal() -> None:
         pass
 
 
-def wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float, nodes: int = 0) -> None:
+def wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float, nodes: int = 0,
+                 stop: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
     """Wait for /health to answer 200 with at least `nodes` nodes registered: health turns
     green with one prefill and one decode node, and a caller that started more wants them all
-    before it sends load (a scheduler comparison on half a cluster measures nothing)."""
+    before it sends load (a scheduler comparison on half a cluster measures nothing). A
+    SIGTERM or SIGINT meanwhile (`stop`) ends the wait."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if stop():
+            raise RuntimeError("stopped before the cluster was up")
         for p in procs:
             if p.poll() is not None:
                 raise RuntimeError(f"{p.args!r} exited with code {p.returncode}")
@@ -184,6 +190,11 @@ def up_configs(args: argparse.Namespace) -> tuple[GatewayConfig, NodeConfig]:
     node_side = getattr(args, "node_heartbeat_timeout", None)
     gcfg = from_args(GatewayConfig, args, **_given(heartbeat_timeout=gateway_side))
     ncfg = from_args(NodeConfig, args, **_given(heartbeat_timeout=node_side))
+    if gcfg.heartbeat_timeout <= ncfg.heartbeat_interval:  # live nodes dropped between beats
+        raise ConfigError("the gateways' --heartbeat-timeout must exceed --heartbeat-interval")
+    counts = [getattr(args, r, 0) for r in ("prefill", "decode", "colocated")]
+    if min(counts) < 0 or not sum(counts):
+        raise ConfigError("--prefill, --decode and --colocated count nodes: >= 0, one at least")
     return gcfg, ncfg
 
 
@@ -235,12 +246,20 @@ def gateway_configs(gcfg: GatewayConfig, count: int) -> list[GatewayConfig]:
     return [dataclasses.replace(gcfg, port=p, control_port=c, tokens_port=t) for p, c, t in ports]
 
 
+CONFIGS = (EngineConfig, GatewayConfig, NodeConfig)
+CONFIG_ENV = frozenset(f"PDSERVE_{f.name.upper()}" for c in CONFIGS for f in dataclasses.fields(c))
+
+
 def _spawn(child: Child, nice: int = 0, env: dict[str, str] | None = None) -> subprocess.Popen:
     def before_exec() -> None:
         _child_death_signal()
         if nice:
             os.nice(nice)
 
+    # the configuration's PDSERVE_* variables are `up`'s, resolved into each child's flags:
+    # inherited, they would override a flag left out as a default, and give every node the
+    # same per-node port
+    env = {k: v for k, v in (os.environ if env is None else env).items() if k not in CONFIG_ENV}
     return subprocess.Popen(child.command, preexec_fn=before_exec, env=env)
 
 
@@ -318,7 +337,7 @@ def run_up(args: argparse.Namespace) -> int:
         supervisor.start(time.monotonic())
         procs = list(supervisor.running())
         for url in urls:
-            wait_healthy(url, procs, args.startup_timeout, nodes=len(procs) - gateways)
+            wait_healthy(url, procs, args.startup_timeout, len(procs) - gateways, lambda: stop)
         body = json.dumps(
             {"messages": [{"role": "user", "content": "Hello!"}], "stream": True, "max_tokens": 32}
         )
@@ -335,6 +354,7 @@ def run_up(args: argparse.Namespace) -> int:
         return 1
     finally:
         stop_all([c.proc for c in children if c.proc is not None])
+        sweep_dead_kv_files()  # a node killed mid-drain or mid-load leaves its KV cache file
 
 
 def stop_all(procs: list[subprocess.Popen], grace: float = 10.0) -> None:

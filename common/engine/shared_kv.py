@@ -20,37 +20,18 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.common.ofd import lock_byte
+from pdserve.common.ofd import KV_FILE_PREFIX, lock_byte, sweep_dead_kv_files
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-PREFIX = "pdserve-kv-"
+PREFIX = KV_FILE_PREFIX
 MARGIN = 256 << 20  # /dev/shm kept free for the shm backend's segments
 
 
 def sweep_orphans() -> int:
     """Remove cache files whose owner died (nobody holds their lock): how many."""
-    removed = 0
-    try:
-        names = [n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)]
-    except OSError:
-        return 0
-    for name in names:
-        path = os.path.join(SHM_DIR, name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            if lock_byte(fd, 0):  # its owner is gone
-                os.unlink(path)
-                removed += 1
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return removed
+    return sweep_dead_kv_files()
 
 
 @dataclass

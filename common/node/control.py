@@ -200,7 +200,11 @@ class ControlPlane:
             link.close()
 
     def on_signal(self) -> None:
-        """SIGTERM or SIGINT: drain and exit, a role switch under way included."""
+        """SIGTERM or SIGINT: drain and exit, a role switch under way included (its drain
+        goes on, now to an exit; a second signal stops at once)."""
+        if self.switch_to is not None and self.draining:
+            self.switch_to = None
+            return
         self.switch_to = None
         self.begin_drain()
 

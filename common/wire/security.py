@@ -67,7 +67,11 @@ class ClusterKey:
             raise BadKey(f"cannot read the cluster key {path}: {exc!r}") from exc
         if len(key.public) != 40 or len(key.secret) != 40:
             raise BadKey(f"{path}: public and secret must be 40 Z85 characters each")
-        if zmq.curve_public(key.secret) != key.public:
+        try:
+            derived = zmq.curve_public(key.secret)
+        except zmq.ZMQError as exc:  # 40 characters, not all of them Z85
+            raise BadKey(f"{path}: the secret key is not Z85 ({exc})") from exc
+        if derived != key.public:
             raise BadKey(f"{path}: the public key does not belong to the secret key")
         return key
 

@@ -38,6 +38,10 @@ def test_key_files_round_trip_private_and_checked(tmp_path):
         ClusterKey.load(bad)
     with pytest.raises(BadKey):
         ClusterKey.load(tmp_path / "missing.key")
+    not_z85 = tmp_path / "not-z85.key"  # 40 characters, some outside Z85: a ZMQError before
+    not_z85.write_text(f"public = {key.public.decode()}\nsecret = {'~' * 40}\n")
+    with pytest.raises(BadKey, match="Z85"):
+        ClusterKey.load(not_z85)
     assert key.check(key.mac(b"nonce", b"id"), b"nonce", b"id")
     assert not other.check(key.mac(b"nonce", b"id"), b"nonce", b"id")
 

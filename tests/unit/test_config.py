@@ -42,3 +42,19 @@ def test_a_chunk_budget_below_the_batch_is_refused():
     with pytest.raises(ConfigError, match="--chunk-size must be at least --max-batch"):
         EngineConfig(chunk_size=16, max_batch=32)
     assert EngineConfig(chunk_size=32, max_batch=32).chunk_size == 32
+
+
+def test_not_a_number_and_unusable_gateway_addresses_are_refused():
+    """NaN passed every `<= 0` check (a NaN heartbeat timeout never expires a node); a
+    --gateway without a port failed after the weights loaded, one past 65535 never
+    registered."""
+    from pdserve.common.config import GatewayConfig, NodeConfig
+
+    with pytest.raises(ConfigError, match="finite"):
+        GatewayConfig(heartbeat_timeout=float("nan"))
+    with pytest.raises(ConfigError, match="finite"):
+        NodeConfig(heartbeat_timeout=float("inf"))
+    for address in ("tcp://127.0.0.1", "tcp://127.0.0.1:99999", "tcp://:5", "udp://h:1"):
+        with pytest.raises(ConfigError, match="--gateway"):
+            NodeConfig(gateway=address)
+    assert NodeConfig(gateway="tcp://gw:8001, ipc:///tmp/g").gateway

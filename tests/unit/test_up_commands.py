@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+
+import pytest
 
 from pdserve import launch
 from pdserve.cli import build_parser
+from pdserve.common.errors import ConfigError
 
 
 def commands(*argv: str) -> list[list[str]]:
@@ -91,3 +96,37 @@ def test_a_spawned_node_runs_at_its_niceness_with_its_environment(tmp_path):
     # the process keeps the normal policy: only an idle engine's own thread drops it
     # (tests/unit/test_engine_threads.py)
     assert out.read_text() == f"{min(base + 5, 19)} passive False"
+
+
+def test_node_counts_and_heartbeats_that_cannot_work_are_refused_at_start():
+    """No node at all (a ZeroDivisionError's traceback before), a negative count (a cluster
+    that never became healthy), and a gateway timeout within one heartbeat interval (every
+    live node dropped between its beats)."""
+    for argv in (["--prefill", "0", "--decode", "0"], ["--prefill", "-2"],
+                 ["--heartbeat-interval", "3", "--node-heartbeat-timeout", "10"]):  # fmt: skip
+        with pytest.raises(ConfigError):
+            commands(*argv)
+    assert len(commands("--prefill", "0", "--decode", "0", "--colocated", "1")) == 1
+
+
+def test_children_do_not_inherit_the_configuration_s_variables(tmp_path, monkeypatch):
+    """`up` resolves PDSERVE_* into each child's flags; inherited, a variable overrode a flag
+    left out as its default (PDSERVE_MAX_BATCH=64 beat --max-batch 32) and gave every node
+    one per-node port. Other variables pass."""
+    monkeypatch.setenv("PDSERVE_MAX_BATCH", "64")
+    monkeypatch.setenv("PDSERVE_METRICS_PORT", "9100")
+    monkeypatch.setenv("PDSERVE_TEST_OTHER", "kept")
+    out = tmp_path / "env.json"
+    dump = f"import json, os; json.dump(dict(os.environ), open({str(out)!r}, 'w'))"
+    proc = launch._spawn(launch.Child("x", [sys.executable, "-c", dump]))
+    assert proc.wait(30) == 0
+    env = json.loads(out.read_text())
+    assert "PDSERVE_MAX_BATCH" not in env and "PDSERVE_METRICS_PORT" not in env
+    assert env["PDSERVE_TEST_OTHER"] == "kept"
+
+
+def test_a_stop_while_the_cluster_starts_ends_the_wait():
+    """SIGTERM or SIGINT to `up` while its nodes load: it stops then, not after
+    --startup-timeout (300 s)."""
+    with pytest.raises(RuntimeError, match="stopped"):
+        launch.wait_healthy("http://127.0.0.1:9", [], 300, stop=lambda: True)
