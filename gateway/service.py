@@ -262,8 +262,6 @@ class RequestService:
                               "retry later", "service_unavailable"))  # fmt: skip
             self.metrics.requests.labels("placement_timeout").inc()
             return
-        if req.finished:  # cancelled while it waited (`_round` let it go)
-            return
         self.metrics.placement_wait.observe(time.monotonic() - start)
         req.mark(f"accepted.{req.attempt}")
 

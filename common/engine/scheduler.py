@@ -271,7 +271,8 @@ class Scheduler(PrefixCaching):
                 break
             if waiting and loads:  # a tier's block may be gone by now (pushed out by this very
                 # allocation's evictions, or corrupt): what did not load is computed now too,
-                # in this pass (a prefill node sends a prompt's KV after its one pass)
+                # in this pass (a prefill node sends a prompt's KV after its one pass), even
+                # past the step's budget by those blocks
                 left = seq.num_tokens - seq.num_computed_tokens
                 n = min(left, budget) if self.cfg.chunk_size else left
             out.prefills.append((seq, n))

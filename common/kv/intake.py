@@ -139,10 +139,7 @@ class KvIntake:
             self._remember_closed(rid)
             return await self.refuse(peer, rid, f"KV backend {h.backend!r} not offered here")
         problem = self._malformed(peer, h)
-        if problem is not None:  # refused before any block is reserved for it
-            self._remember_closed(rid)
-            return await self.refuse(peer, rid, problem)
-        reserved = self.reserve(h)
+        reserved = problem if problem is not None else self.reserve(h)  # nothing reserved then
         if isinstance(reserved, str):
             if receiver.drains_after_drop:  # its frames still come, in order: read, discard
                 self.incoming[rid] = Intake(h, peer, [], dropped=True)

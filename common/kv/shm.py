@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -109,7 +110,7 @@ class SegmentMaps:
     def get(self, name: str, size: int, sender: str) -> Segment:
         # only a segment of the sending node's pool (never a node's KV cache file, or
         # another sender's live segment)
-        if "/" in name or not name.startswith(f"pdserve-{sender}-"):
+        if not re.fullmatch(rf"pdserve-{re.escape(sender)}-[0-9a-f]{{6}}-\d+", name):
             raise ValueError(f"refusing shared-memory name {name!r} from {sender}")
         seg = self.maps.get(name)
         if seg is None:

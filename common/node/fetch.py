@@ -147,7 +147,7 @@ class PrefixFetches:
             holder,
             KvFetch(request_id=fid, prompt_ids=prompt, skip_tokens=skip, reply_to=self.kv.target()),
         )
-        wait = max(self.stall_s, 4 * self.estimate(gain))
+        wait = min(max(self.stall_s, 4 * self.estimate(gain)), self.limit_s)
         f.timer = asyncio.get_running_loop().call_later(wait, self._check, fid)
         log.debug("%s fetches %d tokens from %s (%d local)", seq.seq_id, gain, holder.node_id, skip)
         return True
@@ -186,6 +186,13 @@ class PrefixFetches:
             return
         if f.timer is not None:
             f.timer.cancel()
+        if time.monotonic() - f.started > self.limit_s:  # landed past its holder's pin
+            self.fetching[h.request_id] = f  # for _fail to abandon (and free) it
+            bm.free(intake.block_table)
+            f.reserved = False
+            f.local = []
+            self._fail(h.request_id, f"landed after {self.limit_s:g} s")
+            return
         bm.register(intake.block_table, bm.hashes(h.prompt_ids))
         self.pins[f.request_id] = intake.block_table
         seconds = time.monotonic() - f.started

@@ -51,6 +51,9 @@ def test_the_decode_side_lets_go_of_segments_their_sender_destroyed():
         for name in (fresh.name, "pdserve-kv-0123456789ab", "pdserve-other/../x"):
             with pytest.raises(ValueError):
                 maps.get(name, 1 << 20, "other")  # not that sender's pool's
+        for name, sender in (("pdserve-kv-0123456789ab", "kv"), ("pdserve-a-b-abcdef-1", "a")):
+            with pytest.raises(ValueError):  # a node named "kv", or a prefix of another's name
+                maps.get(name, 1 << 20, sender)
     finally:
         maps.close()
         pool.close()
