@@ -200,13 +200,10 @@ class ControlPlane:
             link.close()
 
     def on_signal(self) -> None:
-        """SIGTERM or SIGINT: drain and exit, a role switch under way included (its drain
-        goes on, now to an exit; a second signal stops at once)."""
-        if self.switch_to is not None and self.draining:
-            self.switch_to = None
-            return
-        self.switch_to = None
-        self.begin_drain()
+        """SIGTERM or SIGINT: drain and exit (a second: stop now); a switch's drain goes on."""
+        switching, self.switch_to = self.switch_to is not None and self.draining, None
+        if not switching:
+            self.begin_drain()
 
     def begin_drain(self) -> None:
         if self.draining:
@@ -249,8 +246,7 @@ class ControlPlane:
                         link.registered = False
                         await link.send(Register(info=self.node.info()))
                 case SwitchRole() if not self.gateways.obeys(link):
-                    log.warning("%s: role switch from %s, not the leader: ignored",
-                                self.node_id, link.address)  # fmt: skip
+                    log.warning("%s: switch from %s, not the leader", self.node_id, link.address)
                 case SwitchRole(role=role) if role != self.role.role and not self.draining:
                     # the other role in this process: drain as for SIGTERM, then the serving
                     # loop (common/node/roles.py) starts the other role's node on the engine
