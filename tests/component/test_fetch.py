@@ -106,24 +106,36 @@ async def test_a_prefix_another_node_holds_is_fetched_byte_exact(tokenizer, torc
         await until(lambda: idle(holder, fetcher), 5, "every block freed")
 
 
+def shared_prefix(tokenizer: Any) -> list[int]:
+    return tokenizer.encode("A long shared system prompt about ships. " * 80)[:320]
+
+
+async def holder_and_fetcher(c: Cluster, tokenizer: Any, runners: Any) -> tuple[Any, Any]:
+    """prefill-0 holds a 320-token prefix (a first request computed it, the index knows);
+    prefill-1 (--kv-transfer-timeout 1) joins, and prefill-0 takes no more prompts: the
+    next request with that prefix goes to prefill-1, which fetches it from prefill-0."""
+    ecfg, r0, r1, r2 = runners
+    holder = await holder_and_decode(c, ecfg, [r0, r1])
+    first = c.request("first", shared_prefix(tokenizer) + tokenizer.encode(" Go:"), GREEDY)
+    await asyncio.wait_for(c.gw.service.run(first), 60)
+    assert await outcome(first, 60) == Done("length")
+    hashes = holder.blocks.hashes(shared_prefix(tokenizer))
+    await until(lambda: c.gw.index.cached_blocks("prefill-0", hashes) == 20, what="indexed")
+    fetcher = await c.add(
+        c.node(PrefillRole, "prefill-1", ecfg=ecfg, engine=r2, kv_transfer_timeout=1.0)
+    )
+    holder.scheduler.can_take = lambda *a: "batch full"  # type: ignore[method-assign]
+    return holder, fetcher
+
+
 async def test_a_fetch_whose_holder_dies_midway_is_computed_instead(tokenizer, torch_runners):
-    ecfg, r0, r1, r2 = torch_runners
-    shared = tokenizer.encode("A long shared system prompt about ships. " * 80)[:320]
-    second_prompt = shared + tokenizer.encode(" Name one:")
+    r0 = torch_runners[1]
+    second_prompt = shared_prefix(tokenizer) + tokenizer.encode(" Name one:")
     expected = make_engine(own_cache(r0), tokenizer, prefix_caching="off").generate(
         [second_prompt], GREEDY
     )[0]
     async with Cluster(tokenizer) as c:
-        holder = await holder_and_decode(c, ecfg, [r0, r1])
-        first = c.request("first", shared + tokenizer.encode(" Go:"), GREEDY)
-        await asyncio.wait_for(c.gw.service.run(first), 60)
-        assert await outcome(first, 60) == Done("length")
-        hashes = holder.blocks.hashes(shared)
-        await until(lambda: c.gw.index.cached_blocks("prefill-0", hashes) == 20, what="indexed")
-        fetcher = await c.add(
-            c.node(PrefillRole, "prefill-1", ecfg=ecfg, engine=r2, kv_transfer_timeout=1.0)
-        )
-        holder.scheduler.can_take = lambda *a: "batch full"  # type: ignore[method-assign]
+        holder, fetcher = await holder_and_fetcher(c, tokenizer, torch_runners)
         push_all = holder.sender.push_all
 
         def half_then_die(t: Any, payloads: list[Any]) -> None:
@@ -146,23 +158,13 @@ async def test_a_fetch_that_lands_too_slowly_is_given_up_before_its_holder_unpin
     """A holder pins what it serves for 3 x --kv-transfer-timeout; a fetch whose layers keep
     landing, but too slowly to end before that, is given up at 2 x (else the holder's
     frames still queued could read blocks it reused, cached here as the prefix)."""
-    ecfg, r0, r1, r2 = torch_runners
-    shared = tokenizer.encode("A long shared system prompt about ships. " * 80)[:320]
-    second_prompt = shared + tokenizer.encode(" Name one:")
+    r0 = torch_runners[1]
+    second_prompt = shared_prefix(tokenizer) + tokenizer.encode(" Name one:")
     expected = make_engine(own_cache(r0), tokenizer, prefix_caching="off").generate(
         [second_prompt], GREEDY
     )[0]
     async with Cluster(tokenizer) as c:
-        holder = await holder_and_decode(c, ecfg, [r0, r1])
-        first = c.request("first", shared + tokenizer.encode(" Go:"), GREEDY)
-        await asyncio.wait_for(c.gw.service.run(first), 60)
-        assert await outcome(first, 60) == Done("length")
-        hashes = holder.blocks.hashes(shared)
-        await until(lambda: c.gw.index.cached_blocks("prefill-0", hashes) == 20, what="indexed")
-        fetcher = await c.add(
-            c.node(PrefillRole, "prefill-1", ecfg=ecfg, engine=r2, kv_transfer_timeout=1.0)
-        )
-        holder.scheduler.can_take = lambda *a: "batch full"  # type: ignore[method-assign]
+        holder, fetcher = await holder_and_fetcher(c, tokenizer, torch_runners)
         sender, loop = holder.sender, asyncio.get_running_loop()
         push, done = sender.push, sender.done
 

@@ -7,8 +7,10 @@ refused)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -308,19 +310,30 @@ async def test_a_node_takes_pool_care_from_the_leader_alone(tokenizer):
         await b.close()
 
 
-async def test_an_orphan_is_adopted_only_once_its_gateway_is_silent(tokenizer):
-    """Gateway B asks for gateway A's running request: refused while A answers; once A has
-    been silent for the node's heartbeat timeout, B adopts it, gets every token so far, and
-    every later token; A gets none of those."""
+@contextlib.asynccontextmanager
+async def _streaming_for_a(tokenizer: Any) -> AsyncIterator[tuple[Any, Any, Any]]:
+    """Gateways A and B, a 1P1D cluster registered with both (a 1 s heartbeat timeout, a
+    30 s orphan grace), and A's request r.0 decoding: (A, B, the decode node)."""
     a, b = ScriptedGateway("gw-a"), ScriptedGateway("gw-b")
     prefill, decode = None, None
     fast = {"heartbeat_timeout": 1.0, "orphan_grace": 30.0}  # a stall under 1 s is no silence
     try:
         prefill = await _node(tokenizer, PrefillRole, "prefill-0", [a, b], fast)
         decode = await _node(tokenizer, DecodeRole, "decode-0", [a, b], fast, sim_time_scale=20.0)
-        p, d = prefill[0], decode[0]
-        await a.offer(p, "r.0", d, 200)
+        await a.offer(prefill[0], "r.0", decode[0], 200)
         await until(lambda: len(a.streamed["r.0"]) >= 3, what="tokens to A")
+        yield a, b, decode[0]
+    finally:
+        await _stop(*(x for x in (prefill, decode) if x is not None))
+        await a.close()
+        await b.close()
+
+
+async def test_an_orphan_is_adopted_only_once_its_gateway_is_silent(tokenizer):
+    """Gateway B asks for gateway A's running request: refused while A answers; once A has
+    been silent for the node's heartbeat timeout, B adopts it, gets every token so far, and
+    every later token; A gets none of those."""
+    async with _streaming_for_a(tokenizer) as (a, b, d):
         await b.tell(d, Adopt(streams=[("r", 0)]))
         await until(lambda: [m for m in b.inbox if isinstance(m, Adopted)], what="an answer")
         refused = next(m for m in b.inbox if isinstance(m, Adopted))
@@ -338,10 +351,6 @@ async def test_an_orphan_is_adopted_only_once_its_gateway_is_silent(tokenizer):
         await until(lambda: len(b.streamed["r.0"]) >= 3, what="tokens to B")
         assert min(b.streamed["r.0"]) == made  # indices go on from what it was handed
         assert max(a.streamed["r.0"]) < made  # A got nothing made after the adoption
-    finally:
-        await _stop(*(x for x in (prefill, decode) if x is not None))
-        await a.close()
-        await b.close()
 
 
 async def test_an_orphan_its_node_gives_back_is_kept_for_its_adopter(tokenizer):
@@ -349,15 +358,7 @@ async def test_an_orphan_its_node_gives_back_is_kept_for_its_adopter(tokenizer):
     its Preempted has no gateway to go to, so its tokens wait for an adopter, which gets
     them with finish_reason "preempted" (it places the stream again: gateway/resume.py);
     before, the stream was gone (a resume found nothing: 404)."""
-    a, b = ScriptedGateway("gw-a"), ScriptedGateway("gw-b")
-    prefill, decode = None, None
-    fast = {"heartbeat_timeout": 1.0, "orphan_grace": 30.0}
-    try:
-        prefill = await _node(tokenizer, PrefillRole, "prefill-0", [a, b], fast)
-        decode = await _node(tokenizer, DecodeRole, "decode-0", [a, b], fast, sim_time_scale=20.0)
-        p, d = prefill[0], decode[0]
-        await a.offer(p, "r.0", d, 200)
-        await until(lambda: len(a.streamed["r.0"]) >= 3, what="tokens to A")
+    async with _streaming_for_a(tokenizer) as (a, b, d):
         a.muted = True
         await until(lambda: d.control.links[0].silent_since is not None, what="A silent")
         made = len(d.requests["r.0"].seq.output_ids)
@@ -369,7 +370,3 @@ async def test_an_orphan_its_node_gives_back_is_kept_for_its_adopter(tokenizer):
         adopted = next(m for m in b.inbox if isinstance(m, Adopted))
         assert adopted.found and adopted.finish_reason == "preempted"
         assert adopted.prompt_ids == prompt(32) and len(adopted.output_ids) >= made
-    finally:
-        await _stop(*(x for x in (prefill, decode) if x is not None))
-        await a.close()
-        await b.close()
