@@ -20,18 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.common.ofd import KV_FILE_PREFIX, lock_byte, sweep_dead_kv_files
+from pdserve.common.ofd import KV_FILE_PREFIX, SHM_DIR, lock_byte, sweep_dead_kv_files
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 PREFIX = KV_FILE_PREFIX
 MARGIN = 256 << 20  # /dev/shm kept free for the shm backend's segments
-
-
-def sweep_orphans() -> int:
-    """Remove cache files whose owner died (nobody holds their lock): how many."""
-    return sweep_dead_kv_files()
 
 
 @dataclass
@@ -64,7 +58,7 @@ def fits(size: int, margin: int = MARGIN) -> bool:
 def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, SharedFile]:
     """A zeroed tensor of `shape` whose storage is a new file in /dev/shm (pages touched now,
     not mid-run, as torch.zeros would)."""
-    sweep_orphans()
+    sweep_dead_kv_files()  # files whose owner died (nobody holds their lock)
     size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     name = secrets.token_hex(6)
     # made and locked under another name, then renamed: a sweep by a node starting at the

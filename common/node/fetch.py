@@ -187,11 +187,8 @@ class PrefixFetches:
         if f.timer is not None:
             f.timer.cancel()
         if time.monotonic() - f.started > self.limit_s:  # landed past its holder's pin
-            self.fetching[h.request_id] = f  # for _fail to abandon (and free) it
             bm.free(intake.block_table)
-            f.reserved = False
-            f.local = []
-            self._fail(h.request_id, f"landed after {self.limit_s:g} s")
+            self._fall_back(f, f"landed after {self.limit_s:g} s")
             return
         bm.register(intake.block_table, bm.hashes(h.prompt_ids))
         self.pins[f.request_id] = intake.block_table
@@ -231,11 +228,14 @@ class PrefixFetches:
         """Give up the fetch: the request computes its prefix."""
         f = self._abandon(fid)
         if f is not None:
-            log.info(
-                "fetch of %s from %s failed (%s): recomputing", f.request_id, f.holder.node_id, why
-            )
-            self.node.metrics.fetch("fell_back")
-            self._schedule(f)
+            self._fall_back(f, why)
+
+    def _fall_back(self, f: _Fetch, why: str) -> None:
+        log.info(
+            "fetch of %s from %s failed (%s): recomputing", f.request_id, f.holder.node_id, why
+        )
+        self.node.metrics.fetch("fell_back")
+        self._schedule(f)
 
     def _abandon(self, fid: str) -> _Fetch | None:
         f = self.fetching.pop(fid, None)

@@ -91,9 +91,7 @@ class StepLoop:
                         result = await self.run_engine(hooks.engine_step, out, loop)
                     except Exception as exc:
                         await hooks.step_failed(out, exc)
-                        aborted, self.aborted = self.aborted, set()
-                        for rid in aborted:
-                            self.drop(rid)
+                        self._drop_aborted(self._take_aborted())
                         continue
                 finally:
                     self.in_step = set()
@@ -104,7 +102,14 @@ class StepLoop:
                     self.on_prefill(sum(n for _, n in out.prefills), seconds)
                 tokens = result[0] if isinstance(result, tuple) else result
                 grew = self.scheduler.on_step_done(out, tokens)
-                aborted, self.aborted = self.aborted, set()
+                aborted = self._take_aborted()
                 await hooks.after_step(out, [s for s in grew if s.seq_id not in aborted], result)
-                for rid in aborted:
-                    self.drop(rid)
+                self._drop_aborted(aborted)
+
+    def _take_aborted(self) -> set[str]:
+        aborted, self.aborted = self.aborted, set()
+        return aborted
+
+    def _drop_aborted(self, aborted: set[str]) -> None:
+        for rid in aborted:
+            self.drop(rid)

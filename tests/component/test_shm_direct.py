@@ -12,8 +12,9 @@ import time
 
 import torch
 
-from pdserve.common.engine.shared_kv import PREFIX, SHM_DIR, map_cache, sweep_orphans
+from pdserve.common.engine.shared_kv import PREFIX, SHM_DIR, map_cache
 from pdserve.common.kv.grants import GrantTable, GrantView
+from pdserve.common.ofd import sweep_dead_kv_files
 from pdserve.common.sampling import SamplingParams
 from tests.component.cluster import until
 from tests.component.test_kv_backends import BLOCK, LAYOUT, Pair, digest
@@ -108,7 +109,7 @@ def test_an_orphaned_cache_file_is_swept_and_a_live_one_kept():
     orphan = os.path.join(SHM_DIR, PREFIX + "deadbeef0000")
     with open(orphan, "wb") as f:  # a file no live owner locks (its node was SIGKILLed)
         f.write(b"\0" * 4096)
-    assert sweep_orphans() >= 1
+    assert sweep_dead_kv_files() >= 1
     assert not os.path.exists(orphan) and os.path.exists(path)
     peer = map_cache(path, tuple(live.cache.data.shape), torch.float32)  # a writer's view
     peer[3, 1, 5].fill_(2.5)
