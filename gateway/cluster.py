@@ -45,12 +45,43 @@ class NodeState:
         )
 
 
+@dataclass
+class PrefixTotals:
+    """The whole cluster's prefix-cache counters (tokens), kept as counters: each load report
+    adds what its node's counts grew by since its last one, so a node leaving, restarting or
+    switching role never takes the sum down (Prometheus reads any fall as a reset and adds
+    the whole rest to `increase()`)."""
+
+    queries: int = 0
+    hits: int = 0
+    fetched: int = 0
+    # last counts per node process (control identity): kept after the node is dropped, so a
+    # node re-registering from the same process does not count its history twice
+    last: dict[bytes, tuple[int, int, int]] = field(default_factory=dict)
+
+    def report(self, identity: bytes, load: Load) -> None:
+        now = (load.prefix_queries, load.prefix_hits, load.prefix_fetched)
+        before = self.last.pop(identity, (0, 0, 0))
+        # a count below the last one started again (a role switch rebuilds the engine)
+        grew = [n - b if n >= b else n for n, b in zip(now, before, strict=True)]
+        self.queries += grew[0]
+        self.hits += grew[1]
+        self.fetched += grew[2]
+        self.last[identity] = now  # re-inserted: the oldest process is first
+        if len(self.last) > MAX_PROCESSES:
+            del self.last[next(iter(self.last))]
+
+
+MAX_PROCESSES = 4096  # node processes PrefixTotals remembers (pod churn must not grow it)
+
+
 class ClusterView:
     def __init__(self, heartbeat_timeout: float) -> None:
         self.heartbeat_timeout = heartbeat_timeout
         self.nodes: dict[str, NodeState] = {}
         self.reference: NodeInfo | None = None  # the first node fixes model/dtype/layout
         self.stalled_s = 0.0  # stalls excused so far (past a tick): detection is that late
+        self.prefix_totals = PrefixTotals()
 
     def register(
         self, info: NodeInfo, identity: bytes, now: float, gateway_tokenizer: str
@@ -111,6 +142,7 @@ class ClusterView:
         if node is None or node.identity != identity:
             return False
         node.last_seen, node.load, node.load_at = now, load, now
+        self.prefix_totals.report(identity, load)
         node.foreign, node.leader = load.foreign, leader
         return True
 

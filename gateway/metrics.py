@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pdserve.common.node_metrics import prefix_counters, refused_peers
-from pdserve.gateway.cluster import ClusterView
+from pdserve.gateway.cluster import EMPTY_LOAD, ClusterView
 from pdserve.gateway.table import RequestTable
 
 # `*_created` series double every counter and histogram for a timestamp nobody graphs
@@ -125,8 +125,9 @@ class ClusterCollector(Collector):
             for pool, count in self.desired().items():
                 desired.add_metric([pool], count)
             yield desired
-        loads = [([n.node_id, n.info.role], n.load) for n in self.cluster.nodes.values()]
-        yield from prefix_counters(loads)  # per node, from heartbeats
+        # per node, from heartbeats (none before a node's first: its counts are not known)
+        reported = (n for n in self.cluster.nodes.values() if n.load is not EMPTY_LOAD)
+        yield from prefix_counters([([n.node_id, n.info.role], n.load) for n in reported])
         total_q = CounterMetricFamily(
             "pdserve:cluster_prefix_cache_queries", "Prompt tokens looked up, every node"
         )
@@ -137,9 +138,10 @@ class ClusterCollector(Collector):
             "pdserve:cluster_prefix_cache_fetched_tokens",
             "Of the hits, tokens fetched from another node's cache, every node",
         )
-        total_q.add_metric([], sum(load.prefix_queries for _, load in loads))
-        total_h.add_metric([], sum(load.prefix_hits for _, load in loads))
-        total_f.add_metric([], sum(load.prefix_fetched for _, load in loads))
+        totals = self.cluster.prefix_totals
+        total_q.add_metric([], totals.queries)
+        total_h.add_metric([], totals.hits)
+        total_f.add_metric([], totals.fetched)
         yield from (total_q, total_h, total_f)
 
 
