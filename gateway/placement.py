@@ -31,6 +31,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from pdserve.common.aio import wait_event
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.wire.protocol import PrefillOffer
 from pdserve.gateway.admission import Waiting, order, urgent
@@ -230,8 +231,7 @@ class Placer:
             if not self.waiting:
                 await self.capacity.wait()
                 continue
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.capacity.wait(), BACKOFF_S)
+            await wait_event(self.capacity, BACKOFF_S)
 
     async def _round(self) -> None:
         now = time.monotonic()

@@ -15,7 +15,6 @@ no token is lost, repeated or recomputed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import re
@@ -26,6 +25,7 @@ from typing import Literal
 
 import msgspec
 
+from pdserve.common.aio import wait_event
 from pdserve.common.model.tokenizer import Tokenizer
 from pdserve.common.wire.protocol import Adopt, Adopted
 from pdserve.gateway.cluster import ClusterView
@@ -190,8 +190,7 @@ class Resumes:
                                    "or ended or left longer ago than the nodes' "
                                    "--orphan-grace)", code="not_found")  # fmt: skip
                 asking.news.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asking.news.wait(), left)
+                await wait_event(asking.news, left)
             node_id, msg = found
             asking.used = True
             if msg.finish_reason == GAVE_BACK:  # preempted while orphaned: not ended, its
@@ -260,8 +259,7 @@ class Resumes:
             dues = [a.due for a in self.asking.values() if a.due < math.inf]
             if self.asking:  # all taken over: till one is let go (woken)
                 wait = max(min(dues) - ROUND_S / 2 - now, 0.0) if dues else None
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), wait)
+                await wait_event(self._wake, wait)
 
     async def _round(self, msg: Adopt) -> None:
         for node in list(self.cluster.nodes.values()):

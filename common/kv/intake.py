@@ -30,6 +30,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from pdserve.common.aio import wait_event
 from pdserve.common.engine.interface import KvStore
 from pdserve.common.kv.base import LANDED, Intake, ReceiveConnector
 from pdserve.common.wire.kv_messages import (
@@ -215,11 +216,10 @@ class KvIntake:
             # the header travels on ZeroMQ and may lag the frame: wait for it a moment
             event = self.arrivals.setdefault(request_id, asyncio.Event())
             try:
-                await asyncio.wait_for(event.wait(), self.timeout)
-            except asyncio.TimeoutError:
-                log.warning("KV frame of %s from %s came without a header", request_id, peer)
-                if request_id not in self.incoming:  # its other layers: discarded at once,
-                    self._remember_closed(request_id)  # not another wait each
+                if not await wait_event(event, self.timeout):
+                    log.warning("KV frame of %s from %s came without a header", request_id, peer)
+                    if request_id not in self.incoming:  # its other layers: discarded at once,
+                        self._remember_closed(request_id)  # not another wait each
             finally:
                 if self.arrivals.get(request_id) is event:
                     del self.arrivals[request_id]

@@ -1,0 +1,21 @@
+"""asyncio helpers the standard library lacks on every Python pdserve runs on."""
+
+from __future__ import annotations
+
+import asyncio
+
+
+async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
+    """`event.wait()` for at most `timeout` seconds (None: no limit); True if it was set.
+
+    Not `asyncio.wait_for`: before Python 3.12 it swallows a cancellation that arrives in the
+    turn the event is set (gh-86296), so a loop waiting on it and cancelled at shutdown goes
+    on forever and whatever awaits its end hangs (the gateway's placement rounds did)."""
+    if event.is_set():
+        return True
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        done, _ = await asyncio.wait([waiter], timeout=timeout)
+    finally:
+        waiter.cancel()  # no-op once done
+    return bool(done)
