@@ -326,6 +326,11 @@ class NodeConfig:
         "another gateway to adopt when their clients resume; then they are freed",
     )
     drain_timeout: float = flag(30.0, "seconds a draining node finishes work before handing back")
+    step_timeout: float = flag(
+        120.0,
+        "seconds one engine step may run before the node counts itself hung: /health and "
+        "/live answer 503, and a gateway that dropped it is not rejoined until the step ends",
+    )
     drain_migrate: Literal["on", "off"] = flag(
         "on",
         "decode: a draining node moves its running sequences with their KV to other decode "
@@ -366,6 +371,8 @@ class NodeConfig:
                 )
         if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError("--heartbeat-timeout must exceed --heartbeat-interval (> 0)")
+        if self.step_timeout <= 0:
+            raise ConfigError("--step-timeout must be > 0")
         if self.kv_backend not in KV_BACKENDS:
             raise ConfigError(
                 f"--kv-backend {self.kv_backend!r}: choose one of {list(KV_BACKENDS)}"

@@ -6,8 +6,10 @@ itself measures, with vLLM's names where one exists, so a Prometheus scraping ea
 requests, KV usage, offers accepted and rejected, queue and prefill time, KV transfer bytes
 and time, decode step time. Labels: `node` and `role`, the same as the gateway's.
 
-`GET /health` answers 200 while the node is registered with a gateway and not draining (a
-container healthcheck: a node that cannot reach the gateway is not serving), else 503.
+`GET /health` answers 200 while the node is registered with a gateway, its engine is not hung
+and it is not draining (a container healthcheck: a node that cannot reach the gateway is not
+serving), else 503. `GET /live` answers 503 only while the engine is hung (one step running
+past `--step-timeout`): the liveness probe, which must not restart a draining node.
 """
 
 from __future__ import annotations
@@ -230,22 +232,33 @@ class NodeMetrics:
 
 
 async def start_http(
-    metrics: NodeMetrics, healthy: Callable[[], str | None], host: str, port: int
+    metrics: NodeMetrics,
+    healthy: Callable[[], str | None],
+    hung: Callable[[], str | None],
+    host: str,
+    port: int,
 ) -> web.AppRunner:
-    """Serve /metrics and /health; `healthy()` returns None when serving, else why not."""
+    """Serve /metrics, /health and /live; `healthy()` returns None when serving, else why
+    not; `hung()` why the process should be restarted (a liveness probe), else None."""
 
     async def get_metrics(request: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8")
 
-    async def get_health(request: web.Request) -> web.Response:
-        reason = healthy()
+    def answer(reason: str | None) -> web.Response:
         if reason is None:
             return web.json_response({"status": "ok", **metrics.labels})
         return web.json_response({"status": "unavailable", "reason": reason}, status=503)
 
+    async def get_health(request: web.Request) -> web.Response:
+        return answer(healthy())
+
+    async def get_live(request: web.Request) -> web.Response:
+        return answer(hung())
+
     app = web.Application()
     app.router.add_get("/metrics", get_metrics)
     app.router.add_get("/health", get_health)
+    app.router.add_get("/live", get_live)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()

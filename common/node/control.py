@@ -70,6 +70,7 @@ class NodeState(Protocol):
     def info(self) -> NodeInfo: ...
     def load(self) -> Load: ...
     def idle(self) -> bool: ...  # nothing held: a draining node may exit
+    def hung(self) -> str | None: ...  # why the engine counts as hung (--step-timeout)
     def free_stale(self, request_ids: tuple[str, ...]) -> None: ...
     def abort(self, rid: str) -> None: ...
     def foreign(self, request_ids: list[str]) -> Foreign: ...  # what these ids hold
@@ -133,12 +134,12 @@ class ControlPlane:
         await self.gateways.push(msg)
 
     def health(self) -> str | None:
-        """None while serving (registered with a gateway, not draining), else why not."""
+        """None while serving (registered, engine not hung, not draining), else why not."""
         if self.draining:
             return "draining"
         if not self.registered.is_set():
             return f"not registered with the gateway at {self.cfg.gateway}"
-        return None
+        return self.node.hung()
 
     # -- life ----------------------------------------------------------------------------------
     async def start(self, role_tasks: list[asyncio.Task]) -> None:
@@ -160,9 +161,8 @@ class ControlPlane:
         for task in self.tasks:
             task.add_done_callback(self._task_ended)
         if self.cfg.metrics_port:
-            self.http = await start_http(
-                self.metrics, self.health, self.cfg.metrics_host, self.cfg.metrics_port
-            )
+            self.http = await start_http(self.metrics, self.health, self.node.hung,
+                                         self.cfg.metrics_host, self.cfg.metrics_port)  # fmt: skip
         for link in self.links:
             await link.send(Register(info=self.node.info()))
 
@@ -173,9 +173,8 @@ class ControlPlane:
                 raise task.exception()  # type: ignore[misc]
 
     def _task_ended(self, task: asyncio.Task) -> None:
-        """A loop that dies must take the node down: a node that heartbeats while its engine
-        loop is dead would be offered work forever. Exiting lets the gateway re-place its
-        requests and a supervisor (compose `restart`) start it again."""
+        """A loop that dies takes the node down (heartbeating with a dead engine loop, it would
+        be offered work forever): the gateway re-places its requests, a supervisor restarts it."""
         if task.cancelled() or task.exception() is None:
             return
         if not isinstance(task.exception(), RegistrationRefused):  # that one is logged already
@@ -242,7 +241,8 @@ class ControlPlane:
                         self.node.free_stale(mine)
                     if msg.kv_resync:
                         self.events.resync()
-                    if unknown and not self.draining:
+                    # dropped (a hung engine, say): back when the engine steps again
+                    if unknown and not self.draining and not self.node.hung():
                         link.registered = False
                         await link.send(Register(info=self.node.info()))
                 case SwitchRole() if not self.gateways.obeys(link):

@@ -24,6 +24,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -198,6 +199,9 @@ class NodeRuntime:
 
     def idle(self) -> bool:
         return not self.requests and not self.role.extra_held()
+
+    def hung(self) -> str | None:
+        return self.steps.hung(self.cfg.step_timeout, time.monotonic())
 
     @property
     def registered(self) -> asyncio.Event:

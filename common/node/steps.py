@@ -47,6 +47,14 @@ class StepLoop:
         self.in_step: set[str] = set()  # ids the engine is computing right now
         self.step_over: asyncio.Future[None] | None = None  # resolved when that step ends
         self.aborted: set[str] = set()  # ids to drop once the running step is over
+        self.step_started: float | None = None  # when the engine's running step began
+
+    def hung(self, limit: float, now: float) -> str | None:
+        """Why the engine counts as hung (its step has run past `limit` seconds), or None:
+        the event loop answers heartbeats and probes all the while, so only this tells."""
+        if self.step_started is None or now - self.step_started <= limit:
+            return None
+        return f"engine step running {now - self.step_started:.0f} s (--step-timeout {limit:g})"
 
     def wake(self) -> None:
         self.work.set()
@@ -86,7 +94,7 @@ class StepLoop:
                     for seq, _ in out.prefills:  # admission took its fetched blocks itself
                         self.scheduled(seq.seq_id)
                     await hooks.before_step(out)
-                    started = time.monotonic()
+                    started = self.step_started = time.monotonic()
                     try:
                         result = await self.run_engine(hooks.engine_step, out, loop)
                     except Exception as exc:
@@ -94,7 +102,7 @@ class StepLoop:
                         self._drop_aborted(self._take_aborted())
                         continue
                 finally:
-                    self.in_step = set()
+                    self.in_step, self.step_started = set(), None
                     self.step_over.set_result(None)
                 seconds = time.monotonic() - started
                 self.metrics.step_time.observe(seconds)

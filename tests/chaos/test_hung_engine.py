@@ -10,11 +10,13 @@ import asyncio
 import threading
 import time
 
+import aiohttp
 import pytest
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.sim import SimEngine
 from pdserve.common.sampling import SamplingParams
+from pdserve.common.wire.transport import free_port
 from pdserve.decode_node.server import DecodeRole
 from pdserve.gateway.requests import Done
 from pdserve.prefill_node.server import PrefillRole
@@ -80,3 +82,46 @@ def _sim_ids(prompt_ids: list[int], seed: int, n: int) -> list[int]:
         FIRST_ORDINARY_TOKEN + counter_int(seed, len(prompt_ids) + i, ORDINARY_TOKEN_SPAN)
         for i in range(n)
     ]
+
+
+async def _probe(port: int, path: str) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{port}{path}") as resp:
+            return resp.status, await resp.json()
+
+
+async def test_a_hung_node_says_so_and_rejoins_only_once_its_engine_steps(tokenizer):
+    """Dropped by the progress lease, a hung node used to register again at its next
+    heartbeat (the gateway no longer knew it) and take new work into the same hung engine,
+    every `--progress-timeout`, while /health said 200 and no probe could tell."""
+    engine, port = HangingEngine(FAST), free_port()
+    async with Cluster(tokenizer, progress_timeout=1.0) as c:
+        hung = await c.add(c.node(DecodeRole, "decode-0", ecfg=FAST, engine=engine,
+                                  step_timeout=0.5, metrics_port=port))  # fmt: skip
+        await c.add(c.node(PrefillRole, "prefill-0", ecfg=FAST))
+        assert (await _probe(port, "/health"))[0] == 200 and (await _probe(port, "/live"))[0] == 200
+        engine.hang.set()
+        params = SamplingParams(max_tokens=6, temperature=1.0, seed=5, ignore_eos=True)
+        req = c.request("r0", prompt(30, 2000), params)
+        run = asyncio.create_task(c.gw.service.run(req))
+        try:
+            await until(lambda: "decode-0" not in c.gw.cluster.nodes, 10, "the lease dropped it")
+            for path in ("/health", "/live"):
+                status, body = await _probe(port, path)
+                assert status == 503 and "engine step running" in body["reason"], (path, body)
+            # its heartbeats go on and are answered "unknown node": it stays out while hung
+            beats = c.gw.metrics.node_messages.labels("Heartbeat")
+            seen = beats._value.get()
+            await until(lambda: beats._value.get() >= seen + 10, 10, "ten more heartbeats")
+            assert "decode-0" not in c.gw.cluster.nodes
+        except BaseException:
+            run.cancel()  # a failure ends the test, not waits for the request
+            raise
+        finally:
+            engine.release.set()
+        await until(lambda: "decode-0" in c.gw.cluster.nodes, 10, "rejoined once it stepped")
+        assert (await _probe(port, "/health"))[0] == 200 and (await _probe(port, "/live"))[0] == 200
+        assert await outcome(req, 30) == Done("length")  # placed again, on the rejoined node
+        await run
+        assert req.output_ids == _sim_ids(req.prompt_ids, 5, 6)
+        await until(lambda: hung.blocks.num_in_use_blocks == 0, 10, "the hung node freed its KV")

@@ -226,9 +226,11 @@ def test_probes_health_for_readiness_never_for_liveness(objs):
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["httpGet"]["port"] == port and port in ports(c), (role, probe)
         # /health is 503 while a node drains (and while the gateway has no nodes): not ready,
-        # but alive; /metrics answers as long as the process does
+        # but alive; a node's /live is 503 only while its engine is hung, the gateway's
+        # /metrics answers as long as the process does
         assert c["readinessProbe"]["httpGet"]["path"] == "/health"
-        assert c["livenessProbe"]["httpGet"]["path"] == "/metrics"
+        live = "/metrics" if role == "gateway" else "/live"
+        assert c["livenessProbe"]["httpGet"]["path"] == live
     assert ports(container(objs, "gateway"))["http"] == 8000
 
 
