@@ -156,7 +156,7 @@ class KvIntake:
             return await self.refuse(peer, rid, problem)
         grant = receiver.grant(intake, self._frame_target(intake)[0])
         if grant is not None:  # the sender writes into our blocks itself (shm_direct)
-            await self.sock.send_multipart([peer, encode(grant)])
+            await self._send(peer, grant)
 
     def _malformed(self, peer: bytes, h: KvHeader) -> str | None:
         """What no reservation may take: a header from another node than its sender, or one
@@ -270,10 +270,19 @@ class KvIntake:
         self._forget(rid, keep_blocks=True)  # they are the sequence's now
         assert intake.first_token is not None
         await self.admit(intake, intake.first_token)
-        await self.sock.send_multipart([intake.peer, encode(KvAck(request_id=rid))])
+        await self._send(intake.peer, KvAck(request_id=rid))
 
     async def refuse(self, peer: bytes, rid: str, reason: str) -> None:
-        await self.sock.send_multipart([peer, encode(KvRefuse(request_id=rid, reason=reason))])
+        await self._send(peer, KvRefuse(request_id=rid, reason=reason))
+
+    async def _send(self, peer: bytes, msg: Any) -> None:
+        """To the sending node, if it is still connected: one that went away (crashed, scaled
+        down) is unroutable, and that must not end the loop that answers it (the expiry
+        loop's death stopped the node)."""
+        try:
+            await self.sock.send_multipart([peer, encode(msg)])
+        except zmq.ZMQError as exc:
+            log.info("%s for %r not sent: %s", type(msg).__name__, peer, exc)
 
     def drop(self, rid: str) -> bool:
         """Release a reservation (abort, lease, stall). A UCX transfer stays listed, dropped,

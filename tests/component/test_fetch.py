@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from typing import Any
 
 import zmq
@@ -18,6 +19,7 @@ from pdserve.common.wire.kv_messages import (
     TO_PREFILL_DECODER,
     KvFetch,
     KvHeader,
+    KvLayer,
     KvRefuse,
 )
 from pdserve.common.wire.protocol import (
@@ -300,6 +302,39 @@ async def test_kv_headers_a_cache_cannot_hold_are_refused_before_any_block_is_re
         assert all(isinstance(r, KvRefuse) for r in replies), replies
         assert sorted(r.request_id for r in replies) == sorted(rid for rid, _ in bad)
         assert decode.blocks.num_in_use_blocks == 0 and not decode.intake.incoming
+        req = c.request("after", list(range(1000, 1040)))
+        await asyncio.wait_for(c.gw.service.run(req), TIMEOUT)
+        assert await outcome(req) == Done("length")
+
+
+async def test_a_sender_gone_mid_transfer_is_refused_into_the_void_and_the_node_goes_on(
+    tokenizer,
+):
+    """A prefill node that sent a header and a layer, then went away (crashed, scaled down):
+    at the stall timeout the decode node frees the reservation and refuses it to a peer its
+    ROUTER can no longer route to; that send raised and ended the expiry loop, which stopped
+    the node (a watched task) with every stream on it."""
+    async with Cluster(tokenizer) as c:
+        await c.add(c.node(PrefillRole, "prefill-0"))
+        decode = await c.add(c.node(DecodeRole, "decode-0"))
+        dealer = make_socket(c.gw.link.ctx, "node.data_out", decode.kv.address, identity="peer-y")
+        kv = decode.engine.kv_store
+        gateway = decode.control.links[0].gateway_id
+        header = KvHeader(request_id="gone", prompt_ids=list(range(32)), num_prompt_tokens=32,
+                          params=GREEDY, num_layers=kv.num_layers, frame_bytes=kv.frame_bytes(32),
+                          prefill_node="peer-y", gateway=gateway)  # fmt: skip
+        await dealer.send(encode(header))
+        await until(lambda: "gone" in decode.intake.incoming, what="the reservation")
+        frame = bytes(kv.frame_bytes(32))
+        await dealer.send_multipart([encode(KvLayer(request_id="gone", layer=0)), frame])
+        await until(lambda: decode.intake.incoming["gone"].progress > 0, what="its first layer")
+        dealer.close(linger=0)
+        # the stall timeout, now (the gateway's lease would free the unknown id first);
+        # whether or not the ROUTER has seen the close yet, nothing may raise
+        await decode.intake.expire(time.monotonic() + 60)
+        assert "gone" not in decode.intake.incoming and decode.blocks.num_in_use_blocks == 0
+        await decode.intake.refuse(b"never-connected", "gone", "a peer the ROUTER cannot route")
+        assert not decode.stopped.is_set()
         req = c.request("after", list(range(1000, 1040)))
         await asyncio.wait_for(c.gw.service.run(req), TIMEOUT)
         assert await outcome(req) == Done("length")
