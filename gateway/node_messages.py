@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+from pdserve.common.kv_backends import BACKENDS
 from pdserve.common.wire.protocol import (
     NODE_DECODER,
     TOKENS_DECODER,
@@ -71,12 +72,14 @@ class NodeMessages:
         pools: PoolCare,
         drop: Callable[[str, str], Awaitable[None]],
         tokenizer_fingerprint: str,
+        vocab_size: int,
     ) -> None:
         self.cluster, self.table, self.index, self.policy = cluster, table, index, policy
         self.placer, self.metrics, self.link = placer, metrics, link
         self.service, self.pools = service, pools
         self.drop = drop  # a node gone: its requests are re-placed (gateway/liveness.py)
         self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.vocab_size = vocab_size  # a token id from a node outside it is garbage
         self._counted: dict[str, Any] = {}  # node_messages' child per message type
 
     # -- loops -----------------------------------------------------------------------------
@@ -128,7 +131,9 @@ class NodeMessages:
     # -- control socket --------------------------------------------------------------------
     async def _on_register(self, identity: bytes, msg: Register) -> None:
         info = msg.info
-        if self.pools.switched_away(info, identity):
+        # only a node that may join replaces its old self (anyone could name a live node)
+        fits = self.cluster.refusal(info, self.tokenizer_fingerprint) is None
+        if fits and self.pools.switched_away(info, identity):
             await self.drop(info.node_id, f"switched to {info.role}")
         reason = self.cluster.register(info, identity, time.monotonic(), self.tokenizer_fingerprint)
         if reason is not None:
@@ -205,7 +210,7 @@ class NodeMessages:
     async def _on_first_token(self, identity: bytes, msg: FirstToken) -> None:
         attempt = self._held_by(identity, msg.request_id, "prefill")
         self.placer.capacity_changed()
-        if attempt is None:
+        if attempt is None or not 0 <= msg.token_id < self.vocab_size:
             return  # an old attempt's, or not from the node that holds the request
         req, prefill = attempt.req, attempt.prefill  # `delivered` below forgets it
         self.table.prefilled(attempt)
@@ -226,7 +231,9 @@ class NodeMessages:
 
     async def _on_kv_transferred(self, identity: bytes, msg: KvTransferred) -> None:
         node = self.cluster.by_identity(identity)
-        self.metrics.kv_bytes.labels(node.node_id if node else "?", msg.backend).inc(msg.bytes)
+        if node is None or msg.backend not in BACKENDS:  # labels from registered nodes only:
+            return  # a series per string sent would grow /metrics without bound
+        self.metrics.kv_bytes.labels(node.node_id, msg.backend).inc(msg.bytes)
         self.metrics.kv_seconds.labels(msg.backend).observe((msg.end_ms - msg.start_ms) / 1000)
         self.metrics.kv_overlap.labels(msg.backend).observe(msg.overlap_ms / 1000)
         attempt = self._held_by(identity, msg.request_id, "prefill")
@@ -246,10 +253,10 @@ class NodeMessages:
         }
 
     async def _on_need_decode(self, identity: bytes, msg: NeedDecode) -> None:
-        refused = self.cluster.nodes.get(msg.refused_by)
-        if refused is not None:
-            refused.refused_at = time.monotonic()
         attempt = self._held_by(identity, msg.request_id, "prefill")
+        refused = self.cluster.nodes.get(msg.refused_by)
+        if refused is not None and attempt is not None and attempt.decode == msg.refused_by:
+            refused.refused_at = time.monotonic()  # its report is stale until a newer one
         if attempt is None or attempt.req.finished:
             await self.link.reply(identity, Redirect(request_id=msg.request_id, decode=None))
             return
@@ -333,8 +340,8 @@ class NodeMessages:
 
     # -- tokens socket ---------------------------------------------------------------------
     async def _on_token_batch(self, _: bytes, msg: TokenBatch) -> None:
-        if not msg.well_formed():
-            log.warning("dropping a token batch of unequal lists from %s", msg.node_id)
+        if not msg.well_formed() or not all(0 <= t < self.vocab_size for t in msg.token_ids):
+            log.warning("dropping a malformed token batch from %s", msg.node_id)
             return
         node = self.cluster.nodes.get(msg.node_id)
         if node is not None:
