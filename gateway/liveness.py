@@ -42,18 +42,24 @@ class Liveness:
             await asyncio.sleep(tick)
             now = time.monotonic()
             late, last = now - last - tick, now
-            if late > tick:
-                # this process did not run (starved of CPU, a GC or swap pause): the nodes'
-                # heartbeats wait unread in the socket, so the silence is ours, not theirs.
-                # Dropping every node for it would fail every request in flight.
-                level = logging.WARNING if late > self.cfg.heartbeat_timeout / 2 else logging.DEBUG
-                log.log(level, "gateway stalled %.1f s; node leases extended by as much", late)
-                self.cluster.excuse(late)
-            for node_id in self.cluster.expired(now):
-                await self.drop(node_id, "heartbeat timeout")
-            await self._check_progress(now)
-            self._check_streams(now)
-            await self.pools.tick(now)
+            try:
+                await self._tick(now, late, tick)
+            except Exception:  # one bad tick must not end liveness: no node would expire again
+                log.exception("liveness tick failed")
+
+    async def _tick(self, now: float, late: float, tick: float) -> None:
+        if late > tick:
+            # this process did not run (starved of CPU, a GC or swap pause): the nodes'
+            # heartbeats wait unread in the socket, so the silence is ours, not theirs.
+            # Dropping every node for it would fail every request in flight.
+            level = logging.WARNING if late > self.cfg.heartbeat_timeout / 2 else logging.DEBUG
+            log.log(level, "gateway stalled %.1f s; node leases extended by as much", late)
+            self.cluster.excuse(late)
+        for node_id in self.cluster.expired(now):
+            await self.drop(node_id, "heartbeat timeout")
+        await self._check_progress(now)
+        self._check_streams(now)
+        await self.pools.tick(now)
 
     async def drop(self, node_id: str, why: str) -> None:
         node = self.cluster.remove(node_id)

@@ -79,3 +79,19 @@ async def test_control_and_token_messages_from_a_rogue_peer_change_nothing(token
         finally:
             rogue.close()
             tokens.close()
+
+
+async def test_a_failing_liveness_tick_is_logged_and_the_next_one_runs(tokenizer):
+    """Any exception in a tick (pool care, say) ended the liveness loop silently: no node
+    ever expired again and /health kept listing dead nodes."""
+    async with Cluster(tokenizer) as c:
+        ticks = 0
+
+        async def failing(now: float) -> None:
+            nonlocal ticks
+            ticks += 1
+            raise RuntimeError("a pool-care bug")
+
+        c.gw.pools.tick = failing  # type: ignore[method-assign]
+        await until(lambda: ticks >= 3, what="three ticks, each failing")
+        assert not any(t.done() for t in c.gw.tasks)
