@@ -132,12 +132,14 @@ def missed(sim: ClusterSim, slo: dict[str, float], work: Sequence[float] = ()) -
             count += not meets(rec, slo)
             continue
         first = rec.chunk_times[0] if rec.chunk_times else now
-        # its TPOT is (end - first token) / (max_tokens - 1) at least (the sim ignores EOS)
+        # its TPOT is (end - first token) / (max_tokens - 1) at least (the sim ignores EOS);
+        # one token has no TPOT (meets() passes it), however long its KV takes to land
         count += (
             first - rec.sent > ttft
             or now - rec.sent > e2e
-            or (bool(rec.chunk_times) and now - first > tpot * max(1, r.spec.max_tokens - 1))
-        )
+            or (bool(rec.chunk_times) and r.spec.max_tokens > 1
+                and now - first > tpot * (r.spec.max_tokens - 1))
+        )  # fmt: skip
     if len(work) and math.isfinite(ttft):
         # every one waiting is due by now + ttft: in that time P nodes do P x ttft of work
         due = sorted(

@@ -148,6 +148,10 @@ def plan_splits(
                 if c.peak_batch < min(b, c.cfg.prefill_max_batch):
                     same.setdefault(f"{c.name} (held <= {c.peak_batch})", []).append(b)
                     continue
+                while pool.full and not pool.expired:  # every worker busy: take one's end
+                    collect()
+                if pool.expired:
+                    break
                 retry = dataclasses.replace(c.cfg, prefill_max_batch=b)
                 pool.submit(retry, c.bound, (best() - TIE, bounds.least_end))
         if same:

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from pdserve.common.costmodel import CostModel
+from pdserve.loadgen.metrics import meets
 from pdserve.loadgen.workloads import RequestSpec
 from pdserve.planner.bounds import Bounds
-from pdserve.planner.candidate import Stopped
+from pdserve.planner.candidate import Stopped, missed
 from pdserve.planner.search import evaluate, plan_splits
 from pdserve.planner.sim import ClusterSim, SimConfig
 
@@ -183,3 +184,30 @@ def test_a_simulation_stops_early_only_when_its_lost_requests_bound_it_below_the
     assert isinstance(stopped, Stopped)
     # what it said it could still reach is below the ask and above what it does reach
     assert full.goodput_per_node <= stopped.bound < ask
+
+
+def test_one_token_requests_have_no_tpot_to_miss_while_their_kv_lands(monkeypatch):
+    """A request of one output token has no TPOT (meets() passes it), but while its KV was in
+    transfer it was counted as a TPOT miss: a simulation could stop itself with a bound below
+    what it reaches, and the split be cut from the search. Nothing missed mid-run may exceed
+    what the finished run missed."""
+    import pdserve.planner.sim as sim_module
+
+    monkeypatch.setattr(sim_module, "PROGRESS_MIN", 1)  # watch every event
+    monkeypatch.setattr(sim_module, "PROGRESS_EVERY", 1)
+    specs = [RequestSpec(i * 0.05, "", 1, 32000 if i % 2 else 100) for i in range(20)]
+    slo = {"ttft": 60.0, "tpot": 0.02}  # shorter than a 32k prompt's KV transfer
+    seen: list[int] = []
+    sim = ClusterSim(SimConfig(1, 1, PROFILE, prefix_caching=False))
+    records = sim.run(specs, lambda s: seen.append(missed(s, slo)))
+    assert len(seen) > len(specs)
+    assert max(seen) <= sum(not meets(r, slo) for r in records) == 0
+
+
+def test_retried_batch_limits_wait_for_a_free_worker():
+    """Retrying the best splits at other batch limits submitted them all at once: with every
+    worker busy, Pool.submit raised (min() of no free slot) and the search was lost."""
+    specs = [RequestSpec(i * 0.0005, "", 4, 100) for i in range(200)]
+    plan = plan_splits(specs, {"ttft": 5.0}, 3, SimConfig(1, 1, PROFILE), (8, 16), workers=1)
+    assert plan.finished and plan.ranked
+    assert 16 in {c.cfg.prefill_max_batch for c in plan.ranked}  # a retry ran
