@@ -26,6 +26,7 @@ from pdserve.gateway.table import RequestTable
 
 log = logging.getLogger("pdserve.gateway.core")
 SWITCH_GIVE_UP_S = 600.0  # a switching node not back in its new role by then is forgotten
+SWITCH_GONE_S = 60.0  # a switching node gone this long (after its drain) died on the way
 
 
 class PoolCare:
@@ -43,6 +44,7 @@ class PoolCare:
         self.sizing, self.metrics, self.link = sizing, metrics, link
         self.switcher = RoleSwitcher(cfg.switch_hold, cfg.switch_dwell)
         self.switching: dict[str, tuple[str, float]] = {}  # node id -> (new role, since)
+        self.gone_since: dict[str, float] = {}  # switching nodes not registered, since when
         self.rebalanced_at: dict[str, float] = {}  # decode node id -> its last rebalance
 
     def desired_replicas(self) -> dict[str, int]:
@@ -87,6 +89,7 @@ class PoolCare:
     def registered(self, node_id: str, now: float) -> None:
         """Back in its new role, or restarted in its old one: a switch is over."""
         self.switching.pop(node_id, None)
+        self.gone_since.pop(node_id, None)
         self.switcher.registered(node_id, now)
 
     async def switch_role(self, node_id: str, role: str, why: str) -> bool:
@@ -103,14 +106,26 @@ class PoolCare:
 
     async def _switch_roles(self, now: float) -> None:
         for node_id, (_, since) in list(self.switching.items()):
-            if now - since > SWITCH_GIVE_UP_S:  # it never came back in its new role
+            if now - since > SWITCH_GIVE_UP_S or self._will_not_switch(node_id, since, now):
                 del self.switching[node_id]
+                self.gone_since.pop(node_id, None)
         in_prefill = {n: len(self.table.in_prefill(n)) for n in self.cluster.nodes}
         move = self.switcher.decide(
             self.cluster, self.desired_replicas(), in_prefill, bool(self.switching), now
         )
         if move is not None:
             await self.switch_role(move.node_id, move.role, move.why)
+
+    def _will_not_switch(self, node_id: str, since: float, now: float) -> bool:
+        """A switch that will not complete, so that it blocks the next one no longer: the
+        node ignored the order (a report well after it says it serves on, not draining: it
+        was draining already, or obeys another gateway), or it left and has not registered
+        again in the time a restart takes (it died on the way, or exited from a drain)."""
+        node = self.cluster.nodes.get(node_id)
+        if node is None:
+            return now - self.gone_since.setdefault(node_id, now) > SWITCH_GONE_S
+        self.gone_since.pop(node_id, None)
+        return node.load_at > since + self.cfg.heartbeat_timeout and not node.load.draining
 
     async def _rebalance(self, now: float) -> None:
         """Move running sequences off a decode node filling up (gateway/rebalance.py)."""

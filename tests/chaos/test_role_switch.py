@@ -228,3 +228,21 @@ def test_pdserve_processes_switch_a_role_and_rebind_their_ports(make_cluster, to
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
         assert 'role="prefill"' in resp.read().decode()  # the same port, the new role
     assert all(p.poll() is None for p in cluster.procs) and {p.pid for p in cluster.procs} == pids
+
+
+async def test_a_switch_that_will_not_happen_blocks_the_next_one_no_longer(tokenizer, monkeypatch):
+    """The leader switches one node at a time, and a switch was over only when the node came
+    back in its new role, or after 10 minutes: a node that ignored the order (already
+    draining on a SIGTERM) and exited froze role switching for 10 minutes."""
+    import pdserve.gateway.pools as pools
+
+    monkeypatch.setattr(pools, "SWITCH_GONE_S", 0.5)
+    async with Cluster(tokenizer, role_switching="on", switch_hold=1e6) as c:
+        await c.add(c.node(PrefillRole, "prefill-0"))
+        await c.add(c.node(DecodeRole, "decode-0"))
+        leaving = await c.add(c.node(DecodeRole, "decode-1"))
+        leaving.control.begin_drain()  # a rolling update's SIGTERM, not yet reported
+        assert await c.gw.pools.switch_role("decode-1", "prefill", "test")
+        assert "decode-1" in c.gw.pools.switching
+        await until(lambda: "decode-1" not in c.gw.cluster.nodes, 10, "it drained and left")
+        await until(lambda: not c.gw.pools.switching, 10, "the switch given up")
