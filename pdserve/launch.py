@@ -218,7 +218,8 @@ def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
         raise ConfigError("--gateways must be at least 1")
     cmds = []
     for g in gateway_configs(gcfg, getattr(args, "gateways", 1)):
-        gateway = [*base, "gateway", *to_flags(g, skip=("scheduler",)), "--scheduler", g.scheduler]
+        gateway = [*base, "gateway", *to_flags(g, skip=("scheduler", *SECRETS)), "--scheduler",
+                   g.scheduler]  # fmt: skip
         cmds.append([*gateway, "--model", ecfg.model] if ecfg.model else gateway)
     host = gcfg.advertise_host or "127.0.0.1"
     address = ",".join(f"tcp://{host}:{g.control_port}"
@@ -246,11 +247,24 @@ def gateway_configs(gcfg: GatewayConfig, count: int) -> list[GatewayConfig]:
     return [dataclasses.replace(gcfg, port=p, control_port=c, tokens_port=t) for p, c, t in ports]
 
 
+SECRETS = ("api_key",)  # passed in the environment: a command line is anyone's to read (ps)
+
+
+def gateway_secrets(gcfg: GatewayConfig) -> dict[str, str]:
+    """What a gateway child gets in its environment instead of its command line."""
+    return {f"PDSERVE_{k.upper()}": getattr(gcfg, k) for k in SECRETS if getattr(gcfg, k)}
+
+
 CONFIGS = (EngineConfig, GatewayConfig, NodeConfig)
 CONFIG_ENV = frozenset(f"PDSERVE_{f.name.upper()}" for c in CONFIGS for f in dataclasses.fields(c))
 
 
-def _spawn(child: Child, nice: int = 0, env: dict[str, str] | None = None) -> subprocess.Popen:
+def _spawn(
+    child: Child,
+    nice: int = 0,
+    env: dict[str, str] | None = None,
+    secrets: dict[str, str] | None = None,
+) -> subprocess.Popen:
     def before_exec() -> None:
         _child_death_signal()
         if nice:
@@ -260,7 +274,7 @@ def _spawn(child: Child, nice: int = 0, env: dict[str, str] | None = None) -> su
     # inherited, they would override a flag left out as a default, and give every node the
     # same per-node port
     env = {k: v for k, v in (os.environ if env is None else env).items() if k not in CONFIG_ENV}
-    return subprocess.Popen(child.command, preexec_fn=before_exec, env=env)
+    return subprocess.Popen(child.command, preexec_fn=before_exec, env={**env, **(secrets or {})})
 
 
 def _flag(command: list[str], name: str) -> str | None:
@@ -332,6 +346,7 @@ def run_up(args: argparse.Namespace) -> int:
         child.essential = True  # the cluster serves while one gateway does
     children += [Child(cmd[cmd.index("--node-id") + 1], cmd) for cmd in commands[gateways:]]
     options = node_spawn_options(args, [c.command for c in children])
+    options.update({name: {"secrets": gateway_secrets(gcfg)} for name in names})
     supervisor = Supervisor(children, lambda c: _spawn(c, **options.get(c.name, {})))
     try:
         supervisor.start(time.monotonic())

@@ -130,3 +130,22 @@ def test_a_stop_while_the_cluster_starts_ends_the_wait():
     --startup-timeout (300 s)."""
     with pytest.raises(RuntimeError, match="stopped"):
         launch.wait_healthy("http://127.0.0.1:9", [], 300, stop=lambda: True)
+
+
+def test_the_api_key_reaches_the_gateways_in_their_environment_not_on_a_command_line(
+    tmp_path, monkeypatch
+):
+    """`up` turned every gateway setting into a flag: the API key was in the gateway's
+    command line, which any local user reads (ps, /proc/PID/cmdline)."""
+    monkeypatch.setenv("PDSERVE_API_KEY", "sk-secret")
+    args = build_parser().parse_args(["up", "--engine", "sim", "--gateways", "2"])
+    cmds = launch.cluster_commands(args)
+    assert not any("sk-secret" in part for cmd in cmds for part in cmd)
+    gcfg, _ = launch.up_configs(args)
+    secrets = launch.gateway_secrets(gcfg)
+    assert secrets == {"PDSERVE_API_KEY": "sk-secret"}
+    out = tmp_path / "env.json"
+    dump = f"import json, os; json.dump(dict(os.environ), open({str(out)!r}, 'w'))"
+    proc = launch._spawn(launch.Child("gateway", [sys.executable, "-c", dump]), secrets=secrets)
+    assert proc.wait(30) == 0
+    assert json.loads(out.read_text())["PDSERVE_API_KEY"] == "sk-secret"
