@@ -87,6 +87,23 @@ def test_every_service_has_a_healthcheck_on_its_own_port(gpu):
         assert services[name]["environment"]["PDSERVE_METRICS_PORT"] == "9100"
 
 
+def test_stops_wait_for_a_drain_and_reach_a_process_still_loading(gpu):
+    """Docker's default 10 s grace SIGKILLed a draining node (30 s drain: migrating streams
+    cut); without an init a SIGTERM to a loading node (PID 1, no handler yet) did nothing."""
+    services = gpu["services"]
+    seconds = {name: _seconds(s["stop_grace_period"]) for name, s in services.items()
+               if name in ("gateway", "prefill", "decode")}  # fmt: skip
+    drain = NodeConfig().drain_timeout
+    assert seconds["prefill"] >= drain + 10 and seconds["decode"] >= drain + 10
+    assert seconds["gateway"] >= 60 + 5  # aiohttp waits up to 60 s for streams in flight
+    assert all(services[name].get("init") is True for name in seconds)
+
+
+def _seconds(duration: str) -> float:
+    units = {"h": 3600, "m": 60, "s": 1}
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)([hms])", duration))
+
+
 def test_every_pdserve_variable_is_a_real_setting(gpu, cpu):
     known = set(EXTRA_VARIABLES)
     for cls in (EngineConfig, GatewayConfig, NodeConfig):
@@ -153,3 +170,4 @@ def test_the_ha_variant_puts_two_gateways_behind_the_balancer():
     servers = re.findall(r"^\s*server (\S+) (\S+):8000", cfg, flags=re.M)
     assert servers == [("gateway", "gateway"), ("gateway-b", "gateway-b")]
     assert "option httpchk GET /health" in cfg and "timeout server 1h" in cfg
+    assert "option abortonclose" in cfg  # a client gone before its first byte frees its work

@@ -244,6 +244,11 @@ def test_nodes_drain_within_the_grace_period_and_advertise_their_pod_ip(objs):
         assert advertise["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     for role in ROLES:  # service links would set PDSERVE_GATEWAY_PORT and the like
         assert pod(objs, role)["spec"]["enableServiceLinks"] is False
+    # the gateway: streams in flight get aiohttp's 60 s, after a preStop wait that lets the
+    # Service drop the pod before its listener closes
+    gateway = pod(objs, "gateway")["spec"]
+    wait = container(objs, "gateway")["lifecycle"]["preStop"]["exec"]["command"]
+    assert wait[0] == "sleep" and gateway["terminationGracePeriodSeconds"] >= 60 + float(wait[1])
 
 
 def test_every_process_reads_the_cluster_key_from_the_secret(objs, tmp_path):
