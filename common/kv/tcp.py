@@ -18,7 +18,10 @@ reserved blocks, or (unknown, refused or dropped transfers) nowhere, in which ca
 are read and discarded. So the stream can never fall out of step with the transfers, and one
 stalled or broken peer holds up no other. A frame whose bytes stop coming for `timeout`
 seconds, a bad head, or a closed connection ends the stream; the transfer whose frame was
-landing is reported failed, and the peer reconnects for its next frame.
+landing is reported failed, and the peer reconnects for its next frame. A listener full of
+streams (MAX_READERS) shuts the one idle longest, between frames or still in its handshake,
+to take a new one: idle connections cannot lock senders out, and a sender whose idle stream
+was shut finds it closed before its next frame and reconnects.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ MAGIC = b"PDKV"
 HEAD = struct.Struct("<4sIQH")  # magic, layer, payload bytes, request id bytes
 MAX_ID = 512
 CHUNK = 1 << 20  # discarded payloads are read through a buffer of this size
-MAX_READERS = 256  # connections read at once (a thread each): a flood of them is refused
+MAX_READERS = 256  # connections read at once (a thread each): past it, the idlest is shut
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +109,10 @@ class TcpListener:
         self.sink: FrameSink | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.conns: dict[str, socket.socket] = {}
-        self.lock = threading.Lock()  # conns: reader threads and close()
+        # streams between frames or still in their handshake, since when: the ones shut to
+        # make room when the listener is full (one mid-frame never is)
+        self.idle: dict[socket.socket, float] = {}
+        self.lock = threading.Lock()  # conns, idle: reader threads and close()
         self.stats = WireStats()
         self.readers = 0  # reader threads alive (counted on the event loop)
         self.warned = -1e9
@@ -127,7 +133,7 @@ class TcpListener:
                 log.warning("KV listener cannot accept: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            if self.readers >= MAX_READERS:
+            if self.readers >= MAX_READERS and not self._shut_idlest():
                 conn.close()
                 now = time.monotonic()
                 if now - self.warned >= 10.0:  # a flood must not flood the log too
@@ -138,6 +144,8 @@ class TcpListener:
             set_timeout(conn, self.timeout)
             name = f"kv-tcp-in-{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "kv-tcp-in"
             self.readers += 1
+            with self.lock:
+                self.idle[conn] = time.monotonic()
             threading.Thread(target=self._serve, args=(conn, addr), name=name, daemon=True).start()
 
     def _call(self, coro: Coroutine[Any, Any, Any]) -> Any:
@@ -158,10 +166,24 @@ class TcpListener:
             except concurrent.futures.CancelledError:  # the loop is shutting its tasks down
                 raise ConnectionError("the node is closing") from None
 
+    def _shut_idlest(self) -> bool:
+        """Full: shut the stream idle longest, so that connections that handshake slowly or
+        send an id and then nothing (any peer, without a cluster key) cannot lock senders
+        out; a sender whose idle stream was shut reconnects for its next frame (TcpStream)."""
+        with self.lock:
+            if not self.idle:
+                return False
+            victim = min(self.idle, key=self.idle.__getitem__)
+            del self.idle[victim]
+        _shut(victim)
+        return True
+
     def _serve(self, conn: socket.socket, addr: Any = None) -> None:
         try:
             self._serve_conn(conn, addr)
         finally:
+            with self.lock:
+                self.idle.pop(conn, None)
             try:
                 assert self.loop is not None
                 self.loop.call_soon_threadsafe(self._reader_gone)
@@ -212,7 +234,11 @@ class TcpListener:
         assert self.sink is not None
         head = bytearray(HEAD.size)
         while not self.closing:
+            with self.lock:
+                self.idle[conn] = time.monotonic()
             recv_views(conn, [memoryview(head)], self.stats, idle_ok=True)  # idle: no deadline
+            with self.lock:
+                self.idle.pop(conn, None)
             magic, layer, nbytes, id_len = HEAD.unpack(head)
             if magic != MAGIC or id_len > MAX_ID or nbytes > self.max_frame:
                 raise ValueError(f"not a KV frame head: {bytes(head)!r}")
@@ -250,6 +276,17 @@ class TcpListener:
         self.sock.close()
 
 
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """The decode node sends nothing after its challenge: a readable end of stream (or an
+    error) on a stream between frames means it closed it."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 def _shut(conn: socket.socket) -> None:
     try:
         conn.shutdown(socket.SHUT_RDWR)
@@ -278,6 +315,8 @@ class TcpStream:
         loop = asyncio.get_running_loop()
         nbytes = sum(memoryview(p).nbytes for p in parts)
         try:
+            if self.sock is not None and _closed_by_peer(self.sock):
+                self.close()  # the decode node shut it (idle, or it restarted): a fresh one
             if self.sock is None:
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 sock.setblocking(False)

@@ -73,16 +73,21 @@ async def test_scattered_frames_land_in_few_receives() -> None:
     assert listener.stats.recv_bytes >= FRAMES * FRAME
 
 
-async def test_a_flood_of_connections_is_refused_and_the_stream_still_served(monkeypatch) -> None:
+async def test_a_flood_of_idle_connections_makes_room_for_a_sender(monkeypatch) -> None:
     """Each stream is read by a thread: past MAX_READERS open connections the listener
-    closes new ones at once, and serves again as soon as one ends."""
+    refused new ones, so connections that send an id and then nothing (any peer, without a
+    cluster key) or handshake a byte at a time locked every sender out. Now the idlest is
+    shut and the sender served; a connection mid-frame is never the one shut."""
 
     monkeypatch.setattr(tcp, "MAX_READERS", 3)
     sink = Sink()
     listener = TcpListener("127.0.0.1", timeout=10.0)
     listener.start(sink)
     host, port = "127.0.0.1", int(listener.address.rpartition(":")[2])
-    idle = [socket.create_connection((host, port)) for _ in range(3)]
+    idle = [socket.create_connection((host, port)) for _ in range(2)]
+    idle[1].sendall(b"x".ljust(tcp.ID_BYTES))  # a stream with an id, then silence
+    busy = socket.create_connection((host, port))  # one mid-frame: a head, part of a frame
+    busy.sendall(b"busy".ljust(tcp.ID_BYTES) + tcp.frame_head("big", 1, FRAME) + b"\0" * 1024)
 
     async def until(cond) -> None:  # wait on the listener's own count, not on time
         for _ in range(500):
@@ -92,19 +97,46 @@ async def test_a_flood_of_connections_is_refused_and_the_stream_still_served(mon
         raise AssertionError("the listener never got there")
 
     try:
-        await until(lambda: listener.readers == 3)
-        extra = socket.create_connection((host, port))
-        extra.settimeout(5)
-        assert await asyncio.to_thread(extra.recv, 1) == b""  # closed by the listener
-        extra.close()
-        idle.pop().close()
-        await until(lambda: listener.readers == 2)
+        await until(lambda: listener.readers == 3 and len(listener.idle) == 2)
         stream = TcpStream(listener.address, "p")
         await stream.send("big", 0, [memoryview(payload(0))])
-        await until(lambda: bool(sink.landed))
-        assert sink.landed == [("big", 0, True)]
+        await until(lambda: ("big", 0, True) in sink.landed)
+        idle[0].settimeout(5)
+        assert await asyncio.to_thread(idle[0].recv, 1) == b""  # the idlest, shut
+        assert busy not in listener.idle and listener.readers <= 3
         stream.close()
     finally:
-        for s in idle:
+        for s in [*idle, busy]:
             s.close()
+        await listener.close()
+
+
+async def test_a_sender_whose_idle_stream_was_shut_reconnects_for_its_next_frame() -> None:
+    """The listener shuts idle streams when full (or the decode node restarted): the sender
+    wrote its next frame into the closed stream and it was lost (its transfer failed)."""
+    sink = Sink()
+    listener = TcpListener("127.0.0.1", timeout=10.0)
+    listener.start(sink)
+    stream = TcpStream(listener.address, "p")
+    try:
+        await stream.send("big", 0, [memoryview(payload(0))])
+        for _ in range(500):
+            if sink.landed:
+                break
+            await asyncio.sleep(0.01)
+        with listener.lock:
+            [conn] = listener.conns.values()
+        tcp._shut(conn)  # what a full listener does to an idle stream
+        for _ in range(500):  # the reader saw it end
+            if not listener.conns:
+                break
+            await asyncio.sleep(0.01)
+        await stream.send("big", 1, [memoryview(payload(1))])
+        for _ in range(500):
+            if len(sink.landed) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert sink.landed == [("big", 0, True), ("big", 1, True)]
+    finally:
+        stream.close()
         await listener.close()
