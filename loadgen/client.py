@@ -76,8 +76,8 @@ async def send(
                 while b"\n\n" in buffer:
                     event, buffer = buffer.split(b"\n\n", 1)
                     _on_event(record, event, now)
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        record.error = f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # a timeout, a reset, garbage: this request failed, not the run
+        record.error = f"{type(exc).__name__}: {exc}"[:500]
     record.done = time.monotonic()
     if not record.error and not record.chunk_times:
         record.error = "no content"
@@ -99,6 +99,8 @@ async def _send_resumable(
         record.status = 200
     except StreamLost as exc:
         record.error = str(exc)[:500]
+    except Exception as exc:  # as in send(): one request's failure, never the run's
+        record.error = f"{type(exc).__name__}: {exc}"[:500]
     record.resumed = resumed[0]
     record.done = time.monotonic()
     if not record.error and not record.chunk_times:
@@ -115,7 +117,8 @@ def _on_event(record: RequestRecord, event: bytes, now: float) -> None:
 
 def _on_chunk(record: RequestRecord, obj: dict, now: float) -> None:
     if "error" in obj:
-        record.error = str(obj["error"].get("message", obj["error"]))[:500]
+        error = obj["error"]
+        record.error = str(error.get("message", error) if isinstance(error, dict) else error)[:500]
         return
     usage = obj.get("usage")
     if usage:

@@ -14,6 +14,7 @@ Percentiles interpolate linearly between order statistics (numpy's default).
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,7 +96,9 @@ def parse_slo(text: str) -> dict[str, float]:
 def meets(record: RequestRecord, slo: dict[str, float]) -> bool:
     if not record.ok:
         return False
-    values = {"ttft": record.ttft, "tpot": record.tpot or 0.0, "e2e": record.e2e}
+    # one output token has no TPOT (met); none counted (no usage came) is not known to meet it
+    tpot = record.tpot if record.tpot is not None else (0.0 if record.output_tokens else math.inf)
+    values = {"ttft": record.ttft, "tpot": tpot, "e2e": record.e2e}
     return all(values[name] <= limit for name, limit in slo.items())
 
 

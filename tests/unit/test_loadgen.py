@@ -15,7 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from pdserve.loadgen import workloads
-from pdserve.loadgen.metrics import RequestRecord, parse_slo, summarize
+from pdserve.loadgen.metrics import RequestRecord, meets, parse_slo, summarize
 from pdserve.loadgen.runner import BenchConfig, run
 
 TTFT, STEP, TOKENS = 0.20, 0.05, 8  # seconds, seconds, output tokens per request
@@ -229,3 +229,37 @@ def test_compare_passes_yaml_on_off_as_the_flags_spell_them(tmp_path) -> None:
         "--max-batch",
         "4",
     ]
+
+
+async def _garbage(request: web.Request) -> web.StreamResponse:
+    """Every other request: a data line that is not JSON, or an error given as a string."""
+    body = await request.json()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    bad = b"data: {not json\n\n" if len(body["prompt"]) % 2 else b'data: {"error": "busy"}\n\n'
+    await resp.write(bad)
+    return resp
+
+
+async def test_a_request_that_fails_strangely_fails_alone_not_the_run():
+    """A non-JSON data line, an error given as a string, or asyncio's own timeout on Python
+    3.10 escaped send() and ended the whole run's gather: every record lost."""
+    async with completions_server(_garbage) as url:
+        specs = workloads.synthetic(
+            0, 6, 0.0, 1.0,
+            workloads.LengthDist.parse("uniform:16:4"), workloads.LengthDist.parse("fixed:4"),
+        )  # fmt: skip
+        records = await run(specs, BenchConfig(url=url, warmup=0, progress=False))
+    assert len(records) == 6 and all(r.error and not r.ok for r in records)
+    assert any("busy" in r.error for r in records)
+
+
+def test_a_stream_without_usage_does_not_pass_a_tpot_slo():
+    """Output tokens come from `usage`: a stream without it counted 0 tokens, had no TPOT,
+    and passed any TPOT SLO as if it had one token."""
+    record = RequestRecord(index=0, sent=0.0, prompt_tokens=8, status=200)
+    record.chunk_times, record.done = [0.1, 5.0, 9.0], 9.0
+    assert record.ok and record.tpot is None
+    assert not meets(record, {"tpot": 0.05}) and meets(record, {"ttft": 1.0})
+    record.output_tokens = 1  # one token: no TPOT to miss
+    assert meets(record, {"tpot": 0.05})
