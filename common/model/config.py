@@ -38,6 +38,9 @@ class ModelSource:
         return self.path.name
 
 
+MAX_POSITIONS = 1 << 24  # 16M tokens: past any model's context, a mangled field's value
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture hyper-parameters of a Llama-family decoder."""
@@ -57,6 +60,19 @@ class ModelConfig:
     attention_bias: bool = False
     eos_token_ids: tuple[int, ...] = field(default=())
     bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        """A malformed file's sizes fail here, not as a ZeroDivisionError or a table of
+        several GiB allocated before any weight is checked."""
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "max_position_embeddings")  # fmt: skip
+        bad = [f"{n}={getattr(self, n)}" for n in sizes if getattr(self, n) <= 0]
+        if self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads:
+            bad.append(f"num_heads {self.num_heads} not a multiple of {self.num_kv_heads}")
+        if self.max_position_embeddings > MAX_POSITIONS:
+            bad.append(f"max_position_embeddings={self.max_position_embeddings}")
+        if bad:
+            raise ModelLoadError(f"the model's configuration is not usable: {', '.join(bad)}")
 
     def kv_bytes_per_token(self, bytes_per_element: int) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x element size."""
@@ -137,7 +153,7 @@ def _config_from_hf(folder: Path) -> ModelConfig:
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // max(num_heads, 1)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
@@ -192,7 +208,7 @@ def _config_from_gguf(path: Path) -> ModelConfig:
         num_layers=int(get("block_count")),
         num_heads=num_heads,
         num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-        head_dim=int(get("rope.dimension_count", hidden // num_heads)),
+        head_dim=int(get("rope.dimension_count", hidden // max(num_heads, 1))),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         max_position_embeddings=int(get("context_length")),

@@ -159,6 +159,8 @@ class GgufFile:
             dims = tuple(cur.unpack("Q") for _ in range(cur.unpack("I")))
             infos.append((name, dims, cur.unpack("I"), cur.unpack("Q")))
         align = int(self.fields.get("general.alignment", 32))
+        if align <= 0 or align & (align - 1):
+            raise ValueError(f"general.alignment {align} is not a power of two")
         start = -(-cur.pos // align) * align
         self.tensors: list[GgufTensor] = []
         seen: set[str] = set()

@@ -171,3 +171,49 @@ def test_the_gguf_tokenizer_cache_gives_the_same_tokenizer_and_survives_corrupti
     )
     entry.write_text("{not json")
     assert Tokenizer.load(None).fingerprint() == fresh.fingerprint()  # re-derived
+
+
+def _gguf(path, fields: dict) -> str:
+    """A GGUF v3 file with these metadata fields (str or uint32) and no tensors."""
+    import struct
+
+    def text(s: str) -> bytes:
+        return struct.pack("<Q", len(s)) + s.encode()
+
+    out = b"GGUF" + struct.pack("<IQQ", 3, 0, len(fields))
+    for key, value in fields.items():
+        kind, raw = (8, text(value)) if isinstance(value, str) else (4, struct.pack("<I", value))
+        out += text(key) + struct.pack("<I", kind) + raw
+    path.write_bytes(out)
+    return str(path)
+
+
+LLAMA_GGUF = {"general.architecture": "llama", "llama.attention.head_count": 4,
+              "llama.embedding_length": 32, "llama.feed_forward_length": 64,
+              "llama.block_count": 2, "llama.vocab_size": 100, "llama.context_length": 256,
+              "llama.attention.layer_norm_rms_epsilon": 0}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        ({**LLAMA_GGUF, "general.alignment": 0}, "not a readable GGUF.*alignment"),
+        ({**LLAMA_GGUF, "llama.attention.head_count": 0}, "not usable.*num_heads=0"),
+        ({**LLAMA_GGUF, "llama.block_count": 0}, "not usable.*num_layers=0"),
+        ({**LLAMA_GGUF, "llama.context_length": 1 << 28}, "not usable.*max_position"),
+    ],
+)
+def test_malformed_gguf_metadata_is_a_clear_error(tmp_path, fields, match):
+    """An alignment of 0 or a head count of 0 raised ZeroDivisionError (a traceback, not a
+    ModelLoadError); a context length of 2^28 allocated rotary tables of several GiB."""
+    from pdserve.common.model.config import open_gguf
+
+    open_gguf.cache_clear()
+    with pytest.raises(ModelLoadError, match=match):
+        load_model_config(resolve_model(_gguf(tmp_path / "m.gguf", fields)))
+
+
+def test_a_config_json_with_no_heads_is_a_clear_error(tmp_path):
+    folder = hf_folder(tmp_path, {**LLAMA, "num_attention_heads": 0})
+    with pytest.raises(ModelLoadError, match="num_heads=0"):
+        load_model_config(resolve_model(str(folder)))
