@@ -99,7 +99,8 @@ def test_node_metrics_and_health_over_http():
             return exc.code, exc.read().decode()
 
     async def main() -> list[tuple[int, str]]:
-        runner = await start_http(metrics, lambda: state["reason"], "127.0.0.1", port)
+        runner = await start_http(metrics, lambda: state["reason"], lambda: None, "127.0.0.1",
+                                  port)  # fmt: skip
         try:
             loop = asyncio.get_running_loop()
             out = [await loop.run_in_executor(None, get, "/health")]
