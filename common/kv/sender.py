@@ -44,6 +44,7 @@ from pdserve.common.wire.transport import decode_or_none, make_socket
 
 log = logging.getLogger(__name__)
 ACK_MAX_MSG = 1 << 20
+PEER_IDLE_S = 300.0  # a peer sent nothing this long (a decode node scaled away): let go
 
 __all__ = ["KvSender", "Transfer"]
 
@@ -66,6 +67,7 @@ class Peer:
     tasks: list[asyncio.Task] = field(default_factory=list)
     failed: int = 0  # frames that failed since the last warning (logged at most every 5 s)
     warned_at: float = -1e9
+    used_at: float = 0.0  # when something was last queued for it
 
 
 class KvSender:
@@ -86,6 +88,7 @@ class KvSender:
         self.num_layers = local.kv.num_layers
         self.connectors: dict[str, SendConnector] = {}
         self.peers: dict[str, Peer] = {}
+        self.swept_at = time.monotonic()  # idle peers last let go
         self.transfers: dict[str, Transfer] = {}
 
     def connector(self, name: str) -> SendConnector:
@@ -209,12 +212,15 @@ class KvSender:
 
     # -- peers -----------------------------------------------------------------------------
     def _post(self, target: DecodeTarget, item: _Item) -> None:
+        now = time.monotonic()
+        if now - self.swept_at > PEER_IDLE_S / 4:
+            self._let_idle_go(now)
         peer = self.peers.get(target.node_id)
         if peer is not None and peer.address != target.data_address:
             # the node restarted under the same id, on new ports: what is queued for the old
             # process can never arrive (the gateway re-placed it), and the new one needs a
             # fresh channel, else every later transfer to it vanishes into the old address
-            self._retire(peer)
+            self._retire(peer, "has a new data address (restarted): reconnecting")
             peer = None
         if peer is None:
             sock = make_socket(
@@ -230,7 +236,19 @@ class KvSender:
                 asyncio.create_task(self._receiver(peer)),
             ]
             self.peers[target.node_id] = peer
+        peer.used_at = now
         peer.outbox.put_nowait(item)
+
+    def _let_idle_go(self, now: float) -> None:
+        """Every node id ever sent to kept a socket, two tasks and ZeroMQ's reconnecting to
+        it for good (pods come and go): a peer with nothing queued or in transfer for
+        PEER_IDLE_S is let go, and comes back on its next message."""
+        self.swept_at = now
+        busy = {t.target.node_id for t in self.transfers.values()}
+        for peer in list(self.peers.values()):
+            idle = now - peer.used_at > PEER_IDLE_S and peer.outbox.empty()
+            if idle and peer.node_id not in busy:
+                self._retire(peer, "unused: let go")
 
     async def _sender(self, peer: Peer) -> None:
         while True:
@@ -290,8 +308,8 @@ class KvSender:
             case _:
                 log.warning("dropping malformed message from %s", peer.node_id)
 
-    def _retire(self, peer: Peer) -> None:
-        log.info("%s has a new data address (restarted): reconnecting", peer.node_id)
+    def _retire(self, peer: Peer, why: str = "closing") -> None:
+        log.info("%s %s", peer.node_id, why)
         self.peers.pop(peer.node_id, None)
         for task in peer.tasks:
             task.cancel()

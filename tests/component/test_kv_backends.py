@@ -398,3 +398,31 @@ async def test_a_transfer_ended_while_its_frame_lands_frees_its_blocks_once_land
         raw.close()
         dealer.close()
         await pair.close()
+
+
+async def test_a_peer_unused_for_long_is_let_go_and_comes_back_when_needed():
+    """Every decode node ever sent to kept a DEALER, two tasks and ZeroMQ's reconnecting for
+    good (pods scaled away, restarted under new names): one idle past PEER_IDLE_S is let go
+    at the next message to anyone, one with a transfer in flight never is."""
+    from pdserve.common.kv import sender as sender_module
+
+    pair = await Pair("zmq", capacity=600).start()
+    try:
+        intake = await pair.send("r0", 17, [0, 1], layerwise=False)
+        pair.release(intake.block_table)
+        gone = DecodeTarget(node_id="gone", data_address="tcp://127.0.0.1:9", host_id="x",
+                            kv_endpoints={})  # fmt: skip
+        pair.sender.send_message(gone, Abort(request_id="nothing"))
+        assert set(pair.sender.peers) == {"d", "gone"}
+        await until(lambda: all(p.outbox.empty() for p in pair.sender.peers.values()))
+        busy = pair.sender.begin("r1", pair.target, list(range(17)), 17, SamplingParams(), [2, 3])
+        for peer in pair.sender.peers.values():  # both idle past the limit (the clock moved)
+            peer.used_at -= 2 * sender_module.PEER_IDLE_S
+        pair.sender.swept_at -= sender_module.PEER_IDLE_S
+        pair.sender.send_message(pair.target, Abort(request_id="nothing"))  # a sweep first
+        assert set(pair.sender.peers) == {"d"}  # "gone" let go; "d" has r1 in transfer
+        pair.sender.abort(busy.request_id)
+        intake = await pair.send("r2", 17, [4, 5], layerwise=False)  # still served
+        pair.release(intake.block_table)
+    finally:
+        await pair.close()
