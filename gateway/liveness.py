@@ -66,6 +66,7 @@ class Liveness:
         self.index.drop(node_id)
         if node is None:
             return
+        self.service.metrics.forget_node(node_id)
         log.warning("dropped node %s: %s", node_id, why)
         for attempt in self.table.on_node(node_id):
             self.service.spawn(

@@ -6,6 +6,7 @@ in prefill, KV blocks by state) are read from the cluster view at scrape time.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 
 from prometheus_client import (
@@ -18,6 +19,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pdserve.common.kv_backends import BACKENDS
 from pdserve.common.node_metrics import prefix_counters, refused_peers
 from pdserve.gateway.cluster import EMPTY_LOAD, ClusterView
 from pdserve.gateway.table import RequestTable
@@ -263,6 +265,16 @@ class GatewayMetrics:
             )
         }
         r.register(ClusterCollector(cluster, table, waiting, desired))
+
+    def forget_node(self, node_id: str) -> None:
+        """A node dropped: its labelled series go (pods come and go under new names; kept,
+        every one ever seen stayed in /metrics). Back under its id, it starts from 0."""
+        for counter in (self.accepts, self.rejects, self.offer_timeouts):
+            with contextlib.suppress(KeyError):
+                counter.remove(node_id)
+        for backend in BACKENDS:
+            with contextlib.suppress(KeyError):
+                self.kv_bytes.remove(node_id, backend)
 
     def observe_phases(self, phases: dict[str, float]) -> None:
         """The per-request timeline summarised: one histogram per phase (gateway wait and KV

@@ -12,7 +12,7 @@ from pdserve.common.wire.protocol import (
 )
 from pdserve.decode_node.server import DecodeRole
 from pdserve.prefill_node.server import PrefillRole
-from tests.component.cluster import until
+from tests.component.cluster import Cluster, until
 from tests.component.test_gateways import ScriptedGateway, _node, _stop
 
 pytestmark = pytest.mark.asyncio
@@ -84,3 +84,17 @@ async def test_heartbeats_ask_for_a_reply_only_when_one_is_due(tokenizer):
         if node is not None:
             await _stop(node)
         await a.close()
+
+
+async def test_a_dropped_node_s_labelled_series_leave_with_it(tokenizer):
+    """Per-node counters (offers accepted, rejected, timed out; KV bytes) were never removed:
+    every pod name ever seen stayed in /metrics (rolling updates, autoscaling)."""
+    async with Cluster(tokenizer) as c:
+        await c.add(c.node(PrefillRole, "prefill-0"))
+        metrics = c.gw.metrics
+        metrics.accepts.labels("prefill-0").inc()
+        metrics.offer_timeouts.labels("prefill-0").inc()
+        metrics.kv_bytes.labels("prefill-0", "tcp").inc(10)
+        assert 'node="prefill-0"' in metrics.render().decode()
+        await c.gw.liveness.drop("prefill-0", "a test")
+        assert 'node="prefill-0"' not in metrics.render().decode()
