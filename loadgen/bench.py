@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -76,6 +77,13 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_workload(args: argparse.Namespace) -> list[workloads.RequestSpec]:
+    # NaN passes every `<= 0` test: a NaN rate made every arrival time NaN (a hang)
+    finite = 0 <= args.rate < math.inf and 0 < args.burstiness < math.inf
+    if not (args.num_requests >= 1 and finite):
+        raise ValueError("--num-requests >= 1, --rate >= 0 (0: all at once) and "
+                         "--burstiness > 0, finite numbers")  # fmt: skip
+    if not (0 < args.time_scale < math.inf and 0 < args.length_scale < math.inf):
+        raise ValueError("--time-scale and --length-scale: positive finite numbers")
     n = args.num_requests + getattr(args, "warmup", 0)
     if args.workload == "synthetic":
         return workloads.synthetic(

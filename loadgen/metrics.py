@@ -90,6 +90,8 @@ def parse_slo(text: str) -> dict[str, float]:
         if name not in ("ttft", "tpot", "e2e") or not value:
             raise ValueError(f"bad SLO {part!r}: use ttft=MS,tpot=MS,e2e=MS")
         slo[name] = float(value) / 1000
+        if not 0 < slo[name] < math.inf:  # NaN or <= 0: every request would miss it
+            raise ValueError(f"bad SLO {part!r}: a positive number of milliseconds")
     return slo
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
@@ -60,6 +61,7 @@ def main(args: argparse.Namespace) -> int:
     if not args.slo:
         raise ValueError("--slo is needed (e.g. ttft=1000,tpot=50): goodput counts against it")
     slo = parse_slo(args.slo)
+    _check(args)
     specs = build_workload(args)
     base = SimConfig(
         prefill=1,
@@ -72,6 +74,8 @@ def main(args: argparse.Namespace) -> int:
         admission=args.admission,
     )
     batches = tuple(int(b) for b in args.try_max_batch.split(",") if b.strip())
+    if any(b < 1 for b in batches):
+        raise ValueError(f"--try-max-batch {args.try_max_batch!r}: limits of at least 1")
     start = time.perf_counter()
     line = Progress(sys.stderr, start) if not args.no_progress else None
     plan = plan_splits(
@@ -131,3 +135,14 @@ def main(args: argparse.Namespace) -> int:
         "node below the recommendation's"
     )
     return 0
+
+
+def _check(args: argparse.Namespace) -> None:
+    """What would plan nothing (or search forever) is an error, not a recommendation."""
+    if args.budget < 2:
+        raise ValueError("--budget: at least 2 nodes (one prefill, one decode)")
+    for name in ("max_prefill", "max_decode"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: at least 1 (leave it out: no limit)")
+    if args.max_seconds is not None and not 0 < args.max_seconds < math.inf:
+        raise ValueError("--max-seconds: a positive number of seconds (leave it out: no limit)")

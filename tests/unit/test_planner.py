@@ -211,3 +211,25 @@ def test_retried_batch_limits_wait_for_a_free_worker():
     plan = plan_splits(specs, {"ttft": 5.0}, 3, SimConfig(1, 1, PROFILE), (8, 16), workers=1)
     assert plan.finished and plan.ranked
     assert 16 in {c.cfg.prefill_max_batch for c in plan.ranked}  # a retry ran
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--rate", "nan"], "--rate"),  # NaN arrival times: the search never finished
+        (["--rate", "-2"], "--rate"),  # quietly "all at once"
+        (["--num-requests", "0"], "--num-requests"),
+        (["--slo", "ttft=nan"], "bad SLO"),  # every split scored 0, a recommendation printed
+        (["--slo", "ttft=-5"], "bad SLO"),
+        (["--max-prefill", "0"], "--max-prefill"),  # ignored: every split tried
+        (["--max-seconds", "0"], "--max-seconds"),  # meant no limit
+        (["--budget", "1"], "--budget"),
+        (["--try-max-batch", "0"], "--try-max-batch"),
+    ],
+)
+def test_plan_refuses_what_would_plan_nothing(argv, match):
+    from pdserve.cli import build_parser
+
+    args = build_parser().parse_args(["plan", "--slo", "ttft=1000", "--no-progress", *argv])
+    with pytest.raises(ValueError, match=match):
+        args.func(args)
