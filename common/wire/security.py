@@ -64,7 +64,10 @@ class ClusterKey:
             fields = {name.strip(): value for name, *rest in lines if rest for value in rest}
             key = cls(fields["public"].strip().encode(), fields["secret"].strip().encode())
         except (OSError, KeyError, ValueError) as exc:
-            raise BadKey(f"cannot read the cluster key {path}: {exc!r}") from exc
+            hint = ""
+            if isinstance(exc, PermissionError):  # a compose secret keeps the host's mode
+                hint = f" (uid {os.getuid()} cannot read it: chgrp/chmod it, docs/guide.md)"
+            raise BadKey(f"cannot read the cluster key {path}: {exc!r}{hint}") from exc
         if len(key.public) != 40 or len(key.secret) != 40:
             raise BadKey(f"{path}: public and secret must be 40 Z85 characters each")
         try:
