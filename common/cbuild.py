@@ -70,6 +70,11 @@ def build() -> Path | str:
                                   capture_output=True, text=True, timeout=300)  # fmt: skip
             if done.returncode != 0:
                 return f"{Path(cc).name} failed: {done.stderr.strip()[-300:]}"
+            fd = os.open(tmp, os.O_RDONLY)
+            try:  # on disk before its name says it is whole (a crash must not leave it empty)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, out)
         finally:
             if os.path.exists(tmp):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,13 +47,28 @@ GGUF_SIGNATURES: dict[str, tuple[type[ctypes._SimpleCData[Any]], ...]] = {
 }
 
 
+def _load(built: Path) -> ctypes.CDLL:
+    """The library (after torch: its libgomp is the one this binds to). One that does not
+    load (cut short by a crash or power loss mid-write) is built again, once: it was kept,
+    and every start ran the eager ops."""
+    try:
+        return ctypes.CDLL(str(built))
+    except OSError as first:
+        log.warning("the cached C kernels %s do not load (%s): building them again", built, first)
+        built.unlink(missing_ok=True)
+        again = build()
+        if isinstance(again, str):
+            raise OSError(again) from first
+        return ctypes.CDLL(str(again))
+
+
 def library() -> ctypes.CDLL | str:
     if "lib" not in _loaded:
         built = build()
         if isinstance(built, str):
             return built
         try:
-            lib = ctypes.CDLL(str(built))  # after torch: its libgomp is the one this binds to
+            lib = _load(built)
         except OSError as e:  # e.g. a cache on a noexec mount
             return f"cannot load {built}: {e}"
         for suffix in SUFFIX.values():

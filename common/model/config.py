@@ -64,8 +64,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         """A malformed file's sizes fail here, not as a ZeroDivisionError or a table of
         several GiB allocated before any weight is checked."""
+        # not intermediate_size: the sim engine's layout has no MLP
         sizes = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                 "head_dim", "max_position_embeddings")  # fmt: skip (the sim's layout has no MLP)
+                 "head_dim", "max_position_embeddings")  # fmt: skip
         bad = [f"{n}={getattr(self, n)}" for n in sizes if getattr(self, n) <= 0]
         if self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads:
             bad.append(f"num_heads {self.num_heads} not a multiple of {self.num_kv_heads}")

@@ -149,3 +149,18 @@ def test_decode_attention_reads_the_paged_cache_and_ignores_the_batch(dtype, sha
             (heads, kv_heads, dim), bs,
         )  # fmt: skip
         assert torch.equal(alone[0], out[b])
+
+
+def test_a_cached_library_that_does_not_load_is_built_again(tmp_path, monkeypatch):
+    """A library cut short (a crash or power loss while it was written) was kept: every
+    start reported "cannot load" and ran the eager ops for good."""
+    real = kernels.build()
+    assert not isinstance(real, str), real  # the suite needs a C compiler
+    broken = tmp_path / "cpu_kernels-broken.so"
+    broken.write_bytes(b"")
+    builds = iter([broken, real])
+    monkeypatch.setattr(kernels, "build", lambda: next(builds))
+    monkeypatch.setattr(kernels, "_loaded", {})
+    lib = kernels.library()
+    assert not isinstance(lib, str), lib
+    assert not broken.exists()  # the broken one is gone, the rebuilt one loaded
