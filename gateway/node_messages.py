@@ -178,6 +178,7 @@ class NodeMessages:
             else ()
         )
         if known:
+            self.pools.others.relayed(msg.load.gateways, now)  # several gateways' loads
             if msg.events is not None and msg.events.node_id == msg.node_id:
                 self._apply_events(msg.events)
             self.index.check(msg.node_id, msg.kv_seq)
@@ -185,7 +186,8 @@ class NodeMessages:
             known and msg.node_id in self.index.nodes and self.index.needs_snapshot(msg.node_id)
         )
         if msg.reply or stale or not known or resync:
-            reply = HeartbeatReply(stale=stale, unknown_node=not known, kv_resync=resync)
+            reply = HeartbeatReply(stale=stale, unknown_node=not known, kv_resync=resync,
+                                   load=self.pools.own_load())  # fmt: skip
             await self.link.reply(identity, reply)
         self.placer.capacity_changed()
 

@@ -13,11 +13,12 @@ import time
 import msgspec
 
 from pdserve.common.config import GatewayConfig
-from pdserve.common.wire.protocol import NodeInfo, Rebalance, SwitchRole
+from pdserve.common.wire.protocol import GatewayLoad, NodeInfo, Rebalance, SwitchRole
 from pdserve.gateway import rebalance
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.link import NodeLink
 from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.others import OtherGateways
 from pdserve.gateway.placement import Placer
 from pdserve.gateway.plan import views
 from pdserve.gateway.roles import RoleSwitcher
@@ -46,11 +47,22 @@ class PoolCare:
         self.switching: dict[str, tuple[str, float]] = {}  # node id -> (new role, since)
         self.gone_since: dict[str, float] = {}  # switching nodes not registered, since when
         self.rebalanced_at: dict[str, float] = {}  # decode node id -> its last rebalance
+        self.others = OtherGateways(lambda: link.gateway_id, sizing)
+
+    def own_load(self) -> GatewayLoad:
+        """This gateway's arrivals and waiting prompts, for the others (gateway/others.py)."""
+        tokens, requests, outputs = self.sizing.own
+        return GatewayLoad(gateway=self.link.gateway_id, prompt_tokens=tokens, requests=requests,
+                           output_tokens=outputs, waiting_tokens=self._waiting())  # fmt: skip
+
+    def _waiting(self) -> int:
+        return sum(w.need.prompt_len for w in self.placer.waiting.values())
 
     def desired_replicas(self) -> dict[str, int]:
-        """The autoscaling signal per pool (gateway/sizing.py), at scrape time."""
-        backlog = sum(w.need.prompt_len for w in self.placer.waiting.values())
+        """The autoscaling signal per pool (gateway/sizing.py), at scrape time: for every
+        gateway's load (the others' as the nodes relay it)."""
         now = time.monotonic()
+        backlog = self._waiting() + self.others.waiting_tokens(now)
         return {
             "prefill": self.sizing.prefill(self.cluster, backlog, now),
             "decode": self.sizing.decode(self.cluster, now),

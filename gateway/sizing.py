@@ -58,14 +58,24 @@ class Sizing:
     tokens: Ewma = field(init=False)
     requests: Ewma = field(init=False)
     outputs: Ewma = field(init=False)
+    # this gateway's own arrivals since it started (prompt tokens, requests, output tokens),
+    # told to the other gateways through the nodes (gateway/others.py)
+    own: list[int] = field(default_factory=lambda: [0, 0, 0])
 
     def __post_init__(self) -> None:
         self.tokens, self.requests = Ewma(self.window), Ewma(self.window)
         self.outputs = Ewma(self.window)
 
     def arrived(self, prompt_tokens: int, now: float, output_tokens: int = 0) -> None:
+        """A request arrived here."""
+        for i, amount in enumerate((prompt_tokens, 1, output_tokens)):
+            self.own[i] += amount
+        self.add(prompt_tokens, 1, output_tokens, now)
+
+    def add(self, prompt_tokens: int, requests: int, output_tokens: int, now: float) -> None:
+        """Arrivals to size for: here, or at another gateway of the cluster."""
         self.tokens.add(prompt_tokens, now)
-        self.requests.add(1, now)
+        self.requests.add(requests, now)
         self.outputs.add(output_tokens, now)
 
     def prefill(self, cluster: ClusterView, backlog_tokens: int, now: float) -> int:

@@ -237,8 +237,8 @@ class ControlPlane:
                     raise RegistrationRefused(reason)
                 case HeartbeatReply(stale=stale, unknown_node=unknown):
                     mine = tuple(r for r in stale if self.gateways.leased_by(r, link))
-                    if mine:
-                        self.node.free_stale(mine)
+                    self.node.free_stale(mine)
+                    link.load = msg.load or link.load  # relayed to the other gateways
                     if msg.kv_resync:
                         self.events.resync()
                     # dropped (a hung engine, say): back when the engine steps again

@@ -108,6 +108,10 @@ class Gateways:
             held = tuple(r for r in load.held if not isinstance(self.owners.get(r), Gone))
             load = msgspec.structs.replace(load, held=held)
         events = events if link.registered else None
+        # what the other gateways said of their load: the one leading pool care sizes for all
+        said = tuple(k.load for k in self.links if k is not link and k.load is not None)
+        if said:
+            load = msgspec.structs.replace(load, gateways=said)
         return Heartbeat(node_id=self.node_id, load=load, leader=self.leader(), events=events,
                          kv_seq=events.seq if events is not None else last_seq,
                          reply=reply)  # fmt: skip

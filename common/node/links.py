@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import zmq
 
 from pdserve.common.node.host import resolve_tokens_address
-from pdserve.common.wire.protocol import Msg, encode
+from pdserve.common.wire.protocol import GatewayLoad, Msg, encode
 from pdserve.common.wire.transport import CONTROL_MAX_MSG, make_socket, send
 
 
@@ -45,6 +45,7 @@ class GatewayLink:
         # unanswered for heartbeat_timeout since: its requests are orphans (adoption.py)
         self.silent_since: float | None = None
         self.task: Any = None  # its control loop
+        self.load: GatewayLoad | None = None  # what the gateway last said of its load
 
     async def send(self, msg: Msg) -> None:
         await send(self.control, msg)

@@ -67,6 +67,18 @@ class Foreign(msgspec.Struct, kw_only=True, frozen=True):
     decoding: int = 0  # requests past prefill, or whose KV is arriving
 
 
+class GatewayLoad(msgspec.Struct, kw_only=True, frozen=True):
+    """A gateway's arrivals since it started (prompt tokens, requests, output tokens asked
+    for) and the prompt tokens waiting there: the gateway leading pool care sizes the pools
+    for every gateway's load (gateway/others.py). Gateways tell the nodes; nodes relay."""
+
+    gateway: str
+    prompt_tokens: int = 0
+    requests: int = 0
+    output_tokens: int = 0
+    waiting_tokens: int = 0
+
+
 class Load(msgspec.Struct, kw_only=True, frozen=True):
     running: int  # sequences in the engine (prefill batch or decode batch)
     waiting: int  # queued locally (queueing mode) or KV transfers in progress
@@ -80,6 +92,7 @@ class Load(msgspec.Struct, kw_only=True, frozen=True):
     prefix_hits: int = 0  # of those, found cached
     prefix_fetched: int = 0  # of those hits, tokens whose KV was fetched from another node
     token_cost: float = 0.0  # measured prefill seconds per token (0: none measured yet)
+    gateways: tuple[GatewayLoad, ...] = ()  # the other gateways' loads, as they last said
 
 
 class Register(Msg):
@@ -215,22 +228,9 @@ class Wanted(Msg):
     request_id: str
 
 
-NodeToGateway = (
-    Adopted
-    | Wanted
-    | KvTransferred
-    | KvEvents
-    | Register
-    | Probe
-    | Heartbeat
-    | Accept
-    | Reject
-    | FirstToken
-    | NeedDecode
-    | Migrate
-    | PrefillFailed
-    | Deregister
-)
+NodeToGateway = (Adopted | Wanted | KvTransferred | KvEvents | Register | Probe | Heartbeat
+                 | Accept | Reject | FirstToken | NeedDecode | Migrate | PrefillFailed
+                 | Deregister)  # fmt: skip
 
 
 # -- gateway -> node ----------------------------------------------------------------------
@@ -258,6 +258,7 @@ class HeartbeatReply(Msg):
     stale: tuple[str, ...] = ()  # request ids the gateway no longer knows: free them
     unknown_node: bool = False  # the gateway restarted or dropped us: register again
     kv_resync: bool = False  # a KvEvents was lost: send a snapshot of the prefix cache
+    load: GatewayLoad | None = None  # the gateway's own (relayed to the other gateways)
 
 
 class DecodeTarget(msgspec.Struct, kw_only=True, frozen=True):
@@ -341,20 +342,8 @@ class SwitchRole(Msg):
     role: Literal["prefill", "decode"]
 
 
-GatewayToNode = (
-    Adopt
-    | RegisterAck
-    | RegisterRefuse
-    | Fits
-    | HeartbeatReply
-    | PrefillOffer
-    | Redirect
-    | Release
-    | Abort
-    | Drain
-    | Rebalance
-    | SwitchRole
-)
+GatewayToNode = (Adopt | RegisterAck | RegisterRefuse | Fits | HeartbeatReply | PrefillOffer
+                 | Redirect | Release | Abort | Drain | Rebalance | SwitchRole)  # fmt: skip
 
 
 # -- decode -> gateway --------------------------------------------------------------------

@@ -28,6 +28,7 @@ from pdserve.common.wire.protocol import (
     Adopted,
     DecodeTarget,
     FirstToken,
+    GatewayLoad,
     Heartbeat,
     HeartbeatReply,
     Load,
@@ -69,6 +70,7 @@ class ScriptedGateway:
         self.streamed: dict[str, list[int]] = defaultdict(list)  # rid -> output indices
         self.on_first: Any = None  # awaited on a FirstToken, before the next message is read
         self.muted = False  # answers nothing (a gateway that died without closing anything)
+        self.said: GatewayLoad | None = None  # its load, in its heartbeat replies
         self.tasks = [asyncio.create_task(self._control()), asyncio.create_task(self._tokens())]
 
     async def _control(self) -> None:
@@ -87,7 +89,7 @@ class ScriptedGateway:
             elif isinstance(msg, Heartbeat):
                 self.heartbeats[msg.node_id] = msg
                 if msg.reply or not self.asked_only:
-                    await send(self.control, HeartbeatReply(), to=identity)
+                    await send(self.control, HeartbeatReply(load=self.said), to=identity)
             else:
                 self.inbox.append(msg)
                 if isinstance(msg, FirstToken):
@@ -162,6 +164,23 @@ async def _stop(*pairs) -> None:
     for node, task in pairs:
         node.stopped.set()
         await asyncio.wait_for(task, 10)
+
+
+async def test_a_node_relays_each_gateway_s_load_to_the_others(tokenizer):
+    """The gateway leading pool care sizes the pools for every gateway's load: each tells
+    the nodes its own in its heartbeat replies, and a node passes it on to the others."""
+    a, b = ScriptedGateway("gw-a"), ScriptedGateway("gw-b")
+    a.said = GatewayLoad(gateway="gw-a", prompt_tokens=4000, requests=1, waiting_tokens=123)
+    node = None
+    try:
+        node = await _node(tokenizer, PrefillRole, "prefill-0", [a, b])
+        await until(lambda: _beat(b, "prefill-0").load.gateways == (a.said,), what="relayed")
+        assert _beat(a, "prefill-0").load.gateways == ()  # not told its own, nor b's (none)
+    finally:
+        if node is not None:
+            await _stop(node)
+        await a.close()
+        await b.close()
 
 
 async def test_the_last_slot_goes_to_one_gateway_and_the_request_stays_its(tokenizer):

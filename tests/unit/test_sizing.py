@@ -94,3 +94,37 @@ def replace_cost(cost: CostModel, scale: float) -> CostModel:
     import dataclasses
 
     return dataclasses.replace(cost, time_scale=scale)
+
+
+def test_the_leader_sizes_for_every_gateway_s_arrivals_as_the_nodes_relay_them():
+    """Two gateways behind a balancer, each taking half the requests: the leader sized the
+    prefill pool for its own half (4,000-token prompts at 3 nodes' worth: it asked for 2
+    nodes where 4 are needed). With the other's arrivals relayed through the nodes' heartbeats
+    (its counts as of each relay; a relay of older news among them), the leader's signal is
+    the one a single gateway taking everything gives, and the other's waiting prompts count
+    in its backlog until that gateway is no longer heard of."""
+    from pdserve.common.wire.protocol import GatewayLoad
+    from pdserve.gateway.others import FORGET_S, OtherGateways
+
+    prompt = 4000
+    rate = 3.0 / COST.prefill_seconds(prompt)
+    whole, leader, other = (Sizing(COST, window=10.0) for _ in range(3))
+    others = OtherGateways(lambda: "a", leader)
+    t, i, reports = 0.0, 0, []
+    while t < 200.0:
+        whole.arrived(prompt, t)
+        (leader if i % 2 == 0 else other).arrived(prompt, t)
+        if i % 20 == 0:  # a node relays the other gateway's count now and then
+            tokens, requests, outputs = other.own
+            reports.append(GatewayLoad(gateway="b", prompt_tokens=tokens, requests=requests,
+                                       output_tokens=outputs, waiting_tokens=8000))  # fmt: skip
+            others.relayed((GatewayLoad(gateway="a", requests=10**9), *reports[-2:][::-1]), t)
+        t, i = t + 1 / rate, i + 1
+    cluster = cluster_with({"p0": (0, 0)}, {"d0": 100})
+    alone = Sizing(COST, window=10.0)
+    for j in range(0, i, 2):  # what the leader saw of its own, alone
+        alone.arrived(prompt, j / rate)
+    assert alone.prefill(cluster, 0, now=t) < whole.prefill(cluster, 0, now=t) == 4
+    assert leader.prefill(cluster, 0, now=t) == 4
+    assert others.waiting_tokens(t) == 8000
+    assert others.waiting_tokens(t + FORGET_S + 1) == 0  # gone: its backlog with it
