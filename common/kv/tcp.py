@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import socket
 import struct
@@ -36,14 +37,7 @@ import time
 from collections.abc import Coroutine, Sequence
 from typing import Any, Protocol
 
-from pdserve.common.kv.base import (
-    Backend,
-    Intake,
-    Local,
-    ReceiveConnector,
-    SendConnector,
-    Transfer,
-)
+from pdserve.common.kv.base import Backend, Intake, Local, ReceiveConnector, SendConnector, Transfer
 from pdserve.common.kv.tcp_wire import WireStats, recv_views, set_timeout
 from pdserve.common.wire.security import MAC_BYTES, NONCE_BYTES, REFUSALS, ClusterKey, new_nonce
 
@@ -321,6 +315,12 @@ class TcpStream:
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 sock.setblocking(False)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                # a decode node that stops reading (paused, partitioned: its window stays 0
+                # or nothing is acknowledged) fails the send, not stalls this peer's queue for
+                # good; 3 x: its reader may wait `timeout` for a frame's header, not reading
+                with contextlib.suppress(AttributeError, OSError):  # Linux only
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
+                                    int(3 * self.timeout * 1000))  # fmt: skip
                 self.sock = sock  # closed by the handler below if anything fails
                 await loop.sock_connect(sock, self.endpoint)
                 ident = self.node_id.encode()[:ID_BYTES].ljust(ID_BYTES)

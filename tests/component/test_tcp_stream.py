@@ -5,6 +5,7 @@ read or an intermediate copy comes back (issue 30). Real sockets on loopback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import Sequence
 
@@ -140,3 +141,24 @@ async def test_a_sender_whose_idle_stream_was_shut_reconnects_for_its_next_frame
     finally:
         stream.close()
         await listener.close()
+
+
+async def test_a_decode_node_that_stops_reading_fails_the_send_not_stalls_it_for_good() -> None:
+    """A decode node that accepts and then reads nothing (a paused container, a partition:
+    its window stays 0 or nothing is acknowledged) stalled the sender's sendall forever, and
+    with it everything queued behind it for that peer, Aborts included."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    stream = TcpStream(f"127.0.0.1:{srv.getsockname()[1]}", "p", timeout=0.5)
+    big = memoryview(bytes(64 << 20))  # far more than the socket buffers hold
+    try:
+        started = asyncio.get_running_loop().time()
+        with contextlib.suppress(OSError):  # ETIMEDOUT; wait_for's TimeoutError fails below
+            await asyncio.wait_for(stream.send("big", 0, [big]), 20)
+            raise AssertionError("the send completed into a peer that reads nothing")
+        # 3 x the timeout without progress (TCP_USER_TIMEOUT), plus zero-window probing
+        assert asyncio.get_running_loop().time() - started < 15
+    finally:
+        stream.close()
+        srv.close()
