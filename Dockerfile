@@ -12,6 +12,9 @@ ARG BASE_IMAGE=nvidia/cuda:12.8.1-base-ubuntu24.04
 FROM ${BASE_IMAGE}
 
 ARG TORCH_SPEC="torch>=2.4"
+# the folder of offline wheels in the build context (docker/wheels.sh; the tests use their
+# own, so that the wheels they download never turn a later build offline by surprise)
+ARG WHEELS=docker/wheels
 # pip extras of pdserve to add, e.g. "ucx" for the UCX KV backend on a GPU box
 ARG EXTRAS=""
 ENV DEBIAN_FRONTEND=noninteractive \
@@ -32,7 +35,7 @@ ENV PATH=/opt/pdserve/bin:$PATH
 # Wheels from docker/wheels when the build context has them (offline), from PyPI otherwise.
 # Layers go from the largest and least changing (torch) to the source, so an edit to the
 # code rebuilds seconds, not the dependency layers.
-COPY docker/wheels/ /wheels/
+COPY ${WHEELS}/ /wheels/
 RUN if ls /wheels/*.whl >/dev/null 2>&1; then export PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheels; fi \
     && pip install "$TORCH_SPEC"
 

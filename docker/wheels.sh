@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-DEST=docker/wheels
+DEST=${DEST:-docker/wheels}  # the Dockerfile's WHEELS (compose: PDSERVE_WHEELS)
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 mkdir -p "$DEST"
 req=$(mktemp)

@@ -48,6 +48,11 @@ def compose_or_skip() -> list[str]:
 _built: list[bool] = []
 
 
+# the tests' wheels: in docker/wheels they made a later `docker compose build` (a GPU image,
+# another Python) install offline from them, and fail
+TEST_WHEELS = "docker/wheels-test"
+
+
 def build_once(run: Callable[..., subprocess.CompletedProcess]) -> None:
     """`compose build` of the test image, the first time a stack asks in this session."""
     if not _built:
@@ -57,8 +62,8 @@ def build_once(run: Callable[..., subprocess.CompletedProcess]) -> None:
 
 @functools.cache
 def _wheels(root: Path) -> None:
-    subprocess.run(["bash", str(root / "docker/wheels.sh")], check=True, cwd=root,
-                   timeout=900, env={**os.environ, "PYTHON": sys.executable})  # fmt: skip
+    subprocess.run(["bash", str(root / "docker/wheels.sh")], check=True, cwd=root, timeout=900,
+                   env={**os.environ, "PYTHON": sys.executable, "DEST": TEST_WHEELS})  # fmt: skip
 
 
 def stack_env(root: Path, port: int, models: Path) -> dict[str, str]:
@@ -70,6 +75,7 @@ def stack_env(root: Path, port: int, models: Path) -> dict[str, str]:
     return {
         **os.environ,
         "PDSERVE_IMAGE": "pdserve:test",
+        "PDSERVE_WHEELS": TEST_WHEELS,
         "PDSERVE_BASE_IMAGE": os.environ.get(
             "PDSERVE_TEST_BASE_IMAGE", "python:3.11-slim-bookworm"
         ),

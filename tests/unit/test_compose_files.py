@@ -171,3 +171,15 @@ def test_the_ha_variant_puts_two_gateways_behind_the_balancer():
     assert servers == [("gateway", "gateway"), ("gateway-b", "gateway-b")]
     assert "option httpchk GET /health" in cfg and "timeout server 1h" in cfg
     assert "option abortonclose" in cfg  # a client gone before its first byte frees its work
+
+
+def test_the_tests_wheels_never_turn_a_later_build_offline():
+    """The Dockerfile installs offline when its wheels folder has wheels: the tests' own
+    downloads (cp311, CPU torch) left in docker/wheels made a later GPU `compose build`
+    install offline from them and fail. The tests fill another folder, passed as an arg."""
+    from tests.docker_util import TEST_WHEELS
+
+    assert TEST_WHEELS != "docker/wheels" and (ROOT / ".gitignore").read_text().count(TEST_WHEELS)
+    assert "COPY ${WHEELS}/ /wheels/" in (ROOT / "Dockerfile").read_text()
+    args = _config("compose.yaml")["services"]["gateway"]["build"]["args"]
+    assert args["WHEELS"] == "docker/wheels"  # a user's build: the documented folder
