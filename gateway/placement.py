@@ -173,11 +173,12 @@ class Placer:
             return tokens * costs[len(costs) // 2]
         return self.policy.cost.prefill_seconds(tokens)
 
-    def uncached(self, need: Need) -> int:
-        """Tokens of the request no node's cache holds (the index's best holder)."""
+    def uncached(self, need: Need, on: str | None = None) -> int:
+        """Tokens no node's cache holds (the best holder's), or that node `on`'s lacks."""
         if self.index is None or not need.hashes:
             return need.prompt_len
-        best = max(self.index.holders(need.hashes).values(), default=0)
+        held = self.index.holders(need.hashes)
+        best = held.get(on, 0) if on is not None else max(held.values(), default=0)
         ref = self.cluster.reference
         return need.prompt_len - best * (ref.block_size if ref else 0)
 
@@ -275,7 +276,7 @@ class Placer:
         decode = pairs[0][1] if pairs else self.policy.pick_decode(snap.base("decode"), need)
         if decode is None:
             return pairs
-        tokens = self.uncached(need)
+        tokens = self.uncached(need, decode.node_id)  # it fetches nothing: its own cache counts
         prefill = snap.base("prefill")
         made = self.local.decide(
             tokens, self.prefill_seconds(tokens), decode, prefill, self.queued_seconds()

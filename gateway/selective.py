@@ -81,8 +81,9 @@ class LocalPrefill:
         prefill: list[NodeView],
         queued_s: float,
     ) -> Decision:
-        """`tokens`: the prompt's uncached tokens, `prefill_s` their prefill time (measured
-        or modelled); `queued_s`: prefill work waiting at the gateway, per prefill node."""
+        """`tokens`: the prompt's tokens the decode node lacks in its own cache, `prefill_s`
+        their prefill time (measured or modelled); `queued_s`: prefill work waiting at the
+        gateway, per prefill node."""
         p = prefill_s
         if self.mode in ("off", "always") or isinstance(self.mode, int):
             local = self.mode == "always" or (isinstance(self.mode, int) and tokens <= self.mode)

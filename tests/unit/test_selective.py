@@ -58,3 +58,32 @@ def test_fixed_always_and_the_modes_parsing():
     assert parse_mode("adaptive") == "adaptive" and parse_mode("256") == 256
     with pytest.raises(ValueError):
         parse_mode("sometimes")
+
+
+def test_the_local_rule_counts_what_the_decode_node_itself_lacks():
+    """The rule was given the prompt less the best holder's blocks anywhere in the cluster,
+    but a decode node prefilling locally fetches nothing: 1,000 tokens of which 960 sat on a
+    prefill node counted as 40 (local under `64`), and the decode node computed all 1,000,
+    stalling its streams. Now what it holds itself counts."""
+    from types import SimpleNamespace
+
+    from pdserve.common.wire.protocol import KvEvents
+    from pdserve.gateway.placement import Placer
+    from pdserve.gateway.plan import Snapshot
+    from pdserve.gateway.policies import Need, make_policy
+    from pdserve.gateway.prefix_index import PrefixIndex
+
+    cluster, table, index = cluster_with({"p0": (0, 0)}, {"d0": 100}), RequestTable(), PrefixIndex()
+    hashes = tuple(bytes([i]) * 8 for i in range(62))  # 62 blocks of 16
+    index.apply(KvEvents(node_id="p0", seq=0, stored=list(hashes[:60]), snapshot=True))
+    placer = Placer(cluster, table, make_policy("on_demand"), send_offer=None,  # type: ignore[arg-type]
+                    index=index, placement_timeout=1.0, offer_timeout=1.0,
+                    local=LocalPrefill(parse_mode("64"), COST))  # fmt: skip
+    need = Need(1000, hashes=hashes)
+    assert placer.uncached(need) == 1000 - 60 * 16  # for the prefill pool: fetched or there
+    waiting = SimpleNamespace(need=need, req=SimpleNamespace(timeline={}, attempt=0))
+    pairs = placer._local_first(waiting, [], Snapshot(cluster, table, index))  # type: ignore[arg-type]
+    assert pairs == [] and not waiting.req.timeline["local_prefill.0"]["local"]
+    index.apply(KvEvents(node_id="d0", seq=0, stored=list(hashes[:60]), snapshot=True))
+    pairs = placer._local_first(waiting, [], Snapshot(cluster, table, index))  # type: ignore[arg-type]
+    assert [(p.node_id, d.node_id) for p, d in pairs] == [("d0", "d0")]  # its own 40 tokens
