@@ -71,6 +71,13 @@ def error_response(err: ApiError, headers: dict[str, str] | None = None) -> web.
 
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    resp = await _answer(request, handler)
+    if SERVICE in request.app:  # every answer by status, refusals before placement too
+        request.app[SERVICE].metrics.http_response(resp.status)
+    return resp
+
+
+async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as err:
@@ -116,9 +123,8 @@ async def read_body(request: web.Request) -> bytes:
         try:
             chunk = await asyncio.wait_for(request.content.readany(), cfg.body_timeout)
         except asyncio.TimeoutError:
-            raise ApiError(
-                408, f"the request body stalled for {cfg.body_timeout:g} s", code="timeout"
-            ) from None
+            stalled = f"the request body stalled for {cfg.body_timeout:g} s"
+            raise ApiError(408, stalled, code="timeout") from None
         if not chunk:
             return bytes(body)
         body += chunk
@@ -382,15 +388,10 @@ def create_app(cfg: GatewayConfig) -> web.Application:
 
 def serve(cfg: GatewayConfig) -> None:
     """Runs the gateway until SIGINT/SIGTERM (on uvloop where the caller installed it)."""
-    web.run_app(
-        create_app(cfg),
-        host=cfg.host,
-        port=cfg.port,
-        handler_cancellation=True,
-        # aiohttp's 128 overflows in a burst of connections (hundreds of clients at once,
-        # a flood of resumes): a dropped SYN costs its client a 1 s retransmit. uvicorn's
-        # 2048 (the kernel caps it at net.core.somaxconn)
-        backlog=2048,
-        print=lambda *_: log.info("gateway on http://%s:%d", cfg.host, cfg.port),
-        access_log=None,
-    )
+    # backlog: aiohttp's 128 overflows in a burst of connections (hundreds of clients at once,
+    # a flood of resumes): a dropped SYN costs its client a 1 s retransmit. uvicorn's 2048
+    # (the kernel caps it at net.core.somaxconn)
+    web.run_app(create_app(cfg), host=cfg.host, port=cfg.port, handler_cancellation=True,
+                backlog=2048, access_log=None,
+                print=lambda *_: log.info("gateway on http://%s:%d", cfg.host,
+                                          cfg.port))  # fmt: skip

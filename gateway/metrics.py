@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -160,6 +161,11 @@ class GatewayMetrics:
         self.requests = Counter(
             "pdserve:requests", "Finished requests by outcome", ["outcome"], registry=r
         )
+        self.http = Counter(
+            "pdserve:http_responses", "HTTP answers by status code, refusals included",
+            ["status"], registry=r,
+        )  # fmt: skip
+        self._http: dict[int, Any] = {}  # status -> its child
         self.accepts = Counter("pdserve:placement_accepts", "Offers accepted", ["node"], registry=r)
         self.rejects = Counter("pdserve:placement_rejects", "Offers rejected", ["node"], registry=r)
         self.offer_timeouts = Counter(
@@ -265,6 +271,11 @@ class GatewayMetrics:
             )
         }
         r.register(ClusterCollector(cluster, table, waiting, desired))
+
+    def http_response(self, status: int) -> None:
+        if (child := self._http.get(status)) is None:
+            child = self._http[status] = self.http.labels(str(status))
+        child.inc()
 
     def forget_node(self, node_id: str) -> None:
         """A node dropped: its labelled series go (pods come and go under new names; kept,

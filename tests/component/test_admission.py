@@ -232,3 +232,24 @@ async def test_a_request_whose_client_left_while_placed_again_stops_waiting(toke
         c.gw.service.abort(req)  # its client left
         await until(lambda: not c.gw.placer.waiting, 5, "no longer waiting")
         assert c.gw.metrics.requests.labels("placement_timeout")._value.get() == 0
+
+
+async def test_every_answer_is_counted_by_status_refusals_included(tokenizer):
+    """pdserve:requests_total counts requests that were placed; an outage (no decode node:
+    every request 503 before placement) or a flood of bad requests showed no failure at all
+    in /metrics."""
+    async with Cluster(tokenizer) as c:
+        await c.add(c.node(PrefillRole, "prefill-0"))  # no decode node: the cluster cannot serve
+        runner, url = await _serve(c.gw)
+        try:
+            async with aiohttp.ClientSession() as session:
+                for body in ({"prompt": [1, 2, 3], "max_tokens": 2}, {"prompt": 5}):
+                    async with session.post(url, json=body) as resp:
+                        assert resp.status == 503  # before its body is looked at
+                async with session.post(url, data=b"{not json") as resp:
+                    assert resp.status == 400
+        finally:
+            await runner.cleanup()
+        text = c.gw.metrics.render().decode()
+        assert 'pdserve:http_responses_total{status="503"} 2.0' in text
+        assert 'pdserve:http_responses_total{status="400"} 1.0' in text
