@@ -122,9 +122,10 @@ class PoolCare:
                 del self.switching[node_id]
                 self.gone_since.pop(node_id, None)
         in_prefill = {n: len(self.table.in_prefill(n)) for n in self.cluster.nodes}
-        move = self.switcher.decide(
-            self.cluster, self.desired_replicas(), in_prefill, bool(self.switching), now
-        )
+        # one switch at a time, also across a change of leader: a node draining may be one
+        # another leader ordered (its switch is not in this one's table), or a scale-down
+        busy = bool(self.switching) or any(n.load.draining for n in self.cluster.nodes.values())
+        move = self.switcher.decide(self.cluster, self.desired_replicas(), in_prefill, busy, now)
         if move is not None:
             await self.switch_role(move.node_id, move.role, move.why)
 

@@ -246,3 +246,29 @@ async def test_a_switch_that_will_not_happen_blocks_the_next_one_no_longer(token
         assert "decode-1" in c.gw.pools.switching
         await until(lambda: "decode-1" not in c.gw.cluster.nodes, 10, "it drained and left")
         await until(lambda: not c.gw.pools.switching, 10, "the switch given up")
+
+
+async def test_no_switch_is_ordered_while_a_node_drains(tokenizer):
+    """One switch at a time held only for the leader's own orders: a leader taking over
+    from one that died mid-switch (the node draining into its new role, in no table of the
+    new leader's) could order a second switch at once."""
+    async with Cluster(tokenizer, role_switching="on", switch_hold=1e6) as c:
+        await c.add(c.node(PrefillRole, "prefill-0"))
+        await c.add(c.node(DecodeRole, "decode-0"))
+        draining = await c.add(c.node(DecodeRole, "decode-1"))
+        seen: list[bool] = []
+
+        def decide(cluster, desired, in_prefill, switching, now):  # type: ignore[no-untyped-def]
+            seen.append(switching)
+
+        c.gw.pools.switcher.decide = decide  # type: ignore[method-assign]
+        await until(lambda: len(seen) >= 2, what="pool care ticks")
+        assert not any(seen)
+        # it reports draining (switching roles on another leader's order, or scaled down)
+        # and stays while it finishes its work: its drain itself is not what is tested here
+        draining.control.draining = True
+        await until(lambda: c.gw.cluster.nodes["decode-1"].load.draining, what="seen draining")
+        n = len(seen)
+        await until(lambda: len(seen) >= n + 2, what="two more ticks")
+        assert all(seen[n:])
+        draining.control.draining = False
