@@ -139,6 +139,12 @@ def stop_cluster(proc: subprocess.Popen) -> None:
 def main(args: argparse.Namespace) -> int:
     data = load_config(Path(args.config))
     workload = {**WORKLOAD_DEFAULTS, **data.get("workload", {})}
+    # a trace keeps its own arrival times and a closed loop sends as answers come: rows of
+    # several rates would be one run each, plotted as a goodput-vs-rate curve
+    if workload["workload"] == "mooncake" or workload["concurrency"] > 0:
+        if any(len({float(r) for r in c["rates"]}) > 1 for c in data["configurations"]):
+            raise ValueError("this workload ignores the rate (a trace's timestamps, or "
+                             "--concurrency): give each configuration one rate")  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     slo = parse_slo(workload["slo"])

@@ -263,3 +263,19 @@ def test_a_stream_without_usage_does_not_pass_a_tpot_slo():
     assert not meets(record, {"tpot": 0.05}) and meets(record, {"ttft": 1.0})
     record.output_tokens = 1  # one token: no TPOT to miss
     assert meets(record, {"tpot": 0.05})
+
+
+@pytest.mark.parametrize("workload", [{"workload": "mooncake"}, {"concurrency": 4}])
+def test_compare_refuses_a_rate_sweep_of_a_workload_that_ignores_the_rate(tmp_path, workload):
+    """A trace replays its own timestamps and a closed loop sends as answers come: a sweep
+    over rates ran the same workload N times and plotted it as goodput against rate."""
+    import argparse
+
+    from pdserve.loadgen import compare
+
+    cfg = tmp_path / "c.json"
+    configurations = [{"name": "a", "rates": [1, 2], "up": []}]
+    cfg.write_text(json.dumps({"workload": workload, "configurations": configurations}))
+    args = argparse.Namespace(config=str(cfg), out=str(tmp_path / "out"), only=None)
+    with pytest.raises(ValueError, match="ignores the rate"):
+        compare.main(args)
