@@ -93,7 +93,12 @@ ENV HOME=/home/pdserve \
 WORKDIR /home/pdserve
 # ... and builds them now for this machine's CPU, into the runtime user's cache: a container
 # on the build machine's CPU kind starts with them; a failed build fails the image build.
+# `--quantization auto`'s float32 timing too: measured here once, on a quiet CPU, not by
+# every node container starting at once on a busy one (they could resolve differently, and
+# the gateway refuses a node whose numerics differ from the cluster's).
 RUN python3 -c "from pdserve.common.engine.kernels import build; import sys; \
-got = build(); print('C kernels:', got); sys.exit(isinstance(got, str))"
+got = build(); print('C kernels:', got); sys.exit(isinstance(got, str))" \
+    && python3 -c "from pdserve.common.quant_choice import auto_quantization as q; \
+print('float32 --quantization auto:', q(None, 'torch', 'cpu', 'float32', 'auto'))"
 ENTRYPOINT ["pdserve"]
 CMD ["--help"]
