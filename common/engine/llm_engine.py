@@ -73,6 +73,7 @@ class LLMEngine:
                 cfg, eng.num_blocks, eng.block_size, "colocated", getattr(eng, "model_id", "")
             )
         )
+        eng.max_model_len = self.scheduler.fit(eng.max_model_len)
         self.processors: dict[str, _OutputProcessor] = {}
         self.seqs: dict[str, Sequence] = {}
 

@@ -4,7 +4,7 @@ Each step has a token budget: `chunk_size` with chunked prefill, else `max_batch
 Running sequences that are decoding go first, one token each, so a long prompt never
 delays a decode step by more than the budget allows. The remaining budget goes to
 prefills, oldest first: partially prefilled sequences, then waiting ones. Without chunking a
-prompt is prefilled whole (alone if it exceeds the budget, so nothing starves); with
+prompt is prefilled whole (with no other prompt if it exceeds the budget, so nothing starves); with
 chunking it is cut to the remaining budget. A sequence gets blocks for its whole prompt at
 admission, only while `watermark_blocks` stay free for running sequences to grow (vLLM's
 watermark). When a decoding sequence cannot grow anyway, the newest running sequence is
@@ -167,6 +167,14 @@ class Scheduler(PrefixCaching):
         usable = self.cfg.num_blocks - self.cfg.watermark_blocks
         return max(0, usable * self.block_manager.block_size - 1)
 
+    def fit(self, max_model_len: int) -> int:
+        """The context limit an engine with this cache can keep: a sequence grown past what
+        the cache less the watermark holds could never be admitted again once preempted (it
+        stayed at the head of the queue, and every later request waited behind it), so it
+        ends at that length ("length"), and the gateway refuses what cannot fit (vLLM
+        refuses to start with a max_model_len its cache cannot hold)."""
+        return min(max_model_len, self.largest_prompt)
+
     def room(self, queueing: bool, pending: Iterable[Sequence] = ()) -> int:
         """Prefill mode: the longest prompt (tokens) `can_take` accepts now: 0 when the batch
         is full. The gateway skips offering longer prompts to this node until it next has
@@ -261,7 +269,10 @@ class Scheduler(PrefixCaching):
                 n = min(remaining, budget)
             else:
                 n = remaining
-                if n > budget and not out.empty:
+                # past the budget, a prompt goes with no other prompt; the decodes still run
+                # beside it (waiting for none to run held it, and every request behind it,
+                # until the longest generation ended)
+                if n > budget and out.prefills:
                     break
             if n <= 0:
                 break

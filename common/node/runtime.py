@@ -84,6 +84,7 @@ class NodeRuntime:
         base = SchedulerConfig.of(ecfg, engine.num_blocks, engine.block_size, role.mode,
                                   model_id, True)  # fmt: skip
         self.scheduler = Scheduler(role.scheduler_config(base))
+        engine.max_model_len = self.scheduler.fit(engine.max_model_len)
         self.blocks = self.scheduler.block_manager
         self.requests: dict[str, NodeRequest] = {}
         self.metrics = NodeMetrics(self.node_id, role.role, self.load, engine.num_blocks)

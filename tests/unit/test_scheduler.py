@@ -58,6 +58,42 @@ def test_long_prompt_without_chunking_runs_alone_rather_than_starving():
     assert [(s.seq_id, n) for s, n in out.prefills] == [("long", 40)]
 
 
+def test_a_long_prompt_runs_beside_the_decodes_not_after_every_one_ends():
+    """A prompt past the step's budget waited until no sequence at all was decoding: under a
+    long generation it, and every request queued behind it, waited for that generation."""
+    sched = make_scheduler(max_batch_tokens=16, num_blocks=200)
+    forever = SamplingParams(max_tokens=10**6, temperature=0.0, ignore_eos=True)
+    sched.add(Sequence.new("running", [1, 2], forever))
+    run_step(sched)
+    sched.add(make_request("long", 20))
+    sched.add(make_request("short", 2))
+    out = run_step(sched)
+    assert [s.seq_id for s in out.decodes] == ["running"]
+    assert [(s.seq_id, n) for s, n in out.prefills] == [("long", 20)]  # and nothing else
+    out = run_step(sched)
+    assert ("short", 2) in [(s.seq_id, n) for s, n in out.prefills]
+
+
+def test_a_sequence_ends_at_what_the_cache_holds_instead_of_hanging_the_queue():
+    """A sequence that grew past what the cache (less the watermark) holds was preempted and
+    could never be admitted again: it stayed at the head of the queue, every request behind
+    it waited, and LLMEngine.generate spun for good. The engine's context limit is now the
+    cache's at most: it ends there ("length") and the next request runs."""
+    from pdserve.common.config import EngineConfig
+    from pdserve.common.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(engine="sim", num_kv_blocks=4, block_size=4))
+    assert engine.engine.max_model_len == 4 * 4 - 1  # its KV and the next token's: 15
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    steps = 0
+    engine.add_request("a", list(range(1000, 1008)), long)
+    engine.add_request("b", list(range(2000, 2004)), SamplingParams(max_tokens=2))
+    while engine.has_work:
+        engine.step()
+        steps += 1
+        assert steps < 200, [(q.seq_id, q.num_tokens) for q in engine.scheduler.waiting]
+
+
 def test_admission_keeps_the_watermark_and_max_seqs():
     sched = make_scheduler(num_blocks=10, watermark_blocks=2, max_num_seqs=2)
     for i in range(3):
