@@ -193,7 +193,10 @@ class PrefillRole(RoleDefaults):
                        if (t := self.node.sender.transfers.get(s.seq_id)))  # fmt: skip
         self.layerwise.observe_pass(sum(n for _, n in out.prefills), ended - began, streamed)
         for seq in grew:
-            queued = max(0.0, began - self.node.requests[seq.seq_id].accepted_at)
+            req = self.node.requests.get(seq.seq_id)
+            if req is None:  # let go while an earlier one's FirstToken waited to go (an abort)
+                continue
+            queued = max(0.0, began - req.accepted_at)
             self.node.metrics.queue_time.observe(queued)
             self.node.metrics.prefill_time.observe(ended - began)
             self.node.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
@@ -205,7 +208,7 @@ class PrefillRole(RoleDefaults):
             token = seq.token_ids[-1]
             reason = check_stop(seq, self.node.engine.eos_token_ids, self.node.engine.max_model_len)
             if reason is not None or t is None:  # nothing to hand off: let go now
-                req = self.node.requests.pop(seq.seq_id)
+                self.node.requests.pop(seq.seq_id)
                 self.node.scheduler.release(seq.seq_id)
                 self.node.sender.abort(seq.seq_id)
                 self.node.steps.wake()

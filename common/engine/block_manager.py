@@ -16,10 +16,13 @@ and `events_lost` tells the node to publish a full snapshot instead.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from pdserve.common.prefix import block_hash, hash_salt, prefix_hashes
+
+log = logging.getLogger(__name__)
 
 __all__ = ["MAX_EVENTS", "BlockManager", "block_hash", "hash_salt", "prefix_hashes"]
 
@@ -142,7 +145,12 @@ class BlockManager:
         digest = self.hash_of[block]
         if digest is not None:
             if self.on_evict is not None:
-                self.on_evict(block, digest)
+                # a copy into a lower tier failing (disk full, a device error) loses that
+                # copy, never the block's accounting (it left the free queue already)
+                try:
+                    self.on_evict(block, digest)
+                except Exception:
+                    log.exception("evicting block %d to a KV tier failed", block)
             self.hash_of[block] = None
             if self.block_of_hash.get(digest) == block:
                 del self.block_of_hash[digest]

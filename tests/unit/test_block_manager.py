@@ -134,3 +134,24 @@ def test_events_record_stored_and_evicted_hashes_and_overflow_asks_for_a_snapsho
         bm._event(True, bytes([i % 256]) * 16)
     events, lost = bm.take_events()
     assert lost and not events
+
+
+def test_a_failing_tier_copy_at_eviction_leaks_nothing():
+    """The eviction hook copies a cached block to a lower tier; when it raised (disk full, a
+    device error), the blocks popped so far in that allocation belonged to no table for good
+    and the failing one stayed findable by its hash while out of the free queue."""
+    bm = BlockManager(num_blocks=2, block_size=4)
+    tokens = list(range(8))
+    cached = bm.allocate(2)
+    bm.register_full_blocks(cached, tokens)
+    bm.free(cached)  # both cached, both free
+
+    def evict(block: int, digest: bytes) -> None:
+        raise OSError("no space left on device")
+
+    bm.on_evict = evict
+    taken = bm.allocate(2)  # evicts both: each copy fails
+    assert bm.num_in_use_blocks == 2 and sorted(taken) == sorted(cached)
+    assert bm.match_prefix(tokens) == []  # nothing findable by a hash it no longer holds
+    bm.free(taken)
+    assert bm.num_free_blocks == 2 and bm.num_in_use_blocks == 0
