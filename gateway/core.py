@@ -67,7 +67,7 @@ class Gateway:
             self.cluster, self.table, self.index, self.policy, self.placer, self.metrics,
             self.link, self.service, self.pools,
             lambda node_id, why: self.liveness.drop(node_id, why),  # late: tests replace it
-            tokenizer.fingerprint(), tokenizer.vocab_size,
+            tokenizer.fingerprint(),
         )  # fmt: skip
         self.tasks: list[asyncio.Task] = []
 

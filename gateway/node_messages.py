@@ -55,6 +55,9 @@ from pdserve.gateway.service import RequestService
 from pdserve.gateway.table import Attempt, RequestTable
 
 log = logging.getLogger(__name__)
+# token ids the detokenizer takes (u32: past it, it raised for good); not the tokenizer's
+# vocabulary: a model may pad its own past it, and sample an id there
+TOKEN_ID_LIMIT = 1 << 32
 Handler = Callable[[Any, bytes, Any], Coroutine[Any, Any, None]]
 
 
@@ -72,14 +75,12 @@ class NodeMessages:
         pools: PoolCare,
         drop: Callable[[str, str], Awaitable[None]],
         tokenizer_fingerprint: str,
-        vocab_size: int,
     ) -> None:
         self.cluster, self.table, self.index, self.policy = cluster, table, index, policy
         self.placer, self.metrics, self.link = placer, metrics, link
         self.service, self.pools = service, pools
         self.drop = drop  # a node gone: its requests are re-placed (gateway/liveness.py)
         self.tokenizer_fingerprint = tokenizer_fingerprint
-        self.vocab_size = vocab_size  # a token id from a node outside it is garbage
         self._counted: dict[str, Any] = {}  # node_messages' child per message type
 
     # -- loops -----------------------------------------------------------------------------
@@ -186,8 +187,9 @@ class NodeMessages:
             known and msg.node_id in self.index.nodes and self.index.needs_snapshot(msg.node_id)
         )
         if msg.reply or stale or not known or resync:
+            load = self.pools.own_load() if known else None  # relayed to the other gateways
             reply = HeartbeatReply(stale=stale, unknown_node=not known, kv_resync=resync,
-                                   load=self.pools.own_load())  # fmt: skip
+                                   load=load)  # fmt: skip
             await self.link.reply(identity, reply)
         self.placer.capacity_changed()
 
@@ -212,7 +214,7 @@ class NodeMessages:
     async def _on_first_token(self, identity: bytes, msg: FirstToken) -> None:
         attempt = self._held_by(identity, msg.request_id, "prefill")
         self.placer.capacity_changed()
-        if attempt is None or not 0 <= msg.token_id < self.vocab_size:
+        if attempt is None or not 0 <= msg.token_id < TOKEN_ID_LIMIT:
             return  # an old attempt's, or not from the node that holds the request
         req, prefill = attempt.req, attempt.prefill  # `delivered` below forgets it
         self.table.prefilled(attempt)
@@ -233,11 +235,12 @@ class NodeMessages:
 
     async def _on_kv_transferred(self, identity: bytes, msg: KvTransferred) -> None:
         node = self.cluster.by_identity(identity)
-        if node is None or msg.backend not in BACKENDS:  # labels from registered nodes only:
-            return  # a series per string sent would grow /metrics without bound
-        self.metrics.kv_bytes.labels(node.node_id, msg.backend).inc(msg.bytes)
-        self.metrics.kv_seconds.labels(msg.backend).observe((msg.end_ms - msg.start_ms) / 1000)
-        self.metrics.kv_overlap.labels(msg.backend).observe(msg.overlap_ms / 1000)
+        if node is not None and msg.backend in BACKENDS:  # labels from registered nodes only:
+            # a series per string sent would grow /metrics without bound
+            self.metrics.kv_bytes.labels(node.node_id, msg.backend).inc(msg.bytes)
+            seconds = (msg.end_ms - msg.start_ms) / 1000
+            self.metrics.kv_seconds.labels(msg.backend).observe(seconds)
+            self.metrics.kv_overlap.labels(msg.backend).observe(msg.overlap_ms / 1000)
         attempt = self._held_by(identity, msg.request_id, "prefill")
         if attempt is None:
             return
@@ -342,8 +345,8 @@ class NodeMessages:
 
     # -- tokens socket ---------------------------------------------------------------------
     async def _on_token_batch(self, _: bytes, msg: TokenBatch) -> None:
-        if not msg.well_formed() or not all(0 <= t < self.vocab_size for t in msg.token_ids):
-            log.warning("dropping a malformed token batch from %s", msg.node_id)
+        if not msg.well_formed():
+            log.warning("dropping a token batch of unequal lists from %s", msg.node_id)
             return
         node = self.cluster.nodes.get(msg.node_id)
         if node is not None:
@@ -351,6 +354,9 @@ class NodeMessages:
         for rid, token, index, reason in zip(
             msg.request_ids, msg.token_ids, msg.indices, msg.finish_reasons, strict=True
         ):
+            if not 0 <= token < TOKEN_ID_LIMIT:
+                log.warning("dropping token id %d from %s", token, msg.node_id)
+                continue
             attempt = self.table.get(rid)
             # only from the node the KV went to (None: not placed yet as far as this side
             # knows; the wire id alone is this attempt's), or the decode node it migrates

@@ -8,7 +8,8 @@ its arrivals since it started, and the prompt tokens waiting there); a node pass
 each gateway said in its heartbeats to the others (`Load.gateways`). Every gateway adds
 what the others' counts grew by to its own sizing rates (any of them may lead next), and
 their waiting prompts to its backlog. A report older than one already seen (another node
-relays less recent news) is ignored; a gateway not heard of for FORGET_S is forgotten.
+relays less recent news: each report is numbered) is ignored; a gateway with no new report
+for FORGET_S (gone: the nodes relay only gateways they hear from) is forgotten.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ class OtherGateways:
             if load.gateway == self.own_id():
                 continue
             before = self.seen.get(load.gateway)
-            if before is not None and load.requests < before[0].requests:
-                continue  # older news than we have
+            if before is not None and load.seq <= before[0].seq:
+                continue  # news we have (or older: another node relays less recent news)
             old = before[0] if before is not None else None
             if old is not None:  # what grew since (the first report only sets the base)
                 self.sizing.add(max(0, load.prompt_tokens - old.prompt_tokens),

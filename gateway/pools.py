@@ -48,12 +48,22 @@ class PoolCare:
         self.gone_since: dict[str, float] = {}  # switching nodes not registered, since when
         self.rebalanced_at: dict[str, float] = {}  # decode node id -> its last rebalance
         self.others = OtherGateways(lambda: link.gateway_id, sizing)
+        self.said = GatewayLoad(gateway="")  # own_load's last, and when
+        self.said_at = -1.0
 
     def own_load(self) -> GatewayLoad:
-        """This gateway's arrivals and waiting prompts, for the others (gateway/others.py)."""
-        tokens, requests, outputs = self.sizing.own
-        return GatewayLoad(gateway=self.link.gateway_id, prompt_tokens=tokens, requests=requests,
-                           output_tokens=outputs, waiting_tokens=self._waiting())  # fmt: skip
+        """This gateway's arrivals and waiting prompts, for the others (gateway/others.py);
+        taken at most every 0.25 s (every node's heartbeat reply carries it, and summing
+        the waiting queue for each would cost most when the queue is longest)."""
+        now = time.monotonic()
+        if now - self.said_at >= 0.25:
+            tokens, requests, outputs = self.sizing.own
+            waiting, seq = self._waiting(), self.said.seq + 1
+            self.said = GatewayLoad(gateway=self.link.gateway_id, seq=seq, prompt_tokens=tokens,
+                                    requests=requests, output_tokens=outputs,
+                                    waiting_tokens=waiting)  # fmt: skip
+            self.said_at = now
+        return self.said
 
     def _waiting(self) -> int:
         return sum(w.need.prompt_len for w in self.placer.waiting.values())

@@ -54,6 +54,8 @@ def _load(built: Path) -> ctypes.CDLL:
     try:
         return ctypes.CDLL(str(built))
     except OSError as first:
+        if not any(cut in str(first) for cut in ("too short", "invalid ELF header")):
+            raise  # a noexec cache, a missing library: building again changes nothing
         log.warning("the cached C kernels %s do not load (%s): building them again", built, first)
         built.unlink(missing_ok=True)
         again = build()

@@ -214,7 +214,7 @@ class KvSender:
     def _post(self, target: DecodeTarget, item: _Item) -> None:
         now = time.monotonic()
         if now - self.swept_at > PEER_IDLE_S / 4:
-            self._let_idle_go(now)
+            self._let_idle_go(now, keep=target.node_id)  # not closed to be reopened at once
         peer = self.peers.get(target.node_id)
         if peer is not None and peer.address != target.data_address:
             # the node restarted under the same id, on new ports: what is queued for the old
@@ -239,7 +239,7 @@ class KvSender:
         peer.used_at = now
         peer.outbox.put_nowait(item)
 
-    def _let_idle_go(self, now: float) -> None:
+    def _let_idle_go(self, now: float, keep: str) -> None:
         """Every node id ever sent to kept a socket, two tasks and ZeroMQ's reconnecting to
         it for good (pods come and go): a peer with nothing queued or in transfer for
         PEER_IDLE_S is let go, and comes back on its next message."""
@@ -247,7 +247,7 @@ class KvSender:
         busy = {t.target.node_id for t in self.transfers.values()}
         for peer in list(self.peers.values()):
             idle = now - peer.used_at > PEER_IDLE_S and peer.outbox.empty()
-            if idle and peer.node_id not in busy:
+            if idle and peer.node_id not in busy and peer.node_id != keep:
                 self._retire(peer, "unused: let go")
 
     async def _sender(self, peer: Peer) -> None:

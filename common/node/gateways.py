@@ -109,7 +109,8 @@ class Gateways:
             load = msgspec.structs.replace(load, held=held)
         events = events if link.registered else None
         # what the other gateways said of their load: the one leading pool care sizes for all
-        said = tuple(k.load for k in self.links if k is not link and k.load is not None)
+        said = tuple(k.load for k in self.links if k is not link and k.load is not None
+                     and k.registered and k.silent_since is None)  # fmt: skip
         if said:
             load = msgspec.structs.replace(load, gateways=said)
         return Heartbeat(node_id=self.node_id, load=load, leader=self.leader(), events=events,

@@ -73,6 +73,7 @@ class GatewayLoad(msgspec.Struct, kw_only=True, frozen=True):
     for every gateway's load (gateway/others.py). Gateways tell the nodes; nodes relay."""
 
     gateway: str
+    seq: int = 0  # counts the gateway's reports: a node relaying older news is told apart
     prompt_tokens: int = 0
     requests: int = 0
     output_tokens: int = 0

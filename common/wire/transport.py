@@ -57,6 +57,10 @@ def make_socket(
         sock.setsockopt(zmq.MAXMSGSIZE, max_msg)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: raise, don't drop silently
+        # a peer reconnecting under its identity (a sender's channel reopened, a node restarted
+        # under its id, a DEALER back after a partition while its old connection still looks
+        # alive here) takes it over; by default the ROUTER ignores the new connection for good
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if kind in (zmq.PUSH, zmq.DEALER):
         sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow peer's backlog
     key = key_of(ctx)

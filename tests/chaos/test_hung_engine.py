@@ -105,6 +105,9 @@ async def test_a_hung_node_says_so_and_rejoins_only_once_its_engine_steps(tokeni
         req = c.request("r0", prompt(30, 2000), params)
         run = asyncio.create_task(c.gw.service.run(req))
         try:
+            # hung first (its step past 0.5 s), then dropped by the lease (no token in 1 s); a
+            # drop before the step hung (a slow prefill) is followed by a rejoin, then this
+            await until(lambda: hung.hung() is not None, 10, "the engine step hung")
             await until(lambda: "decode-0" not in c.gw.cluster.nodes, 10, "the lease dropped it")
             for path in ("/health", "/live"):
                 status, body = await _probe(port, path)

@@ -176,6 +176,9 @@ async def test_a_node_relays_each_gateway_s_load_to_the_others(tokenizer):
         node = await _node(tokenizer, PrefillRole, "prefill-0", [a, b])
         await until(lambda: _beat(b, "prefill-0").load.gateways == (a.said,), what="relayed")
         assert _beat(a, "prefill-0").load.gateways == ()  # not told its own, nor b's (none)
+        a.muted = True  # a gateway gone silent: its last word is relayed no more
+        await until(lambda: node[0].control.links[0].silent_since is not None, 10, "silent")
+        await until(lambda: _beat(b, "prefill-0").load.gateways == (), 5, "not relayed")
     finally:
         if node is not None:
             await _stop(node)

@@ -403,7 +403,8 @@ async def test_a_transfer_ended_while_its_frame_lands_frees_its_blocks_once_land
 async def test_a_peer_unused_for_long_is_let_go_and_comes_back_when_needed():
     """Every decode node ever sent to kept a DEALER, two tasks and ZeroMQ's reconnecting for
     good (pods scaled away, restarted under new names): one idle past PEER_IDLE_S is let go
-    at the next message to anyone, one with a transfer in flight never is."""
+    at the next message to anyone, one with a transfer in flight never is, and one let go
+    is served again on its next message (its ROUTER takes the new channel over)."""
     from pdserve.common.kv import sender as sender_module
 
     pair = await Pair("zmq", capacity=600).start()
@@ -424,5 +425,13 @@ async def test_a_peer_unused_for_long_is_let_go_and_comes_back_when_needed():
         pair.sender.abort(busy.request_id)
         intake = await pair.send("r2", 17, [4, 5], layerwise=False)  # still served
         pair.release(intake.block_table)
+        for i in range(10):  # "d" let go, then needed again at once, its ROUTER alive: the
+            # new channel (the same identity) must be taken, not ignored for good
+            pair.sender.peers["d"].used_at -= 2 * sender_module.PEER_IDLE_S
+            pair.sender.swept_at -= sender_module.PEER_IDLE_S
+            pair.sender.send_message(gone, Abort(request_id="nothing"))
+            assert "d" not in pair.sender.peers
+            intake = await pair.send(f"again{i}", 17, [6, 7], layerwise=False)
+            pair.release(intake.block_table)
     finally:
         await pair.close()

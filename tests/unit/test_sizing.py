@@ -116,9 +116,12 @@ def test_the_leader_sizes_for_every_gateway_s_arrivals_as_the_nodes_relay_them()
         (leader if i % 2 == 0 else other).arrived(prompt, t)
         if i % 20 == 0:  # a node relays the other gateway's count now and then
             tokens, requests, outputs = other.own
-            reports.append(GatewayLoad(gateway="b", prompt_tokens=tokens, requests=requests,
-                                       output_tokens=outputs, waiting_tokens=8000))  # fmt: skip
-            others.relayed((GatewayLoad(gateway="a", requests=10**9), *reports[-2:][::-1]), t)
+            reports.append(GatewayLoad(gateway="b", seq=len(reports) + 1, prompt_tokens=tokens,
+                                       requests=requests, output_tokens=outputs,
+                                       waiting_tokens=8000))  # fmt: skip
+            # its own report is skipped; the one before the newest, relayed after it by
+            # another node, is older news
+            others.relayed((GatewayLoad(gateway="a", seq=10**9), *reports[-2:][::-1]), t)
         t, i = t + 1 / rate, i + 1
     cluster = cluster_with({"p0": (0, 0)}, {"d0": 100})
     alone = Sizing(COST, window=10.0)
@@ -127,4 +130,5 @@ def test_the_leader_sizes_for_every_gateway_s_arrivals_as_the_nodes_relay_them()
     assert alone.prefill(cluster, 0, now=t) < whole.prefill(cluster, 0, now=t) == 4
     assert leader.prefill(cluster, 0, now=t) == 4
     assert others.waiting_tokens(t) == 8000
+    others.relayed((reports[-1],), t + FORGET_S)  # relayed again, but no newer report
     assert others.waiting_tokens(t + FORGET_S + 1) == 0  # gone: its backlog with it
