@@ -133,11 +133,20 @@ def gateway_addresses(given: str) -> list[str]:
     one gateway per address it resolves to (a Kubernetes headless Service: one per pod),
     or the name itself while it resolves to none (ZeroMQ keeps trying it)."""
     found: list[str] = []
+    unresolved: list[str] = []
     for address, ips in resolve(given).items():
-        for one in ips or [address]:
+        if not ips and _name(address) is not None:
+            unresolved.append(address)
+        for one in ips:
             if one not in found:
                 found.append(one)
-    return found
+        if not ips and _name(address) is None and address not in found:
+            found.append(address)
+    # a name resolving to nothing goes to ZeroMQ only when nothing else does: libzmq looks it
+    # up in its I/O thread at every reconnect, holding up every socket of the node (a stopped
+    # compose gateway's name waits out the DNS timeout each time); with other gateways the
+    # discovery loop links it once it resolves
+    return found or unresolved
 
 
 def configured(given: str) -> list[str]:

@@ -50,6 +50,17 @@ def test_gateway_addresses_split_deduplicate_and_expand_names_of_several(monkeyp
     monkeypatch.setattr(socket, "getaddrinfo", none)  # nothing yet: ZeroMQ tries the name
     assert gateway_addresses("tcp://gateway:8001") == ["tcp://gateway:8001"]
 
+    def one_of_two(host, port, *args, **kwargs):  # a stopped compose gateway: no address
+        if host == "gateway":
+            raise socket.gaierror("no such name")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.8", port))]
+
+    # given to ZeroMQ, the name held up every socket of the node while libzmq looked it up at
+    # each reconnect: left to the discovery loop when another gateway resolves
+    monkeypatch.setattr(socket, "getaddrinfo", one_of_two)
+    assert gateway_addresses("tcp://gateway:8001,tcp://gateway-b:8001") == ["tcp://10.0.0.8:8001"]
+    assert gateway_addresses("tcp://gateway:8001,ipc:///tmp/gw") == ["ipc:///tmp/gw"]
+
 
 def test_owners_keep_a_request_one_sweep_after_the_node_lets_go():
     owners, a, b = Owners(), object(), object()
