@@ -22,6 +22,11 @@ from tests.docker_util import build_once, compose_or_skip, stack_env
 from tests.e2e.test_compose import PROMPT, _stream_chat, _wait_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
+HEALTH_ANY = (  # the body of a 503 too
+    "import urllib.request as u, urllib.error as e\n"
+    "try:\n    print(u.urlopen('http://127.0.0.1:8000/health', timeout=5).read().decode())\n"
+    "except e.HTTPError as x:\n    print(x.read().decode())"
+)
 HEALTH = (
     "import urllib.request as u, json; "
     "print(json.dumps(json.loads(u.urlopen('http://127.0.0.1:8000/health', timeout=5).read())))"
@@ -85,6 +90,37 @@ def test_two_gateways_behind_haproxy_serve_and_survive_one_gone(ha, smol_runner,
         text, _, _ = _stream_chat(url)
         assert text == expected.text
     print(f"compose ha: served through one gateway {time.monotonic() - gone:.1f} s after the kill")
+
+
+def test_a_node_restarts_while_the_first_gateway_is_stopped(ha, smol_runner, tokenizer):
+    """The nodes joined the first gateway's IPC namespace (same-host KV): with that container
+    stopped, Docker refused to start any node ("cannot join IPC of a non running
+    container"). They share a container of their own now: a node restarts, registers with
+    the other gateway and serves through the balancer."""
+    from pdserve.common.sampling import SamplingParams
+    from tests.conftest import chat_ids, make_engine
+
+    url, run = ha
+    run("start", "gateway-b")  # (restarted by its policy after the kill above: a no-op)
+    run("stop", "gateway")
+    run("restart", "decode", timeout=300)  # the model loads again: up to a few minutes
+
+    def nodes_at_b() -> list[str]:  # /health is 503 until a decode node is back: read both
+        done = run("exec", "-T", "gateway-b", "python3", "-c", HEALTH_ANY)
+        return sorted(json.loads(done.stdout)["nodes"].values())
+
+    deadline = time.monotonic() + 240
+    while nodes_at_b() != ["decode", "prefill"]:
+        assert time.monotonic() < deadline, nodes_at_b()
+        time.sleep(1)
+    engine = make_engine(smol_runner, tokenizer)
+    [expected] = engine.generate(
+        [chat_ids(tokenizer, PROMPT)], SamplingParams(max_tokens=24, temperature=0.0)
+    )
+    _wait_nodes(url, 2, timeout=60)  # the balancer's check saw gateway-b healthy again
+    for _ in range(3):  # the balancer skips the stopped gateway (its check, or redispatch)
+        text, _, _ = _stream_chat(url)
+        assert text == expected.text
 
 
 def _dropped_and_resumed(url: str) -> str:

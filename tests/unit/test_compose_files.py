@@ -49,7 +49,7 @@ def _gpu_devices(service: dict) -> list[dict]:
 
 
 def test_services_and_gpu_reservations(gpu, cpu):
-    assert set(gpu["services"]) == {"gateway", "prefill", "decode"}  # monitoring is opt-in
+    assert set(gpu["services"]) == {"gateway", "shm", "prefill", "decode"}  # monitoring: opt-in
     for name in ("prefill", "decode"):
         [device] = _gpu_devices(gpu["services"][name])
         assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
@@ -72,11 +72,15 @@ def test_only_the_gateway_is_published_and_node_traffic_is_internal(gpu):
 
 
 def test_same_host_kv_shares_one_ipc_namespace_with_room_for_kv(gpu, cpu):
+    """The nodes share one IPC namespace, held by a container of its own: it was the first
+    gateway's, and Docker refuses to start a container joining the namespace of a stopped
+    one (with compose.ha.yaml, no node could restart while that gateway was down)."""
     for config in (gpu, cpu):
         services = config["services"]
-        assert services["gateway"]["ipc"] == "shareable"
-        assert services["prefill"]["ipc"] == services["decode"]["ipc"] == "service:gateway"
-        assert int(services["gateway"]["shm_size"]) >= 512 * 2**20  # Docker's default: 64 MB
+        assert services["shm"]["ipc"] == "shareable" and "ipc" not in services["gateway"]
+        assert services["prefill"]["ipc"] == services["decode"]["ipc"] == "service:shm"
+        assert int(services["shm"]["shm_size"]) >= 512 * 2**20  # Docker's default: 64 MB
+        assert services["shm"]["build"]["args"] == services["gateway"]["build"]["args"]
 
 
 def test_every_service_has_a_healthcheck_on_its_own_port(gpu):
