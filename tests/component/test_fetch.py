@@ -130,12 +130,15 @@ async def holder_and_fetcher(c: Cluster, tokenizer: Any, runners: Any) -> tuple[
     return holder, fetcher
 
 
-async def test_a_fetch_whose_holder_dies_midway_is_computed_instead(tokenizer, torch_runners):
-    r0 = torch_runners[1]
+def second_and_expected(tokenizer, torch_runners) -> tuple[list[int], Any]:
+    """The prompt whose prefix the fetcher fetches, and the single-process engine's output."""
     second_prompt = shared_prefix(tokenizer) + tokenizer.encode(" Name one:")
-    expected = make_engine(own_cache(r0), tokenizer, prefix_caching="off").generate(
-        [second_prompt], GREEDY
-    )[0]
+    engine = make_engine(own_cache(torch_runners[1]), tokenizer, prefix_caching="off")
+    return second_prompt, engine.generate([second_prompt], GREEDY)[0]
+
+
+async def test_a_fetch_whose_holder_dies_midway_is_computed_instead(tokenizer, torch_runners):
+    second_prompt, expected = second_and_expected(tokenizer, torch_runners)
     async with Cluster(tokenizer) as c:
         holder, fetcher = await holder_and_fetcher(c, tokenizer, torch_runners)
         push_all = holder.sender.push_all
@@ -160,11 +163,7 @@ async def test_a_fetch_that_lands_too_slowly_is_given_up_before_its_holder_unpin
     """A holder pins what it serves for 3 x --kv-transfer-timeout; a fetch whose layers keep
     landing, but too slowly to end before that, is given up at 2 x (else the holder's
     frames still queued could read blocks it reused, cached here as the prefix)."""
-    r0 = torch_runners[1]
-    second_prompt = shared_prefix(tokenizer) + tokenizer.encode(" Name one:")
-    expected = make_engine(own_cache(r0), tokenizer, prefix_caching="off").generate(
-        [second_prompt], GREEDY
-    )[0]
+    second_prompt, expected = second_and_expected(tokenizer, torch_runners)
     async with Cluster(tokenizer) as c:
         holder, fetcher = await holder_and_fetcher(c, tokenizer, torch_runners)
         sender, loop = holder.sender, asyncio.get_running_loop()
