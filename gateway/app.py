@@ -388,10 +388,12 @@ def create_app(cfg: GatewayConfig) -> web.Application:
 
 def serve(cfg: GatewayConfig) -> None:
     """Runs the gateway until SIGINT/SIGTERM (on uvloop where the caller installed it)."""
+
+    def announce(*_: object) -> None:
+        log.info("gateway on http://%s:%d", cfg.host, cfg.port)
+
     # backlog: aiohttp's 128 overflows in a burst of connections (hundreds of clients at once,
     # a flood of resumes): a dropped SYN costs its client a 1 s retransmit. uvicorn's 2048
     # (the kernel caps it at net.core.somaxconn)
     web.run_app(create_app(cfg), host=cfg.host, port=cfg.port, handler_cancellation=True,
-                backlog=2048, access_log=None,
-                print=lambda *_: log.info("gateway on http://%s:%d", cfg.host,
-                                          cfg.port))  # fmt: skip
+                backlog=2048, access_log=None, print=announce)  # fmt: skip

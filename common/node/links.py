@@ -137,11 +137,10 @@ def gateway_addresses(given: str) -> list[str]:
     for address, ips in resolve(given).items():
         if not ips and _name(address) is not None:
             unresolved.append(address)
-        for one in ips:
+            continue
+        for one in ips or [address]:
             if one not in found:
                 found.append(one)
-        if not ips and _name(address) is None and address not in found:
-            found.append(address)
     # a name resolving to nothing goes to ZeroMQ only when nothing else does: libzmq looks it
     # up in its I/O thread at every reconnect, holding up every socket of the node (a stopped
     # compose gateway's name waits out the DNS timeout each time); with other gateways the
