@@ -263,5 +263,5 @@ def _slim(req: NodeRequest, tokens: list[int] | None = None) -> NodeRequest:
 
 
 def _attempt(wire_id: str) -> int:
-    tail = wire_id.rsplit(".", 1)[1]
-    return int(tail) if tail.isdigit() else -1
+    tail = wire_id.rpartition(".")[2]  # a wire id without one (a stray peer's): -1
+    return int(tail) if "." in wire_id and tail.isdigit() else -1

@@ -19,7 +19,7 @@ import logging
 import secrets
 import signal
 import time
-from typing import Any, Protocol
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -28,22 +28,20 @@ from pdserve.common.config import NodeConfig
 from pdserve.common.errors import PdserveError
 from pdserve.common.node.adoption import Adoption
 from pdserve.common.node.events import PrefixEvents
-from pdserve.common.node.fairness import STALE, Fairness, Room
+from pdserve.common.node.fairness import STALE, Fairness
 from pdserve.common.node.gateways import Gateways
 from pdserve.common.node.links import GatewayLink, beat_delay, dynamic, gateway_addresses, resolve
-from pdserve.common.node.role import NodeRequest
+from pdserve.common.node.role import NodeState, RoleMessages
 from pdserve.common.node_metrics import NodeMetrics, start_http
 from pdserve.common.wire.protocol import (
     GATEWAY_DECODER,
     Abort,
     Adopt,
     Deregister,
-    Foreign,
     HeartbeatReply,
     KvEvents,
     Load,
     Msg,
-    NodeInfo,
     PrefillOffer,
     Rebalance,
     Redirect,
@@ -62,34 +60,6 @@ DISCOVERY_S = 5.0  # how often gateway host names are resolved again
 
 class RegistrationRefused(PdserveError):
     pass
-
-
-class NodeState(Protocol):
-    """What the control plane reports of the node and asks of it."""
-
-    def info(self) -> NodeInfo: ...
-    def load(self) -> Load: ...
-    def idle(self) -> bool: ...  # nothing held: a draining node may exit
-    def hung(self) -> str | None: ...  # why the engine counts as hung (--step-timeout)
-    def free_stale(self, request_ids: tuple[str, ...]) -> None: ...
-    def abort(self, rid: str) -> None: ...
-    def foreign(self, request_ids: list[str]) -> Foreign: ...  # what these ids hold
-    def holds(self, rid: str) -> bool: ...
-    @property
-    def requests(self) -> dict[str, NodeRequest]: ...
-
-
-class RoleMessages(Protocol):
-    """The role's part: the gateway's other messages, and what a drain leaves behind."""
-
-    role: str
-    pushes_tokens: bool  # decode and colocated nodes stream tokens to the gateway
-
-    def on_registered(self, ack: RegisterAck) -> None: ...
-    async def on_gateway_message(self, msg: Any) -> None: ...
-    async def on_drain_timeout(self) -> None: ...
-    def on_drain(self) -> None: ...
-    def room(self) -> Room | None: ...  # what an offer may take now (None: no such limit)
 
 
 class ControlPlane:
@@ -168,8 +138,8 @@ class ControlPlane:
 
     async def wait_stopped(self) -> None:
         await self.stopped.wait()
-        for task in self.tasks:
-            if task.done() and task.exception() is not None:
+        for task in self.tasks:  # a dropped link's loop is cancelled, not failed
+            if task.done() and not task.cancelled() and task.exception() is not None:
                 raise task.exception()  # type: ignore[misc]
 
     def _task_ended(self, task: asyncio.Task) -> None:
@@ -224,43 +194,52 @@ class ControlPlane:
     # -- from the gateways ---------------------------------------------------------------------
     async def _control_loop(self, link: GatewayLink) -> None:
         while True:
-            payload = await link.control.recv()
-            msg = decode_or_none(GATEWAY_DECODER, payload)
+            msg = decode_or_none(GATEWAY_DECODER, await link.control.recv())
             link.last_reply = time.monotonic()
-            match msg:
-                case RegisterAck():
-                    self._registered(link, msg)
-                case RegisterRefuse(reason=reason):
-                    log.error("gateway %s refused %s: %s", link.address, self.node_id, reason)
-                    self.refused = True
-                    self.stopped.set()
-                    raise RegistrationRefused(reason)
-                case HeartbeatReply(stale=stale, unknown_node=unknown):
-                    mine = tuple(r for r in stale if self.gateways.leased_by(r, link))
-                    self.node.free_stale(mine)
-                    link.load = msg.load or link.load  # relayed to the other gateways
-                    if msg.kv_resync:
-                        self.events.resync()
-                    # dropped (a hung engine, say): back when the engine steps again
-                    if unknown and not self.draining and not self.node.hung():
-                        link.registered = False
-                        await link.send(Register(info=self.node.info()))
-                case SwitchRole() if not self.gateways.obeys(link):
-                    log.warning("%s: switch from %s, not the leader", self.node_id, link.address)
-                case SwitchRole(role=role) if role != self.role.role and not self.draining:
-                    # the other role in this process: drain as for SIGTERM, then the serving
-                    # loop (common/node/roles.py) starts the other role's node on the engine
-                    log.info("%s switching to %s", self.node_id, role)
-                    self.switch_to = role
-                    self.begin_drain()
-                case SwitchRole():
-                    log.info("%s: role switch ignored (draining, or that role)", self.node_id)
-                case Adopt() | Release():
-                    await self.adoption.on_gateway(msg, link)
-                case None:
-                    log.warning("dropping malformed message from the gateway at %s", link.address)
-                case _:
-                    await self._for_role(link, msg)
+            try:
+                await self._dispatch(link, msg)
+            except RegistrationRefused:
+                raise
+            except Exception:  # one message it cannot act on (a bad address, say): dropped
+                log.exception(
+                    "%s: %s from %s failed", self.node_id, type(msg).__name__, link.address
+                )
+
+    async def _dispatch(self, link: GatewayLink, msg: Any) -> None:
+        match msg:
+            case RegisterAck():
+                self._registered(link, msg)
+            case RegisterRefuse(reason=reason):
+                log.error("gateway %s refused %s: %s", link.address, self.node_id, reason)
+                self.refused = True
+                self.stopped.set()
+                raise RegistrationRefused(reason)
+            case HeartbeatReply(stale=stale, unknown_node=unknown):
+                mine = tuple(r for r in stale if self.gateways.leased_by(r, link))
+                self.node.free_stale(mine)
+                link.load = msg.load or link.load  # relayed to the other gateways
+                if msg.kv_resync:
+                    self.events.resync()
+                # dropped (a hung engine, say): back when the engine steps again
+                if unknown and not self.draining and not self.node.hung():
+                    link.registered = False
+                    await link.send(Register(info=self.node.info()))
+            case SwitchRole() if not self.gateways.obeys(link):
+                log.warning("%s: switch from %s, not the leader", self.node_id, link.address)
+            case SwitchRole(role=role) if role != self.role.role and not self.draining:
+                # the other role in this process: drain as for SIGTERM, then the serving
+                # loop (common/node/roles.py) starts the other role's node on the engine
+                log.info("%s switching to %s", self.node_id, role)
+                self.switch_to = role
+                self.begin_drain()
+            case SwitchRole():
+                log.info("%s: role switch ignored (draining, or that role)", self.node_id)
+            case Adopt() | Release():
+                await self.adoption.on_gateway(msg, link)
+            case None:
+                log.warning("dropping malformed message from the gateway at %s", link.address)
+            case _:
+                await self._for_role(link, msg)
 
     async def _for_role(self, link: GatewayLink, msg: Any) -> None:
         """A gateway acts only on its own requests: another gateway's id is not its to take,
@@ -282,10 +261,7 @@ class ControlPlane:
                 return
             case Rebalance(request_ids=rids):
                 msg = Rebalance(request_ids=tuple(r for r in rids if self._its(link, r)))
-        try:
-            await self.role.on_gateway_message(msg)
-        except Exception:
-            log.exception("handling %s failed", type(msg).__name__)
+        await self.role.on_gateway_message(msg)  # a failure: logged by the control loop
 
     def _its(self, link: GatewayLink, rid: str) -> bool:
         return self.gateways.link_for(rid) is link
@@ -315,6 +291,7 @@ class ControlPlane:
             self.fairness.answered(link, rid, since, n, self.node.holds(rid), now)
 
     def _registered(self, link: GatewayLink, ack: RegisterAck) -> None:
+        link.connect_tokens(ack.tokens_address, self.role.pushes_tokens)  # may raise: first
         # a new process: the old one's requests are orphans (another gateway may adopt
         # them, common/node/adoption.py), never this one's to free as stale
         if self.adoption.registered(link, ack.gateway_id, time.monotonic()):
@@ -363,6 +340,7 @@ class ControlPlane:
         if link.gateway_id:
             self.adoption.retire(link, time.monotonic())  # its requests: orphans, adoptable
         self.links.remove(link)
+        self.tasks.remove(link.task)
         link.task.cancel()
         link.close()
 

@@ -56,10 +56,15 @@ class GatewayLink:
             await self.tokens_sock.send(encode(msg))
 
     def registered_as(self, gateway_id: str, tokens_address: str, pushes: bool) -> None:
+        self.connect_tokens(tokens_address, pushes)
         self.registered, self.gateway_id = True, gateway_id
-        self.tokens_address = resolve_tokens_address(tokens_address, self.address)
+
+    def connect_tokens(self, tokens_address: str, pushes: bool) -> None:
+        """Where token batches go. Raises on an address it cannot use, before any change."""
+        address = resolve_tokens_address(tokens_address, self.address)
         if pushes and self.tokens_sock is None:
-            self.tokens_sock = make_socket(self.ctx, "decode.tokens", self.tokens_address)
+            self.tokens_sock = make_socket(self.ctx, "decode.tokens", address)
+        self.tokens_address = address
 
     def reply_due(self, timeout: float, interval: float) -> bool:
         """Ask this gateway to answer this heartbeat: when it has said nothing for more than

@@ -2,7 +2,8 @@
 runtime (common/node/runtime.py), and the request-table entry they share with it. A role
 answers the gateway's messages, shapes the steps (before, in the engine thread, after) and,
 on nodes with a KV data plane, takes and hands off request KV. Each part of the node sees
-only its slice: `RoleMessages` (control.py), `StepHooks` (steps.py), `KvHooks` (kv.py).
+only its slice: `RoleMessages` and `NodeState` (control.py; both here), `StepHooks`
+(steps.py), `KvHooks` (kv.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from pdserve.common.wire.kv_messages import (
 )
 from pdserve.common.wire.protocol import (
     DecodeTarget,
+    Foreign,
+    Load,
+    NodeInfo,
     RegisterAck,
 )
 
@@ -101,3 +105,31 @@ class Role(Protocol):
 
     async def kv_refused(self, rid: str, peer: str, why: str) -> None:
         """A request's KV we sent was refused."""
+
+
+class NodeState(Protocol):
+    """What the control plane reports of the node and asks of it."""
+
+    def info(self) -> NodeInfo: ...
+    def load(self) -> Load: ...
+    def idle(self) -> bool: ...  # nothing held: a draining node may exit
+    def hung(self) -> str | None: ...  # why the engine counts as hung (--step-timeout)
+    def free_stale(self, request_ids: tuple[str, ...]) -> None: ...
+    def abort(self, rid: str) -> None: ...
+    def foreign(self, request_ids: list[str]) -> Foreign: ...  # what these ids hold
+    def holds(self, rid: str) -> bool: ...
+    @property
+    def requests(self) -> dict[str, NodeRequest]: ...
+
+
+class RoleMessages(Protocol):
+    """The role's part: the gateway's other messages, and what a drain leaves behind."""
+
+    role: str
+    pushes_tokens: bool  # decode and colocated nodes stream tokens to the gateway
+
+    def on_registered(self, ack: RegisterAck) -> None: ...
+    async def on_gateway_message(self, msg: Any) -> None: ...
+    async def on_drain_timeout(self) -> None: ...
+    def on_drain(self) -> None: ...
+    def room(self) -> Room | None: ...  # what an offer may take now (None: no such limit)
