@@ -20,6 +20,7 @@ blocks from it (common/node/fetch.py); the request is scheduled once they have l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -28,6 +29,7 @@ from typing import Any
 from pdserve.common.engine.scheduler import Mode, SchedulerConfig, SchedulerOutput, step_work
 from pdserve.common.engine.sequence import Sequence, check_stop
 from pdserve.common.kv.base import Transfer
+from pdserve.common.kv.sender import TransferEnded
 from pdserve.common.node.defaults import RoleDefaults
 from pdserve.common.node.fairness import Room
 from pdserve.common.node.fetch import PrefixFetches
@@ -179,12 +181,17 @@ class PrefillRole(RoleDefaults):
 
         def on_layer(layer: int) -> None:
             for t in layerwise:
-                loop.call_soon_threadsafe(sender.push, t, layer, sender.stage(t, layer))
+                with contextlib.suppress(TransferEnded):  # released mid-pass: nothing to send
+                    loop.call_soon_threadsafe(sender.push, t, layer, sender.stage(t, layer))
 
         began = time.monotonic()
         sampled = self.node.engine.step(*step_work(out), on_layer if layerwise else None)
         ended = time.monotonic()
-        at_end = {t.request_id: self.node.sender.stage_all(t) for t in moving if t not in layerwise}
+        at_end = {}
+        for t in moving:
+            if t not in layerwise:
+                with contextlib.suppress(TransferEnded):
+                    at_end[t.request_id] = sender.stage_all(t)
         return sampled, at_end, began, ended
 
     async def after_step(self, out: SchedulerOutput, grew: list[Sequence], result: Any) -> None:

@@ -74,6 +74,10 @@ class Transfer:
     layerwise: bool = False  # its layers went out during the pass (prefill_node/layerwise.py)
     staged: list[Any] = field(default_factory=list)  # host copies sent, returned at the end
     finished: float = 0.0  # KvAck received
+    # stages in flight off the event loop (a fetch, a resend: common/kv/sender.py), and
+    # whether the transfer was released meanwhile: its backend state outlives those stages
+    staging: int = 0
+    ended: Any = None  # released: the event loop to end it on once no stage is in flight
 
     @property
     def total_bytes(self) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +48,10 @@ ACK_MAX_MSG = 1 << 20
 PEER_IDLE_S = 300.0  # a peer sent nothing this long (a decode node scaled away): let go
 
 __all__ = ["KvSender", "Transfer"]
+
+
+class TransferEnded(RuntimeError):
+    """A stage of a transfer already released (aborted, refused, served)."""
 
 
 @dataclass
@@ -89,6 +94,7 @@ class KvSender:
         self.connectors: dict[str, SendConnector] = {}
         self.peers: dict[str, Peer] = {}
         self.swept_at = time.monotonic()  # idle peers last let go
+        self.lock = threading.Lock()  # a transfer's stages in flight against its release
         self.transfers: dict[str, Transfer] = {}
 
     def connector(self, name: str) -> SendConnector:
@@ -148,8 +154,22 @@ class KvSender:
         return t
 
     def stage(self, t: Transfer, layer: int) -> Any:
-        """Engine thread: what the layer's descriptor and frame need (connector-specific)."""
-        return self.connector(t.backend).stage(t, layer)
+        """Engine thread: what the layer's descriptor and frame need (connector-specific).
+        A transfer released while a stage runs in a worker thread (a fetch served, a resend)
+        keeps its backend state until that stage is over: an shm segment given back at once
+        was lent to the next transfer while the stale stage still wrote a layer into it."""
+        with self.lock:
+            if t.ended is not None:
+                raise TransferEnded(t.request_id)
+            t.staging += 1
+        try:
+            return self.connector(t.backend).stage(t, layer)
+        finally:
+            with self.lock:
+                t.staging -= 1
+                loop: Any = t.ended if t.staging == 0 else None
+            if loop:  # released meanwhile: ended now, on the event loop
+                loop.call_soon_threadsafe(self._end, t)
 
     def stage_all(self, t: Transfer) -> list[Any]:
         """Engine thread: every layer at once (short prompts, resends)."""
@@ -204,11 +224,18 @@ class KvSender:
     def release(self, request_id: str) -> Transfer | None:
         t = self.transfers.pop(request_id, None)
         if t is not None:
-            self.connector(t.backend).end(t)
-            staging = self.local.kv.staging
-            while t.staged and staging is not None:
-                staging.give_back(t.staged.pop())
+            with self.lock:
+                t.ended = asyncio.get_running_loop() if t.staging else False
+                busy = bool(t.staging)
+            if not busy:  # else the last stage in flight ends it
+                self._end(t)
         return t
+
+    def _end(self, t: Transfer) -> None:
+        self.connector(t.backend).end(t)
+        staging = self.local.kv.staging
+        while t.staged and staging is not None:
+            staging.give_back(t.staged.pop())
 
     # -- peers -----------------------------------------------------------------------------
     def _post(self, target: DecodeTarget, item: _Item) -> None:

@@ -36,7 +36,7 @@ from pdserve.common.engine.scheduler import Scheduler
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.kv.base import Intake
 from pdserve.common.kv.intake import KvIntake
-from pdserve.common.kv.sender import KvSender
+from pdserve.common.kv.sender import KvSender, TransferEnded
 from pdserve.common.node.reserve import reserve_blocks
 from pdserve.common.node_metrics import NodeMetrics
 from pdserve.common.sampling import SamplingParams
@@ -302,6 +302,8 @@ class PrefixFetches:
         )
         try:
             payloads = await asyncio.to_thread(sender.stage_all, t)  # reads pinned blocks only
+        except TransferEnded:  # refused or expired meanwhile: unpinned there
+            return
         except Exception:
             log.exception("staging fetch %s failed", fid)
             self._expire(fid)

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from pdserve.common.engine.scheduler import Scheduler
 from pdserve.common.kv.base import Transfer
-from pdserve.common.kv.sender import KvSender
+from pdserve.common.kv.sender import KvSender, TransferEnded
 from pdserve.common.node_metrics import NodeMetrics
 from pdserve.common.wire.kv_messages import (
     PREFIX_GONE,
@@ -108,7 +108,10 @@ class KvHandoff:
                               prompt_len=req.prompt_len)  # fmt: skip
         # staging reads only this request's blocks: it need not wait behind the next forward
         # pass in the engine thread
-        payloads = await asyncio.to_thread(node.sender.stage_all, t)
+        try:
+            payloads = await asyncio.to_thread(node.sender.stage_all, t)
+        except TransferEnded:  # aborted meanwhile
+            return
         if node.requests.get(rid) is not req:  # aborted meanwhile
             return
         node.sender.push_all(t, payloads)
