@@ -34,6 +34,8 @@ class AdoptHost(Protocol):
 
     def load(self) -> Load: ...
 
+    def unpark(self, rid: str) -> None: ...  # parked to move: decodes here again
+
 
 class Adoption:
     def __init__(self, gateways: Gateways, node: AdoptHost, grace: float,
@@ -209,6 +211,8 @@ class Adoption:
                            f"(0 to {len(outputs)})")  # fmt: skip
         if not reasked:  # a stream saved, counted once
             self.count("adopted", 1)
+        if ended is None:  # parked for a move its dead gateway never ordered: decode it here
+            self.node.unpark(rid)
         owners.move(rid, link)
         if self.finished.pop(rid, None) is not None:  # ended: its adopter may let it go again
             self._trim(time.monotonic())
@@ -228,8 +232,8 @@ class Adoption:
             if link.silent_since is not None and now - link.silent_since > self.grace:
                 late += owners.owned(link)
         if self.gateways.gone:  # one pass: a released stream has a Gone of its own
-            late += [r for r, o in owners.of.items()
-                     if isinstance(o, Gone) and now - o.since > self.grace]  # fmt: skip
+            late += [r for r, o in owners.of.items() if isinstance(o, Gone)
+                     and not o.freed and now - o.since > self.grace]  # fmt: skip
             self.gateways.gone = [g for g in self.gateways.gone if now - g.since <= self.grace]
         # running, or reserved with its KV on its way (a decode node's intake: the intake's
         # stall timer never starts for a reservation no frame reached)
@@ -240,7 +244,9 @@ class Adoption:
             self.count("freed_ended", len(late) - len(live))
         for rid in late:
             self.finished.pop(rid, None)
-            owners.move(rid, Gone("", now))  # nobody's: the sweep forgets it once freed
+            # nobody's, and no orphan: an abort waits for a running step to end, and an
+            # adopter taking it meanwhile got no token and no word ever again
+            owners.move(rid, Gone("", now, freed=True))  # the sweep forgets it once freed
         if live:
             log.warning("freeing %d orphaned requests: no gateway adopted them within %.1f s",
                         len(live), self.grace)  # fmt: skip

@@ -93,6 +93,7 @@ class Gone:
 
     gateway_id: str
     since: float
+    freed: bool = False  # nobody's: freed at the grace's end (its step may still run)
 
 
 Owner = GatewayLink | Gone
@@ -124,7 +125,9 @@ class Owners:
     def orphan(self, rid: str) -> bool:
         """Its gateway is gone or silent: nobody receives its tokens."""
         owner = self.of.get(rid)
-        return isinstance(owner, Gone) or (owner is not None and owner.silent_since is not None)
+        if isinstance(owner, Gone):
+            return not owner.freed
+        return owner is not None and owner.silent_since is not None
 
     def sweep(self, held: set[str]) -> None:
         """Forget requests the node has not held for two sweeps."""

@@ -198,6 +198,12 @@ class NodeRuntime:
     def holds(self, rid: str) -> bool:
         return rid in self.requests
 
+    def unpark(self, rid: str) -> None:
+        """A sequence parked to move whose move will never come (its gateway is gone):
+        it decodes here again."""
+        if self.scheduler.resume(rid):
+            self.steps.wake()
+
     def idle(self) -> bool:
         return not self.requests and not self.role.extra_held()
 

@@ -139,6 +139,7 @@ class _Node:
     def __init__(self, *rids: str) -> None:
         self.requests: dict = dict.fromkeys(rids)
         self.freed: list[str] = []
+        self.unparked: list[str] = []
 
     def free_stale(self, request_ids: tuple[str, ...]) -> None:
         self.freed += request_ids
@@ -147,6 +148,9 @@ class _Node:
 
     def abort(self, rid: str) -> None:
         self.free_stale((rid,))
+
+    def unpark(self, rid: str) -> None:
+        self.unparked.append(rid)
 
     def load(self) -> Load:
         return Load(running=len(self.requests), waiting=0, blocks_free=0, blocks_cached=0,
@@ -257,6 +261,44 @@ def test_what_ended_as_its_gateway_died_is_kept_for_a_resume():
         assert list(adoption.finished) == ["t.0"]
         adoption.expire(103.3)
         assert not adoption.finished
+    finally:
+        own.close()
+        other.close()
+        ctx.term()
+
+
+class _Stepping(_Node):
+    """A node whose requests are in a running step: freeing one waits for the step's end."""
+
+    def free_stale(self, request_ids: tuple[str, ...]) -> None:
+        self.freed += request_ids
+
+
+def test_an_orphan_freed_at_the_grace_is_no_orphan_while_its_step_ends():
+    """The grace ended for a running orphan: its abort waits for the engine's step. A resume
+    that came meanwhile was handed the stream (found, owner moved to its gateway), then the
+    step dropped it without a word: the adopter's client waited for tokens that never came."""
+    ctx = zmq.asyncio.Context()
+    try:
+        own, other = (GatewayLink(ctx, f"tcp://127.0.0.1:{p}", "node-x") for p in (9, 10))
+        own.gateway_id, other.gateway_id = "g-own", "g-other"
+        seq = Sequence.new("r.0", [5, 6, 7], SamplingParams(max_tokens=9, temperature=0.0))
+        seq.token_ids += [8, 9]
+        node = _Stepping()
+        node.requests["r.0"] = NodeRequest(seq=seq)
+        gateways = Gateways("node-x", [own, other], node)  # type: ignore[arg-type]
+        assert gateways.owners.adopt("r.0", own)
+        adoption = Adoption(gateways, node, grace=3.0)
+        adoption.release("r.0", own, 100.0)
+        assert adoption.adopt(Adopt(streams=[("r", 0)]), own)[0][1].found  # within the grace
+        adoption.release("r.0", own, 100.5)
+        adoption.expire(103.6)
+        assert node.freed == ["r.0"] and "r.0" in node.requests  # its step still runs
+        assert not gateways.owners.orphan("r.0")
+        answers = adoption.adopt(Adopt(streams=[("r", 0)]), other)
+        assert [(w, a.found) for w, a in answers] == [("r.0", False)]
+        adoption.expire(110.0)  # and not freed (or counted) a second time
+        assert node.freed == ["r.0"]
     finally:
         own.close()
         other.close()
