@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from pdserve.common.config import GatewayConfig
 from pdserve.common.model.tokenizer import Tokenizer
@@ -125,6 +126,8 @@ async def read_body(request: web.Request) -> bytes:
         except asyncio.TimeoutError:
             stalled = f"the request body stalled for {cfg.body_timeout:g} s"
             raise ApiError(408, stalled, code="timeout") from None
+        except (web.RequestPayloadError, HttpProcessingError) as exc:  # a Content-Encoding lie
+            raise ApiError(400, f"malformed request body: {exc}") from None
         if not chunk:
             return bytes(body)
         body += chunk
@@ -226,7 +229,7 @@ async def resume_stream(request: web.Request) -> web.StreamResponse:
                        param="Last-Event-ID")  # fmt: skip
     include_usage = request.query.get("include_usage", "").lower() in TRUTHY
     req = await service.resume(public_id, int(text), include_usage)
-    req.resumable = True  # its client may lose this connection too
+    req.resumable = req.announced = True  # its client may lose this connection too
     echo_id = request.headers.get("x-request-id") or public_id
     try:
         return await _stream(request, req, public_id, echo_id, ids=True, resumed=int(text))
@@ -272,6 +275,7 @@ async def _stream(
             obj.setdefault("usage", None)
         head = f"id: {covered}\n".encode() if ids else b""
         await conn.write(head + b"data: " + orjson.dumps(obj) + b"\n\n")
+        req.announced = True
 
     sent = 0  # output tokens whose ids went out (return_token_ids)
 
@@ -290,14 +294,8 @@ async def _stream(
                 await sse(piece)
             case Done(finish_reason=reason):
                 covered = len(req.output_ids)
-                last = chunk(
-                    req.kind,
-                    rid,
-                    req.model,
-                    req.created,
-                    None if req.kind == "chat" else "",
-                    finish_reason=reason,
-                )
+                last = chunk(req.kind, rid, req.model, req.created,
+                             None if req.kind == "chat" else "", finish_reason=reason)  # fmt: skip
                 # the server's own timings (ms: ttft, prefill, KV transfer, ...), as llama.cpp's
                 # server reports them, so a client can tell its own delays from the server's
                 last["timings"] = req.phases()
@@ -377,7 +375,7 @@ def create_app(cfg: GatewayConfig) -> web.Application:
     app.cleanup_ctx.append(_gateway_ctx)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_get("/v1/streams/{stream_id}", resume_stream)
+    app.router.add_get("/v1/streams/{stream_id}", resume_stream, allow_head=False)  # it adopts
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", models)
     app.router.add_get("/health", health)

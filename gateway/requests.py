@@ -83,6 +83,7 @@ class GatewayRequest:
     last_delta: Delta | None = None  # the last Delta queued (see `_send`)
     muted: int = 0  # a resumed stream: the client has the text of this many output tokens
     resumable: bool = False  # a stream whose client may resume it (`pdserve-resumable: 1`)
+    announced: bool = False  # a chunk (with the stream's id) went out: resumable from then
     detached: bool = False  # its client left: let go to its node once its KV is there
     ended_before: bool = False  # resumed after it had ended on its node (counted there)
     # a resumable stream's: ends the connection it streams on (its client resumes elsewhere)

@@ -149,7 +149,7 @@ class Resumes:
         tokens its node sent before the adoption was read (for the caller to add); raises
         ApiError (404 unknown, 409 a position it does not have or a live stream); and why
         its node gave it back, if it did before the answer was read (to place it again)."""
-        match = PUBLIC_ID.match(public_id)
+        match = PUBLIC_ID.fullmatch(public_id)  # not .match: its $ passes a final newline
         if match is None:
             raise ApiError(404, f"no stream {public_id!r}: ids look like cmpl-<24 hex>",
                            code="not_found")  # fmt: skip
@@ -279,7 +279,7 @@ class Resumes:
             include_usage=include_usage, tokenizer=self.tokenizer,
         )  # fmt: skip
         req.attempt = int(msg.request_id.rsplit(".", 1)[1])
-        req.resumable = True  # its client may lose this connection too
+        req.resumable = req.announced = True  # the client has its id: it may lose this one too
         req.ended_before = msg.finish_reason is not None
         try:
             req.replay(msg.output_ids, have, msg.base, msg.finish_reason)

@@ -141,9 +141,10 @@ class RequestService:
 
     def end(self, req: GatewayRequest) -> None:
         """The HTTP exchange is over (answered, or the client left): free what it holds; a
-        resumable stream whose client left is kept on its node for a resume instead."""
+        resumable stream whose client left is kept on its node for a resume instead, once it
+        had its id (in its first chunk: before that nobody can resume it)."""
         placing = self.placing.pop(id(req), None)
-        if req.resumable and not req.finished and self._detach(req):
+        if req.resumable and req.announced and not req.finished and self._detach(req):
             return  # accepted by a node: its placement is over
         if not req.finished or self.table.current(req) is not None:
             self.abort(req)

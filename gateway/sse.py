@@ -31,8 +31,8 @@ class Connection:
     async def _sent(self, io: Awaitable[None]) -> None:
         try:
             await asyncio.wait_for(io, self.timeout)
-        except (TimeoutError, ConnectionResetError) as exc:
-            if isinstance(exc, TimeoutError):
+        except (asyncio.TimeoutError, ConnectionResetError) as exc:  # 3.10: not TimeoutError
+            if isinstance(exc, asyncio.TimeoutError):
                 log.info("client at %s took nothing for %g s: gone", self.request.remote,
                          self.timeout)  # fmt: skip
             # a client that leaves is no error: the handler ends as when aiohttp sees it go

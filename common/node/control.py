@@ -154,7 +154,7 @@ class ControlPlane:
     async def stop(self) -> None:
         """Deregister and end the loops (the role's included)."""
         if not self.refused:
-            with contextlib.suppress(zmq.ZMQError, TimeoutError):
+            with contextlib.suppress(zmq.ZMQError, asyncio.TimeoutError):  # 3.10: not builtin
                 await asyncio.wait_for(self.send(Deregister(node_id=self.node_id)), 0.5)
         for task in self.tasks:
             task.cancel()

@@ -270,3 +270,25 @@ def test_raw_garbage_at_the_http_layer_changes_nothing(cluster: Cluster, chaos_s
     for sock in half_open:
         sock.close()
     still_serving(cluster)
+
+
+def _raw(cluster: Cluster, request: bytes) -> int:
+    """The status of one raw HTTP/1.1 exchange (the connection closed after it)."""
+    host, port = cluster.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(request)
+        answer = sock.recv(200)
+    return int(answer.split(b" ", 2)[1])
+
+
+def test_a_body_in_a_lying_content_encoding_gets_400(cluster: Cluster):
+    """A body that is not in the Content-Encoding it names failed aiohttp's decoder in the
+    handler: a 500 and a logged traceback per request."""
+    body = b"not compressed at all"
+    for encoding in ("gzip", "deflate", "br", "zstd", "x-unknown"):
+        head = (f"POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Encoding: {encoding}\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n")  # fmt: skip
+        status = _raw(cluster, head.encode() + body)
+        assert 400 <= status < 500, (encoding, status)
+    still_serving(cluster)

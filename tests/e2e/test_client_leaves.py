@@ -145,9 +145,15 @@ def test_one_gateway_resumes_its_own_stream_and_frees_one_never_resumed(
             headers = {"Content-Type": "application/json", "pdserve-resumable": "1"}
             async with session.post(f"{url}/v1/completions", data=orjson.dumps(lost),
                                     headers=headers) as resp:  # fmt: skip
-                await _read(resp, 5)
+                _, lost_id, _, _ = await _read(resp, 5)
                 resp.close()
             assert wait_for(lambda: _held(cluster, url) == 1, 10)  # kept for a resume
+            # its id with a %0A passed the id check ($ before a final newline): adopted, then
+            # a 500 writing the id into a header; HEAD ran a whole resume into no body
+            for method, path in (("GET", f"{lost_id}%0A"), ("HEAD", lost_id)):
+                async with session.request(method, f"{url}/v1/streams/{path}",
+                                           headers={"Last-Event-ID": "0"}) as resp:  # fmt: skip
+                    assert 400 <= resp.status < 500, (method, resp.status)
             async with session.post(f"{url}/v1/completions", data=orjson.dumps(plain)) as resp:
                 await _read(resp, 5)
                 resp.close()

@@ -1,0 +1,40 @@
+"""A resumable stream is kept on its node for a resume only once its client could resume
+it: the stream's id reaches the client in its first chunk, so a client that leaves before
+any chunk cannot come back, and its request is aborted (KV freed at once), not kept on its
+node for `--orphan-grace`."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pdserve.common.config import EngineConfig
+from pdserve.common.sampling import SamplingParams
+from pdserve.decode_node.server import DecodeRole
+from pdserve.prefill_node.server import PrefillRole
+from tests.component.cluster import Cluster, prompt, until
+
+SLOW = EngineConfig(engine="sim", sim_time_scale=1.0, num_kv_blocks=1024)
+
+
+async def test_a_resumable_stream_left_before_its_first_chunk_is_aborted_not_kept(tokenizer):
+    async with Cluster(tokenizer) as c:
+        await c.add(c.node(PrefillRole, "prefill-0", ecfg=SLOW))
+        d = await c.add(c.node(DecodeRole, "decode-0", ecfg=SLOW, orphan_grace=60.0))
+        params = SamplingParams(max_tokens=400, temperature=1.0, seed=4, ignore_eos=True)
+        outcomes = c.gw.metrics.requests
+        for i, announced in enumerate((False, True)):
+            req = c.request(f"s{i}", prompt(40, 100 * i), params)
+            req.resumable, req.announced = True, announced
+            run = asyncio.create_task(c.gw.service.run(req))
+            await until(lambda r=req: len(r.output_ids) >= 2, what="decoding")
+            c.gw.service.end(req)  # the HTTP exchange is over: its client left
+            await run
+            if not announced:  # no chunk went out: nobody can resume it
+                await until(lambda: not d.requests, what="the stream aborted on its node")
+                assert outcomes.labels("cancelled")._value.get() == 1
+                assert outcomes.labels("detached")._value.get() == 0
+                assert not d.control.adoption.finished
+        # the one whose client had its id: kept on its node for a resume
+        assert outcomes.labels("detached")._value.get() == 1
+        await until(lambda: d.control.gateways.owners.orphan(req.wire_id), what="an orphan")
+        assert list(d.requests) == [req.wire_id]
