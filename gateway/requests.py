@@ -143,7 +143,9 @@ class GatewayRequest:
         self.unsent.append(token_id)
         if len(self.output_ids) == 2:
             self.mark("decode_start")  # the first token from the decode side
-        text = self.stops.feed(self.detok.add(token_id))
+        # a stop token's own text is not output (vLLM's rule; the single-process engine's)
+        stop_token = finish_reason == "stop" and token_id in self.params.stop_token_ids
+        text = self.stops.feed("" if stop_token else self.detok.add(token_id))
         if self.stops.stopped:
             finish_reason = "stop"
         elif finish_reason is not None:

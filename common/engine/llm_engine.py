@@ -34,13 +34,16 @@ class _OutputProcessor:
     def __init__(self, tokenizer: Tokenizer, seq: Sequence) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, seq.token_ids)
         self.stops = StopStringMatcher(list(seq.params.stop))
+        self.stop_token_ids = seq.params.stop_token_ids
         self.output = RequestOutput(seq.seq_id, list(seq.token_ids))
 
     def add(self, token: int, finish_reason: str | None) -> RequestOutput:
         out = self.output
         out.token_ids.append(token)
         out.new_token_ids = [token]
-        out.new_text = self.stops.feed(self.detok.add(token))
+        # a stop token's own text is not output (vLLM's rule), as at the cluster's gateway
+        stop_token = finish_reason == "stop" and token in self.stop_token_ids
+        out.new_text = self.stops.feed("" if stop_token else self.detok.add(token))
         if self.stops.stopped:
             finish_reason = "stop"
         elif finish_reason is not None:
