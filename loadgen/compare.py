@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -103,15 +105,24 @@ def start_cluster(up_args: list[str], timeout: float) -> tuple[subprocess.Popen,
         str(free_port()),
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up, tail = threading.Event(), collections.deque[str](maxlen=50)  # its last words
+
+    def drain() -> None:
+        # to its end: every process of the cluster writes its log into this pipe, and one
+        # left unread blocked them all once full (a gateway at INFO: ~60 requests)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail.append(line)
+            if "is up" in line:
+                up.set()
+
+    threading.Thread(target=drain, daemon=True).start()
     deadline = time.monotonic() + timeout
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "is up" in line:
+    while time.monotonic() < deadline and proc.poll() is None:
+        if up.wait(0.5):
             return proc, f"http://127.0.0.1:{port}", cmd
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    raise RuntimeError(f"cluster {' '.join(up_args)} did not come up")
+    stop_cluster(proc)  # its nodes with it (a SIGKILL left them running)
+    raise RuntimeError(f"cluster {' '.join(up_args)} did not come up:\n{''.join(tail)}")
 
 
 def gateway_counts(url: str) -> dict[str, float]:

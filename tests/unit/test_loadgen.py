@@ -279,3 +279,31 @@ def test_compare_refuses_a_rate_sweep_of_a_workload_that_ignores_the_rate(tmp_pa
     args = argparse.Namespace(config=str(cfg), out=str(tmp_path / "out"), only=None)
     with pytest.raises(ValueError, match="ignores the rate"):
         compare.main(args)
+
+
+def test_a_cluster_s_log_is_read_to_its_end_after_it_is_up(tmp_path, monkeypatch) -> None:
+    """`start_cluster` read the cluster's output until "is up" and never again: every process
+    of the cluster writes its log into that pipe, and once 64 KiB sat unread they blocked in
+    a write (a gateway at INFO: one record per request, stuck after ~60 requests)."""
+    import subprocess
+    import sys
+
+    from pdserve.loadgen import compare
+
+    fake = tmp_path / "up.sh"  # a "cluster" that comes up, then logs 1 MB and ends
+    fake.write_text("#!/bin/sh\necho 'cluster is up'\nhead -c 1000000 /dev/zero | tr '\\\\0' x\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    proc, url, _ = compare.start_cluster([], timeout=30)
+    assert url.startswith("http://127.0.0.1:")
+    try:
+        assert proc.wait(20) == 0  # its log read: it ended
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    silent = tmp_path / "never.sh"  # a "cluster" that never comes up: stopped, with its words
+    silent.write_text("#!/bin/sh\necho 'loading'\nexec sleep 600\n")
+    silent.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(silent))
+    with pytest.raises(RuntimeError, match="loading"):
+        compare.start_cluster([], timeout=1.0)
