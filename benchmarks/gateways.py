@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -76,9 +77,25 @@ def _up(gateways: int, args: list[str]) -> tuple[subprocess.Popen, list[str]]:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True)
     urls = [f"http://127.0.0.1:{base + GATEWAY_PORT_STRIDE * i}" for i in range(gateways)]
     nodes = sum(int(args[args.index(f"--{r}") + 1]) for r in ("prefill", "decode"))
-    for url in urls:
-        wait_healthy(url, [proc], 300, nodes=nodes)
+    try:
+        for url in urls:
+            wait_healthy(url, [proc], 300, nodes=nodes)
+    except BaseException:  # its own session: nothing else would ever stop its 16 nodes
+        _down(proc)
+        raise
     return proc, urls
+
+
+def _down(proc: subprocess.Popen) -> None:
+    """Stop a cluster of `_up` (its process group): SIGTERM, SIGKILL after 60 s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _gateway_pids(ports: list[int]) -> list[int]:
@@ -152,8 +169,7 @@ def _measure(n: int, specs: list[workloads.RequestSpec]) -> dict[str, Any]:
         queries = _metric(urls[0], "pdserve:cluster_prefix_cache_queries_total") - queries0
         hits = _metric(urls[0], "pdserve:cluster_prefix_cache_hits_total") - hits0
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
+        _down(proc)
     summary = summarize(records, parse_slo(SLO))
     per = max(1, len(records))
     return {
@@ -240,8 +256,8 @@ def kill(out: Path, streams: int = 300) -> dict[str, Any]:
     timeout, grace = 1.0, 5.0
     args = ["--engine", "sim", "--prefill", "2", "--decode", "2", "--sim-time-scale", "1",
             "--node-heartbeat-timeout", str(timeout), "--orphan-grace", str(grace)]  # fmt: skip
-    proc, urls = _up(2, args)
     tokenizer = Tokenizer.load(None)
+    proc, urls = _up(2, args)
     bodies: list[dict[str, Any]] = [
         {"prompt": list(range(1000 + 7 * i, 1200 + 7 * i)), "max_tokens": 300,
          "temperature": 1.0, "seed": i, "ignore_eos": True}
@@ -277,8 +293,7 @@ def kill(out: Path, streams: int = 300) -> dict[str, Any]:
         replaced = _metric(urls[0], "pdserve:request_replacements_total")
         adopted = _metric(urls[0], "pdserve:stream_resumes_total", outcome="adopted")
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
+        _down(proc)
     expected = [_sim_text(tokenizer, b["prompt"], b["seed"], b["max_tokens"]) for b in bodies]
     exact = [isinstance(r, str) and r == e for r, e in zip(results, expected, strict=True)]
     groups = {

@@ -68,7 +68,10 @@ def served_itl_ms(kind: str, args: argparse.Namespace, seed: int) -> float:
         specs = synthetic(seed, args.requests + 1, 0.0, 1.0, LengthDist("fixed", args.prompt),
                           LengthDist("fixed", args.output))  # fmt: skip
         bench = BenchConfig(url=url, concurrency=1, warmup=1, progress=False)
-        return float(summarize(asyncio.run(run(specs, bench)))["itl_ms_p50"])
+        itl = summarize(asyncio.run(run(specs, bench)))["itl_ms_p50"]
+        if itl is None:  # every request failed: no figure, and no report built on one
+            raise RuntimeError(f"{kind}: no request completed (see the cluster's log)")
+        return float(itl)
     finally:
         stop_cluster(proc)
 
@@ -86,6 +89,8 @@ def main() -> None:
     p.add_argument("--decode-spin", type=int, default=None, help="1P1D: pdserve up's, if given")
     p.add_argument("--out", default="", help="folder for report.md and results.json")
     args = p.parse_args()
+    if args.rounds < 1 or args.requests < 1:
+        p.error("--rounds and --requests must be at least 1")
     rounds = []
     for r in range(args.rounds):
         row = {"engine_step_ms": engine_step_ms(args)}

@@ -84,6 +84,10 @@ def build_workload(args: argparse.Namespace) -> list[workloads.RequestSpec]:
                          "--burstiness > 0, finite numbers")  # fmt: skip
     if not (0 < args.time_scale < math.inf and 0 < args.length_scale < math.inf):
         raise ValueError("--time-scale and --length-scale: positive finite numbers")
+    # -1 started no sender (a run of nothing, "0 failed"); a negative warm-up measured the
+    # last few requests only
+    if getattr(args, "concurrency", 0) < 0 or getattr(args, "warmup", 0) < 0:
+        raise ValueError("--concurrency and --warmup: 0 or more")
     n = args.num_requests + getattr(args, "warmup", 0)
     if args.workload == "synthetic":
         return workloads.synthetic(

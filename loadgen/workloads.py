@@ -147,6 +147,8 @@ def mooncake(
         for line in f:
             if len(specs) >= n:
                 break
+            if not line.strip():  # a blank line (a doubled final newline): no request
+                continue
             row: dict[str, Any] = json.loads(line)
             length = max(1, round(row["input_length"] * length_scale))
             prompt: list[int] = []

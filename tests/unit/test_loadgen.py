@@ -307,3 +307,25 @@ def test_a_cluster_s_log_is_read_to_its_end_after_it_is_up(tmp_path, monkeypatch
     monkeypatch.setattr(sys, "executable", str(silent))
     with pytest.raises(RuntimeError, match="loading"):
         compare.start_cluster([], timeout=1.0)
+
+
+def test_a_negative_concurrency_or_warmup_is_refused_and_a_blank_trace_line_skipped(tmp_path):
+    """`--concurrency -1` started no sender (a run of nothing reported as 0 failed), and
+    `--warmup -5` measured only the last 5 requests; a trace with a blank line failed to
+    load ("Expecting value")."""
+    import argparse
+
+    from pdserve.loadgen.bench import add_workload_flags, build_workload
+
+    parser = argparse.ArgumentParser()
+    add_workload_flags(parser)
+    args = parser.parse_args(["--num-requests", "4"])
+    assert len(build_workload(args)) == 4
+    for name, value in (("concurrency", -1), ("warmup", -5)):
+        bad = argparse.Namespace(**{**vars(args), name: value})
+        with pytest.raises(ValueError, match="0 or more"):
+            build_workload(bad)
+    row = {"timestamp": 0, "input_length": 64, "output_length": 4, "hash_ids": [1]}
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps(row) + "\n\n" + json.dumps(row) + "\n\n")
+    assert len(workloads.mooncake(trace, 0, 10, time_scale=1.0, length_scale=1.0)) == 2

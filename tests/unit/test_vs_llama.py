@@ -43,6 +43,10 @@ def test_the_report_gives_ratios_to_llama_server_and_says_met_or_not():
     assert "colocated output_throughput at 1 streams: 0.83x (target >= 0.8x): met" in text
     assert "1p1d itl_ms_p99 at 16 streams: 0.60x (target <= 0.5x): NOT met" in text
     assert "16 staggered" not in text  # cases not run are left out, not invented
+    # a side whose requests all failed has no figure: said, not a crash losing the report
+    failed = {"16": {**row, "itl_ms_p99": None}}
+    text = vs_llama.report({"llama-server": ref, "1p1d": failed}, args)
+    assert "1p1d itl_ms_p99 at 16 streams: n/a (target <= 0.5x)" in text
 
 
 FAKE_SERVER = """#!/bin/sh
