@@ -79,6 +79,7 @@ class KvIntake:
         self.closed: OrderedDict[str, None] = OrderedDict()
         self.arrivals: dict[str, asyncio.Event] = {}  # stream frames waiting for their header
         self.quarantine: list[Intake] = []  # dropped, blocks held until the writer's grant ends
+        self.serving: set[asyncio.Task] = set()  # fetches of our prefixes being served
 
     async def run(self) -> None:
         while True:
@@ -119,7 +120,11 @@ class KvIntake:
                     self.drop(rid)
                     self._forget(rid)  # nothing more comes for it
             case KvFetch() if self.on_fetch is not None:
-                await self.on_fetch(peer, msg)
+                # served beside the intake: staging a large prefix takes a while, and every
+                # other transfer's frames, acks and aborts were read only after it
+                task = asyncio.ensure_future(self.on_fetch(peer, msg))
+                self.serving.add(task)
+                task.add_done_callback(self._served)
             case _:
                 log.warning("dropping malformed data message")
 
@@ -354,6 +359,13 @@ class KvIntake:
                 self.drop(rid)
                 await self.refuse(intake.peer, rid, "KV transfer timed out")
 
+    def _served(self, task: asyncio.Task) -> None:
+        self.serving.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("serving a fetch failed", exc_info=task.exception())
+
     async def close(self) -> None:
+        for task in list(self.serving):
+            task.cancel()
         for receiver in self.receivers.values():
             await receiver.close()

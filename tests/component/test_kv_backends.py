@@ -10,6 +10,7 @@ import socket
 
 import pytest
 import torch
+import zmq
 
 from benchmarks.cache_engine import CacheOnlyEngine
 from pdserve.common.kv import BACKENDS as REGISTERED
@@ -24,6 +25,7 @@ from pdserve.common.node import host_identity
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.wire.kv_messages import (
     KvDone,
+    KvFetch,
     KvHeader,
 )
 from pdserve.common.wire.protocol import (
@@ -474,5 +476,32 @@ async def test_a_transfer_released_mid_stage_keeps_its_segment_till_the_stage_en
         pair.sender.done(t2, 1)
         landed = await asyncio.wait_for(pair.admitted.get(), 10)
         assert digest(pair.dst, landed.block_table, 20) == digest(pair.src, [2, 3], 20)
+    finally:
+        await pair.close()
+
+
+async def test_a_fetch_being_served_holds_up_no_other_transfer():
+    """A peer's KvFetch was served inline on the intake's loop: while a large prefix was
+    staged, no frame, KvDone or Abort of any other transfer to this node was read (stall
+    timeouts, redirected requests)."""
+    pair = await Pair("zmq", 64).start()
+    try:
+        release = asyncio.Event()
+        served: list[str] = []
+
+        async def serve(peer: bytes, msg) -> None:
+            served.append(msg.request_id)
+            await release.wait()  # a stage that takes long
+
+        pair.intake.on_fetch = serve
+        fetch = KvFetch(request_id="f", prompt_ids=list(range(32)), skip_tokens=0,
+                        reply_to=pair.target)  # fmt: skip
+        handled = pair.intake.handle([zmq.Frame(b"peer"), zmq.Frame(encode(fetch))])
+        await asyncio.wait_for(handled, 2.0)  # returned while the fetch is still served
+        assert served == ["f"]
+        landed = await pair.send("r", 40, list(range(3)), layerwise=False)  # meanwhile
+        assert digest(pair.dst, landed.block_table, 40) == digest(pair.src, list(range(3)), 40)
+        release.set()
+        await until(lambda: not pair.intake.serving, 5.0, "the fetch served")
     finally:
         await pair.close()
