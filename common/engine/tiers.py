@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -33,6 +34,10 @@ class TierStore:
         self.dir = Path(disk_dir) if disk_dir else None
         if self.dir is not None and self.disk_cap:
             self.dir.mkdir(parents=True, exist_ok=True)
+            # a previous process's blocks (one killed: close() never ran): its index went
+            # with it, so they would fill the disk outside `disk_used` for good
+            for stale in [*self.dir.glob("*.kv"), *self.dir.glob("*.tmp")]:
+                stale.unlink(missing_ok=True)
         self.host: OrderedDict[bytes, bytes] = OrderedDict()
         self.host_used = 0
         self.disk: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size
@@ -152,3 +157,12 @@ class TierStore:
             self._unlink(digest)
         self.disk.clear()
         self.disk_used = 0
+
+
+def sweep_dead_tiers(root: Path) -> None:
+    """Remove the default tier folders (`<node id>-<pid>`) of processes that are gone (killed:
+    their close() never ran), so node restarts do not pile disk tiers up."""
+    for folder in root.glob("*-*") if root.is_dir() else []:
+        pid = folder.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)

@@ -32,7 +32,7 @@ from pdserve.common.config import EngineConfig, NodeConfig
 from pdserve.common.engine.interface import Engine
 from pdserve.common.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.common.engine.sequence import Sequence
-from pdserve.common.engine.tiers import TierStore
+from pdserve.common.engine.tiers import TierStore, sweep_dead_tiers
 from pdserve.common.kv.base import Local
 from pdserve.common.kv.intake import KvIntake
 from pdserve.common.kv.sender import KvSender
@@ -327,5 +327,9 @@ def make_tiers(ecfg: EngineConfig, node_id: str) -> TierStore | None:
     """The prefix cache's host and disk tiers, when sized (common/engine/tiers.py)."""
     if not (ecfg.kv_host_cache_gb or ecfg.kv_disk_cache_gb) or ecfg.prefix_caching != "on":
         return None
-    folder = ecfg.kv_disk_cache_dir or str(cache_dir() / "kv-tier" / f"{node_id}-{os.getpid()}")
+    folder = ecfg.kv_disk_cache_dir
+    if not folder:
+        root = cache_dir() / "kv-tier"
+        sweep_dead_tiers(root)
+        folder = str(root / f"{node_id}-{os.getpid()}")
     return TierStore(int(ecfg.kv_host_cache_gb * 2**30), int(ecfg.kv_disk_cache_gb * 2**30), folder)

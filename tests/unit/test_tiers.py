@@ -51,3 +51,28 @@ def test_loading_is_chosen_only_when_it_is_cheaper_than_recomputing():
     store.observe_prefill(tokens=1000, seconds=0.001)  # a very fast prefill: 1 us per token
     store.load_cost["disk"] = 1e-6  # and a slow disk: 4 ms for this block
     assert store.worth_loading("host", 16) and not store.worth_loading("disk", 16)
+
+
+def test_a_killed_node_s_disk_tier_is_not_left_to_fill_the_disk(tmp_path):
+    """A node killed before close() left its disk tier's files: in a folder of its own (the
+    default, per process) for good, and in a given folder outside the next process's count
+    (`disk_used`), past --kv-disk-cache-gb."""
+    import subprocess
+
+    from pdserve.common.engine.tiers import TierStore, sweep_dead_tiers
+
+    given = tmp_path / "given"
+    given.mkdir()
+    (given / ("ab" * 16 + ".kv")).write_bytes(b"x" * 100)
+    (given / "cd.tmp").write_bytes(b"y")
+    store = TierStore(0, 1 << 20, given)
+    assert not list(given.iterdir()) and store.disk_used == 0
+    root = tmp_path / "kv-tier"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead, live = root / f"prefill-0-{gone.pid}", root / f"decode-0-{os.getpid()}"
+    for folder in (dead, live):
+        folder.mkdir(parents=True)
+        (folder / "x.kv").write_bytes(b"z")
+    sweep_dead_tiers(root)
+    assert not dead.exists() and (live / "x.kv").exists()
