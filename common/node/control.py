@@ -38,6 +38,7 @@ from pdserve.common.wire.protocol import (
     Abort,
     Adopt,
     Deregister,
+    Drain,
     HeartbeatReply,
     KvEvents,
     Load,
@@ -99,8 +100,11 @@ class ControlPlane:
         await self.gateways.send(msg)
 
     async def push_tokens(self, msg: Msg) -> None:
-        """Token batches and preemptions, once registered with a gateway."""
-        await self.registered.wait()
+        """Token batches and preemptions, once registered with a gateway; at once while
+        draining (no gateway left: a drain's hand-back waited for good, the node never
+        exited)."""
+        if not self.draining:
+            await self.registered.wait()
         await self.gateways.push(msg)
 
     def health(self) -> str | None:
@@ -255,6 +259,10 @@ class ControlPlane:
             case Abort(request_id=rid) | Redirect(request_id=rid) if not self._its(link, rid):
                 log.warning("%s for %s from a gateway it does not belong to: dropped",
                             type(msg).__name__, rid)  # fmt: skip
+                return
+            case Drain() if self.draining or not self.gateways.obeys(link):
+                # a second Drain (two gateways, a repeat) was a second SIGTERM: stop at once
+                log.warning("Drain from %s ignored (draining, or not the leader)", link.address)
                 return
             case Rebalance() if not self.gateways.obeys(link):
                 log.warning("rebalance from %s, not the leader: ignored", link.address)

@@ -27,6 +27,7 @@ from pdserve.common.wire.protocol import (
     Adopt,
     Adopted,
     DecodeTarget,
+    Drain,
     FirstToken,
     GatewayLoad,
     Heartbeat,
@@ -429,3 +430,32 @@ async def test_a_draining_node_decodes_its_orphans_on_rather_than_park_them(toke
         d.control.begin_drain()
         await until(lambda: len(d.requests["r.0"].seq.output_ids) >= made + 3, what="decoding")
         assert "r.0" not in d.scheduler.parked and d.metrics.migrations._value.get() == 0
+
+
+async def test_a_node_takes_one_drain_from_its_leader_only(tokenizer):
+    """Drain from a gateway that does not lead is ignored, and a second Drain no longer stops
+    the node at once (it was taken for a second SIGTERM: nothing handed back)."""
+    async with _streaming_for_a(tokenizer) as (a, b, d):
+        d.cfg = dataclasses.replace(d.cfg, drain_migrate="off")
+        await b.tell(d, Drain())
+        held = len(a.streamed["r.0"])
+        await until(lambda: len(a.streamed["r.0"]) >= held + 2, what="more tokens")
+        assert not d.control.draining
+        await a.tell(d, Drain())
+        await a.tell(d, Drain())
+        await until(lambda: d.control.draining, what="draining")
+        held = len(a.streamed["r.0"])
+        await until(lambda: len(a.streamed["r.0"]) >= held + 2, what="decoding on")
+        assert not d.stopped.is_set()
+
+
+async def test_a_node_with_no_gateway_left_drains_and_exits(tokenizer):
+    """Every gateway silent, then SIGTERM: the drain's hand-back waited for a registration
+    that never came, and the node never exited."""
+    async with _streaming_for_a(tokenizer) as (a, b, d):
+        d.cfg = d.control.cfg = dataclasses.replace(d.cfg, drain_migrate="off",
+                                                    drain_timeout=1.0)  # fmt: skip
+        a.muted = b.muted = True
+        await until(lambda: not d.control.registered.is_set(), what="no gateway left")
+        d.control.begin_drain()
+        await until(d.stopped.is_set, 10.0, "the drain's end")
