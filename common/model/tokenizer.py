@@ -297,6 +297,12 @@ class IncrementalDetokenizer:
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset : self.read_offset])
         full = decode(self.ids[self.prefix_offset :])
+        if full == prefix and self._skipped(token_id):
+            # a special token (skipped: no text) changes no later decode; kept, a run of them
+            # (under ignore_eos, say) grew the window, and each token decoded all of it again:
+            # quadratic in the run, in the gateway's event loop
+            self.ids.pop()
+            return ""
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix) :]
             self.prefix_offset = self.read_offset
@@ -308,6 +314,10 @@ class IncrementalDetokenizer:
                 self.read_offset -= drop
             return delta
         return ""
+
+    def _skipped(self, token_id: int) -> bool:
+        decode = self.tokenizer.decode
+        return decode([token_id]) == "" and decode([token_id], skip_special_tokens=False) != ""
 
 
 class StopStringMatcher:

@@ -133,3 +133,26 @@ def test_held_back_text_is_the_longest_suffix_that_could_start_a_stop(text, stop
         default=0,
     )  # fmt: skip
     assert _longest_stop_prefix_suffix(text, stops) == expected
+
+
+def test_a_run_of_special_tokens_costs_each_token_one_short_decode(tokenizer):
+    """Tokens with no text (special tokens, skipped) never advanced the window: under
+    ignore_eos a run of EOS made every new token decode the whole run again (quadratic, in
+    the gateway's event loop). The text is the whole decode's, and the decoded length stays
+    bounded per token."""
+    eos = tokenizer.eos_token_ids[0]
+    words = tokenizer.encode("The sky is blue.", False)
+    ids = [*words, *[eos] * 2000, *tokenizer.encode(" And the sea.", False)]
+    decoded = 0
+    real = tokenizer.decode
+
+    def counting(ids_: list[int], skip_special_tokens: bool = True) -> str:
+        nonlocal decoded
+        decoded += len(ids_)
+        return real(ids_, skip_special_tokens)
+
+    detok = IncrementalDetokenizer(tokenizer, [1, 2, 3])
+    detok.tokenizer = type("T", (), {"decode": staticmethod(counting)})()
+    text = "".join(detok.add(t) for t in ids)
+    assert text == tokenizer.decode([1, 2, 3, *ids])[len(tokenizer.decode([1, 2, 3])) :]
+    assert decoded < 40 * len(ids)  # the run: ~2 windows of ~10 tokens each, not ~1,000
