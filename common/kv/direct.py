@@ -90,6 +90,10 @@ class DirectSend(SendConnector):
         """The peer's cache tensor, of `layout` (the KVCache data shape) and `dtype`."""
         raise NotImplementedError
 
+    def gone(self, shared: str) -> bool:
+        """Whether the cache shared as `shared` is no more (its file unlinked)."""
+        return False
+
     def mark(self, t: Transfer, layer: int) -> Any:
         """Engine thread, as the layer lands: what `copy` must wait for (a CUDA event)."""
         return None
@@ -116,6 +120,10 @@ class DirectSend(SendConnector):
     def _peer(self, endpoint: str) -> Peer:
         peer = self.peers.get(endpoint)
         if peer is None:
+            # a node restarted under a new id (its pid in it, outside Docker): the mapping of
+            # its old cache pinned that whole unlinked file's memory
+            for e in [e for e in self.peers if self.gone(e.split(SEP)[1])]:
+                del self.peers[e]
             _, shared, grants, layout = endpoint.split(SEP)
             layers, blocks, bs, heads, dim, dtype = layout.split(",")
             shape = (int(layers), 2, int(blocks) * int(bs), int(heads), int(dim))

@@ -11,6 +11,8 @@ with torch caches of one layout; the sim engine has no cache to share.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pdserve.common.engine.kv_cache import KVCache
@@ -27,6 +29,9 @@ class ShmDirectSend(DirectSend):
 
     def attach(self, shared: str, layout: tuple[int, ...], dtype: str) -> torch.Tensor:
         return map_cache(shared, layout, getattr(torch, dtype))
+
+    def gone(self, shared: str) -> bool:
+        return not os.path.exists(shared)
 
 
 class ShmDirectReceive(DirectReceive):

@@ -216,3 +216,20 @@ async def test_forged_grants_write_nothing_and_the_channel_goes_on():
         assert digest(pair.dst, intake.block_table, 40) == digest(pair.src, [0, 1, 2], 40)
     finally:
         await pair.close()
+
+
+async def test_a_mapping_of_a_cache_whose_file_is_gone_is_let_go():
+    """A decode node restarted under a new id (outside Docker its id holds its pid): the
+    writer kept mapping its old cache, an unlinked file whose memory stayed in /dev/shm, up to
+    64 of them (new nodes then found no room for their caches)."""
+    old, new = await Pair("shm_direct", 64).start(), await Pair("shm_direct", 64).start()
+    try:
+        writer = old.sender.connector("shm_direct")
+        first = old.target.kv_endpoints["shm_direct"]
+        assert writer.usable(first) and first in writer.peers
+        os.unlink(old.dst.cache.shared.path)  # the node is gone, its file with it
+        assert writer.usable(new.target.kv_endpoints["shm_direct"])
+        assert first not in writer.peers
+    finally:
+        await old.close()
+        await new.close()
