@@ -71,6 +71,9 @@ async def send(
                 return record
             buffer = b""
             async for data in resp.content.iter_any():
+                # every event of one read gets its time: events that came together (a client
+                # behind the server) give gaps of 0, as one event of several tokens (pdserve
+                # merges what waits) gives one gap; either way what the client saw
                 now = time.monotonic()
                 buffer += data
                 while b"\n\n" in buffer:
