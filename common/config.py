@@ -64,7 +64,9 @@ class EngineConfig:
         0.0, "prefix cache tier: GiB on disk for what the host tier evicts"
     )
     kv_disk_cache_dir: str = flag(
-        "", "prefix cache tier: its directory (default: a per-process one in the pdserve cache)"
+        "",
+        "prefix cache tier: a directory, holding a folder per node id (default: a "
+        "per-process one in the pdserve cache)",
     )
     quantization: Literal["auto", "none", "int8", "int4"] = flag(
         "auto",

@@ -11,3 +11,8 @@ class ModelLoadError(PdserveError):
 
 class ConfigError(PdserveError):
     """A flag or environment variable has a value pdserve cannot use."""
+
+
+# a node's exit code when no restart can help (refused for its numerics before its load):
+# `pdserve up` does not start it again (EX_CONFIG of sysexits.h)
+EXIT_REFUSED = 78

@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -22,6 +21,8 @@ from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig
 from pdserve.common.errors import ConfigError
 from pdserve.common.flags import from_args
 from pdserve.common.ofd import sweep_dead_kv_files
+from pdserve.spawn import cores, node_spawn_options
+from pdserve.spawn import spawn as _spawn
 from pdserve.supervisor import Child, Supervisor
 
 if TYPE_CHECKING:
@@ -149,16 +150,6 @@ def to_flags(cfg: Any, skip: tuple[str, ...] = ()) -> list[str]:
     return flags
 
 
-def _child_death_signal() -> None:
-    """Children die with the parent, even on SIGKILL: no orphans."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float, nodes: int = 0,
                  stop: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
     """Wait for /health to answer 200 with at least `nodes` nodes registered: health turns
@@ -208,7 +199,7 @@ def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
     node_flags = to_flags(ncfg, skip=PER_NODE)
     nodes = args.prefill + args.decode + args.colocated
     if ecfg.engine == "torch" and not ecfg.num_threads:
-        ecfg = dataclasses.replace(ecfg, num_threads=max(1, (os.cpu_count() or 2) // nodes))
+        ecfg = dataclasses.replace(ecfg, num_threads=max(1, cores() // nodes))
     base = [sys.executable, "-m", "pdserve.cli", "--log-level", args.log_level]
     base += ["--log-format", getattr(args, "log_format", "text")]
     if ecfg.engine == "sim" and gcfg.cost_time_scale == 1.0:
@@ -221,17 +212,24 @@ def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
         gateway = [*base, "gateway", *to_flags(g, skip=("scheduler", *SECRETS)), "--scheduler",
                    g.scheduler]  # fmt: skip
         cmds.append([*gateway, "--model", ecfg.model] if ecfg.model else gateway)
-    host = gcfg.advertise_host or "127.0.0.1"
+    # nodes reach the gateways where they listen: a given --host unless it is a wildcard
+    wildcard = gcfg.host in ("", "0.0.0.0", "::")
+    host = gcfg.advertise_host or ("127.0.0.1" if wildcard else gcfg.host)
     address = ",".join(f"tcp://{host}:{g.control_port}"
                        for g in gateway_configs(gcfg, getattr(args, "gateways", 1)))  # fmt: skip
     roles = (("prefill", args.prefill), ("decode", args.decode), ("colocated", args.colocated))
+    gpu = ecfg.gpu_offset  # cuda:auto: a GPU each, in turn (no replica number tells them)
     for role, count in roles:
         threads = getattr(args, f"{role}_threads", 0)  # --prefill-threads, --decode-threads
+        if threads < 0:
+            raise ConfigError(f"--{role}-threads: 0 (the rule) or more")
         role_cfg = dataclasses.replace(ecfg, num_threads=threads) if threads else ecfg
         if role == "prefill" and getattr(args, "prefill_priority", "normal") == "idle":
             role_cfg = dataclasses.replace(role_cfg, engine_priority="idle")
         for i in range(count):
             node = [*base, role, "--gateway", address, "--node-id", f"{role}-{i}"]
+            if ecfg.device == "cuda:auto":
+                role_cfg, gpu = dataclasses.replace(role_cfg, gpu_offset=gpu), gpu + 1
             cmds.append([*node, *to_flags(role_cfg), *node_flags])
     return cmds
 
@@ -244,6 +242,10 @@ def gateway_configs(gcfg: GatewayConfig, count: int) -> list[GatewayConfig]:
     step = GATEWAY_PORT_STRIDE
     ports = [(gcfg.port + step * i, gcfg.control_port + step * i, gcfg.tokens_port + step * i)
              for i in range(count)]  # fmt: skip
+    every = [p for trio in ports for p in trio]
+    if len(set(every)) < len(every) or not all(0 < p < 65536 for p in every):
+        raise ConfigError(f"the {count} gateways' ports collide or leave 1-65535: {ports} "
+                          f"(gateway i: each port + {step} i)")  # fmt: skip
     return [dataclasses.replace(gcfg, port=p, control_port=c, tokens_port=t) for p, c, t in ports]
 
 
@@ -253,75 +255,6 @@ SECRETS = ("api_key",)  # passed in the environment: a command line is anyone's 
 def gateway_secrets(gcfg: GatewayConfig) -> dict[str, str]:
     """What a gateway child gets in its environment instead of its command line."""
     return {f"PDSERVE_{k.upper()}": getattr(gcfg, k) for k in SECRETS if getattr(gcfg, k)}
-
-
-CONFIGS = (EngineConfig, GatewayConfig, NodeConfig)
-CONFIG_ENV = frozenset(f"PDSERVE_{f.name.upper()}" for c in CONFIGS for f in dataclasses.fields(c))
-
-
-def _spawn(
-    child: Child,
-    nice: int = 0,
-    env: dict[str, str] | None = None,
-    secrets: dict[str, str] | None = None,
-) -> subprocess.Popen:
-    def before_exec() -> None:
-        _child_death_signal()
-        if nice:
-            os.nice(nice)
-
-    # the configuration's PDSERVE_* variables are `up`'s, resolved into each child's flags:
-    # inherited, they would override a flag left out as a default, and give every node the
-    # same per-node port
-    env = {k: v for k, v in (os.environ if env is None else env).items() if k not in CONFIG_ENV}
-    return subprocess.Popen(child.command, preexec_fn=before_exec, env={**env, **(secrets or {})})
-
-
-def _flag(command: list[str], name: str) -> str | None:
-    return command[command.index(name) + 1] if name in command else None
-
-
-def node_spawn_options(args: argparse.Namespace, commands: list[list[str]]) -> dict[str, Any]:
-    """Per node: its niceness (--prefill-nice, --decode-nice) and environment. When the torch
-    threads that compete as equals outnumber the cores, their OpenMP threads stop spinning
-    (OMP_WAIT_POLICY and GOMP_SPINCOUNT, unless either is set): a thread spinning between
-    parallel regions holds a core that another node's thread needs, and a team with one
-    thread descheduled stalls at every barrier (measured on 2 cores, 1P1D with 2 threads
-    each: ITL p99 490 ms spinning for libgomp's default ~3 ms, 115 ms passive). Prefill
-    nodes then wait passively: their regions are long matmuls. Decode nodes spin for
-    `--decode-spin` iterations (~30 us) where their own threads fit the cores: a decode step
-    is ~150 short regions microseconds apart, and waking a sleeping thread for each cost a
-    batch-1 step +24-35 % (a 2-vCPU Xeon at the AVX2 level). ~0.1 ms spun through the
-    event loop's and the prefill node's turns as well (an EPYC Zen 4: 16 lock-step
-    streams' ITL p99 +50 % against passive), ~10 us left a batch-1 1P1D step +22 % over
-    the engine's (AVX2 level); ~30 us: +9 %, at passive's tail. Between steps the threads
-    still sleep. An idle engine (--engine-priority idle, set by --prefill-priority idle)
-    takes no core from the others, so they keep libgomp's default (its own threads wait
-    passively): measured, 1P1D with 16 streams in lock-step, ITL p99 84 ms with a passive
-    decode node, 50 ms with a spinning one."""
-    nodes = {c[c.index("--node-id") + 1]: c for c in commands if "--node-id" in c}
-    idle = {n: _flag(c, "--engine-priority") == "idle" for n, c in nodes.items()}
-    threads = {n: int(_flag(c, "--num-threads") or 0) for n, c in nodes.items()}
-    busy = sum(t for n, t in threads.items() if not idle[n])
-    decoding = sum(t for n, t in threads.items() if not idle[n] and _role(n) == "decode")
-    cores = os.cpu_count() or 1
-    chosen = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
-    spin = getattr(args, "decode_spin", 0)
-    out = {}
-    for name in nodes:
-        crowd = sum(threads.values()) if idle[name] else busy
-        env = None
-        if crowd > cores and not chosen:
-            if _role(name) == "decode" and spin > 0 and decoding <= cores:
-                env = {**os.environ, "GOMP_SPINCOUNT": str(spin)}
-            else:
-                env = {**os.environ, "OMP_WAIT_POLICY": "passive"}
-        out[name] = {"nice": getattr(args, f"{_role(name)}_nice", 0), "env": env}
-    return out
-
-
-def _role(node_id: str) -> str:
-    return node_id.split("-")[0]
 
 
 def run_up(args: argparse.Namespace) -> int:

@@ -3,7 +3,7 @@ service should: a child that dies is started again and the others keep serving.
 
 Rules, per child:
 - exit code 0 is a clean exit (a node that drained after SIGTERM): not a failure, not
-  restarted;
+  restarted; EXIT_REFUSED (78) is a node the cluster refused (its numerics): not restarted;
 - any other exit (a crash, SIGKILL) is restarted after a backoff that doubles from
   `backoff` up to `max_backoff`, and resets once the child has run `stable_after` seconds;
 - `give_up_after` failures in a row, each within `stable_after` seconds of its start, mean the
@@ -20,6 +20,8 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from pdserve.common.errors import EXIT_REFUSED
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,11 @@ class Supervisor:
         if code == 0:
             child.state = "exited"
             self._say(f"{child.name} exited cleanly; not restarting it")
+            return
+        if code == EXIT_REFUSED:  # the cluster refused it: the same again at every start
+            child.state = "gave_up"
+            self._say(f"{child.name} was refused by the cluster (exit code {code}); "
+                      "not restarting it")  # fmt: skip
             return
         ran = now - child.started
         child.failures = child.failures + 1 if ran < self.stable_after else 1

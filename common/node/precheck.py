@@ -24,6 +24,7 @@ from typing import Any
 import zmq
 
 from pdserve.common.config import EngineConfig, NodeConfig
+from pdserve.common.errors import EXIT_REFUSED
 from pdserve.common.model.config import load_model_config, resolve_model
 from pdserve.common.node.links import gateway_addresses
 from pdserve.common.wire.protocol import GATEWAY_DECODER, Probe, RegisterRefuse
@@ -91,4 +92,4 @@ def leave(role: str, reason: str) -> None:
     log.error("%s node refused before its weights loaded: %s", role, reason)
     print(f"pdserve {role}: error: {reason}", file=sys.stderr, flush=True)
     logging.shutdown()
-    os._exit(2)  # the exit code of a refusal at Register
+    os._exit(EXIT_REFUSED)  # not restarted by `pdserve up` (pdserve/supervisor.py)

@@ -26,6 +26,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from pdserve.common.config import EngineConfig, NodeConfig
@@ -327,7 +328,9 @@ def make_tiers(ecfg: EngineConfig, node_id: str) -> TierStore | None:
     """The prefix cache's host and disk tiers, when sized (common/engine/tiers.py)."""
     if not (ecfg.kv_host_cache_gb or ecfg.kv_disk_cache_gb) or ecfg.prefix_caching != "on":
         return None
-    folder = ecfg.kv_disk_cache_dir
+    # a given folder holds a subfolder per node: nodes sharing one (`pdserve up` gives every
+    # node the same flags) evicted, and at start cleared, each other's blocks
+    folder = str(Path(ecfg.kv_disk_cache_dir) / node_id) if ecfg.kv_disk_cache_dir else ""
     if not folder:
         root = cache_dir() / "kv-tier"
         sweep_dead_tiers(root)

@@ -1,7 +1,7 @@
 """A node asks the gateways whether they would take it before its weights load
 (common/node/precheck.py, `Probe`): a refusal comes while it loads, an answer that it fits
 or no answer at all leaves the decision to `Register`, and asking registers nothing. The
-whole process (refused before its load, exit code 2) runs in
+whole process (refused before its load, exit code 78, EXIT_REFUSED) runs in
 tests/e2e/test_correctness.py's 4-bit test."""
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from pdserve.common.errors import EXIT_REFUSED
 from pdserve.common.sampling import SamplingParams
 from tests.conftest import CHAT_PROMPTS, chat_ids, make_engine
 from tests.e2e.conftest import wait_for
@@ -169,7 +170,7 @@ def test_cluster_with_4_bit_weights_matches_the_single_process_with_them(make_cl
     for proc, theirs in ((plain, "float32"), (bf16, "bfloat16+int4")):
         out, _ = proc.communicate(timeout=180)
         said = f"has dtype {theirs!r} but the cluster runs 'float32+int4'"
-        assert proc.returncode == 2 and said in out, out[-500:]
+        assert proc.returncode == EXIT_REFUSED and said in out, out[-500:]
         assert "refused before its weights loaded" in out, out[-500:]
     health = str(cluster.get("/health")[1])
     assert "decode-plain" not in health and "decode-bf16" not in health

@@ -87,3 +87,22 @@ def test_the_gateway_is_restarted_but_a_gateway_that_cannot_run_stops_the_cluste
     assert len(spawned["gateway"]) == 2
     spawned["gateway"][-1].code = 1
     assert not sup.step(1.3)  # second fast failure in a row: the cluster cannot serve
+
+
+def test_a_node_refused_by_the_cluster_is_not_started_again():
+    """A node refused for its numerics (EXIT_REFUSED) was restarted four times, each a
+    whole model load, to be refused again, and then "gave up" on as if it had crashed."""
+    from pdserve.common.errors import EXIT_REFUSED
+
+    spawned: list[FakeProc] = []
+
+    def spawn(child: Child) -> FakeProc:
+        spawned.append(FakeProc())
+        return spawned[-1]
+
+    sup = Supervisor([Child("gateway", ["g"], essential=True), Child("decode-x", ["d"])], spawn)
+    sup.start(0.0)
+    spawned[1].code = EXIT_REFUSED
+    for t in range(1, 40):
+        assert sup.step(t)
+    assert len(spawned) == 2 and sup.children[1].state == "gave_up"

@@ -76,3 +76,17 @@ def test_a_killed_node_s_disk_tier_is_not_left_to_fill_the_disk(tmp_path):
         (folder / "x.kv").write_bytes(b"z")
     sweep_dead_tiers(root)
     assert not dead.exists() and (live / "x.kv").exists()
+
+
+def test_nodes_given_one_disk_folder_each_keep_their_own(tmp_path):
+    """`pdserve up --kv-disk-cache-dir D` gives every node the same flags: nodes shared one
+    folder, evicted each other's files and cleared them at every start."""
+    from pdserve.common.config import EngineConfig
+    from pdserve.common.node.runtime import make_tiers
+
+    ecfg = EngineConfig(kv_disk_cache_gb=0.001, kv_disk_cache_dir=str(tmp_path))
+    a, b = make_tiers(ecfg, "prefill-0"), make_tiers(ecfg, "prefill-1")
+    assert a is not None and b is not None and a.dir != b.dir
+    a.put(b"\x01" * 16, b"a" * 64)
+    make_tiers(ecfg, "prefill-1")  # a restart of the other node clears only its own
+    assert a.take(b"\x01" * 16) == b"a" * 64

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pdserve import launch
+from pdserve import launch, spawn
 from pdserve.cli import build_parser
 from pdserve.common.errors import ConfigError
 
@@ -37,7 +37,7 @@ def test_each_role_takes_its_own_thread_count_or_the_shared_one():
 def test_without_any_the_cores_are_shared_out():
 
     got = threads_by_node("--prefill", "1", "--decode", "1")
-    assert got == {"prefill-0": max(1, (os.cpu_count() or 2) // 2), "decode-0": got["decode-0"]}
+    assert got == {"prefill-0": max(1, spawn.cores() // 2), "decode-0": got["decode-0"]}
     assert got["decode-0"] == got["prefill-0"]
 
 
@@ -49,7 +49,7 @@ def spawn_options(*argv: str) -> dict:
 def test_prefill_nodes_can_give_way_and_crowded_threads_wait_passively(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    monkeypatch.setattr(launch.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(spawn.os, "sched_getaffinity", lambda pid: {0, 1})
     opts = spawn_options("--prefill-threads", "2", "--decode-threads", "2", "--prefill-nice", "10")
     assert opts["prefill-0"]["nice"] == 10 and opts["decode-0"]["nice"] == 0
     cmds = {c[c.index("--node-id") + 1]: c for c in commands("--prefill-priority", "idle")}
@@ -103,7 +103,11 @@ def test_node_counts_and_heartbeats_that_cannot_work_are_refused_at_start():
     that never became healthy), and a gateway timeout within one heartbeat interval (every
     live node dropped between its beats)."""
     for argv in (["--prefill", "0", "--decode", "0"], ["--prefill", "-2"],
-                 ["--heartbeat-interval", "3", "--node-heartbeat-timeout", "10"]):  # fmt: skip
+                 ["--heartbeat-interval", "3", "--node-heartbeat-timeout", "10"],
+                 ["--decode-threads", "-1"],  # torch's set_num_threads(-1) in the child
+                 # gateway 1's HTTP port was gateway 0's control port; past 65535
+                 ["--gateways", "2", "--port", "8000", "--control-port", "8010",
+                  "--tokens-port", "8020"], ["--gateways", "2", "--port", "65530"]):  # fmt: skip
         with pytest.raises(ConfigError):
             commands(*argv)
     assert len(commands("--prefill", "0", "--decode", "0", "--colocated", "1")) == 1
@@ -149,3 +153,38 @@ def test_the_api_key_reaches_the_gateways_in_their_environment_not_on_a_command_
     proc = launch._spawn(launch.Child("gateway", [sys.executable, "-c", dump]), secrets=secrets)
     assert proc.wait(30) == 0
     assert json.loads(out.read_text())["PDSERVE_API_KEY"] == "sk-secret"
+
+
+def test_the_cores_up_may_use_are_its_affinity_not_the_host_s(monkeypatch):
+    """`taskset -c 0,1 pdserve up` (a container's cpuset) on a 16-core host: each node got
+    8 threads on 2 cores and nobody waited passively (cpu_count() is the host's)."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setattr(spawn.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(spawn.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert threads_by_node("--prefill", "1", "--decode", "1") == {"prefill-0": 1, "decode-0": 1}
+    opts = spawn_options("--prefill-threads", "2", "--decode-threads", "2")
+    assert opts["prefill-0"]["env"]["OMP_WAIT_POLICY"] == "passive"
+
+
+def test_nodes_reach_a_gateway_bound_to_one_address_there_and_take_a_gpu_each():
+    """`up --host 10.1.2.3`: the gateway listened there, the nodes were told 127.0.0.1 and
+    never registered; `--device cuda:auto`: every node took GPU 0 (no replica number)."""
+    for cmd in commands("--host", "10.1.2.3"):
+        assert cmd[cmd.index("--gateway") + 1] == "tcp://10.1.2.3:8001"
+    for cmd in commands("--host", "0.0.0.0"):
+        assert cmd[cmd.index("--gateway") + 1] == "tcp://127.0.0.1:8001"
+    cmds = commands("--device", "cuda:auto", "--prefill", "2", "--decode", "2")
+    offsets = [int(c[c.index("--gpu-offset") + 1]) if "--gpu-offset" in c else 0 for c in cmds]
+    assert sorted(offsets) == [0, 1, 2, 3]
+
+
+def test_a_child_runs_in_a_session_of_its_own():
+    """A terminal's Ctrl-C reached every node of `up`'s process group (a drain), and `up`'s
+    SIGTERM 0.2 s later was each node's second signal: stop at once, no drain."""
+    proc = launch._spawn(launch.Child("x", [sys.executable, "-c", "import time; time.sleep(30)"]))
+    try:
+        assert os.getsid(proc.pid) == proc.pid != os.getsid(0)
+    finally:
+        proc.kill()
+        proc.wait()
