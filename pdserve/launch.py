@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -167,7 +168,7 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float, nodes:
             with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:
                 if resp.status == 200 and len(json.loads(resp.read())["nodes"]) >= nodes:
                     return
-        except (urllib.error.URLError, OSError):
+        except (urllib.error.URLError, OSError, ValueError, KeyError):  # not pdserve's /health
             pass
         time.sleep(0.2)
     raise RuntimeError(f"the cluster did not become healthy within {timeout:.0f} s")
@@ -273,6 +274,7 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     commands = cluster_commands(args)
+    ports_free(gateway_configs(gcfg, gateways))
     names = [f"gateway-{i}" if gateways > 1 else "gateway" for i in range(gateways)]
     children = [Child(names[i], cmd) for i, cmd in enumerate(commands[:gateways])]
     for child in children:
@@ -303,6 +305,20 @@ def run_up(args: argparse.Namespace) -> int:
     finally:
         stop_all([c.proc for c in children if c.proc is not None])
         sweep_dead_kv_files()  # a node killed mid-drain or mid-load leaves its KV cache file
+
+
+def ports_free(configs: list[GatewayConfig]) -> None:
+    """Refuse ports something listens on: another cluster's /health answered the wait
+    ("is up") while this one's gateway failed its bind, and its nodes joined the other."""
+    for g in configs:
+        for port in (g.port, g.control_port, g.tokens_port):
+            with socket.socket() as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do
+                try:
+                    probe.bind(("0.0.0.0" if g.host in ("", "::") else g.host, port))
+                except OSError as exc:
+                    why = f"port {port} is in use or not ours ({exc.strerror})"
+                    raise ConfigError(f"{why}: --port, --control-port, --tokens-port") from None
 
 
 def stop_all(procs: list[subprocess.Popen], grace: float = 10.0) -> None:

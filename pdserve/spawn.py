@@ -11,6 +11,7 @@ import subprocess
 from typing import Any
 
 from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig
+from pdserve.common.errors import EXIT_REFUSED
 from pdserve.supervisor import Child
 
 
@@ -51,7 +52,13 @@ def spawn(
     def before_exec() -> None:
         _child_death_signal(parent)
         if nice:
-            os.nice(nice)
+            try:
+                os.nice(nice)
+            except PermissionError:  # a negative niceness without CAP_SYS_NICE: said, not
+                # a traceback of "Exception occurred in preexec_fn"; no restart can help
+                os.write(2, f"pdserve up: {child.name}: niceness {nice} is not permitted "
+                         "here (lowering it needs root or CAP_SYS_NICE)\n".encode())  # fmt: skip
+                os._exit(EXIT_REFUSED)
 
     # the configuration's PDSERVE_* variables are `up`'s, resolved into each child's flags:
     # inherited, they would override a flag left out as a default, and give every node the

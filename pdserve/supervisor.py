@@ -69,7 +69,11 @@ class Supervisor:
                 if now >= child.restart_at:
                     child.restarts += 1
                     self._say(f"restarting {child.name} (restart {child.restarts})")
-                    self._launch(child, now)
+                    try:
+                        self._launch(child, now)
+                    except (OSError, subprocess.SubprocessError) as exc:  # EAGAIN, ENOMEM:
+                        self._say(f"{child.name} could not start: {exc}")  # a failure,
+                        self._exited(child, -1, now)  # not the end of the whole cluster
         essential = [c for c in self.children if c.essential]
         if essential and all(c.state in ("gave_up", "exited") for c in essential):
             return False  # no gateway left: nothing can reach the nodes

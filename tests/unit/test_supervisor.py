@@ -106,3 +106,24 @@ def test_a_node_refused_by_the_cluster_is_not_started_again():
     for t in range(1, 40):
         assert sup.step(t)
     assert len(spawned) == 2 and sup.children[1].state == "gave_up"
+
+
+def test_a_restart_that_cannot_spawn_counts_as_a_failure_not_the_cluster_s_end():
+    """fork failing at a restart (EAGAIN, ENOMEM after an OOM kill) escaped `step` and took
+    every process of the cluster down with `pdserve up`."""
+    spawned: list[FakeProc] = []
+    fail = [False]
+
+    def spawn(child: Child) -> FakeProc:
+        if fail[0] and child.name == "decode-0":
+            raise OSError(11, "Resource temporarily unavailable")
+        spawned.append(FakeProc())
+        return spawned[-1]
+
+    sup = Supervisor([Child("gateway", ["g"], essential=True), Child("decode-0", ["d"])], spawn,
+                     backoff=1.0)  # fmt: skip
+    sup.start(0.0)
+    spawned[1].code, fail[0] = 1, True
+    assert sup.step(1.0)  # exited: a restart is due at 2 s
+    assert sup.step(2.5)  # the restart could not spawn: waiting again, the cluster on
+    assert sup.children[1].state == "waiting" and sup.children[1].failures == 2

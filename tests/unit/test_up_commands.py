@@ -188,3 +188,32 @@ def test_a_child_runs_in_a_session_of_its_own():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_port_in_use_is_refused_before_anything_starts():
+    """A second `pdserve up` on the first's ports: its wait read the other cluster's /health
+    ("is up") while its own gateway failed to bind, and its nodes joined the other one."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = build_parser().parse_args(["up", "--engine", "sim", "--port", str(port)])
+        with pytest.raises(ConfigError, match=f"port {port} is in use"):
+            launch.ports_free(launch.gateway_configs(launch.up_configs(args)[0], 1))
+
+
+def test_a_niceness_not_permitted_is_said_and_not_restarted(monkeypatch, capfd):
+    """A negative niceness without the privilege failed in preexec_fn: a traceback ("Exception
+    occurred in preexec_fn") that named no flag, and at a restart the supervisor's crash.
+    (os.nice refusing, as it does without CAP_SYS_NICE: the forked child runs this copy.)"""
+    from pdserve.common.errors import EXIT_REFUSED
+
+    def refused(increment: int) -> int:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(spawn.os, "nice", refused)
+    proc = launch._spawn(launch.Child("decode-0", [sys.executable, "-c", "pass"]), nice=-5)
+    assert proc.wait(timeout=30) == EXIT_REFUSED
+    assert "decode-0: niceness -5 is not permitted" in capfd.readouterr().err
