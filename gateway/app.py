@@ -104,8 +104,8 @@ async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     key = request.app[CONFIG].api_key
     if key and request.path.startswith("/v1/"):
-        given = request.headers.get("Authorization", "")
-        if not secrets.compare_digest(given, f"Bearer {key}"):
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if not secrets.compare_digest(given, f"Bearer {key}".encode()):  # bytes: any header
             raise ApiError(
                 401,
                 "missing or invalid API key (Authorization: Bearer ...)",

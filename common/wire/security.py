@@ -67,7 +67,10 @@ class ClusterKey:
             hint = ""
             if isinstance(exc, PermissionError):  # a compose secret keeps the host's mode
                 hint = f" (uid {os.getuid()} cannot read it: chgrp/chmod it, docs/guide.md)"
-            raise BadKey(f"cannot read the cluster key {path}: {exc!r}{hint}") from exc
+            # the kind and the OS's reason, never the exception's text: a UnicodeDecodeError
+            # (the flag naming another file) carries the file's bytes, the secret among them
+            why = type(exc).__name__ + (f": {exc.strerror}" if isinstance(exc, OSError) else "")
+            raise BadKey(f"cannot read the cluster key {path}: {why}{hint}") from None
         if len(key.public) != 40 or len(key.secret) != 40:
             raise BadKey(f"{path}: public and secret must be 40 Z85 characters each")
         try:
@@ -79,7 +82,10 @@ class ClusterKey:
         return key
 
     def save(self, path: str | Path) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # 0600 even over an existing file (the mode is only applied to a new one), and never
+        # through a symlink (its target overwritten with the secret)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        os.fchmod(fd, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write("# pdserve cluster key: keep secret (every node and the gateway use it)\n")
             f.write(f"public = {self.public.decode()}\nsecret = {self.secret.decode()}\n")

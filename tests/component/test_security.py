@@ -46,6 +46,29 @@ def test_key_files_round_trip_private_and_checked(tmp_path):
     assert not other.check(key.mac(b"nonce", b"id"), b"nonce", b"id")
 
 
+def test_a_key_file_is_written_private_even_over_another_and_never_said(tmp_path):
+    """keygen over an existing 0644 file left the new secret world-readable (the mode is
+    applied to new files only) and followed a symlink at the path; a key file with a byte
+    that is not UTF-8 put the file's bytes, the secret among them, into the error."""
+    key = ClusterKey.generate()
+    path = tmp_path / "cluster.key"
+    path.write_text("old")
+    path.chmod(0o644)
+    key.save(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and ClusterKey.load(path) == key
+    target, link = tmp_path / "target", tmp_path / "link.key"
+    target.write_text("keep")
+    link.symlink_to(target)
+    with pytest.raises(OSError):
+        key.save(link)
+    assert target.read_text() == "keep"
+    odd = tmp_path / "odd.key"
+    odd.write_bytes(path.read_bytes() + b"\xff")
+    with pytest.raises(BadKey) as err:
+        ClusterKey.load(odd)
+    assert key.secret.decode() not in str(err.value) and "UnicodeDecodeError" in str(err.value)
+
+
 async def _received(server: zmq.asyncio.Socket, timeout: float) -> list[bytes] | None:
     with contextlib.suppress(asyncio.TimeoutError):
         return await asyncio.wait_for(server.recv_multipart(), timeout)

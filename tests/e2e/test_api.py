@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -607,6 +608,13 @@ def test_api_key() -> None:
             assert err["code"] == "invalid_api_key"
         status, _, data = http(keyed, "GET", "/v1/models")
         assert status == 401
+        # a header with bytes beyond ASCII: compare_digest raised on the str (a 500 and a
+        # logged traceback for anyone)
+        host, port = keyed.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                         b"Authorization: Bearer \xc3\xa9\r\n\r\n")  # fmt: skip
+            assert sock.recv(12).split(b" ")[1] == b"401"
         good = {"Authorization": "Bearer secret"}
         status, _, data = post_json(keyed, CHAT, _chat(), good)
         assert status == 200, data
