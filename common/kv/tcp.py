@@ -1,12 +1,8 @@
 """Raw TCP payload channel: frames go from the prefill node's paged cache to the decode node's
-paged cache with one kernel copy on each side, as a plain socket moves bytes.
-
-Why not only ZeroMQ: libzmq receives into message buffers it allocates, so a ZeroMQ frame
-costs one more copy (its buffer into the cache) than a socket read straight into the cache;
-on a machine with few cores that copy competes with the transfer itself
-(benchmarks/kv_transfer.py). Here the decode node reads each frame straight into the
-request's reserved blocks (one view per run of consecutive slots, see KVCache.kv_targets)
-and the prefill node sends views of its cache.
+paged cache with one kernel copy on each side. (libzmq receives into buffers of its own: one
+more copy, which on few cores competes with the transfer; benchmarks/kv_transfer.py.) The
+decode node reads each frame straight into the request's reserved blocks (one view per run
+of consecutive slots, KVCache.kv_targets); the prefill node sends views of its cache.
 
 The stream is self-describing: a prefill node opens one connection per decode peer, sends its
 node id (64 bytes, space padded; with --cluster-key the decode node first sends a nonce and
@@ -14,14 +10,12 @@ the id is followed by HMAC(key, nonce + id), checked before anything else is rea
 frames, each behind a head naming its request, layer and length (`HEAD` + the request id).
 The decode node reads every connection in its own thread (tcp_wire: blocking reads, one
 system call per frame) and asks a `FrameSink` on the event loop where each frame goes: into
-reserved blocks, or (unknown, refused or dropped transfers) nowhere, in which case the bytes
-are read and discarded. So the stream can never fall out of step with the transfers, and one
-stalled or broken peer holds up no other. A frame whose bytes stop coming for `timeout`
-seconds, a bad head, or a closed connection ends the stream; the transfer whose frame was
-landing is reported failed, and the peer reconnects for its next frame. A listener full of
-streams (MAX_READERS) shuts the one idle longest, between frames or still in its handshake,
-to take a new one: idle connections cannot lock senders out, and a sender whose idle stream
-was shut finds it closed before its next frame and reconnects.
+reserved blocks, or nowhere (unknown, refused or dropped transfers: read and discarded). So
+the stream never falls out of step with the transfers, and one stalled or broken peer holds
+up no other. A frame stalled for `timeout`, a bad head or a closed connection ends the
+stream; the transfer whose frame was landing fails, and the peer reconnects for its next
+frame. A full listener (MAX_READERS) shuts a connection still in its handshake, else the
+stream idle longest (never one mid-frame); a sender finds it closed and reconnects.
 """
 
 from __future__ import annotations
@@ -47,6 +41,7 @@ HEAD = struct.Struct("<4sIQH")  # magic, layer, payload bytes, request id bytes
 MAX_ID = 512
 CHUNK = 1 << 20  # discarded payloads are read through a buffer of this size
 MAX_READERS = 256  # connections read at once (a thread each): past it, the idlest is shut
+HANDSHAKE_S = 10.0  # a connection's whole handshake (its id, its tag), at most
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +101,7 @@ class TcpListener:
         # streams between frames or still in their handshake, since when: the ones shut to
         # make room when the listener is full (one mid-frame never is)
         self.idle: dict[socket.socket, float] = {}
+        self.unproven: set[socket.socket] = set()  # in their handshake: shut first when full
         self.lock = threading.Lock()  # conns, idle: reader threads and close()
         self.stats = WireStats()
         self.readers = 0  # reader threads alive (counted on the event loop)
@@ -140,6 +136,7 @@ class TcpListener:
             self.readers += 1
             with self.lock:
                 self.idle[conn] = time.monotonic()
+                self.unproven.add(conn)
             threading.Thread(target=self._serve, args=(conn, addr), name=name, daemon=True).start()
 
     def _call(self, coro: Coroutine[Any, Any, Any]) -> Any:
@@ -167,7 +164,9 @@ class TcpListener:
         with self.lock:
             if not self.idle:
                 return False
-            victim = min(self.idle, key=self.idle.__getitem__)
+            # a connection in its handshake first: keyless peers pushed proven streams off
+            pool = [c for c in self.idle if c in self.unproven] or self.idle
+            victim = min(pool, key=self.idle.__getitem__)
             del self.idle[victim]
         _shut(victim)
         return True
@@ -178,6 +177,7 @@ class TcpListener:
         finally:
             with self.lock:
                 self.idle.pop(conn, None)
+                self.unproven.discard(conn)
             try:
                 assert self.loop is not None
                 self.loop.call_soon_threadsafe(self._reader_gone)
@@ -189,6 +189,9 @@ class TcpListener:
 
     def _serve_conn(self, conn: socket.socket, addr: Any) -> None:
         ident = bytearray(ID_BYTES + (MAC_BYTES if self.key else 0))
+        # the whole handshake in a deadline (a byte every few seconds held a reader for long)
+        deadline = threading.Timer(min(self.timeout, HANDSHAKE_S), _shut, (conn,))
+        deadline.start()
         try:
             if self.key is not None:
                 nonce = new_nonce()
@@ -197,6 +200,8 @@ class TcpListener:
         except OSError:
             conn.close()
             return
+        finally:
+            deadline.cancel()
         if self.key is not None and not self.key.check(
             bytes(ident[ID_BYTES:]), nonce, bytes(ident[:ID_BYTES])
         ):
@@ -207,6 +212,7 @@ class TcpListener:
             return
         peer = ident[:ID_BYTES].decode(errors="replace").strip()
         with self.lock:
+            self.unproven.discard(conn)
             old = self.conns.pop(peer, None)
             self.conns[peer] = conn
         if old is not None:

@@ -166,3 +166,45 @@ async def test_a_decode_node_that_stops_reading_fails_the_send_not_stalls_it_for
     finally:
         stream.close()
         srv.close()
+
+
+async def test_connections_in_their_handshake_go_before_a_proven_stream(monkeypatch) -> None:
+    """A full listener shut the connection idle longest, whether in its handshake or a
+    proven stream between frames: peers without the key, opening connections, pushed the
+    cluster's own streams off, one per connect. And a handshake has a deadline of its own
+    (the receive timeout restarts at each byte)."""
+    monkeypatch.setattr(tcp, "MAX_READERS", 3)
+    monkeypatch.setattr(tcp, "HANDSHAKE_S", 1.0)
+    sink = Sink()
+    listener = TcpListener("127.0.0.1", timeout=10.0)
+    listener.start(sink)
+    host, port = "127.0.0.1", int(listener.address.rpartition(":")[2])
+    stream = TcpStream(listener.address, "p")
+    silent: list[socket.socket] = []
+
+    async def until(cond) -> None:
+        for _ in range(500):
+            if cond():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the listener never got there")
+
+    try:
+        await stream.send("big", 0, [memoryview(payload(0))])
+        await until(lambda: ("big", 0, True) in sink.landed)
+        proven = listener.conns["p"]
+        await until(lambda: proven in listener.idle)  # between frames: idle longest from here
+        for _ in range(5):  # each past the third shuts another that never said who it is
+            known = set(listener.idle)
+            silent.append(socket.create_connection((host, port)))
+            await until(lambda k=known: set(listener.idle) - k)  # accepted
+        await stream.send("big", 1, [memoryview(payload(1))])
+        await until(lambda: ("big", 1, True) in sink.landed)
+        assert listener.conns["p"] is proven  # never shut: no reconnect
+        silent[-1].settimeout(5)  # and one in its handshake is shut at its deadline
+        assert await asyncio.to_thread(silent[-1].recv, 1) == b""
+    finally:
+        stream.close()
+        for s in silent:
+            s.close()
+        await listener.close()
