@@ -48,6 +48,7 @@ class SharedFile:
 def fits(size: int, margin: int = MARGIN) -> bool:
     """Whether /dev/shm has room for `size` bytes and `margin` (a tmpfs that runs out while
     pages are touched kills the process with SIGBUS: check first)."""
+    sweep_dead_kv_files()  # a killed predecessor's cache counted against its successor
     try:
         st = os.statvfs(SHM_DIR)
     except OSError:

@@ -63,7 +63,14 @@ class CudaIpcSend(DirectSend):
     def can_write(self, own: KVCache, shared: str) -> bool:
         if own.data.device.type != "cuda":
             return False
-        return shared.split(":", 1)[0] in visible_gpus()
+        peer = visible_gpus().get(shared.split(":", 1)[0])
+        if peer is None:
+            return False
+        # another GPU only with peer access: without it a strided copy ends in a kernel on
+        # the peer device's stream, which `copy`'s synchronize does not cover (the grant's
+        # lock dropped, and the descriptor went, before the layer had landed)
+        mine = own.data.device.index or 0
+        return peer == mine or bool(torch.cuda.can_device_access_peer(mine, peer))
 
     def attach(self, shared: str, layout: tuple[int, ...], dtype: str) -> torch.Tensor:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor

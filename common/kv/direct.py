@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +81,7 @@ class DirectSend(SendConnector):
         super().__init__(local)
         self.peers: dict[str, Peer] = {}  # by endpoint: a restarted node has a new one
         self.by_node: dict[str, str] = {}  # node id -> its endpoint
+        self.swept = 0.0  # mappings of gone caches last let go
 
     # -- what a subclass says ---------------------------------------------------------------
     def can_write(self, own: KVCache, shared: str) -> bool:
@@ -118,12 +120,9 @@ class DirectSend(SendConnector):
         return True
 
     def _peer(self, endpoint: str) -> Peer:
+        self._forget_gone()
         peer = self.peers.get(endpoint)
         if peer is None:
-            # a node restarted under a new id (its pid in it, outside Docker): the mapping of
-            # its old cache pinned that whole unlinked file's memory
-            for e in [e for e in self.peers if self.gone(e.split(SEP)[1])]:
-                del self.peers[e]
             _, shared, grants, layout = endpoint.split(SEP)
             layers, blocks, bs, heads, dim, dtype = layout.split(",")
             shape = (int(layers), 2, int(blocks) * int(bs), int(heads), int(dim))
@@ -135,6 +134,17 @@ class DirectSend(SendConnector):
                 self.peers.pop(next(iter(self.peers)))
             self.peers[endpoint] = peer
         return peer
+
+    def _forget_gone(self) -> None:
+        """Let go of caches whose file is gone: a node restarted under a new id (its pid in
+        it, outside Docker) left its old cache's memory pinned by the mapping, and its
+        successor, finding /dev/shm short, kept its cache private, so no new mapping came."""
+        now = time.monotonic()
+        if now - self.swept < 1.0:  # a stat per mapped peer, not on every transfer
+            return
+        self.swept = now
+        for e in [e for e in self.peers if self.gone(e.split(SEP)[1])]:
+            del self.peers[e]
 
     def begin(self, t: Transfer) -> None:
         endpoint = t.target.kv_endpoints[self.name]
