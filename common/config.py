@@ -205,12 +205,17 @@ class GatewayConfig:
         "seconds a node holding work may go without a token before it is dropped as hung "
         "(longer than the longest prefill pass)",
     )
-    max_replacements: int = flag(3, "re-placements of one request (preemption, node death)")
+    max_replacements: int = flag(
+        3,
+        "times one request may lose its node (death, failure) before a 503; preemptions "
+        "and retries for room do not count",
+    )
     local_prefill: str = flag(
         "off",
         "selective disaggregation: which requests their decode node prefills itself: off "
         "(none), adaptive (by prefill time against the prefill pool's wait and the decode "
-        "node's step; gateway/selective.py), always, or a prompt length N (<= N tokens)",
+        "node's step; gateway/selective.py), always, or a number N (local when the decode "
+        "node lacks at most N of the prompt's tokens in its own cache)",
     )
     role_switching: Literal["on", "off"] = flag(
         "off",
@@ -340,8 +345,9 @@ class NodeConfig:
     )
     kv_backend: str = flag(
         "auto",
-        "KV transfer: auto (shm on one host, else tcp), or a backend by name (zmq, tcp, "
-        "shm, ucx, or any in common/kv_backends.py)",
+        "KV transfer: auto (on one host cuda_ipc or shm_direct where both caches allow, else "
+        "shm; between hosts tcp; zmq where nothing else can), or one by name: zmq, tcp, shm, "
+        "shm_direct, cuda_ipc, ucx",
     )
     kv_tcp_port: int = flag(0, "decode: port of the in-place TCP KV listener; 0 = any free")
     cluster_key: str = flag(

@@ -23,8 +23,9 @@ else the cost model), the adaptive rule prefills locally when
 The threshold therefore moves with the measured load: it grows while the prefill pool is
 backed up and shrinks as the decode node fills (S grows, and with an SLO, the budget stays).
 Other modes: `off` (always disaggregate), `always` (every prompt on its decode node: the
-never-disaggregate baseline, on the same nodes) and a number N (local iff the prompt has at
-most N tokens: the fixed threshold of llm-d's and Dynamo's rules).
+never-disaggregate baseline, on the same nodes) and a number N (local iff the decode node
+lacks at most N of the prompt's tokens in its own cache: the fixed threshold of llm-d's and
+Dynamo's rules, counted as they count it, on what would have to be computed).
 """
 
 from __future__ import annotations
