@@ -104,7 +104,9 @@ def start_cluster(up_args: list[str], timeout: float) -> tuple[subprocess.Popen,
         "--tokens-port",
         str(free_port()),
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # errors="replace": one byte not UTF-8 in a child's log ended the drain, and the pipe filled
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace")  # fmt: skip
     up, tail = threading.Event(), collections.deque[str](maxlen=50)  # its last words
 
     def drain() -> None:
@@ -116,12 +118,14 @@ def start_cluster(up_args: list[str], timeout: float) -> tuple[subprocess.Popen,
             if "is up" in line:
                 up.set()
 
-    threading.Thread(target=drain, daemon=True).start()
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         if up.wait(0.5):
             return proc, f"http://127.0.0.1:{port}", cmd
     stop_cluster(proc)  # its nodes with it (a SIGKILL left them running)
+    reader.join(5)  # its last lines, the ones that say why
     raise RuntimeError(f"cluster {' '.join(up_args)} did not come up:\n{''.join(tail)}")
 
 

@@ -54,8 +54,9 @@ class Supervisor:
             self._launch(child, now)
 
     def _launch(self, child: Child, now: float) -> None:
+        child.started = now  # a spawn that fails counts as a fast failure (backoff, give-up)
         child.proc = self.spawn(child)
-        child.started, child.state, child.restart_at = now, "running", None
+        child.state, child.restart_at = "running", None
 
     def step(self, now: float) -> bool:
         """Look after every child once; False when the cluster has to stop."""

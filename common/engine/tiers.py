@@ -14,6 +14,7 @@ prefill its tokens.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -21,6 +22,8 @@ import shutil
 import time
 from collections import OrderedDict
 from pathlib import Path
+
+from pdserve.common.errors import ConfigError
 
 log = logging.getLogger(__name__)
 MAGIC = b"PDKVBLK1"
@@ -32,8 +35,12 @@ class TierStore:
         self.host_cap = host_bytes
         self.disk_cap = disk_bytes if disk_dir else 0
         self.dir = Path(disk_dir) if disk_dir else None
+        self.lock = -1
         if self.dir is not None and self.disk_cap:
             self.dir.mkdir(parents=True, exist_ok=True)
+            self.lock = _hold(self.dir)
+            if self.lock < 0:
+                raise ConfigError(f"the disk tier folder {self.dir} is another live node's")
             # a previous process's blocks (one killed: close() never ran): its index went
             # with it, so they would fill the disk outside `disk_used` for good
             for stale in [*self.dir.glob("*.kv"), *self.dir.glob("*.tmp")]:
@@ -157,12 +164,40 @@ class TierStore:
             self._unlink(digest)
         self.disk.clear()
         self.disk_used = 0
+        if self.lock >= 0:
+            os.close(self.lock)  # the folder is anyone's to sweep now
+            self.lock = -1
+
+
+LOCK = ".lock"  # beside a folder: held (flock) by its live store, on whatever host shares it
+
+
+def _hold(folder: Path) -> int:
+    """The descriptor of `folder`'s lock, held exclusively; -1 if another process holds it.
+    A new lock is taken under another name and renamed: a sweep never sees it unheld."""
+    path = folder.with_name(folder.name + LOCK)
+    draft = folder.with_name(f"{folder.name}{LOCK}.{os.getpid()}")
+    new = not path.exists()
+    fd = os.open(draft if new else path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return -1
+    if new:
+        os.replace(draft, path)
+    return fd
 
 
 def sweep_dead_tiers(root: Path) -> None:
-    """Remove the default tier folders (`<node id>-<pid>`) of processes that are gone (killed:
-    their close() never ran), so node restarts do not pile disk tiers up."""
-    for folder in root.glob("*-*") if root.is_dir() else []:
-        pid = folder.name.rsplit("-", 1)[1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+    """Remove the tier folders under `root` no live store holds (their process killed before
+    close()), so node restarts do not pile disk tiers up. By the folder's lock, not its pid:
+    a cache folder shared by hosts or PID namespaces holds others' live folders too."""
+    for folder in root.iterdir() if root.is_dir() else []:
+        if not folder.is_dir() or not folder.with_name(folder.name + LOCK).exists():
+            continue  # a lock, not a store's, or one being made (its lock comes next)
+        fd = _hold(folder)
+        if fd >= 0:
             shutil.rmtree(folder, ignore_errors=True)
+            folder.with_name(folder.name + LOCK).unlink(missing_ok=True)
+            os.close(fd)

@@ -179,6 +179,8 @@ class KvSender:
         """Event loop: queue the layer (descriptor + frame) behind everything sent before.
         Its descriptor is made when its turn comes: a frame still being staged to the host
         (a CUDA copy, common/engine/staging.py) is waited for there, not here."""
+        if t.ended is not None:  # released meanwhile: its state may be another's now
+            return
         if not t.first_byte:
             t.first_byte = time.monotonic()
         self._post(t.target, _Item([], t, layer, payload, framed=True))
@@ -211,6 +213,8 @@ class KvSender:
         self._post(target, _Item([encode(msg)]))
 
     def done(self, t: Transfer, first_token: int) -> None:
+        if t.ended is not None:
+            return
         done = KvDone(request_id=t.request_id, first_token_id=first_token)
         self._post(t.target, _Item([encode(done)]))
 

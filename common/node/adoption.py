@@ -211,8 +211,8 @@ class Adoption:
                            f"(0 to {len(outputs)})")  # fmt: skip
         if not reasked:  # a stream saved, counted once
             self.count("adopted", 1)
-        if ended is None:  # parked for a move its dead gateway never ordered: decode it here
-            self.node.unpark(rid)
+        if ended is None and not reasked:  # parked for a move its dead gateway never ordered
+            self.node.unpark(rid)  # (asked again: parked since by its adopter, moving)
         owners.move(rid, link)
         if self.finished.pop(rid, None) is not None:  # ended: its adopter may let it go again
             self._trim(time.monotonic())

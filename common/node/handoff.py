@@ -112,7 +112,9 @@ class KvHandoff:
             payloads = await asyncio.to_thread(node.sender.stage_all, t)
         except TransferEnded:  # aborted meanwhile
             return
-        if node.requests.get(rid) is not req:  # aborted meanwhile
+        # aborted, or released for another send (a refusal, then a Redirect) as the last
+        # layer staged: its segment may be the other's now
+        if node.requests.get(rid) is not req or node.sender.transfers.get(rid) is not t:
             return
         node.sender.push_all(t, payloads)
         node.sender.done(t, seq.token_ids[-1])

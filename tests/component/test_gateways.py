@@ -27,16 +27,13 @@ from pdserve.common.wire.protocol import (
     Adopt,
     Adopted,
     DecodeTarget,
-    Drain,
     FirstToken,
     GatewayLoad,
     Heartbeat,
     HeartbeatReply,
     Load,
-    Migrate,
     NeedDecode,
     PrefillOffer,
-    Rebalance,
     Register,
     RegisterAck,
     Reject,
@@ -395,67 +392,3 @@ async def test_an_orphan_its_node_gives_back_is_kept_for_its_adopter(tokenizer):
         adopted = next(m for m in b.inbox if isinstance(m, Adopted))
         assert adopted.found and adopted.finish_reason == "preempted"
         assert adopted.prompt_ids == prompt(32) and len(adopted.output_ids) >= made
-
-
-async def test_a_stream_parked_for_a_move_its_gateway_never_ordered_decodes_for_its_adopter(
-    tokenizer,
-):
-    """The leading gateway A orders a rebalance: the decode node parks r.0 and asks A where
-    it goes (Migrate); A dies before it answers. B adopts the orphan, and it decodes on for
-    B. Before, it was handed over still parked: no token ever again, its blocks held."""
-    async with _streaming_for_a(tokenizer) as (a, b, d):
-        await a.tell(d, Rebalance(request_ids=("r.0",)))
-        await until(lambda: [m for m in a.inbox if isinstance(m, Migrate)], what="parked")
-        assert "r.0" in d.scheduler.parked
-        a.muted = True
-        await until(lambda: d.control.links[0].silent_since is not None, what="A silent")
-        await b.tell(d, Adopt(streams=[("r", 0)]))
-        await until(lambda: [m for m in b.inbox if isinstance(m, Adopted)], what="an answer")
-        adopted = next(m for m in b.inbox if isinstance(m, Adopted))
-        assert adopted.found and adopted.finish_reason is None
-        made = len(adopted.output_ids)
-        await until(lambda: len(b.streamed["r.0"]) >= 3, what="tokens to B")
-        assert min(b.streamed["r.0"]) == made and "r.0" not in d.scheduler.parked
-
-
-async def test_a_draining_node_decodes_its_orphans_on_rather_than_park_them(tokenizer):
-    """A drain moves running sequences by asking their gateway where (Migrate); an orphan's
-    gateway is gone, so it was parked for an answer that never came (decoding nothing until
-    the drain timed out)."""
-    async with _streaming_for_a(tokenizer) as (a, _, d):
-        d.cfg = dataclasses.replace(d.cfg, drain_migrate="on")
-        a.muted = True
-        await until(lambda: d.control.links[0].silent_since is not None, what="A silent")
-        made = len(d.requests["r.0"].seq.output_ids)
-        d.control.begin_drain()
-        await until(lambda: len(d.requests["r.0"].seq.output_ids) >= made + 3, what="decoding")
-        assert "r.0" not in d.scheduler.parked and d.metrics.migrations._value.get() == 0
-
-
-async def test_a_node_takes_one_drain_from_its_leader_only(tokenizer):
-    """Drain from a gateway that does not lead is ignored, and a second Drain no longer stops
-    the node at once (it was taken for a second SIGTERM: nothing handed back)."""
-    async with _streaming_for_a(tokenizer) as (a, b, d):
-        d.cfg = dataclasses.replace(d.cfg, drain_migrate="off")
-        await b.tell(d, Drain())
-        held = len(a.streamed["r.0"])
-        await until(lambda: len(a.streamed["r.0"]) >= held + 2, what="more tokens")
-        assert not d.control.draining
-        await a.tell(d, Drain())
-        await a.tell(d, Drain())
-        await until(lambda: d.control.draining, what="draining")
-        held = len(a.streamed["r.0"])
-        await until(lambda: len(a.streamed["r.0"]) >= held + 2, what="decoding on")
-        assert not d.stopped.is_set()
-
-
-async def test_a_node_with_no_gateway_left_drains_and_exits(tokenizer):
-    """Every gateway silent, then SIGTERM: the drain's hand-back waited for a registration
-    that never came, and the node never exited."""
-    async with _streaming_for_a(tokenizer) as (a, b, d):
-        d.cfg = d.control.cfg = dataclasses.replace(d.cfg, drain_migrate="off",
-                                                    drain_timeout=1.0)  # fmt: skip
-        a.muted = b.muted = True
-        await until(lambda: not d.control.registered.is_set(), what="no gateway left")
-        d.control.begin_drain()
-        await until(d.stopped.is_set, 10.0, "the drain's end")

@@ -291,6 +291,10 @@ def test_an_orphan_freed_at_the_grace_is_no_orphan_while_its_step_ends():
         adoption = Adoption(gateways, node, grace=3.0)
         adoption.release("r.0", own, 100.0)
         assert adoption.adopt(Adopt(streams=[("r", 0)]), own)[0][1].found  # within the grace
+        assert node.unparked == ["r.0"]  # decodes here (were it parked for a dead leader)
+        # asked again (its answer lost): its adopter may have parked it since, to move it
+        assert adoption.adopt(Adopt(streams=[("r", 0)]), own)[0][1].found
+        assert node.unparked == ["r.0"]
         adoption.release("r.0", own, 100.5)
         adoption.expire(103.6)
         assert node.freed == ["r.0"] and "r.0" in node.requests  # its step still runs

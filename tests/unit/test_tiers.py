@@ -56,10 +56,12 @@ def test_loading_is_chosen_only_when_it_is_cheaper_than_recomputing():
 def test_a_killed_node_s_disk_tier_is_not_left_to_fill_the_disk(tmp_path):
     """A node killed before close() left its disk tier's files: in a folder of its own (the
     default, per process) for good, and in a given folder outside the next process's count
-    (`disk_used`), past --kv-disk-cache-gb."""
-    import subprocess
+    (`disk_used`), past --kv-disk-cache-gb. Folders are swept by their lock, not a pid: one
+    held by a live store (any host sharing the folder) stays."""
+    import pytest
 
     from pdserve.common.engine.tiers import TierStore, sweep_dead_tiers
+    from pdserve.common.errors import ConfigError
 
     given = tmp_path / "given"
     given.mkdir()
@@ -67,15 +69,20 @@ def test_a_killed_node_s_disk_tier_is_not_left_to_fill_the_disk(tmp_path):
     (given / "cd.tmp").write_bytes(b"y")
     store = TierStore(0, 1 << 20, given)
     assert not list(given.iterdir()) and store.disk_used == 0
+    with pytest.raises(ConfigError, match="another live node"):  # two stores, one folder
+        TierStore(0, 1 << 20, given)
     root = tmp_path / "kv-tier"
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    dead, live = root / f"prefill-0-{gone.pid}", root / f"decode-0-{os.getpid()}"
-    for folder in (dead, live):
-        folder.mkdir(parents=True)
-        (folder / "x.kv").write_bytes(b"z")
+    dead = TierStore(0, 1 << 20, root / "prefill-0-1")
+    dead.put(b"\x02" * 16, b"d" * 64)
+    os.close(dead.lock)  # as a kill would: its lock goes, its files stay
+    live = TierStore(0, 1 << 20, root / "decode-0-2")
+    live.put(b"\x03" * 16, b"l" * 64)
+    (root / "other").mkdir()  # no lock: not a store's (or one being made), left alone
     sweep_dead_tiers(root)
-    assert not dead.exists() and (live / "x.kv").exists()
+    assert not (root / "prefill-0-1").exists() and (root / "other").exists()
+    assert live.take(b"\x03" * 16) == b"l" * 64
+    store.close()
+    assert TierStore(0, 1 << 20, given).lock >= 0  # closed: the folder is free again
 
 
 def test_nodes_given_one_disk_folder_each_keep_their_own(tmp_path):
@@ -88,5 +95,6 @@ def test_nodes_given_one_disk_folder_each_keep_their_own(tmp_path):
     a, b = make_tiers(ecfg, "prefill-0"), make_tiers(ecfg, "prefill-1")
     assert a is not None and b is not None and a.dir != b.dir
     a.put(b"\x01" * 16, b"a" * 64)
+    b.close()
     make_tiers(ecfg, "prefill-1")  # a restart of the other node clears only its own
     assert a.take(b"\x01" * 16) == b"a" * 64

@@ -1,0 +1,89 @@
+"""Races between the KV sender's threads and the event loop, and the intake's own loop: a
+transfer released while a worker stages it keeps its shm segment until the stage ends, and
+nothing of it is sent after; a fetch being served holds up no other transfer."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import zmq
+
+from pdserve.common.kv.sender import TransferEnded
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.wire.kv_messages import KvFetch
+from pdserve.common.wire.protocol import encode
+from tests.component.cluster import until
+from tests.component.test_kv_backends import Pair, digest
+
+
+async def test_a_transfer_released_mid_stage_keeps_its_segment_till_the_stage_ends():
+    """A fetch served or a resend stages off the event loop; released meanwhile (refused,
+    aborted), its shm segment went back to the pool at once, the next transfer was lent it,
+    and the stale stage wrote its layer into that transfer's frames."""
+    pair = await Pair("shm", 64).start()
+    try:
+        store, entered, go = pair.src.kv_store, asyncio.Event(), asyncio.Event()
+        loop = asyncio.get_running_loop()
+        export = store.export_into
+
+        def slow_export(layer, table, n, view):  # the first transfer's first layer waits
+            if table == [0, 1] and layer == 0:
+                loop.call_soon_threadsafe(entered.set)
+                asyncio.run_coroutine_threadsafe(go.wait(), loop).result()
+                view[:] = b"\xab" * len(view)  # what a stale stage writes
+                return
+            export(layer, table, n, view)
+
+        store.export_into = slow_export
+        t1 = pair.sender.begin("a", pair.target, list(range(20)), 20, SamplingParams(), [0, 1])
+        staging = asyncio.create_task(asyncio.to_thread(pair.sender.stage_all, t1))
+        await entered.wait()
+        segment = t1.state
+        pair.sender.abort("a")  # released while its stage runs
+        t2 = pair.sender.begin("b", pair.target, list(range(20)), 20, SamplingParams(), [2, 3])
+        assert t2.state is not segment  # not lent while a stage writes into it
+        pair.sender.push_all(t2, pair.sender.stage_all(t2))
+        before = bytes(t2.state.view(0, t2.total_bytes))
+        go.set()
+        with pytest.raises(TransferEnded):  # its next layer: not staged
+            await staging
+        outbox = pair.sender.peers["d"].outbox.qsize()
+        pair.sender.push(t1, 0, None)  # a push or done of it after its release: nothing sent
+        pair.sender.done(t1, 1)
+        assert pair.sender.peers["d"].outbox.qsize() == outbox
+        assert bytes(t2.state.view(0, t2.total_bytes)) == before
+        await until(lambda: segment in pair.sender.connector("shm").pool.free, 5.0,
+                    "the segment back in the pool once the stage ended")  # fmt: skip
+        pair.sender.done(t2, 1)
+        landed = await asyncio.wait_for(pair.admitted.get(), 10)
+        assert digest(pair.dst, landed.block_table, 20) == digest(pair.src, [2, 3], 20)
+    finally:
+        await pair.close()
+
+
+async def test_a_fetch_being_served_holds_up_no_other_transfer():
+    """A peer's KvFetch was served inline on the intake's loop: while a large prefix was
+    staged, no frame, KvDone or Abort of any other transfer to this node was read (stall
+    timeouts, redirected requests)."""
+    pair = await Pair("zmq", 64).start()
+    try:
+        release = asyncio.Event()
+        served: list[str] = []
+
+        async def serve(peer: bytes, msg) -> None:
+            served.append(msg.request_id)
+            await release.wait()  # a stage that takes long
+
+        pair.intake.on_fetch = serve
+        fetch = KvFetch(request_id="f", prompt_ids=list(range(32)), skip_tokens=0,
+                        reply_to=pair.target)  # fmt: skip
+        handled = pair.intake.handle([zmq.Frame(b"peer"), zmq.Frame(encode(fetch))])
+        await asyncio.wait_for(handled, 2.0)  # returned while the fetch is still served
+        await until(lambda: served == ["f"], 5.0, "the fetch's serving to start")
+        landed = await pair.send("r", 40, list(range(3)), layerwise=False)  # meanwhile
+        assert digest(pair.dst, landed.block_table, 40) == digest(pair.src, list(range(3)), 40)
+        release.set()
+        await until(lambda: not pair.intake.serving, 5.0, "the fetch served")
+    finally:
+        await pair.close()
