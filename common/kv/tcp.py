@@ -14,9 +14,8 @@ reserved blocks, or nowhere (unknown, refused or dropped transfers: read and dis
 the stream never falls out of step with the transfers, and one stalled or broken peer holds
 up no other. A frame stalled for `timeout`, a bad head or a closed connection ends the
 stream; the transfer whose frame was landing fails, and the peer reconnects for its next
-frame. A full listener (MAX_READERS) shuts a connection still in its handshake, else the
-stream idle longest (never one mid-frame); a sender finds it closed and reconnects.
-"""
+frame. A full listener (MAX_READERS) shuts one in its handshake, else the stream idle
+longest (never one mid-frame); a sender finds it closed and reconnects."""
 
 from __future__ import annotations
 
@@ -34,6 +33,7 @@ from typing import Any, Protocol
 from pdserve.common.kv.base import Backend, Intake, Local, ReceiveConnector, SendConnector, Transfer
 from pdserve.common.kv.tcp_wire import WireStats, recv_views, set_timeout
 from pdserve.common.wire.security import MAC_BYTES, NONCE_BYTES, REFUSALS, ClusterKey, new_nonce
+from pdserve.common.wire.transport import listen_host
 
 ID_BYTES = 64
 MAGIC = b"PDKV"
@@ -89,7 +89,7 @@ class TcpListener:
         self.key = key
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("0.0.0.0", port))
+        self.sock.bind((listen_host(advertise_host), port))
         self.sock.listen(64)
         self.sock.setblocking(False)
         self.address = f"{advertise_host}:{self.sock.getsockname()[1]}"

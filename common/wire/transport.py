@@ -73,6 +73,13 @@ def make_socket(
     return sock
 
 
+def listen_host(advertise_host: str) -> str:
+    """Where a node's data sockets listen: loopback when it is reached there (a cluster on one
+    host), else every interface. A node reachable at 127.0.0.1 alone listened on every
+    interface too, and took anyone's KV fetch and frames (without a key nothing checks them)."""
+    return "127.0.0.1" if advertise_host in ("127.0.0.1", "localhost") else "0.0.0.0"
+
+
 def bound_address(sock: zmq.asyncio.Socket, advertise_host: str) -> str:
     """The address peers should use for a socket bound to a wildcard or port 0."""
     endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
