@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -282,7 +283,8 @@ def run_up(args: argparse.Namespace) -> int:
     children += [Child(cmd[cmd.index("--node-id") + 1], cmd) for cmd in commands[gateways:]]
     options = node_spawn_options(args, [c.command for c in children])
     options.update({name: {"secrets": gateway_secrets(gcfg)} for name in names})
-    supervisor = Supervisor(children, lambda c: _spawn(c, **options.get(c.name, {})))
+    supervisor = Supervisor(children, lambda c: _spawn(c, **options.get(c.name, {})),
+                            is_ready=Readiness(names, urls))  # fmt: skip
     try:
         supervisor.start(time.monotonic())
         procs = list(supervisor.running())
@@ -319,6 +321,37 @@ def ports_free(configs: list[GatewayConfig]) -> None:
                 except OSError as exc:
                     why = f"port {port} is in use or not ours ({exc.strerror})"
                     raise ConfigError(f"{why}: --port, --control-port, --tokens-port") from None
+
+
+class Readiness:
+    """Which children serve, for the supervisor: a gateway that answers /health, a node that
+    one of them lists as registered. Read at most once a second."""
+
+    def __init__(self, names: list[str], urls: list[str]) -> None:
+        self.gateways = list(zip(names, urls, strict=True))
+        self.up: set[str] = set()
+        self.read_at = -1e9
+
+    def __call__(self, child: Child) -> bool:
+        now = time.monotonic()
+        if now - self.read_at >= 1.0:
+            self.read_at, self.up = now, self._read()
+        return child.name in self.up
+
+    def _read(self) -> set[str]:
+        up: set[str] = set()
+        for name, url in self.gateways:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=0.5) as resp:
+                    body = resp.read()
+            except urllib.error.HTTPError as exc:  # 503 until both roles are there: it serves
+                body = exc.read()
+            except (urllib.error.URLError, OSError):
+                continue
+            up.add(name)
+            with contextlib.suppress(ValueError, AttributeError):
+                up |= set(json.loads(body).get("nodes", {}))
+        return up
 
 
 def stop_all(procs: list[subprocess.Popen], grace: float = 10.0) -> None:

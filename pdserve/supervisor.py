@@ -5,7 +5,8 @@ Rules, per child:
 - exit code 0 is a clean exit (a node that drained after SIGTERM): not a failure, not
   restarted; EXIT_REFUSED (78) is a node the cluster refused (its numerics): not restarted;
 - any other exit (a crash, SIGKILL) is restarted after a backoff that doubles from
-  `backoff` up to `max_backoff`, and resets once the child has run `stable_after` seconds;
+  `backoff` up to `max_backoff`, and resets once the child has served `stable_after` seconds
+  (from when `is_ready` first saw it serve: a model load is not a stable run);
 - `give_up_after` failures in a row, each within `stable_after` seconds of its start, mean the
   child cannot run here (a bad flag, a port taken): it is not started again, and the rest keep
   serving. When the gateway gives up, or nothing is left running, the cluster stops.
@@ -35,6 +36,7 @@ class Child:
     started: float = 0.0
     failures: int = 0  # fast failures in a row
     restart_at: float | None = None  # when to start it again after a failure
+    ready_at: float | None = None  # when it was first seen serving (stable_after runs from)
     state: str = "new"  # new | running | waiting | exited | gave_up
     restarts: int = 0
 
@@ -48,6 +50,9 @@ class Supervisor:
     stable_after: float = 30.0
     give_up_after: int = 5
     events: list[str] = field(default_factory=list)
+    # whether a child serves (a node registered): a model load is no stable run, and a node
+    # that crashed after each 45 s load was restarted forever; None: from its start
+    is_ready: Callable[[Child], bool] | None = None
 
     def start(self, now: float) -> None:
         for child in self.children:
@@ -55,6 +60,7 @@ class Supervisor:
 
     def _launch(self, child: Child, now: float) -> None:
         child.started = now  # a spawn that fails counts as a fast failure (backoff, give-up)
+        child.ready_at = now if self.is_ready is None else None
         child.proc = self.spawn(child)
         child.state, child.restart_at = "running", None
 
@@ -66,6 +72,8 @@ class Supervisor:
                 code = child.proc.poll()
                 if code is not None:
                     self._exited(child, code, now)
+                elif child.ready_at is None and self.is_ready is not None and self.is_ready(child):
+                    child.ready_at = now
             elif child.state == "waiting" and child.restart_at is not None:
                 if now >= child.restart_at:
                     child.restarts += 1
@@ -90,7 +98,7 @@ class Supervisor:
             self._say(f"{child.name} was refused by the cluster (exit code {code}); "
                       "not restarting it")  # fmt: skip
             return
-        ran = now - child.started
+        ran = now - child.ready_at if child.ready_at is not None else 0.0  # never served
         child.failures = child.failures + 1 if ran < self.stable_after else 1
         if child.failures >= self.give_up_after:
             child.state = "gave_up"

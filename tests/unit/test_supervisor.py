@@ -127,3 +127,30 @@ def test_a_restart_that_cannot_spawn_counts_as_a_failure_not_the_cluster_s_end()
     assert sup.step(1.0)  # exited: a restart is due at 2 s
     assert sup.step(2.5)  # the restart could not spawn: waiting again, the cluster on
     assert sup.children[1].state == "waiting" and sup.children[1].failures == 2
+
+
+def test_a_node_that_crashes_after_each_load_is_given_up_on():
+    """A node whose model load takes 45 s and that crashes soon after (OOM at its KV cache's
+    allocation, say) ran "45 s" each time: past `stable_after`, so its failures reset to 1
+    and it was restarted forever, a whole load each. Stability counts from when it serves
+    (registered with a gateway)."""
+    serving: set[str] = {"gateway"}
+    sup, spawned = make("gateway", "decode-0", stable_after=30.0, give_up_after=5,
+                        is_ready=lambda child: child.name in serving)  # fmt: skip
+    now = 0.0
+    for _ in range(5):
+        sup.step(now + 1.0)  # loading: not serving
+        spawned["decode-0"][-1].code = 1
+        now += 45.0
+        sup.step(now)  # crashed after its load
+        while sup.children[1].state == "waiting":
+            now += 1.0
+            sup.step(now)
+    assert sup.children[1].state == "gave_up" and len(spawned["decode-0"]) == 5
+    # one that served for stable_after before it died is restarted with its count reset
+    sup, spawned = make("gateway", "decode-0", stable_after=30.0, give_up_after=2,
+                        is_ready=lambda child: True)  # fmt: skip
+    sup.step(1.0)  # serving from here
+    spawned["decode-0"][-1].code = 1
+    sup.step(40.0)
+    assert sup.children[1].state == "waiting" and sup.children[1].failures == 1
