@@ -283,8 +283,10 @@ def run_up(args: argparse.Namespace) -> int:
     children += [Child(cmd[cmd.index("--node-id") + 1], cmd) for cmd in commands[gateways:]]
     options = node_spawn_options(args, [c.command for c in children])
     options.update({name: {"secrets": gateway_secrets(gcfg)} for name in names})
-    supervisor = Supervisor(children, lambda c: _spawn(c, **options.get(c.name, {})),
-                            is_ready=Readiness(names, urls))  # fmt: skip
+    ready = Readiness(names, urls, gcfg.heartbeat_timeout + 1.0)
+    supervisor = Supervisor(
+        children, lambda c: _spawn(c, **options.get(c.name, {})), is_ready=ready
+    )
     try:
         supervisor.start(time.monotonic())
         procs = list(supervisor.running())
@@ -327,26 +329,30 @@ class Readiness:
     """Which children serve, for the supervisor: a gateway that answers /health, a node that
     one of them lists as registered. Read at most once a second."""
 
-    def __init__(self, names: list[str], urls: list[str]) -> None:
+    def __init__(self, names: list[str], urls: list[str], stale: float) -> None:
         self.gateways = list(zip(names, urls, strict=True))
         self.up: set[str] = set()
         self.read_at = -1e9
+        self.stale = stale  # how long a gateway may list a node that died (its timeout)
 
     def __call__(self, child: Child) -> bool:
         now = time.monotonic()
         if now - self.read_at >= 1.0:
             self.read_at, self.up = now, self._read()
-        return child.name in self.up
+        # a listing older than a restart's node plus the gateways' timeout may be the dead
+        # one's: its load would then count as serving
+        return child.name in self.up and self.read_at >= child.started + self.stale
 
     def _read(self) -> set[str]:
         up: set[str] = set()
         for name, url in self.gateways:
             try:
-                with urllib.request.urlopen(f"{url}/health", timeout=0.5) as resp:
-                    body = resp.read()
-            except urllib.error.HTTPError as exc:  # 503 until both roles are there: it serves
-                body = exc.read()
-            except (urllib.error.URLError, OSError):
+                try:
+                    with urllib.request.urlopen(f"{url}/health", timeout=0.5) as resp:
+                        body = resp.read()
+                except urllib.error.HTTPError as exc:  # 503 until both roles are there
+                    body = exc.read()
+            except Exception:  # not answering, cut short, not HTTP: not serving, never fatal
                 continue
             up.add(name)
             with contextlib.suppress(ValueError, AttributeError):

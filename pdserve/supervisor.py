@@ -7,7 +7,7 @@ Rules, per child:
 - any other exit (a crash, SIGKILL) is restarted after a backoff that doubles from
   `backoff` up to `max_backoff`, and resets once the child has served `stable_after` seconds
   (from when `is_ready` first saw it serve: a model load is not a stable run);
-- `give_up_after` failures in a row, each within `stable_after` seconds of its start, mean the
+- `give_up_after` failures in a row, each within `stable_after` seconds of serving, mean the
   child cannot run here (a bad flag, a port taken): it is not started again, and the rest keep
   serving. When the gateway gives up, or nothing is left running, the cluster stops.
 

@@ -14,6 +14,7 @@ prefill its tokens.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import logging
@@ -39,8 +40,10 @@ class TierStore:
         if self.dir is not None and self.disk_cap:
             self.dir.mkdir(parents=True, exist_ok=True)
             self.lock = _hold(self.dir)
-            if self.lock < 0:
+            if self.lock == BUSY:
                 raise ConfigError(f"the disk tier folder {self.dir} is another live node's")
+            if self.lock == NO_LOCKS:  # no sweep can take it then: served, unguarded
+                log.warning("KV disk tier: %s has no file locks; not guarded", self.dir)
             # a previous process's blocks (one killed: close() never ran): its index went
             # with it, so they would fill the disk outside `disk_used` for good
             for stale in [*self.dir.glob("*.kv"), *self.dir.glob("*.tmp")]:
@@ -172,21 +175,40 @@ class TierStore:
 LOCK = ".lock"  # beside a folder: held (flock) by its live store, on whatever host shares it
 
 
+BUSY, NO_LOCKS = -1, -2  # _hold: another process holds it; the filesystem has no flock
+
+
 def _hold(folder: Path) -> int:
-    """The descriptor of `folder`'s lock, held exclusively; -1 if another process holds it.
-    A new lock is taken under another name and renamed: a sweep never sees it unheld."""
+    """The descriptor of `folder`'s lock, held exclusively, or BUSY, or NO_LOCKS. A new lock
+    is made under another name, locked, then linked into place (a link fails if another
+    process made one meanwhile): a sweep never sees it unheld, and two never both hold it."""
     path = folder.with_name(folder.name + LOCK)
-    draft = folder.with_name(f"{folder.name}{LOCK}.{os.getpid()}")
-    new = not path.exists()
-    fd = os.open(draft if new else path, os.O_RDWR | os.O_CREAT, 0o600)
+    if not path.exists():
+        draft = folder.with_name(f"{folder.name}{LOCK}.{os.getpid()}")
+        fd = _locked(os.open(draft, os.O_RDWR | os.O_CREAT, 0o600))
+        try:
+            if fd >= 0:
+                os.link(draft, path)
+                return fd
+        except FileExistsError:  # another made it first: take that one
+            os.close(fd)
+        except OSError:  # no hard links here (some FUSE mounts): renamed instead
+            os.replace(draft, path)
+            return fd
+        finally:
+            draft.unlink(missing_ok=True)
+        if fd == NO_LOCKS:
+            return fd
+    return _locked(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+
+
+def _locked(fd: int) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+        return fd
+    except OSError as exc:
         os.close(fd)
-        return -1
-    if new:
-        os.replace(draft, path)
-    return fd
+        return BUSY if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else NO_LOCKS
 
 
 def sweep_dead_tiers(root: Path) -> None:
@@ -196,7 +218,7 @@ def sweep_dead_tiers(root: Path) -> None:
     for folder in root.iterdir() if root.is_dir() else []:
         if not folder.is_dir() or not folder.with_name(folder.name + LOCK).exists():
             continue  # a lock, not a store's, or one being made (its lock comes next)
-        fd = _hold(folder)
+        fd = _hold(folder)  # held by a live store, or no locks here: left alone
         if fd >= 0:
             shutil.rmtree(folder, ignore_errors=True)
             folder.with_name(folder.name + LOCK).unlink(missing_ok=True)

@@ -33,7 +33,6 @@ from typing import Any, Protocol
 from pdserve.common.kv.base import Backend, Intake, Local, ReceiveConnector, SendConnector, Transfer
 from pdserve.common.kv.tcp_wire import WireStats, recv_views, set_timeout
 from pdserve.common.wire.security import MAC_BYTES, NONCE_BYTES, REFUSALS, ClusterKey, new_nonce
-from pdserve.common.wire.transport import listen_host
 
 ID_BYTES = 64
 MAGIC = b"PDKV"
@@ -85,11 +84,12 @@ class TcpListener:
         timeout: float = 10.0,
         max_frame: int = 1 << 40,
         key: ClusterKey | None = None,
+        listen: str = "0.0.0.0",
     ) -> None:
         self.key = key
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((listen_host(advertise_host), port))
+        self.sock.bind((listen, port))
         self.sock.listen(64)
         self.sock.setblocking(False)
         self.address = f"{advertise_host}:{self.sock.getsockname()[1]}"
@@ -380,8 +380,8 @@ class TcpReceive(ReceiveConnector):
         super().__init__(local)
         kv = local.kv
         max_frame = kv.frame_bytes(local.max_tokens or kv.num_blocks * kv.block_size) + 4096
-        port = local.ports.get("tcp", 0)
-        self.listener = TcpListener(local.advertise_host, port, local.timeout, max_frame, local.key)
+        ours = (local.ports.get("tcp", 0), local.timeout, max_frame, local.key, local.listen)
+        self.listener = TcpListener(local.advertise_host, *ours)
 
     async def listen(self, sink: Any) -> str:
         self.listener.start(sink)  # the intake lands the frames (FrameSink)

@@ -10,6 +10,7 @@ On a GPU box UCX picks RDMA or NVLink (`UCX_TLS`); here it runs over TCP loopbac
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ from pdserve.common.kv.base import (
 ID_BYTES = 64
 
 
+@functools.cache  # one import attempt: a forced ucx asks on every transfer
 def available() -> bool:
     try:
         import ucxx  # noqa: F401

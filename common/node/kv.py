@@ -31,7 +31,7 @@ from pdserve.common.wire.protocol import (
     DecodeTarget,
 )
 from pdserve.common.wire.security import watch_handshakes
-from pdserve.common.wire.transport import TOKENS_MAX_MSG, bound_address, listen_host, make_socket
+from pdserve.common.wire.transport import TOKENS_MAX_MSG, bound_address, make_socket
 
 
 class KvHooks(Protocol):
@@ -54,6 +54,7 @@ class KvHost(Protocol):
     blocks: BlockManager
     scheduler: Scheduler
     node_id: str
+    listen: str  # where its data sockets bind
     requests: dict[str, Any]
     token_cost: float
     metrics: NodeMetrics
@@ -72,7 +73,7 @@ class NodeKv:
         self.data = make_socket(
             node.ctx,
             "node.data",
-            f"tcp://{listen_host(cfg.advertise_host)}:{cfg.data_port}",
+            f"tcp://{node.listen}:{cfg.data_port}",
             max_msg=max(max_frame, TOKENS_MAX_MSG),
         )
         self.address = bound_address(self.data, cfg.advertise_host)

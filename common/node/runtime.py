@@ -56,6 +56,7 @@ from pdserve.common.wire.protocol import (
     TokenBatch,
 )
 from pdserve.common.wire.security import ClusterKey, close_context, make_context
+from pdserve.common.wire.transport import listen_host
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +73,14 @@ class NodeRuntime:
     ) -> None:
         """`executor`: the process's engine thread, kept across role switches (the launcher
         builds the engine on it: common/engine/threads.py); None: a thread of its own."""
+        # data sockets listen on loopback when the node is reached there by its route to the
+        # gateway; a given --advertise-host (a port published by Docker, say) keeps them on
+        # every interface
+        self.listen = "0.0.0.0"
         if not cfg.advertise_host:
             first = cfg.gateway.split(",")[0].strip()
             cfg = dataclasses.replace(cfg, advertise_host=facing_address(first))
+            self.listen = listen_host(cfg.advertise_host)
         self.cfg, self.ecfg, self.engine, self.tokenizer = cfg, ecfg, engine, tokenizer
         self.node_id = cfg.node_id or default_node_id(role.role)
         self.key = ClusterKey.load(cfg.cluster_key) if cfg.cluster_key else None
@@ -119,6 +125,7 @@ class NodeRuntime:
             node_id=self.node_id,
             host_id=host_identity(),
             advertise_host=cfg.advertise_host,
+            listen=self.listen,
             kv=self.engine.kv_store,
             data_address=data_address,
             timeout=cfg.kv_transfer_timeout,

@@ -1,13 +1,13 @@
-"""A node reached at 127.0.0.1 (its gateway on this host: `pdserve up`) listens there, not on
-every interface: its data socket and tcp KV listener took anyone's KV fetch and frames from
-the network (without a cluster key nothing checks them). A node reached at another address
-listens on every interface, as before."""
+"""A node reached at 127.0.0.1 by its route to the gateway (its gateway on this host: `pdserve
+up`) listens there, not on every interface: its data socket and tcp KV listener took
+anyone's KV fetch and frames from the network (without a cluster key nothing checks them).
+A node reached at another address, or told its address (`--advertise-host`: a port Docker
+publishes reaches the container's own interface), listens on every interface, as before."""
 
 from __future__ import annotations
 
 import zmq
 
-from pdserve.common.kv.tcp import TcpListener
 from pdserve.common.wire.transport import listen_host
 from pdserve.decode_node.server import DecodeRole
 from tests.component.cluster import Cluster
@@ -17,13 +17,11 @@ async def test_a_node_reached_at_loopback_listens_there_only(tokenizer):
     assert listen_host("127.0.0.1") == listen_host("localhost") == "127.0.0.1"
     assert listen_host("10.1.2.3") == listen_host("node-a") == "0.0.0.0"
     async with Cluster(tokenizer) as c:
-        node = await c.add(c.node(DecodeRole, "decode-0"))
-        assert node.cfg.advertise_host == "127.0.0.1"  # its gateway is local
-        data = node.kv.data.getsockopt_string(zmq.LAST_ENDPOINT)
-        assert data.startswith("tcp://127.0.0.1:"), data
-    for host, bound in (("127.0.0.1", "127.0.0.1"), ("10.1.2.3", "0.0.0.0")):
-        listener = TcpListener(host, timeout=5.0)
-        try:
-            assert listener.sock.getsockname()[0] == bound
-        finally:
-            listener.sock.close()
+        local = await c.add(c.node(DecodeRole, "decode-0"))
+        told = await c.add(c.node(DecodeRole, "decode-1", advertise_host="127.0.0.1"))
+        for node, bound in ((local, "127.0.0.1"), (told, "0.0.0.0")):
+            assert node.cfg.advertise_host == "127.0.0.1"
+            data = node.kv.data.getsockopt_string(zmq.LAST_ENDPOINT)
+            assert data.startswith(f"tcp://{bound}:"), data
+            tcp = node.kv.intake.receivers["tcp"].listener.sock.getsockname()[0]
+            assert tcp == bound

@@ -98,3 +98,24 @@ def test_nodes_given_one_disk_folder_each_keep_their_own(tmp_path):
     b.close()
     make_tiers(ecfg, "prefill-1")  # a restart of the other node clears only its own
     assert a.take(b"\x01" * 16) == b"a" * 64
+
+
+def test_a_folder_on_a_filesystem_without_locks_is_served_and_never_swept(tmp_path, monkeypatch):
+    """flock failing for want of support (ENOLCK: some network and FUSE mounts) read as
+    "another live node's": the node refused to start. It is served unguarded now, and no
+    sweep removes a folder whose lock it cannot take."""
+    import errno
+    import fcntl
+
+    from pdserve.common.engine import tiers
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    store = tiers.TierStore(0, 1 << 20, tmp_path / "kv-tier" / "decode-0-1")
+    store.put(b"\x04" * 16, b"n" * 64)
+    assert store.lock < 0 and store.take(b"\x04" * 16) == b"n" * 64
+    (tmp_path / "kv-tier" / "decode-0-1.lock").touch()  # as a store on a locking host made
+    tiers.sweep_dead_tiers(tmp_path / "kv-tier")
+    assert store.take(b"\x04" * 16) == b"n" * 64

@@ -217,3 +217,44 @@ def test_a_niceness_not_permitted_is_said_and_not_restarted(monkeypatch, capfd):
     proc = launch._spawn(launch.Child("decode-0", [sys.executable, "-c", "pass"]), nice=-5)
     assert proc.wait(timeout=30) == EXIT_REFUSED
     assert "decode-0: niceness -5 is not permitted" in capfd.readouterr().err
+
+
+def test_readiness_reads_the_gateways_and_trusts_no_listing_of_a_dead_node(monkeypatch):
+    """The supervisor counts a node's stable run from when a gateway lists it. A restarted
+    node was listed at once: the gateway still listed the one that had died (until its
+    heartbeat timeout), so a load and a crash counted as a stable run again. A gateway
+    answering 503 serves; one answering garbage is not serving and raises nothing."""
+    import http.server
+    import socket
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps({"status": "unavailable", "nodes": {"decode-0": "decode"}})
+            self.send_response(503)
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    garbage = socket.socket()
+    garbage.bind(("127.0.0.1", 0))
+    garbage.listen()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        urls = [f"http://127.0.0.1:{server.server_port}",
+                f"http://127.0.0.1:{garbage.getsockname()[1]}"]  # fmt: skip
+        ready = launch.Readiness(["gateway-0", "gateway-1"], urls, stale=3.0)
+        node = launch.Child("decode-0", ["x"])
+        node.started = launch.time.monotonic()  # restarted just now
+        assert not ready(node)  # listed, but maybe as the one that died
+        assert ready(launch.Child("gateway-0", ["g"]))  # its 503 is an answer
+        assert not ready(launch.Child("gateway-1", ["g"]))  # no HTTP there: not serving
+        later = node.started + 4.0
+        monkeypatch.setattr(launch.time, "monotonic", lambda: later)
+        assert ready(node)  # listed by a read past the gateways' timeout: this one
+    finally:
+        server.shutdown()
+        garbage.close()
