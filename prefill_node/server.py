@@ -158,7 +158,7 @@ class PrefillRole(RoleDefaults):
 
     def engine_step(
         self, out: SchedulerOutput, loop: asyncio.AbstractEventLoop
-    ) -> tuple[list[int], dict[str, list[Any]], float, float]:
+    ) -> tuple[list[int], dict[str, list[Any]], float, float, dict[str, Transfer]]:
         """Engine thread: one forward pass. Layer-wise, each layer's KV goes out as it lands
         (the send overlaps the next layers' compute); else it is staged whole after the
         pass. Which, the rule decides from this node's measurements (layerwise.py)."""
@@ -192,12 +192,11 @@ class PrefillRole(RoleDefaults):
             if t not in layerwise:
                 with contextlib.suppress(TransferEnded):
                     at_end[t.request_id] = sender.stage_all(t)
-        return sampled, at_end, began, ended
+        return sampled, at_end, began, ended, {t.request_id: t for t in moving}
 
     async def after_step(self, out: SchedulerOutput, grew: list[Sequence], result: Any) -> None:
-        _, at_end, began, ended = result
-        streamed = any(t.layerwise for s, _ in out.prefills
-                       if (t := self.node.sender.transfers.get(s.seq_id)))  # fmt: skip
+        _, at_end, began, ended, passed = result
+        streamed = any(t.layerwise for t in passed.values())
         self.layerwise.observe_pass(sum(n for _, n in out.prefills), ended - began, streamed)
         for seq in grew:
             req = self.node.requests.get(seq.seq_id)
@@ -208,10 +207,13 @@ class PrefillRole(RoleDefaults):
             self.node.metrics.prefill_time.observe(ended - began)
             self.node.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
             t = self.node.sender.transfers.get(seq.seq_id)
-            if t is not None:
-                t.prefill_end = ended
+            # a resend begun meanwhile (a refusal mid-pass, then a Redirect) is another
+            # transfer: this pass's KV and KvDone are not its (it sends its own, whole)
+            ours = passed.get(seq.seq_id) if t is not None and passed.get(seq.seq_id) is t else None
+            if ours is not None:
+                ours.prefill_end = ended
                 if seq.seq_id in at_end:
-                    self.node.sender.push_all(t, at_end[seq.seq_id])
+                    self.node.sender.push_all(ours, at_end[seq.seq_id])
             token = seq.token_ids[-1]
             reason = check_stop(seq, self.node.engine.eos_token_ids, self.node.engine.max_model_len)
             if reason is not None or t is None:  # nothing to hand off: let go now
@@ -229,8 +231,8 @@ class PrefillRole(RoleDefaults):
                 queue_ms=queued * 1000,
             )
             await self.node.send_gateway(first)
-            if reason is None and t is not None:
-                self.node.sender.done(t, token)
+            if reason is None and ours is not None:
+                self.node.sender.done(ours, token)
 
     async def step_failed(self, out: SchedulerOutput, exc: Exception) -> None:
         """The batch fails, the node goes on: the gateway re-places its requests."""

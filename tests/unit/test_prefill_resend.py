@@ -1,0 +1,56 @@
+"""A resend begun while a pass's after_step waits (a decode node refused a request's KV mid-pass,
+then a Redirect came, or its prefix was gone) is a transfer of its own: the pass's KV and
+KvDone are not its. Before, after_step found the new transfer under the request's id and
+pushed the old pass's layers (and a KvDone) into it, and the resend pushed its own: every
+layer twice, or a KvDone ahead of every layer (a layer-wise pass)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+from pdserve.common.engine.scheduler import SchedulerOutput
+from pdserve.common.engine.sequence import Sequence
+from pdserve.common.node.role import NodeRequest
+from pdserve.common.sampling import SamplingParams
+from pdserve.prefill_node.server import PrefillRole
+
+
+def test_a_resend_begun_during_after_step_gets_none_of_the_pass_s_kv():
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    seqs = {rid: Sequence.new(rid, [5, 6, 7], params) for rid in ("a.0", "b.0")}
+    for seq in seqs.values():
+        seq.token_ids.append(9)  # the pass's first token
+    old = {rid: SimpleNamespace(request_id=rid, layerwise=False, prefill_end=0.0)
+           for rid in seqs}  # fmt: skip
+    resend = SimpleNamespace(request_id="b.0", layerwise=False, prefill_end=0.0)
+    sent: list[tuple[str, Any]] = []
+    transfers = dict(old)
+
+    async def send_gateway(msg: Any) -> None:
+        if msg.request_id == "a.0":  # meanwhile b's resend begins (send_kv)
+            transfers["b.0"] = resend
+
+    sender = SimpleNamespace(
+        transfers=transfers,
+        push_all=lambda t, payloads: sent.append(("push", t)),
+        done=lambda t, token: sent.append(("done", t)),
+        abort=lambda rid: None,
+    )
+    count = SimpleNamespace(observe=lambda v: None, inc=lambda v: None)
+    node = SimpleNamespace(
+        requests={rid: NodeRequest(seq=s) for rid, s in seqs.items()}, sender=sender,
+        metrics=SimpleNamespace(queue_time=count, prefill_time=count, prompt_tokens=count),
+        engine=SimpleNamespace(eos_token_ids=(), max_model_len=4096),
+        send_gateway=send_gateway,
+    )  # fmt: skip
+    role = PrefillRole.__new__(PrefillRole)
+    role.node = node
+    role.layerwise = SimpleNamespace(observe_pass=lambda *a: None)
+    out = SchedulerOutput(prefills=[(s, 3) for s in seqs.values()])
+    result = ([9, 9], {"a.0": ["kv-a"], "b.0": ["kv-b"]}, 0.0, 0.1, dict(old))
+    asyncio.run(role.after_step(out, list(seqs.values()), result))
+    # a's pass KV and KvDone; b's resend sends its own, whole: none of this pass's into it
+    assert sent == [("push", old["a.0"]), ("done", old["a.0"])]
+    assert not any(t is resend for _, t in sent) and resend.prefill_end == 0.0
