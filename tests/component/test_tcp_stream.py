@@ -14,6 +14,7 @@ import pytest
 
 from pdserve.common.kv import tcp
 from pdserve.common.kv.tcp import TcpListener, TcpStream
+from tests.component.cluster import until  # waits on the listener's own state, not on time
 
 FRAMES = 8
 FRAME = 4 << 20  # 32 MiB in all: many socket buffers' worth
@@ -90,13 +91,6 @@ async def test_a_flood_of_idle_connections_makes_room_for_a_sender(monkeypatch) 
     idle[1].sendall(b"x".ljust(tcp.ID_BYTES))  # a stream with an id, then silence
     busy = socket.create_connection((host, port))  # one mid-frame: a head, part of a frame
     busy.sendall(b"busy".ljust(tcp.ID_BYTES) + tcp.frame_head("big", 1, FRAME) + b"\0" * 1024)
-
-    async def until(cond) -> None:  # wait on the listener's own count, not on time
-        for _ in range(500):
-            if cond():
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError("the listener never got there")
 
     try:
         await until(lambda: listener.readers == 3 and len(listener.idle) == 2)
@@ -181,13 +175,6 @@ async def test_connections_in_their_handshake_go_before_a_proven_stream(monkeypa
     host, port = "127.0.0.1", int(listener.address.rpartition(":")[2])
     stream = TcpStream(listener.address, "p")
     silent: list[socket.socket] = []
-
-    async def until(cond) -> None:
-        for _ in range(500):
-            if cond():
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError("the listener never got there")
 
     try:
         await stream.send("big", 0, [memoryview(payload(0))])
