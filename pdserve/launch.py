@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -165,14 +164,30 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float, nodes:
         for p in procs:
             if p.poll() is not None:
                 raise RuntimeError(f"{p.args!r} exited with code {p.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:
-                if resp.status == 200 and len(json.loads(resp.read())["nodes"]) >= nodes:
-                    return
-        except (urllib.error.URLError, OSError, ValueError, KeyError):  # not pdserve's /health
-            pass
+        health = read_health(url, 1.0)
+        if health is not None and health[0] == 200 and "nodes" in health[1]:
+            if len(health[1]["nodes"]) >= nodes:
+                return
         time.sleep(0.2)
     raise RuntimeError(f"the cluster did not become healthy within {timeout:.0f} s")
+
+
+def read_health(url: str, timeout: float) -> tuple[int, dict[str, Any]] | None:
+    """A gateway's /health: its status and JSON ({} when not a JSON object), or None when
+    nothing answers in HTTP (down, cut short, another protocol): never an exception."""
+    try:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=timeout) as resp:
+                status, body = resp.status, resp.read()
+        except urllib.error.HTTPError as exc:  # 503 until both roles are there: an answer
+            status, body = exc.code, exc.read()
+    except Exception:
+        return None
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None
+    return status, parsed if isinstance(parsed, dict) else {}
 
 
 def up_configs(args: argparse.Namespace) -> tuple[GatewayConfig, NodeConfig]:
@@ -346,17 +361,9 @@ class Readiness:
     def _read(self) -> set[str]:
         up: set[str] = set()
         for name, url in self.gateways:
-            try:
-                try:
-                    with urllib.request.urlopen(f"{url}/health", timeout=0.5) as resp:
-                        body = resp.read()
-                except urllib.error.HTTPError as exc:  # 503 until both roles are there
-                    body = exc.read()
-            except Exception:  # not answering, cut short, not HTTP: not serving, never fatal
-                continue
-            up.add(name)
-            with contextlib.suppress(ValueError, AttributeError):
-                up |= set(json.loads(body).get("nodes", {}))
+            health = read_health(url, 0.5)
+            if health is not None:  # a gateway answering, its nodes listed
+                up |= {name, *health[1].get("nodes", {})}
         return up
 
 

@@ -229,9 +229,9 @@ class KvSender:
         t = self.transfers.pop(request_id, None)
         if t is not None:
             with self.lock:
-                t.ended = asyncio.get_running_loop() if t.staging else False
-                busy = bool(t.staging)
-            if not busy:  # else the last stage in flight ends it
+                busy = t.staging > 0  # then the last stage in flight ends it, on this loop
+                t.ended = asyncio.get_running_loop() if busy else False
+            if not busy:
                 self._end(t)
         return t
 

@@ -307,7 +307,7 @@ class ControlPlane:
         link.silent_since = None
         self.events.resync()  # a new gateway, or one that dropped us
         self.role.on_registered(ack)
-        link.registered_as(ack.gateway_id, ack.tokens_address, self.role.pushes_tokens)
+        link.registered_as(ack.gateway_id)
         self.registered.set()
         log.info("%s registered with the gateway at %s", self.node_id, link.address)
 

@@ -55,8 +55,8 @@ class GatewayLink:
         if self.tokens_sock is not None:
             await self.tokens_sock.send(encode(msg))
 
-    def registered_as(self, gateway_id: str, tokens_address: str, pushes: bool) -> None:
-        self.connect_tokens(tokens_address, pushes)
+    def registered_as(self, gateway_id: str) -> None:
+        """Registered with the gateway `gateway_id` (its token address connected first)."""
         self.registered, self.gateway_id = True, gateway_id
 
     def connect_tokens(self, tokens_address: str, pushes: bool) -> None:
