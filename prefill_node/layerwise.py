@@ -22,7 +22,7 @@ Pure: callers pass in what they measured.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ALPHA = 0.2  # EWMA weight of a new sample
 WARM = 3  # samples of each kind before the measurements decide
@@ -101,3 +101,64 @@ class LayerwiseRule:
         """A transfer was acknowledged `seconds` after its pass ended."""
         if kv_bytes > 0 and seconds >= 0:
             self.tail[layerwise].add(seconds / kv_bytes)
+
+
+@dataclass
+class _Batch:
+    ended: float  # its forward pass was over
+    layerwise: bool | None = None  # its transfers' mode (None: none yet)
+    pending: set[str] = field(default_factory=set)
+    kv_bytes: int = 0
+    last: float = 0.0  # the latest acknowledgement so far
+    sealed: bool = False  # every transfer of the pass added
+    spoiled: bool = False  # one lost (refused, dropped) or the modes mixed: no sample
+
+
+class BatchTails:
+    """The tail is sampled per batch, not per transfer: a batch's transfers share the link
+    after its pass, so one transfer's own time counts the others' bytes ahead of it (at the
+    end, the k-th of B waits for k of them; layer-wise, all land together), and the rule
+    predicts the whole batch's ready time from its total bytes. A batch gives one sample,
+    its bytes over the time to its last acknowledgement, once every transfer of it is
+    acknowledged."""
+
+    def __init__(self, rule: LayerwiseRule, limit: int = 4096) -> None:
+        self.rule, self.limit = rule, limit
+        self.of: dict[str, _Batch] = {}  # a transfer not yet acknowledged -> its batch
+
+    def open(self, ended: float) -> _Batch:
+        return _Batch(ended)
+
+    def add(self, batch: _Batch, rid: str, kv_bytes: int, layerwise: bool) -> None:
+        """Before its KvDone goes (the acknowledgement may come at the next await)."""
+        if len(self.of) >= self.limit:  # transfers never acknowledged nor lost: forget
+            self.of.clear()
+        if batch.layerwise is not None and batch.layerwise != layerwise:
+            batch.spoiled = True  # `--layerwise threshold` mixes modes in one pass
+        batch.layerwise = layerwise
+        batch.pending.add(rid)
+        batch.kv_bytes += kv_bytes
+        self.of[rid] = batch
+
+    def seal(self, batch: _Batch) -> None:
+        batch.sealed = True
+        self._maybe_sample(batch)
+
+    def acked(self, rid: str, finished: float) -> None:
+        batch = self.of.pop(rid, None)
+        if batch is not None:
+            batch.pending.discard(rid)
+            batch.last = max(batch.last, finished)
+            self._maybe_sample(batch)
+
+    def lost(self, rid: str) -> None:
+        """Refused or dropped: its batch's time says nothing of the link."""
+        batch = self.of.pop(rid, None)
+        if batch is not None:
+            batch.pending.discard(rid)
+            batch.spoiled = True
+
+    def _maybe_sample(self, batch: _Batch) -> None:
+        if batch.sealed and not batch.pending and not batch.spoiled and batch.last:
+            assert batch.layerwise is not None
+            self.rule.observe_tail(batch.kv_bytes, batch.last - batch.ended, batch.layerwise)

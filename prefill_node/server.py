@@ -47,7 +47,7 @@ from pdserve.common.wire.protocol import (
     RegisterAck,
     Reject,
 )
-from pdserve.prefill_node.layerwise import LayerwiseRule
+from pdserve.prefill_node.layerwise import BatchTails, LayerwiseRule
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class PrefillRole(RoleDefaults):
         super().__init__(node)
         self.queueing = False  # until the gateway says otherwise at registration
         self.layerwise = LayerwiseRule(node.cfg.layerwise, node.cfg.layerwise_min_tokens)
+        self.tails = BatchTails(self.layerwise)
         self.handoff = KvHandoff(node)
 
     @staticmethod
@@ -129,13 +130,15 @@ class PrefillRole(RoleDefaults):
 
     def kv_acked(self, t: Transfer) -> None:
         if t.prefill_end:  # a first send (not a resend after a refusal): how long it took
-            self.layerwise.observe_tail(t.total_bytes, t.finished - t.prefill_end, t.layerwise)
+            self.tails.acked(t.request_id, t.finished)
         self.handoff.acked(t)
 
     async def kv_refused(self, rid: str, peer: str, why: str) -> None:
+        self.tails.lost(rid)
         await self.handoff.refused(rid, peer, why)
 
     def on_dropped(self, rid: str, req: NodeRequest | None) -> None:
+        self.tails.lost(rid)
         self.node.sender.abort(rid)  # the decode node drops its reservation
 
     # -- a batch ---------------------------------------------------------------------------
@@ -198,6 +201,7 @@ class PrefillRole(RoleDefaults):
         _, at_end, began, ended, passed = result
         streamed = any(t.layerwise for t in passed.values())
         self.layerwise.observe_pass(sum(n for _, n in out.prefills), ended - began, streamed)
+        tails = self.tails.open(ended)  # one tail sample for the pass's transfers
         for seq in grew:
             req = self.node.requests.get(seq.seq_id)
             if req is None:  # let go while an earlier one's FirstToken waited to go (an abort)
@@ -232,7 +236,9 @@ class PrefillRole(RoleDefaults):
             )
             await self.node.send_gateway(first)
             if reason is None and ours is not None:
+                self.tails.add(tails, ours.request_id, ours.total_bytes, ours.layerwise)
                 self.node.sender.done(ours, token)
+        self.tails.seal(tails)
 
     async def step_failed(self, out: SchedulerOutput, exc: Exception) -> None:
         """The batch fails, the node goes on: the gateway re-places its requests."""

@@ -4,7 +4,7 @@ forward pass stops streaming, and a GPU box (no competition) streams long prompt
 
 from __future__ import annotations
 
-from pdserve.prefill_node.layerwise import EXPLORE, WARM, LayerwiseRule
+from pdserve.prefill_node.layerwise import EXPLORE, WARM, BatchTails, LayerwiseRule
 
 MB = 1 << 20
 
@@ -75,3 +75,43 @@ def test_a_warm_rule_still_tries_the_losing_mode_now_and_then():
     explored = [d for d in decisions if d.why == "explore"]
     assert len(explored) == 4 and all(d.layerwise for d in explored)
     assert all(not d.layerwise for d in decisions if d.why == "measured")
+
+
+def test_a_batch_gives_one_tail_sample_its_bytes_over_its_last_acknowledgement():
+    # four equal transfers sent at the end share the link: the k-th is acknowledged k
+    # seconds after the pass. The batch's KV was ready 4 s after the pass, 1 s per 10 MB:
+    # a sample per transfer would have said 2.5x that (k / 10 MB each, averaged)
+    rule = LayerwiseRule("auto")
+    tails = BatchTails(rule)
+    batch = tails.open(ended=100.0)
+    for k in range(4):
+        tails.add(batch, f"r{k}", 10 * MB, layerwise=False)
+    tails.acked("r0", 101.0)  # acknowledged before the pass's last KvDone went out
+    tails.seal(batch)
+    for k in (1, 2, 3):
+        assert rule.tail[False].count == 0
+        tails.acked(f"r{k}", 101.0 + k)
+    assert rule.tail[False].count == 1 and rule.tail[True].count == 0
+    assert rule.tail[False].value == 4.0 / (40 * MB)
+    assert not tails.of  # nothing kept
+
+
+def test_a_lost_transfer_or_mixed_modes_give_no_tail_sample():
+    rule = LayerwiseRule("auto")
+    tails = BatchTails(rule)
+    lost = tails.open(ended=0.0)
+    tails.add(lost, "a", MB, layerwise=True)
+    tails.add(lost, "b", MB, layerwise=True)
+    tails.seal(lost)
+    tails.acked("a", 1.0)
+    tails.lost("b")  # refused: the time says nothing of the link
+    mixed = tails.open(ended=0.0)
+    tails.add(mixed, "c", MB, layerwise=True)
+    tails.add(mixed, "d", MB, layerwise=False)  # `--layerwise threshold`
+    tails.seal(mixed)
+    tails.acked("c", 1.0)
+    tails.acked("d", 1.0)
+    assert rule.tail[True].count == rule.tail[False].count == 0 and not tails.of
+    empty = tails.open(ended=0.0)  # a pass whose requests all ended at their first token
+    tails.seal(empty)
+    assert rule.tail[True].count == rule.tail[False].count == 0

@@ -14,6 +14,7 @@ from pdserve.common.engine.scheduler import SchedulerOutput
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.node.role import NodeRequest
 from pdserve.common.sampling import SamplingParams
+from pdserve.prefill_node.layerwise import BatchTails, LayerwiseRule
 from pdserve.prefill_node.server import PrefillRole
 
 
@@ -22,9 +23,9 @@ def test_a_resend_begun_during_after_step_gets_none_of_the_pass_s_kv():
     seqs = {rid: Sequence.new(rid, [5, 6, 7], params) for rid in ("a.0", "b.0")}
     for seq in seqs.values():
         seq.token_ids.append(9)  # the pass's first token
-    old = {rid: SimpleNamespace(request_id=rid, layerwise=False, prefill_end=0.0)
+    old = {rid: SimpleNamespace(request_id=rid, layerwise=False, prefill_end=0.0, total_bytes=64)
            for rid in seqs}  # fmt: skip
-    resend = SimpleNamespace(request_id="b.0", layerwise=False, prefill_end=0.0)
+    resend = SimpleNamespace(request_id="b.0", layerwise=False, prefill_end=0.0, total_bytes=64)
     sent: list[tuple[str, Any]] = []
     transfers = dict(old)
 
@@ -48,9 +49,48 @@ def test_a_resend_begun_during_after_step_gets_none_of_the_pass_s_kv():
     role = PrefillRole.__new__(PrefillRole)
     role.node = node
     role.layerwise = SimpleNamespace(observe_pass=lambda *a: None)
+    role.tails = BatchTails(LayerwiseRule())
     out = SchedulerOutput(prefills=[(s, 3) for s in seqs.values()])
     result = ([9, 9], {"a.0": ["kv-a"], "b.0": ["kv-b"]}, 0.0, 0.1, dict(old))
     asyncio.run(role.after_step(out, list(seqs.values()), result))
     # a's pass KV and KvDone; b's resend sends its own, whole: none of this pass's into it
     assert sent == [("push", old["a.0"]), ("done", old["a.0"])]
     assert not any(t is resend for _, t in sent) and resend.prefill_end == 0.0
+
+
+def test_a_pass_s_transfers_give_one_tail_sample_once_all_are_acknowledged():
+    # the node's hooks feed the batch tracker: three transfers of one pass, acknowledged
+    # 1, 2 and 3 s after it (at the end, each waits for the ones ahead on the link)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    seqs = [Sequence.new(f"r{k}.0", [5, 6, 7], params) for k in range(3)]
+    for seq in seqs:
+        seq.token_ids.append(9)
+    transfers = {s.seq_id: SimpleNamespace(request_id=s.seq_id, layerwise=False,
+                                           prefill_end=0.0, total_bytes=1000, finished=0.0)
+                 for s in seqs}  # fmt: skip
+
+    async def send_gateway(msg: Any) -> None:
+        pass
+
+    count = SimpleNamespace(observe=lambda v: None, inc=lambda v: None)
+    node = SimpleNamespace(
+        requests={s.seq_id: NodeRequest(seq=s) for s in seqs},
+        sender=SimpleNamespace(transfers=transfers, push_all=lambda t, p: None,
+                               done=lambda t, token: None, abort=lambda rid: None),
+        metrics=SimpleNamespace(queue_time=count, prefill_time=count, prompt_tokens=count),
+        engine=SimpleNamespace(eos_token_ids=(), max_model_len=4096),
+        send_gateway=send_gateway,
+    )  # fmt: skip
+    role = PrefillRole.__new__(PrefillRole)
+    role.node = node
+    role.layerwise = rule = LayerwiseRule()
+    role.tails = BatchTails(rule)
+    role.handoff = SimpleNamespace(acked=lambda t: None)
+    out = SchedulerOutput(prefills=[(s, 3) for s in seqs])
+    result = ([9] * 3, {s.seq_id: ["kv"] for s in seqs}, 0.0, 10.0, dict(transfers))
+    asyncio.run(role.after_step(out, seqs, result))
+    for k, t in enumerate(transfers.values()):
+        assert t.prefill_end == 10.0 and rule.tail[False].count == 0
+        t.finished = 11.0 + k
+        role.kv_acked(t)
+    assert rule.tail[False].count == 1 and rule.tail[False].value == 3.0 / 3000
