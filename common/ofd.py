@@ -36,15 +36,24 @@ def _set(fd: int, byte: int, kind: int, wait: bool) -> bool:
 
 SHM_DIR = "/dev/shm"
 KV_FILE_PREFIX = "pdserve-kv-"  # a node's KV cache in shared memory (common/engine/shared_kv.py)
+# a decode node's write grants (common/kv/grants.py): one 8-byte slot per ticket, the byte
+# after the last slot its owner's lock (the slots' bytes are the writers')
+GRANT_FILE_PREFIX = "pdserve-grants-"
+
+
+def grant_owner_byte(size: int) -> int:
+    return size // 8
 
 
 def sweep_dead_kv_files() -> int:
-    """Remove KV cache files whose owner died (nobody holds their byte-0 lock): how many.
+    """Remove KV cache and grant files whose owner died (nobody holds its lock): how many.
     Torch-free, for `pdserve up` after its children stop (a child killed before its finalizer
-    ran leaves a file of its whole KV cache, a GiB by default)."""
+    ran leaves a file of its whole KV cache, a GiB by default, and its grant file)."""
     removed = 0
     try:
-        names = [n for n in os.listdir(SHM_DIR) if n.startswith(KV_FILE_PREFIX)]
+        names = [
+            n for n in os.listdir(SHM_DIR) if n.startswith((KV_FILE_PREFIX, GRANT_FILE_PREFIX))
+        ]
     except OSError:
         return 0
     for name in names:
@@ -54,7 +63,10 @@ def sweep_dead_kv_files() -> int:
         except OSError:
             continue
         try:
-            if lock_byte(fd, 0):  # its owner is gone
+            owner = 0
+            if name.startswith(GRANT_FILE_PREFIX):
+                owner = grant_owner_byte(os.fstat(fd).st_size)
+            if lock_byte(fd, owner):  # its owner is gone
                 os.unlink(path)
                 removed += 1
         except OSError:

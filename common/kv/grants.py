@@ -34,20 +34,39 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from pdserve.common.ofd import lock_byte, unlock_byte
+from pdserve.common.ofd import (
+    GRANT_FILE_PREFIX,
+    SHM_DIR,
+    grant_owner_byte,
+    lock_byte,
+    sweep_dead_kv_files,
+    unlock_byte,
+)
 
-SHM_DIR = "/dev/shm"
-PREFIX = "pdserve-grants-"
+PREFIX = GRANT_FILE_PREFIX
 
 
 class GrantTable:
     """Decode side: tickets for writers into this node's shared KV cache."""
 
     def __init__(self, capacity: int = 4096) -> None:
-        self.path = os.path.join(SHM_DIR, PREFIX + secrets.token_hex(6))
+        sweep_dead_kv_files()  # those of decode nodes killed before they removed theirs
+        name = secrets.token_hex(6)
+        self.path = os.path.join(SHM_DIR, PREFIX + name)
         self.capacity = capacity
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.ftruncate(self.fd, capacity * 8)
+        # made and locked (its owner's byte, held while this table lives) under another
+        # name, then renamed: a sweep at the same moment never sees it unlocked
+        draft = os.path.join(SHM_DIR, f"pdserve-grantdraft-{name}")
+        self.fd = os.open(draft, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(self.fd, capacity * 8)
+            if not lock_byte(self.fd, grant_owner_byte(capacity * 8)):
+                raise OSError(f"cannot lock {draft}")
+            os.rename(draft, self.path)
+        except BaseException:
+            os.close(self.fd)
+            os.unlink(draft)
+            raise
         self._mem = mmap.mmap(self.fd, capacity * 8)
         self.slots = np.frombuffer(self._mem, dtype=np.uint64)
         self.free = deque(range(capacity))  # FIFO: a ticket rests long before its reuse

@@ -101,6 +101,31 @@ def test_a_writer_that_dies_inside_its_grant_does_not_pin_the_blocks():
     assert not os.path.exists(table.path)
 
 
+def test_a_killed_decode_node_s_grant_file_is_swept_and_a_live_one_kept():
+    # a grant file's owner holds the byte after its slots (the slots' bytes are the writers');
+    # a decode node SIGKILLed leaves its file, which the next sweep removes
+    live = GrantTable(4)
+    view = GrantView(live.path)  # a writer's view of it, this process's other open
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the decode node: makes its table, says where, dies without closing it
+        os.write(write, GrantTable(4).path.encode())
+        os.kill(os.getpid(), 9)
+    os.close(write)
+    dead = os.read(read, 4096).decode()
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert os.path.exists(dead)
+    assert sweep_dead_kv_files() >= 1
+    assert not os.path.exists(dead) and os.path.exists(live.path)
+    ticket, nonce = live.grant()  # type: ignore[misc]
+    with view.hold(ticket, nonce) as valid:  # a writer inside: the file is its owner's
+        sweep_dead_kv_files()
+        assert valid and os.path.exists(live.path)
+    live.close()
+    assert not os.path.exists(live.path)
+
+
 def test_an_orphaned_cache_file_is_swept_and_a_live_one_kept():
     from benchmarks.cache_engine import CacheOnlyEngine
 
