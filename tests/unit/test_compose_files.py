@@ -146,6 +146,20 @@ def test_the_secure_variant_gives_every_pdserve_process_the_cluster_key():
         assert service["environment"]["PDSERVE_GATEWAY" if name != "gateway" else "PDSERVE_PORT"]
 
 
+def test_the_secure_ha_variant_gives_both_gateways_the_key_and_one_image():
+    """compose.ha.yaml's second gateway is made from compose.yaml alone (`extends` reads that
+    file): without compose.ha.secure.yaml it had no key (no node could register with it),
+    and under compose.cpu.yaml it was built with the GPU image's arguments."""
+    secure = _config("compose.yaml", "compose.secure.yaml", "compose.ha.yaml",
+                     "compose.ha.secure.yaml")  # fmt: skip
+    for name, service in secure["services"].items():
+        if service.get("command") in (["gateway"], ["prefill"], ["decode"]):
+            assert [s["source"] for s in service["secrets"]] == ["cluster_key"], name
+            assert service["environment"]["PDSERVE_CLUSTER_KEY"] == "/run/secrets/cluster_key"
+    ha = _config("compose.yaml", "compose.cpu.yaml", "compose.ha.yaml")["services"]
+    assert "build" not in ha["gateway-b"] and ha["gateway-b"]["image"] == ha["gateway"]["image"]
+
+
 def test_the_image_copies_every_package_linked_into_pdserve():
     """pdserve/ links the layer folders in; the Dockerfile copies each one by name, so a new
     one it misses would be absent from the image (the gateway's CLI imports them all)."""
