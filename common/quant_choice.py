@@ -71,7 +71,7 @@ def choice(key: str, cache: Path) -> tuple[bool, str]:
 def auto_quantization(model: str | None, engine: str, device: str, dtype: str, kernels: str) -> str:
     """`--quantization auto` resolved: int4 for a GGUF model on CPU, in bfloat16 always (torch's
     4-bit kernel), in float32 where gguf_matmul.c's kernel beats dense (`choice`); else none."""
-    gguf = model is None or str(model).endswith(".gguf")
+    gguf = not model or str(model).endswith(".gguf")  # "" too: the embedded GGUF (compose)
     if not gguf or engine != "torch" or device != "cpu":
         return "none"
     if dtype == "bfloat16":

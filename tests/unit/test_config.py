@@ -58,3 +58,17 @@ def test_not_a_number_and_unusable_gateway_addresses_are_refused():
         with pytest.raises(ConfigError, match="--gateway"):
             NodeConfig(gateway=address)
     assert NodeConfig(gateway="tcp://gw:8001, ipc:///tmp/g").gateway
+
+
+def test_an_empty_model_resolves_quantization_as_the_embedded_gguf_does():
+    # compose passes PDSERVE_MODEL="" for the embedded model: it loaded the GGUF but
+    # `--quantization auto` took "" for a Hugging Face folder and chose none (compose nodes
+    # ran dequantized; a node given no model at all, int4: the gateway refused the mix)
+    for dtype in ("bfloat16", "float32"):
+        kw = dict(engine="torch", device="cpu", dtype=dtype, quantization="auto", cpu_kernels="off")
+        cfgs = [EngineConfig(model=m, **kw) for m in (None, "")]  # type: ignore[arg-type]
+        assert cfgs[0].quantization == cfgs[1].quantization
+    assert (
+        EngineConfig(model="", device="cpu", dtype="bfloat16", quantization="auto").quantization
+        == "int4"
+    )
