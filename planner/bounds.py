@@ -27,7 +27,7 @@ import numpy as np
 
 from pdserve.common.costmodel import CostModel
 from pdserve.loadgen.workloads import RequestSpec
-from pdserve.planner.decode_run import TOKEN
+from pdserve.planner.decode_run import prompt_tokens
 
 WINDOWS = (2, 4, 8, 16, 32, 64)  # window lengths tried, in TTFT SLOs (each gives a bound)
 
@@ -57,13 +57,13 @@ class Bounds:
         arrivals = np.array([s.arrival for s in specs], dtype=float)
         if n:
             arrivals -= arrivals.min()
-        cached = _shared_blocks(specs, block_size, TOKEN) * block_size
+        cached = _shared_blocks(specs, block_size) * block_size
         prefill = np.empty(n)
         kv = np.empty(n)
         able = np.ones(n, dtype=bool)
         least_end = 0.0
         for i, spec in enumerate(specs):
-            length = len(spec.prompt) if isinstance(spec.prompt, list) else spec.prompt_len
+            length = len(prompt_tokens(spec.prompt, spec.prompt_len))
             hit = min(int(cached[i]), length - 1)
             new = length - hit
             prefill[i] = cost.prefill_compute_seconds(new, hit)
@@ -75,6 +75,7 @@ class Bounds:
             least_end = max(least_end, arrivals[i] + e2e)
             alone = {"ttft": ttft, "tpot": step if steps else 0.0, "e2e": e2e}
             able[i] = all(alone[k] <= v for k, v in slo.items() if k in alone)
+            able[i] &= length + spec.max_tokens <= cost.model.max_context  # else refused
         return cls(arrivals, prefill, kv, able, least_end, slo.get("ttft"), kv_tokens)
 
     def goodput_per_node(self, prefill: int, decode: int) -> float:
@@ -123,13 +124,13 @@ def _drain(arrivals: np.ndarray, work: np.ndarray, servers: float) -> float:
     return float(np.max(arrivals[order] + after / servers))
 
 
-def _shared_blocks(specs: list[RequestSpec], block_size: int, token: int) -> np.ndarray:
+def _shared_blocks(specs: list[RequestSpec], block_size: int) -> np.ndarray:
     """Per request: its leading full blocks that some earlier prompt also began with."""
     seen: set[int] = set()
     out = np.zeros(len(specs), dtype=np.int64)
     for i in sorted(range(len(specs)), key=lambda i: specs[i].arrival):
         spec = specs[i]
-        prompt = spec.prompt if isinstance(spec.prompt, list) else [token] * spec.prompt_len
+        prompt = prompt_tokens(spec.prompt, spec.prompt_len)
         tokens = np.asarray(prompt, dtype=np.int64)
         full = len(tokens) // block_size
         key, shared, leading = 0, 0, True

@@ -38,8 +38,11 @@ class Candidate:
     def goodput_per_node(self) -> float:
         return float(self.summary["goodput"]) / self.nodes
 
-    def key(self) -> tuple[float, float, int]:
-        return (-round(self.goodput_per_node, 6), -float(self.summary["goodput"]), self.nodes)
+    def key(self) -> tuple[float, float, int, int, int]:
+        # ties (goodput is rounded) broken by the split itself, never by which of the
+        # parallel simulations finished first: fewer prefill nodes, then the smaller batch
+        return (-round(self.goodput_per_node, 6), -float(self.summary["goodput"]), self.nodes,
+                self.cfg.prefill, self.cfg.prefill_max_batch)  # fmt: skip
 
     def row(self) -> dict[str, Any]:
         s = self.summary

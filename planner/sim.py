@@ -41,7 +41,7 @@ from pdserve.gateway.requests import GatewayRequest
 from pdserve.gateway.table import RequestTable
 from pdserve.loadgen.metrics import RequestRecord
 from pdserve.loadgen.workloads import RequestSpec
-from pdserve.planner.decode_run import TOKEN, DecodeRun, plan_run
+from pdserve.planner.decode_run import TOKEN, DecodeRun, plan_run, prompt_tokens
 from pdserve.planner.rounds import Rounds
 from pdserve.planner.simnodes import FINGERPRINT, SimConfig, SimNode, SimRequest, make_node
 
@@ -141,13 +141,16 @@ class ClusterSim:
             for node_id in sorted(self._kick, key=lambda n: self.nodes[n].index):
                 self._start_step(self.nodes[node_id])
             self._kick.clear()
+        for r in by_index.values():
+            if not (r.record.done or r.record.error):  # stuck (outgrew a decode cache): failed
+                r.record.error = "never finished in the simulation"
         return [by_index[i].record for i in range(len(specs))]
 
     def _push(self, at: float, kind: str, key: str, gen: int = 0) -> None:
         heapq.heappush(self.events, (at, next(self._ticket), kind, key, gen))
 
     def _arrive(self, spec: RequestSpec, index: int) -> SimRequest:
-        prompt = spec.prompt if isinstance(spec.prompt, list) else [TOKEN] * spec.prompt_len
+        prompt = prompt_tokens(spec.prompt, spec.prompt_len)
         params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True)
         req = GatewayRequest(
             request_id=f"r{index}",
@@ -164,6 +167,12 @@ class ClusterSim:
         )
         r = SimRequest(spec, index, req, RequestRecord(index, sent=self.now), entry)
         r.record.prompt_tokens = len(prompt)
+        if len(prompt) + spec.max_tokens > self.cost.model.max_context:
+            # refused, as the gateway answers it (400): never placed
+            r.record.error = "prompt + max_tokens exceed the model's context"
+            r.record.done = self.now
+            self.finished += 1
+            return r
         self.table.open(req, len(prompt))
         self.waiting[req.request_id] = r
         self.rounds.add(r)

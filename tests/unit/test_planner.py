@@ -233,3 +233,50 @@ def test_plan_refuses_what_would_plan_nothing(argv, match):
     args = build_parser().parse_args(["plan", "--slo", "ttft=1000", "--no-progress", *argv])
     with pytest.raises(ValueError, match=match):
         args.func(args)
+
+
+def test_text_prompts_share_cached_blocks_only_as_far_as_their_texts_agree():
+    """A text prompt (sharegpt) was simulated as one token id repeated: every prompt a
+    prefix-cache hit of every earlier one, prefill nearly free from the second on."""
+    a, b = "the quick brown fox " * 800, ("lorem ipsum dolor sit amet " * 600)[:16000]
+    texts = [a, b, a[:2000] + b[:14000]]  # the third begins as the first, for 500 tokens
+    specs = [RequestSpec(10.0 * i, t, 4, len(t) // 4) for i, t in enumerate(texts)]
+    records = ClusterSim(SimConfig(1, 1, PROFILE)).run(specs)
+    [distinct] = ClusterSim(SimConfig(1, 1, PROFILE)).run(_specs([0.0], 4000, 4))
+    assert records[0].ttft == pytest.approx(distinct.ttft, rel=1e-9)
+    assert records[1].ttft == pytest.approx(records[0].ttft, rel=1e-9)  # nothing shared
+    assert records[1].ttft > records[2].ttft > 0.8 * records[1].ttft  # ~500 tokens cached
+
+
+def test_a_request_the_gateway_would_refuse_or_one_that_never_ends_fails():
+    """They were returned as completed with done=0 (ok, meeting every SLO): a workload past
+    the model's context was planned as servable; a sequence that outgrew a decode node's
+    cache stalled and counted as good."""
+    from pdserve.loadgen.metrics import summarize
+
+    cost = CostModel.named(PROFILE)
+    long = RequestSpec(0.0, [1000] * 100, cost.model.max_context, 100)
+    [refused] = ClusterSim(SimConfig(1, 1, PROFILE)).run([long])
+    assert not refused.ok and "context" in refused.error
+    stuck = RequestSpec(0.0, list(range(1000, 1060)), 100, 60)
+    [rec] = ClusterSim(SimConfig(1, 1, PROFILE, num_kv_blocks=8)).run([stuck])
+    assert not rec.ok and not meets(rec, {"ttft": 1.0})
+    assert summarize([rec], {"ttft": 1.0})["goodput"] == 0
+    assert not Bounds.of([long], {"ttft": 60.0}, cost, 16, 10**6).able.any()
+
+
+def test_equal_goodputs_rank_by_the_split_not_by_which_simulation_ended_first():
+    """Goodput is rounded, and exact ties happen (2P2D and 1P2D at 4.6874 on one workload);
+    with several workers the candidates arrive in completion order and a stable sort kept
+    it: the recommended split depended on the race."""
+    from pdserve.planner.candidate import Candidate
+
+    def made(p: int, d: int, batch: int) -> Candidate:
+        cfg = SimConfig(p, d, PROFILE, prefill_max_batch=batch)
+        return Candidate(cfg, {"goodput": 4.6874 * (p + d)}, 1.0, 0, 0.0)
+
+    both = [made(2, 1, 16), made(1, 2, 16), made(1, 2, 8)]
+    first = sorted(both, key=Candidate.key)
+    assert [(c.name, c.cfg.prefill_max_batch) for c in first] == [
+        ("1P2D", 8), ("1P2D", 16), ("2P1D", 16)]  # fmt: skip
+    assert sorted(reversed(both), key=Candidate.key) == first
