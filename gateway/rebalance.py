@@ -11,7 +11,9 @@ token lost, repeated or recomputed.
 
 Which ones: those with the most growth left (max_tokens not yet generated), since the ones
 about to finish free their blocks soon anyway; as many as bring the two nodes halfway
-together, at most `MOST` a round, only what fits in the target's free blocks. A node
+together, at most `MOST` a round, only what fits in the target's free blocks, and never
+one whose move would leave the target `GAP` fuller than the source (it would come back: one
+large sequence bounced between two nodes every cooldown). A node
 rebalanced less than `COOLDOWN` seconds ago is left alone: its load reports must show the
 moves before the rule looks again, or it would move twice as much (hysteresis).
 """
@@ -48,6 +50,9 @@ def choose(
     now: float,
 ) -> Move | None:
     """The sequences to move this round, or None. `last`: when each node was last a source."""
+    # a node that refused KV since its report shows no free block (plan.base_view): its
+    # next report says what it holds; a mostly empty one would be taken for the fullest
+    decode = [v for v in decode if v.node.refused_at < v.node.load_at]
     if high <= 0 or len(decode) < 2:
         return None
     source = max(decode, key=usage)
@@ -66,6 +71,7 @@ def choose(
     running.sort(reverse=True)  # most growth left first
     want = (u_src - u_dst) / 2 * source.node.info.num_blocks  # blocks to bring them halfway
     room = target.free_blocks
+    n_src, n_dst = source.node.info.num_blocks, target.node.info.num_blocks
     picked: list[str] = []
     moved = 0
     for _, size, wire_id in running:
@@ -74,6 +80,9 @@ def choose(
             break
         if blocks + 1 > room - moved:  # +1: its next token's block on the target
             continue
+        after = moved + blocks
+        if (u_dst + after / n_dst) - (u_src - after / n_src) >= GAP:
+            continue  # it would turn the gap around: the next round would move it back
         picked.append(wire_id)
         moved += blocks
     if not picked:

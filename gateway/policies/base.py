@@ -62,7 +62,10 @@ class NodeView:
 
     @property
     def blocks_in_use(self) -> int:
-        return self.node.load.blocks_in_use + (self.node.load.blocks_free - self.free_blocks)
+        """Its report's, plus what was promised since (`free_blocks` counts cached blocks as
+        free: they are not in use; after a refusal it is 0, and every block counts)."""
+        load = self.node.load
+        return load.blocks_in_use + (load.blocks_free + load.blocks_cached - self.free_blocks)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -169,6 +169,19 @@ def test_jsq_joins_the_shortest_prefill_queue_and_least_used_decode():
     assert policy.pick_decode(placed.nodes("decode"), Need(10)).node_id == "d1"  # 10 + 5 < 30
 
 
+def test_jsq_counts_a_warm_cache_as_free_not_as_negative_use():
+    """A's 100 blocks in use and 100 cached scored 0 (cached blocks were subtracted from its
+    use): JSQ picked the fuller node over B, 40 in use, nothing cached."""
+    view = cluster_with({}, {"A": 100, "B": 160}, {"A": 100, "B": 40})
+    load = view.nodes["A"].load
+    view.heartbeat("A", b"A", msgspec.structs.replace(load, blocks_free=0, blocks_cached=100), 0.0)
+    decode = views(view, RequestTable(), "decode")
+    assert {n.node_id: n.blocks_in_use for n in decode} == {"A": 100, "B": 40}
+    assert make_policy("jsq").pick_decode(decode, Need(10)).node_id == "B"
+    view.nodes["B"].refused_at = 1.0  # refused since its report: every block counts
+    assert {n.node_id: n.blocks_in_use for n in views(view, RequestTable(), "decode")}["B"] == 200
+
+
 def test_kv_aware_minimises_estimated_ttft_with_the_cost_formula(caplog):
     from pdserve.common.costmodel import CostModel
 

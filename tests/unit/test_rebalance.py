@@ -61,3 +61,27 @@ def test_only_what_fits_on_the_target_and_never_a_sequence_already_moving():
     pool = views(cluster_with({}, {"d0": 0, "d1": 95}), table, "decode")
     move = choose(pool, table, 0.9, {}, 11.0)
     assert move is not None and "r0.0" not in move.request_ids
+
+
+def test_a_sequence_that_would_turn_the_gap_around_is_not_moved_to_bounce_back():
+    """85 % against 10 %, all of it one 70-block sequence with growth left: moved, the
+    target was 80 % full and the source 15 %, and the next round (the target never a source
+    before, so no cooldown) moved it back: its whole KV shipped every cooldown."""
+    table = RequestTable()
+    _running(table, "d0", "big", 70 * 16 - 1, 2000)
+    pool = views(cluster_with({}, {"d0": 15, "d1": 90}), table, "decode")
+    assert choose(pool, table, 0.8, {}, now=10.0) is None
+    _running(table, "d0", "small", 20 * 16 - 1, 2000)  # one that halves the gap instead
+    pool = views(cluster_with({}, {"d0": 15, "d1": 90}), table, "decode")
+    move = choose(pool, table, 0.8, {}, now=10.0)
+    assert move is not None and move.request_ids == ("small.0",)
+
+
+def test_a_node_that_refused_kv_since_its_report_is_not_taken_for_the_fullest():
+    # d0 is half full by its report, then refuses a KV (a timeout): it shows no free block
+    # until its next report, and was taken for a full node whose sequences had to move
+    _, table = _setup(free0=50, free1=90)
+    cluster = cluster_with({}, {"d0": 50, "d1": 90})
+    assert choose(views(cluster, table, "decode"), table, 0.6, {}, 10.0) is None
+    cluster.nodes["d0"].refused_at = cluster.nodes["d0"].load_at
+    assert choose(views(cluster, table, "decode"), table, 0.6, {}, 10.0) is None
