@@ -24,6 +24,7 @@ class NodeState:
     last_seen: float
     load: Load = EMPTY_LOAD
     load_at: float = 0.0  # when `load` was reported
+    held: frozenset[str] = frozenset()  # `load.held`, for lookups
     refused_at: float = -1.0  # when it last refused KV: its report is stale until a newer one
     progress_at: float = 0.0  # when it last produced a token (the progress lease)
     # what it holds for other gateways (several gateways): from its load reports and answers
@@ -142,6 +143,7 @@ class ClusterView:
         if node is None or node.identity != identity:
             return False
         node.last_seen, node.load, node.load_at = now, load, now
+        node.held = frozenset(load.held)
         self.prefix_totals.report(identity, load)
         node.foreign, node.leader = load.foreign, leader
         return True

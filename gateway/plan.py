@@ -5,8 +5,8 @@ the plan (gateway/placement.py).
 
 The nodes a policy sees are `NodeView`s derived here from each node's last load report and
 the request table: requests in prefill on it, KV headed to it, and free blocks less what was
-promised since its report; with several gateways, plus what the node says it holds for the
-others (`Load.foreign`, `Accept.foreign`). A colocated node is its own decode node.
+promised that its report does not show; with several gateways, plus what the node says it
+holds for the others (`Load.foreign`, `Accept.foreign`). A colocated node is its own decode node.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def base_view(node: NodeState, table: RequestTable) -> NodeView:
     """What a node weighs for any request: its report, and the table since it."""
     node_id = node.node_id
     load = node.load
-    promised = table.promised_since(node_id, node.load_at)
+    promised = table.promised(node_id, node.load_at, node.held)
     free = load.blocks_free + load.blocks_cached - promised
     if node.refused_at >= node.load_at:
         free = 0  # it refused KV since its report: that report overstates its room

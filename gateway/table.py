@@ -19,7 +19,7 @@ recognised as such).
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 
 from pdserve.gateway.requests import GatewayRequest
@@ -195,10 +195,16 @@ class RequestTable:
         """Attempts whose KV is on, or on its way to, this decode node."""
         return [a for a in self.on_node(node_id) if a.decode == node_id]
 
-    def promised_since(self, node_id: str, since: float) -> int:
-        """KV blocks promised on a decode node after its last load report (which does not
-        show them yet)."""
-        return sum(a.blocks for a in self.headed_to(node_id) if a.placed_at > since)
+    def promised(self, node_id: str, since: float, held: Container[str]) -> int:
+        """KV blocks promised on a decode node that its last load report (at `since`, naming
+        the requests it `held`) does not show: placed after it, or not reserved there yet
+        (the node reserves when the KV's header comes, after the prefill node schedules
+        the prompt: a heartbeat or more after the placement)."""
+        return sum(
+            a.blocks
+            for a in self.headed_to(node_id)
+            if a.placed_at > since or a.wire_id not in held
+        )
 
     # -- internals --------------------------------------------------------------------------
     def _place(self, attempt: Attempt, decode: str, blocks: int, now: float) -> None:

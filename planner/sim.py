@@ -103,6 +103,11 @@ class ClusterSim:
             blocks_free=max(0, bm.num_free_blocks - sched.cfg.watermark_blocks),
             blocks_cached=0,
             blocks_in_use=bm.num_in_use_blocks,
+            # its blocks are taken when the gateway commits (no header to wait for): it
+            # holds every attempt headed to it
+            held=tuple(a.wire_id for a in self.table.headed_to(node_id))
+            if node.info.role == "decode"
+            else (),
         )
         self.cluster.heartbeat(node_id, node_id.encode(), load, self.now if at is None else at)
         self.rounds.forget(node_id)

@@ -101,12 +101,19 @@ def test_on_demand_orders_by_prefill_work_in_hand_and_picks_roomiest_decode():
     assert msgspec.structs.replace(make_info("x"), dtype="f").dtype == "f"
 
 
-def test_free_blocks_count_what_was_promised_since_the_last_report():
+def test_free_blocks_count_what_was_promised_until_a_report_shows_it_reserved():
     placed = Placed(cluster_with({"p0": (0, 0)}, {"d0": 40}))
     placed.in_prefill("p0", 160, decode="d0")  # 10 blocks, promised after the report at 0.0
     assert placed.nodes("decode")[0].free_blocks == 30
-    placed.view.heartbeat("d0", b"d0", placed.view.nodes["d0"].load, 2.0)  # a newer report
-    assert placed.nodes("decode")[0].free_blocks == 40  # it shows them itself now
+    # a newer report, sent before the KV's header came (the prefill node had not scheduled
+    # the prompt yet): the node has not reserved them. They stopped counting here, and a
+    # second request took the same room: refused at its header, its prefill spent for naught
+    load = placed.view.nodes["d0"].load
+    placed.view.heartbeat("d0", b"d0", load, 2.0)
+    assert placed.nodes("decode")[0].free_blocks == 30
+    reserved = msgspec.structs.replace(load, blocks_free=30, blocks_in_use=10, held=("r1.0",))
+    placed.view.heartbeat("d0", b"d0", reserved, 3.0)
+    assert placed.nodes("decode")[0].free_blocks == 30  # it shows them itself now
 
 
 def test_a_refusal_is_newer_than_the_report_it_contradicts():

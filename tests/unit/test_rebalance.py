@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from msgspec.structs import replace
 
+from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.plan import views
 from pdserve.gateway.rebalance import COOLDOWN, MOST, choose
 from pdserve.gateway.table import RequestTable
@@ -20,13 +21,20 @@ def _running(table: RequestTable, node: str, rid: str, prompt: int, max_tokens: 
     table.delivered(attempt, 1.0)  # its KV arrived: it decodes there
 
 
+def _reported(frees: dict[str, int], table: RequestTable) -> ClusterView:
+    """Decode nodes whose reports show (hold) every sequence the table has on them."""
+    cluster = cluster_with({}, frees)
+    for node in cluster.nodes.values():
+        node.held = frozenset(a.wire_id for a in table.headed_to(node.node_id))
+    return cluster
+
+
 def _setup(free0: int, free1: int, first_prompt: int = 32) -> tuple[list, RequestTable]:
     table = RequestTable()
     # growth left: 900, 100, 500, 700, 300, 800 tokens (prompts of 2 blocks, but the first)
     for i, growth in enumerate([900, 100, 500, 700, 300, 800]):
         _running(table, "d0", f"r{i}", first_prompt if i == 0 else 32, growth)
-    cluster = cluster_with({}, {"d0": free0, "d1": free1})
-    return views(cluster, table, "decode"), table
+    return views(_reported({"d0": free0, "d1": free1}, table), table, "decode"), table
 
 
 def test_a_full_node_moves_the_sequences_with_most_growth_left_to_the_empty_one():
@@ -58,7 +66,7 @@ def test_only_what_fits_on_the_target_and_never_a_sequence_already_moving():
     moving = table.get("r0.0")
     assert moving is not None
     table.migrate(moving, "d1", 3, 10.0)  # in flight: the old node holds it as "prefill"
-    pool = views(cluster_with({}, {"d0": 0, "d1": 95}), table, "decode")
+    pool = views(_reported({"d0": 0, "d1": 95}, table), table, "decode")
     move = choose(pool, table, 0.9, {}, 11.0)
     assert move is not None and "r0.0" not in move.request_ids
 
@@ -69,10 +77,10 @@ def test_a_sequence_that_would_turn_the_gap_around_is_not_moved_to_bounce_back()
     before, so no cooldown) moved it back: its whole KV shipped every cooldown."""
     table = RequestTable()
     _running(table, "d0", "big", 70 * 16 - 1, 2000)
-    pool = views(cluster_with({}, {"d0": 15, "d1": 90}), table, "decode")
+    pool = views(_reported({"d0": 15, "d1": 90}, table), table, "decode")
     assert choose(pool, table, 0.8, {}, now=10.0) is None
     _running(table, "d0", "small", 20 * 16 - 1, 2000)  # one that halves the gap instead
-    pool = views(cluster_with({}, {"d0": 15, "d1": 90}), table, "decode")
+    pool = views(_reported({"d0": 15, "d1": 90}, table), table, "decode")
     move = choose(pool, table, 0.8, {}, now=10.0)
     assert move is not None and move.request_ids == ("small.0",)
 
@@ -81,7 +89,7 @@ def test_a_node_that_refused_kv_since_its_report_is_not_taken_for_the_fullest():
     # d0 is half full by its report, then refuses a KV (a timeout): it shows no free block
     # until its next report, and was taken for a full node whose sequences had to move
     _, table = _setup(free0=50, free1=90)
-    cluster = cluster_with({}, {"d0": 50, "d1": 90})
+    cluster = _reported({"d0": 50, "d1": 90}, table)
     assert choose(views(cluster, table, "decode"), table, 0.6, {}, 10.0) is None
     cluster.nodes["d0"].refused_at = cluster.nodes["d0"].load_at
     assert choose(views(cluster, table, "decode"), table, 0.6, {}, 10.0) is None

@@ -19,7 +19,9 @@ def test_an_attempt_moves_from_offer_to_prefill_to_decode_and_nodes_see_it():
     assert attempt.phase is Phase.OFFERED and table.on_node("p0") == []
     table.commit(attempt, "p0", "d0", blocks=3, now=5.0)
     assert table.in_prefill("p0") == [attempt] and table.headed_to("d0") == [attempt]
-    assert table.promised_since("d0", 4.0) == 3 and table.promised_since("d0", 5.0) == 0
+    assert table.promised("d0", 4.0, ()) == 3  # placed after the report
+    assert table.promised("d0", 5.0, ()) == 3  # reported, but not reserved there yet
+    assert table.promised("d0", 5.0, {"a.0"}) == 0  # the report shows it
     assert req.ran_on == {"prefill": "p0", "decode": "d0"}
     table.prefilled(attempt)
     assert table.in_prefill("p0") == [] and table.on_node("p0") == [attempt]  # holds the KV
