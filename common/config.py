@@ -122,6 +122,11 @@ class EngineConfig:
                 f"--chunk-size must be at least --max-batch ({self.max_batch}): "
                 "a smaller budget leaves running streams without a token"
             )
+        if self.chunk_size == 0 and self.max_batch_tokens < self.max_batch:  # the same budget
+            raise ConfigError(
+                f"--max-batch-tokens must be at least --max-batch ({self.max_batch}) without "
+                "--chunk-size: a smaller budget leaves running streams without a token"
+            )
         if self.kv_host_cache_gb < 0 or self.kv_disk_cache_gb < 0:
             raise ConfigError("--kv-host-cache-gb and --kv-disk-cache-gb must be >= 0")
         if self.kv_cache_gb <= 0:

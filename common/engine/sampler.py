@@ -40,6 +40,7 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, u: float) -> int:
     if p.min_p > 0.0:  # sorted: the tokens at least min_p x as likely as the top one lead
         keep = max(1, int((probs >= p.min_p * probs[0]).sum().item()))
         probs, ids = probs[:keep], ids[:keep]
+        probs = probs / probs.sum()  # as vLLM: top-p weighs the mass min-p left
     cdf = torch.cumsum(probs, dim=-1)
     if p.top_p < 1.0:
         # keep the smallest head whose mass reaches top_p (always at least one token)
@@ -47,5 +48,8 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, u: float) -> int:
         cdf = cdf[:keep]
         ids = ids[:keep]
     target = torch.tensor([u * float(cdf[-1])])
-    index = min(int(torch.searchsorted(cdf, target, right=True).item()), len(ids) - 1)
+    index = int(torch.searchsorted(cdf, target, right=True).item())
+    if index >= len(ids):  # u within 2^-25 of 1 rounds to the whole mass in float32: the
+        # first token that reaches it, not the last one (of no mass: the least likely of all)
+        index = int(torch.searchsorted(cdf, cdf[-1:], right=False).item())
     return int(ids[index])

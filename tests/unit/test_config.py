@@ -42,6 +42,11 @@ def test_a_chunk_budget_below_the_batch_is_refused():
     with pytest.raises(ConfigError, match="--chunk-size must be at least --max-batch"):
         EngineConfig(chunk_size=16, max_batch=32)
     assert EngineConfig(chunk_size=32, max_batch=32).chunk_size == 32
+    # without chunking the step's budget is --max-batch-tokens: 24 streams and a budget of 16
+    # gave 8 of them their first token and then none while the others ran
+    with pytest.raises(ConfigError, match="--max-batch-tokens must be at least --max-batch"):
+        EngineConfig(max_batch=24, max_batch_tokens=16, block_size=16)
+    assert EngineConfig(max_batch=16, max_batch_tokens=16, block_size=16).max_batch == 16
 
 
 def test_not_a_number_and_unusable_gateway_addresses_are_refused():

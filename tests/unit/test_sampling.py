@@ -96,3 +96,24 @@ def test_sampling_follows_the_distribution():
         counts[sample(logits, [p], [pos])[0]] += 1
     assert abs(counts[0] / 3000 - 0.7) < 0.03
     assert abs(counts[2] / 3000 - 0.1) < 0.02
+
+
+def test_top_p_after_min_p_weighs_the_mass_min_p_left():
+    # 0.4 and 0.35 pass min_p 0.5; renormalized, 0.4 / 0.75 = 0.53 already reaches top_p
+    # 0.5 (vLLM: min-p masks, the distribution renormalizes, then top-p). Measured against
+    # the mass before min-p (0.4 < 0.5), token 1 was kept and drawn ~47 % of the time
+    from pdserve.common.engine.sampler import _sample_row
+
+    logits = torch.log(torch.tensor([0.4, 0.35, 0.05, 0.05, 0.05, 0.05, 0.05]))
+    p = SamplingParams(temperature=1.0, min_p=0.5, top_p=0.5, seed=1)
+    assert {_sample_row(logits, p, (i + 0.5) / 1000) for i in range(1000)} == {0}
+
+
+def test_a_draw_next_to_one_never_picks_a_token_of_no_mass():
+    # u within 2^-25 of 1 made u x mass round to the whole mass in float32: the clamp then
+    # took the last sorted token, the least likely of the vocabulary
+    from pdserve.common.engine.sampler import _sample_row
+
+    logits = torch.tensor([5.0, 5.0, -200.0, -300.0])
+    for u in (1 - 2**-53, 1 - 2**-30, 1 - 2**-26):
+        assert _sample_row(logits, SamplingParams(temperature=1.0, seed=1), u) in (0, 1)
