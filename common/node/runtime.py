@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import os
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,8 @@ from pdserve.common.wire.security import ClusterKey, close_context, make_context
 from pdserve.common.wire.transport import listen_host
 
 log = logging.getLogger(__name__)
+# an engine's own context limit, before a role fitted it to its cache (role switches)
+_OWN_LIMIT: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
 class NodeRuntime:
@@ -91,7 +94,10 @@ class NodeRuntime:
         base = SchedulerConfig.of(ecfg, engine.num_blocks, engine.block_size, role.mode,
                                   model_id, True)  # fmt: skip
         self.scheduler = Scheduler(role.scheduler_config(base))
-        engine.max_model_len = self.scheduler.fit(engine.max_model_len)
+        # each role fits the model's own limit to its cache (the watermark differs by role):
+        # a node switched to another role starts from the model's, not the last role's fit
+        own = _OWN_LIMIT.setdefault(engine, engine.max_model_len)
+        engine.max_model_len = self.scheduler.fit(own)
         self.blocks = self.scheduler.block_manager
         self.requests: dict[str, NodeRequest] = {}
         self.metrics = NodeMetrics(self.node_id, role.role, self.load, engine.num_blocks)

@@ -59,3 +59,25 @@ async def _read(req: GatewayRequest) -> tuple[str, Done | Failed]:
         if isinstance(event, Delta):
             parts.append(event.text)
     return "".join(parts), event
+
+
+async def test_a_role_switch_fits_the_model_s_own_context_limit_to_the_new_role(tokenizer):
+    """Each role fits the engine's context limit to its cache (a decode node keeps a
+    watermark free, a prefill node none); the shared engine kept the last role's fit, so a
+    node switched decode -> prefill kept the decode role's smaller limit and ended
+    requests as "length" early."""
+    from pdserve.common.engine.sim import SimEngine
+    from tests.component.cluster import SIM
+
+    engine = SimEngine(SIM)
+    own = engine.max_model_len
+    async with Cluster(tokenizer) as c:
+        decode = c.node(DecodeRole, "swing", engine=engine)
+        as_decode = engine.max_model_len
+        assert as_decode == min(own, decode.scheduler.largest_prompt) < own
+        prefill = c.node(PrefillRole, "swing", engine=engine)
+        assert engine.max_model_len == min(own, prefill.scheduler.largest_prompt) > as_decode
+        again = c.node(DecodeRole, "swing", engine=engine)
+        assert engine.max_model_len == as_decode
+        for node in (decode, prefill, again):  # never started: their sockets and threads
+            await node.shutdown()
