@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from pdserve.common.errors import ModelLoadError
@@ -26,6 +26,18 @@ from pdserve.common.model.config import ModelSource, gguf_field, open_gguf, reso
 log = logging.getLogger(__name__)
 GGUF_TOKEN_TYPE_CONTROL = 3
 GGUF_TOKEN_TYPE_USER_DEFINED = 4
+CACHE_VERSION = 2  # in the cache key: entries built by older code are built again
+
+# `tokenizer.ggml.pre`: the splits a vocabulary's merges were learned on, where they are not
+# GPT-2's (merges never cross a split: with GPT-2's, "f(x)" is cut before "(x" and its merge
+# never applies). Llama 3's, as llama.cpp and transformers' GGUF converter read those names
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+GGUF_PRE_SPLITS = dict.fromkeys(
+    ("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"), _LLAMA3_SPLIT
+)
 
 
 @dataclass
@@ -41,7 +53,7 @@ class Tokenizer:
     def load(cls, model: str | ModelSource | None = None) -> Tokenizer:
         source = model if isinstance(model, ModelSource) else resolve_model(model)
         if source.kind == "gguf":
-            name = cache.key("tokenizer", source.path) + ".json"
+            name = cache.key(f"tokenizer-v{CACHE_VERSION}", source.path) + ".json"
             cached = cache.read(name)
             if cached is not None:
                 try:
@@ -180,14 +192,26 @@ class Tokenizer:
         pairs = [(a, b) for a, _, b in (m.partition(" ") for m in merges)]
         bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
         backend = HFTokenizer(bpe)
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        split = GGUF_PRE_SPLITS.get(str(gguf_field(reader, "tokenizer.ggml.pre") or ""))
+        if split is None:  # GPT-2's splits (SmolLM2's "smollm", "gpt2", ...)
+            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        else:
+            backend.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ])  # fmt: skip
         backend.decoder = decoders.ByteLevel()
-        special = [
+        kinds = list(zip(tokens, types, strict=True))
+        # control tokens are special (skipped in output); user-defined ones are text that
+        # stays whole (DeepSeek-R1's "<think>"), as llama.cpp prints them
+        backend.add_special_tokens([
             AddedToken(tok, special=True, normalized=False)
-            for tok, kind in zip(tokens, types, strict=True)
-            if kind in (GGUF_TOKEN_TYPE_CONTROL, GGUF_TOKEN_TYPE_USER_DEFINED)
-        ]
-        backend.add_special_tokens(special)
+            for tok, kind in kinds if kind == GGUF_TOKEN_TYPE_CONTROL
+        ])  # fmt: skip
+        backend.add_tokens([
+            AddedToken(tok, special=False, normalized=False)
+            for tok, kind in kinds if kind == GGUF_TOKEN_TYPE_USER_DEFINED
+        ])  # fmt: skip
         eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
         eos_ids = [int(eos)] if eos is not None else []
         eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
@@ -238,11 +262,16 @@ class Tokenizer:
         bos = token_id("bos_token")
         if bos is None:
             bos = model_cfg.bos_token_id
+        adds_bos = cfg.get("add_bos_token")
+        if adds_bos is None and bos is not None:  # Llama 3: tokenizer.json's post-processor
+            # adds it (AutoTokenizer and vLLM apply that); the config does not say
+            probe = backend.encode("a", add_special_tokens=True).ids
+            adds_bos = bool(probe) and probe[0] == bos
         return cls(
             backend=backend,
             eos_token_ids=tuple(eos_ids),
             bos_token_id=bos,
-            add_bos_token=bool(cfg.get("add_bos_token", False)),
+            add_bos_token=bool(adds_bos),
             chat_template=template,
         )
 

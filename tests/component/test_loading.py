@@ -154,11 +154,14 @@ def test_the_gguf_tokenizer_cache_gives_the_same_tokenizer_and_survives_corrupti
 ):
     from pdserve.common.model import cache
     from pdserve.common.model.config import resolve_model
+    from pdserve.common.model.tokenizer import CACHE_VERSION
 
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     fresh = Tokenizer.load(None)  # parses the GGUF, writes the entry
     (entry,) = tmp_path.iterdir()
-    assert entry.name == cache.key("tokenizer", resolve_model(None).path) + ".json"
+    assert (
+        entry.name == cache.key(f"tokenizer-v{CACHE_VERSION}", resolve_model(None).path) + ".json"
+    )
     cached = Tokenizer.load(None)
     text = "Hello <|im_start|>user\nwörld 123<|im_end|>"
     assert cached.encode(text) == fresh.encode(text)
