@@ -95,7 +95,10 @@ def _iter_gguf(path: Path, cfg: ModelConfig, widen: Widen) -> Iterator[tuple[str
         if name in GGUF_TOP_NAMES:
             hf_name = GGUF_TOP_NAMES[name]
         elif name.startswith("blk."):
-            _, idx, kind, suffix = name.split(".", 3)
+            parts = name.split(".", 3)
+            if len(parts) != 4:
+                raise ModelLoadError(f"{path}: tensor {name!r} is not named blk.N.KIND.SUFFIX")
+            _, idx, kind, suffix = parts
             if kind not in GGUF_LAYER_NAMES:
                 continue  # e.g. rope_freqs: computed from metadata instead
             hf_name = f"model.layers.{idx}.{GGUF_LAYER_NAMES[kind]}.{suffix}"

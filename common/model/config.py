@@ -175,12 +175,15 @@ def open_gguf(path: Path) -> Any:
 
     try:
         return GgufFile(path)
-    except (ValueError, KeyError, struct.error, OSError, MemoryError) as exc:
+    except (ValueError, KeyError, IndexError, struct.error, OSError, MemoryError) as exc:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
 
 
 def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    return reader.fields.get(key, default)
+    try:  # a string array is decoded at its first read: its bytes may not be UTF-8
+        return reader.fields.get(key, default)
+    except (ValueError, struct.error) as exc:
+        raise ModelLoadError(f"GGUF metadata {key} is not readable: {exc}") from exc
 
 
 def _config_from_gguf(path: Path) -> ModelConfig:

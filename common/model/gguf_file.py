@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 MAGIC = b"GGUF"
+MAX_DIMS = 4  # GGML_MAX_DIMS
 # GGUF value types -> (struct code, numpy dtype); 8 is a string, 9 an array
 SCALARS = {0: ("B", np.uint8), 1: ("b", np.int8), 2: ("H", np.uint16), 3: ("h", np.int16),
            4: ("I", np.uint32), 5: ("i", np.int32), 6: ("f", np.float32), 7: ("?", np.bool_),
@@ -156,9 +157,14 @@ class GgufFile:
         infos = []
         for _ in range(n_tensors):
             name = cur.string()
-            dims = tuple(cur.unpack("Q") for _ in range(cur.unpack("I")))
+            n_dims = cur.unpack("I")
+            if not 1 <= n_dims <= MAX_DIMS:  # a corrupt count read the rest of the file
+                raise ValueError(f"tensor {name}: {n_dims} dimensions (GGUF has 1 to 4)")
+            dims = tuple(cur.unpack("Q") for _ in range(n_dims))
             infos.append((name, dims, cur.unpack("I"), cur.unpack("Q")))
-        align = int(self.fields.get("general.alignment", 32))
+        align = self.fields.get("general.alignment", 32)
+        if not isinstance(align, int):
+            raise ValueError(f"general.alignment {align!r} is not an integer")
         if align <= 0 or align & (align - 1):
             raise ValueError(f"general.alignment {align} is not a power of two")
         start = -(-cur.pos // align) * align

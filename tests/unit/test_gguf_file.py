@@ -71,3 +71,58 @@ def test_string_arrays_are_decoded_only_when_read(path, monkeypatch):
         assert tokens == GGUFReader(str(path)).fields["tokenizer.ggml.tokens"].contents()
     finally:
         config.open_gguf.cache_clear()
+
+
+def _tiny(tmp_path, name: str = "blk.0.attn_q.weight", **arrays) -> bytes:
+    import gguf
+
+    out = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_token_list(["a", "b", "zzzz"])
+    for key, value in arrays.items():
+        writer.add_array(key, value)
+    writer.add_tensor(name, np.ones((2, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out.read_bytes()
+
+
+def test_hostile_fields_are_clear_errors_not_crashes_or_a_long_read(tmp_path):
+    """Each was a raw exception past the loader's error handling, or (a dimension count of
+    2^32 - 1) a read of the whole rest of the file 8 bytes at a time into a tuple first."""
+    from pdserve.common.errors import ModelLoadError
+    from pdserve.common.model.config import gguf_field, open_gguf
+    from pdserve.common.model.tokenizer import Tokenizer
+
+    good = _tiny(tmp_path)
+    bad = tmp_path / "bad.gguf"
+    at = good.index(b"blk.0.attn_q.weight") + len(b"blk.0.attn_q.weight")
+    assert good[at : at + 4] == (2).to_bytes(4, "little")  # the tensor's dimension count
+    for count in (0xFFFFFFFF, 0, 5):
+        bad.write_bytes(good[:at] + count.to_bytes(4, "little") + good[at + 4 :] + bytes(1 << 20))
+        with pytest.raises(ValueError, match="dimensions"):
+            GgufFile(bad)
+    cases = {
+        "alignment": _tiny(tmp_path, **{"general.alignment": [32]}),
+        "utf8": good.replace(b"zzzz", b"z\xffzz"),
+    }
+    for case, data in cases.items():
+        path = tmp_path / f"{case}.gguf"
+        path.write_bytes(data)
+        with pytest.raises(ModelLoadError):
+            gguf_field(open_gguf(path), "tokenizer.ggml.tokens")
+        if case == "utf8":
+            with pytest.raises(ModelLoadError):
+                Tokenizer.load(str(path))
+
+
+def test_a_layer_tensor_named_out_of_pattern_is_a_model_load_error(tmp_path):
+    from pdserve.common.engine.loader import _iter_gguf
+    from pdserve.common.errors import ModelLoadError
+
+    path = tmp_path / "named.gguf"
+    path.write_bytes(_tiny(tmp_path, name="blk.0.attn_q"))
+    with pytest.raises(ModelLoadError, match=r"blk\.N\.KIND\.SUFFIX"):
+        next(_iter_gguf(path, None, None))  # type: ignore[arg-type]
