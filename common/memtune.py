@@ -15,7 +15,7 @@ import ctypes.util
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_MAX = 32 * 2**20
-TRIM_THRESHOLD = 2**32
+TRIM_THRESHOLD = 2**31 - 1  # mallopt takes a C int: 2^32 was cut to 0 (trim at every free)
 
 
 def tune_malloc() -> bool:
@@ -25,5 +25,6 @@ def tune_malloc() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]  # a value past an int is an error, not cut
     ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
     return ok and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1

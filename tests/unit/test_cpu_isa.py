@@ -46,6 +46,16 @@ def test_the_kernels_target_the_level(monkeypatch):
     assert kernels.compile_flags()[0] == ("-march=x86-64-v3" if X86 else "-march=native")
 
 
+def test_the_level_never_builds_above_the_cpu(monkeypatch):
+    """On a CPU without AVX2 (a VM's qemu64) the x86-64-v3 build loaded and died of SIGILL
+    at the first kernel call: the level only forces a faster CPU down."""
+    from pdserve.common import numerics
+
+    monkeypatch.setenv("PDSERVE_CPU_ISA", "avx2")
+    monkeypatch.setattr(numerics, "_raw_flags", lambda: {"sse2", "sse4_2", "avx"})
+    assert kernels.compile_flags()[0] == "-march=native"
+
+
 def test_the_package_import_limits_torch_in_a_new_process():
     env = {
         k: v
