@@ -38,15 +38,34 @@ def _measured() -> tuple[float, float] | str:
         return f"the measurement failed: {done.stderr.strip()[-300:]}"
 
 
+# the measurement's dense row (1536 x 576 float32, gguf_linear.measure) read slower than this
+# means the CPU was not the measurement's (a CPU quota, a busy host): any core this runs on
+# streams memory at several GB/s. Such a result decides this start, and is not kept
+DENSE_ROW_BYTES = 1536 * 576 * 4
+MIN_DENSE_GBPS = 1.0
+
+
+def starved(dense_s: float) -> bool:
+    return dense_s > 0 and DENSE_ROW_BYTES / dense_s < MIN_DENSE_GBPS * 1e9
+
+
 def _cached(path: Path) -> tuple[float, float] | str:
     try:
         kernel_s, dense_s = json.loads(path.read_text())
-        return float(kernel_s), float(dense_s)
+        if not starved(float(dense_s)):  # one kept by an older version: measured again
+            return float(kernel_s), float(dense_s)
     except (OSError, ValueError, TypeError):
-        got = _measured()
-        if not isinstance(got, str):
-            path.write_text(json.dumps(list(got)))
+        pass
+    got = _measured()
+    if isinstance(got, str):
         return got
+    if starved(got[1]):
+        gbps = DENSE_ROW_BYTES / got[1] / 1e9
+        log.warning("--quantization auto: the CPU was busy or throttled while measuring "
+                    "(a dense row at %.2f GB/s): not cached", gbps)  # fmt: skip
+    else:
+        path.write_text(json.dumps(list(got)))
+    return got
 
 
 def choice(key: str, cache: Path) -> tuple[bool, str]:

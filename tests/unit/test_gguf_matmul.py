@@ -118,3 +118,15 @@ def test_auto_picks_the_kernel_only_by_a_clear_margin(tmp_path):
     kernel_s, dense_s = json.loads((tmp_path / "gguf-choice-new.json").read_text())
     assert pays == quant_choice.kernel_pays(kernel_s, dense_s) and "dense float32" in why
     assert 0 < kernel_s < 0.01 and 0 < dense_s < 0.01  # seconds for one 1536 x 576 row
+
+
+def test_a_measurement_on_a_starved_cpu_decides_once_and_is_not_kept(tmp_path, monkeypatch):
+    """Taken under a CPU quota both sides read 8.0 ms a row (0.44 GB/s dense): cached, that
+    decided every later start on the machine, quiet or not."""
+    monkeypatch.setattr(quant_choice, "_measured", lambda: (8.0e-3, 8.0e-3))
+    assert quant_choice.choice("busy", tmp_path)[0] is False
+    assert not (tmp_path / "gguf-choice-busy.json").exists()
+    (tmp_path / "gguf-choice-old.json").write_text(json.dumps([8.0e-3, 8.0e-3]))  # kept before
+    monkeypatch.setattr(quant_choice, "_measured", lambda: (80e-6, 200e-6))  # a quiet CPU
+    assert quant_choice.choice("old", tmp_path)[0] is True
+    assert json.loads((tmp_path / "gguf-choice-old.json").read_text()) == [80e-6, 200e-6]
