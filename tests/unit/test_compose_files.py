@@ -125,6 +125,8 @@ def test_monitoring_profile_mounts_files_that_exist():
     for name in ("prometheus", "grafana"):
         for volume in config["services"][name]["volumes"]:
             assert Path(volume["source"]).exists(), volume["source"]
+        # this host only by default: Grafana's admin/admin, Prometheus with no login at all
+        assert {p["host_ip"] for p in config["services"][name]["ports"]} == {"127.0.0.1"}
 
 
 def test_the_guide_documents_the_variables_compose_reads():
@@ -201,3 +203,13 @@ def test_the_tests_wheels_never_turn_a_later_build_offline():
     assert "COPY ${WHEELS}/ /wheels/" in (ROOT / "Dockerfile").read_text()
     args = _config("compose.yaml")["services"]["gateway"]["build"]["args"]
     assert args["WHEELS"] == "docker/wheels"  # a user's build: the documented folder
+
+
+def test_every_gpu_scale_example_says_how_many_gpus_the_prefill_replicas_take():
+    """Decode replicas take the GPUs after the prefill replicas' (PDSERVE_PREFILL_GPUS, 1 by
+    default): `--scale prefill=2` without it put prefill 2 and decode 1 on one GPU."""
+    for doc in ("compose.yaml", "docs/guide.md", "README.md"):
+        for line in (ROOT / doc).read_text().splitlines():
+            scaled = re.search(r"--scale prefill=(\d+)", line)
+            if scaled and "compose.cpu.yaml" not in line and int(scaled.group(1)) > 1:
+                assert f"PDSERVE_PREFILL_GPUS={scaled.group(1)}" in line, (doc, line)

@@ -307,6 +307,9 @@ def test_gpus_only_in_the_gpu_overlay(overlays):
         assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert env(gpu)["PDSERVE_DEVICE"] == "cuda" and env(gpu)["PDSERVE_DTYPE"] == "bfloat16"
         assert env(cpu)["PDSERVE_DEVICE"] == "cpu" and env(cpu)["PDSERVE_DTYPE"] == "float32"
+        # never "auto" on CPU: pods timing the kernel each could choose differently, and the
+        # gateway refuses a node whose numerics differ from the others'
+        assert env(cpu)["PDSERVE_QUANTIZATION"] in ("int4", "none")
         assert {"cpu", "memory"} <= set(cpu["resources"]["requests"])
     assert "nvidia.com/gpu" not in yaml.safe_dump_all(overlays["cpu"])
 
