@@ -104,6 +104,16 @@ def test_dashboard_identity_and_panels() -> None:
             assert t.get("datasource", p["datasource"])["uid"] == ds_uid, p["title"]
 
 
+def test_gateway_figures_are_summed_over_the_gateways() -> None:
+    """With several gateways each counts its own requests: a panel of one unsummed series
+    per gateway showed two lines under one legend, neither the cluster's figure."""
+    for p in _panels():
+        for t in p["targets"]:
+            expr = t["expr"]
+            if 'job="gateway"' in expr and "histogram_quantile" not in expr:
+                assert re.match(r"\s*(sum|max|min|avg|count)\b", expr), (p["title"], expr)
+
+
 def test_dashboard_panels_do_not_overlap() -> None:
     rects = [(p["title"], p["gridPos"]) for p in _panels()]
     for title, g in rects:
@@ -143,7 +153,9 @@ def test_prometheus_scrapes_gateway_and_every_node_replica(exported: dict[str, S
     assert set(jobs) == set(exported) == {"gateway", "prefill", "decode"}
     gateway = jobs["gateway"]
     assert gateway.get("metrics_path", "/metrics") == "/metrics"
-    assert [t for sc in gateway["static_configs"] for t in sc["targets"]] == ["gateway:8000"]
+    # every gateway (compose.ha.yaml's second one too: it was never scraped)
+    (sd,) = gateway["dns_sd_configs"]
+    assert (sd["names"], sd["type"], sd["port"]) == (["gateway", "gateway-b"], "A", 8000)
     for role in ("prefill", "decode"):
         (sd,) = jobs[role]["dns_sd_configs"]  # one A record per `--scale` replica
         assert (sd["names"], sd["type"], sd["port"]) == ([role], "A", 9100)
