@@ -71,7 +71,8 @@ class Bounds:
             steps = max(0, spec.max_tokens - 1)
             kv[i] = length * steps * step
             ttft = cost.prefill_seconds(new, hit) + step_overhead_s
-            e2e = ttft + cost.transfer_seconds(length) + steps * step
+            # one token ends at the prefill node: no KV is handed off
+            e2e = ttft + (cost.transfer_seconds(length) if steps else 0.0) + steps * step
             least_end = max(least_end, arrivals[i] + e2e)
             alone = {"ttft": ttft, "tpot": step if steps else 0.0, "e2e": e2e}
             able[i] = all(alone[k] <= v for k, v in slo.items() if k in alone)

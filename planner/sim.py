@@ -280,6 +280,9 @@ class ClusterSim:
             r.record.chunk_times.append(self.now)
             r.req.output_ids.append(TOKEN)
             if node.info.role == "prefill":
+                if len(r.req.output_ids) >= r.spec.max_tokens:
+                    self._kv_arrived(seq.seq_id)  # it ends at its first token: no KV sent
+                    continue
                 kv = self.cost.transfer_seconds(seq.num_tokens - 1)  # the prompt's KV
                 self._push(self.now + kv, "kv", seq.seq_id)
             elif len(r.req.output_ids) >= r.spec.max_tokens:

@@ -280,3 +280,10 @@ def test_equal_goodputs_rank_by_the_split_not_by_which_simulation_ended_first():
     assert [(c.name, c.cfg.prefill_max_batch) for c in first] == [
         ("1P2D", 8), ("1P2D", 16), ("2P1D", 16)]  # fmt: skip
     assert sorted(reversed(both), key=Candidate.key) == first
+
+
+def test_a_one_token_request_ends_at_its_first_token_as_on_a_prefill_node():
+    """A prefill node hands no KV off for a request of one token: it ends there. The
+    simulation ended it when a KV transfer it never makes would have landed."""
+    [rec] = ClusterSim(SimConfig(1, 1, PROFILE)).run(_specs([0.0], 8000, 1))
+    assert rec.ok and rec.output_tokens == 1 and rec.e2e == rec.ttft
