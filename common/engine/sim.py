@@ -87,17 +87,29 @@ class SimKvStore:
         self._export = np.zeros(0, dtype=np.uint8)
         self._scratch = np.zeros(0, dtype=np.uint8)
 
+    def _check(self, block_table: Sequence[int], num_tokens: int) -> None:
+        """What the real cache's indexing refuses (a short table, a block it does not have),
+        refused here too: a node's wrong table must not pass on the simulated engine."""
+        if len(block_table) * self.block_size < num_tokens:
+            raise IndexError(f"{num_tokens} tokens in a table of {len(block_table)} blocks")
+        if any(not 0 <= b < self.num_blocks for b in block_table):
+            raise IndexError(f"a block outside 0..{self.num_blocks - 1} in {list(block_table)}")
+
     def read_block(self, block: int) -> bytes:
         """A block's worth of (simulated) KV: every layer's frame bytes for block_size tokens."""
+        self._check([block], 0)
         return bytes(self.frame_bytes(self.block_size) * self.num_layers)
 
     def write_block(self, block: int, data: bytes) -> None:
-        self.import_kv(0, [block], len(data) // self.frame_bytes_per_token, data)
+        self._check([block], 0)
+        if len(data) != self.frame_bytes(self.block_size) * self.num_layers:
+            raise ValueError(f"a block of {len(data)} bytes, not {len(self.read_block(block))}")
 
     def frame_bytes(self, num_tokens: int) -> int:
         return num_tokens * self.frame_bytes_per_token
 
     def export_kv(self, layer: int, block_table: Sequence[int], num_tokens: int) -> memoryview:
+        self._check(block_table, num_tokens)
         size = self.frame_bytes(num_tokens)
         if self._export.size < size + 1:  # odd layers start one byte in: room for that byte
             self._export = (np.arange(size * 2 + 1, dtype=np.uint64) % 251).astype(np.uint8)
@@ -129,6 +141,7 @@ class SimKvStore:
     ) -> None:
         if isinstance(frame, (list, tuple)):
             frame = b"".join(bytes(p) for p in frame)
+        self._check(block_table, num_tokens)
         data = np.frombuffer(frame, dtype=np.uint8)  # type: ignore[call-overload]
         if data.size != self.frame_bytes(num_tokens):
             raise ValueError(

@@ -57,11 +57,11 @@ def test_kv_frames_have_the_scaled_real_size():
     eng = SimEngine(EngineConfig(engine="sim", sim_kv_scale=0.5), sleep=False)
     real_per_layer = 131072 // 32  # Llama-3.1-8B fp16: 4 KiB per token per layer
     assert eng.kv_store.frame_bytes(100) == 100 * real_per_layer // 2
-    frame = eng.kv_store.export_kv(3, [0, 1], 100)
+    frame = eng.kv_store.export_kv(3, list(range(7)), 100)  # 7 blocks of 16 tokens
     assert len(frame) == eng.kv_store.frame_bytes(100)
-    eng.kv_store.import_kv(3, [4, 5], 100, frame)
+    eng.kv_store.import_kv(3, list(range(7, 14)), 100, frame)
     try:
-        eng.kv_store.import_kv(3, [4, 5], 99, frame)
+        eng.kv_store.import_kv(3, list(range(7, 14)), 99, frame)
         raise AssertionError("a frame of the wrong size must be refused")
     except ValueError as exc:
         assert "expected" in str(exc)
@@ -74,7 +74,8 @@ def test_every_layer_frame_has_its_full_size_whatever_came_before():
     for tokens in (16, 32, 33, 64, 7, 128):
         for layer in range(4):
             kv = eng.kv_store
-            assert len(kv.export_kv(layer, [0], tokens)) == kv.frame_bytes(tokens)
+            table = list(range(-(-tokens // kv.block_size)))
+            assert len(kv.export_kv(layer, table, tokens)) == kv.frame_bytes(tokens)
 
 
 def test_blocks_come_from_gpu_memory_minus_weights():
@@ -82,3 +83,26 @@ def test_blocks_come_from_gpu_memory_minus_weights():
     tokens = eng.num_blocks * eng.block_size
     # H100 80 GB x 0.9 - 16 GB weights, 128 KiB per token: about 430k tokens
     assert 400_000 < tokens < 460_000
+
+
+def test_the_simulated_cache_refuses_what_the_real_cache_refuses():
+    """A node passing a short block table (reserving for the prompt but not its first
+    token, say) passed every simulated cluster test and failed on a real engine."""
+    import pytest
+
+    from pdserve.common.engine.sim import SimKvStore
+
+    kv = SimKvStore(num_layers=2, num_blocks=8, block_size=16, per_token=4)
+    frame = bytes(kv.frame_bytes(20))
+    kv.import_kv(0, [1, 2], 20, frame)
+    assert len(kv.export_kv(1, [1, 2], 20)) == kv.frame_bytes(20)
+    for table in ([1], [1, 8], [-1, 2]):  # short, past the cache, negative
+        with pytest.raises(IndexError):
+            kv.import_kv(0, table, 20, frame)
+        with pytest.raises(IndexError):
+            kv.export_kv(0, table, 20)
+    with pytest.raises(IndexError):
+        kv.read_block(10**6)
+    with pytest.raises(ValueError):
+        kv.write_block(5, b"too short")
+    kv.write_block(5, kv.read_block(3))
