@@ -170,7 +170,7 @@ def main(args: argparse.Namespace) -> int:
     names = [cfg["name"] for cfg in data["configurations"]]
     if only - set(names):
         raise ValueError(f"--only {sorted(only - set(names))}: not in {args.config} ({names})")
-    kept = earlier(out, data, only) if only else {}
+    kept = earlier(out, data, only, workload) if only else {}
     for cfg in data["configurations"]:
         if only and cfg["name"] not in only:  # from the earlier run
             for rate in cfg["rates"]:
@@ -225,19 +225,33 @@ def main(args: argparse.Namespace) -> int:
                 flush=True,
             )
     (out / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
+    inputs = {"workload": workload, "up": {c["name"]: c["up"] for c in data["configurations"]}}
+    (out / INPUTS).write_text(json.dumps(inputs, indent=2) + "\n")  # what --only checks
     write_report(out, data, workload, results, commands)
     plot(out, records, results)
     return 0
 
 
 def earlier(
-    out: Path, data: dict[str, Any], only: set[str]
+    out: Path, data: dict[str, Any], only: set[str], workload: dict[str, Any]
 ) -> dict[tuple[str, float], tuple[dict[str, Any], list[Any]]]:
     """The rows and request records of an earlier run in `out`, for the configurations not
-    re-run (`--only`)."""
+    re-run (`--only`): only of the same workload and, for each kept one, the same cluster
+    (a row of another seed or `up` merged beside new ones compares nothing)."""
     path = out / "summary.json"
     if not path.exists():
         raise ValueError(f"--only merges into an earlier full run: {path} is missing")
+    try:
+        inputs = json.loads((out / INPUTS).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--only: {out / INPUTS} is missing (an older run): run it whole") from exc
+    if inputs.get("workload") != json.loads(json.dumps(workload)):
+        raise ValueError(f"--only: {out} was measured on another workload: run it whole")
+    ran = inputs.get("up", {})
+    changed = sorted(c["name"] for c in data["configurations"] if c["name"] not in only
+                     and ran.get(c["name"]) != json.loads(json.dumps(c["up"])))  # fmt: skip
+    if changed:
+        raise ValueError(f"--only: {changed} ran with other `up` arguments: re-run them too")
     rows = {(r["configuration"], float(r["rate"])): r for r in json.loads(path.read_text())}
     kept = {}
     for cfg in data["configurations"]:
@@ -250,6 +264,9 @@ def earlier(
             lines = (out / cfg["name"] / f"rate-{rate}" / "requests.jsonl").read_text()
             kept[key] = (rows[key], [Recorded(json.loads(x)) for x in lines.splitlines() if x])
     return kept
+
+
+INPUTS = "inputs.json"  # the workload and each configuration's `up` arguments of a run
 
 
 class Recorded:
