@@ -13,6 +13,7 @@ far; `--max-seconds` answers with the best found when the time is up.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -22,6 +23,7 @@ from pdserve.common.config import EngineConfig, GatewayConfig
 from pdserve.common.flags import add_shared_flags
 from pdserve.loadgen.bench import add_workload_flags, build_workload
 from pdserve.loadgen.metrics import parse_slo
+from pdserve.loadgen.workloads import RequestSpec
 from pdserve.planner.progress import Progress, cores
 from pdserve.planner.search import plan_splits
 from pdserve.planner.sim import SimConfig
@@ -32,6 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "plan", help="best xPyD split of a node budget for a workload and SLOs (simulated)"
     )
     add_workload_flags(p)
+    p.add_argument("--warmup", type=int, default=0,
+                   help="as bench's: the workload's first N requests warm the cluster up, "
+                        "not planned for (bench's N: the same measured requests)")  # fmt: skip
     p.add_argument("--budget", type=int, default=8, help="most nodes (prefill + decode)")
     # what the planner models of the serving commands: their flags, their defaults
     add_shared_flags(p, EngineConfig, ("sim_profile", "max_batch", "max_batch_tokens"))
@@ -62,7 +67,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--slo is needed (e.g. ttft=1000,tpot=50): goodput counts against it")
     slo = parse_slo(args.slo)
     _check(args)
-    specs = build_workload(args)
+    specs = measured(build_workload(args), args.warmup)
     base = SimConfig(
         prefill=1,
         decode=1,
@@ -146,3 +151,12 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')}: at least 1 (leave it out: no limit)")
     if args.max_seconds is not None and not 0 < args.max_seconds < math.inf:
         raise ValueError("--max-seconds: a positive number of seconds (leave it out: no limit)")
+
+
+def measured(specs: list[RequestSpec], warmup: int) -> list[RequestSpec]:
+    """The requests bench measures with `--warmup`: all but the first `warmup`, their
+    arrivals from the first of them (the lengths drawn after all arrivals, so a workload
+    with warm-ups differs from one without: plan with bench's own `--warmup`)."""
+    kept = specs[warmup:]
+    base = kept[0].arrival if kept else 0.0
+    return [dataclasses.replace(s, arrival=s.arrival - base) for s in kept]

@@ -287,3 +287,25 @@ def test_a_one_token_request_ends_at_its_first_token_as_on_a_prefill_node():
     simulation ended it when a KV transfer it never makes would have landed."""
     [rec] = ClusterSim(SimConfig(1, 1, PROFILE)).run(_specs([0.0], 8000, 1))
     assert rec.ok and rec.output_tokens == 1 and rec.e2e == rec.ttft
+
+
+def test_plan_takes_bench_s_warmup_and_plans_the_requests_bench_measures():
+    """`bench --warmup W` draws the workload for N + W requests (the lengths come after all
+    the arrivals, so every measured request differs from a run without warm-ups) and
+    measures all but the first W: `plan` had no --warmup, and planned another mix."""
+    import argparse
+
+    from pdserve.loadgen.bench import add_workload_flags, build_workload
+    from pdserve.planner.cli import measured
+
+    p = argparse.ArgumentParser()
+    add_workload_flags(p)
+    p.add_argument("--warmup", type=int, default=0)
+    argv = ["--num-requests", "6", "--rate", "2", "--input-len", "lognormal:1024:1.0"]
+    bench = build_workload(p.parse_args([*argv, "--warmup", "4"]))[4:]  # what bench measures
+    plan = measured(build_workload(p.parse_args([*argv, "--warmup", "4"])), 4)
+    assert [s.prompt for s in plan] == [s.prompt for s in bench]
+    assert plan[0].arrival == 0.0 and [s.arrival for s in plan] == pytest.approx(
+        [s.arrival - bench[0].arrival for s in bench])  # fmt: skip
+    cold = build_workload(p.parse_args(argv))
+    assert [s.prompt_len for s in cold] != [s.prompt_len for s in plan]  # why it matters
