@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pdserve.common.costmodel import CostModel
 from pdserve.gateway.cluster import ClusterView
 
+PASS_TOKENS = 8192  # a prefill pass's prompt tokens (the nodes' default --max-batch-tokens)
+
 
 @dataclass
 class Ewma:
@@ -88,8 +90,12 @@ class Sizing:
         if measured:
             per_token = measured[len(measured) // 2]
         else:
-            mean = max(1, round(rate / max(self.requests.rate(now), 1e-9)))
-            per_token = self.cost.prefill_seconds(mean) / mean
+            requests = self.requests.rate(now)
+            # no arrival here yet (only other gateways' backlog): their prompts' lengths
+            # are not known, so a full pass of it; a length of 1 made a step's fixed cost
+            # the cost of every token (~280x: decode nodes switched away one by one)
+            mean = round(rate / requests) if requests > 0 else min(backlog_tokens, PASS_TOKENS)
+            per_token = self.cost.prefill_seconds(max(1, mean)) / max(1, mean)
         busy = (rate + backlog_tokens / self.window) * per_token  # node-seconds per second
         return max(1, math.ceil(busy / self.utilization - 1e-9))
 

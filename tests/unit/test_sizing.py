@@ -41,6 +41,16 @@ def test_prefill_replicas_are_the_offered_work_over_the_target_utilisation():
     assert Sizing(COST).prefill(cluster, 0, now=0.0) == 1  # no load: one
 
 
+def test_another_gateway_s_backlog_alone_is_sized_at_a_full_pass_not_one_token():
+    """No arrival here yet, no prefill node measured: the per-token cost was the model's
+    for a 1-token prompt (a step's fixed cost every token), and 200k tokens waiting at
+    another gateway asked for 38 prefill nodes."""
+    cluster = cluster_with({"p0": (0, 0)}, {"d0": 100})
+    got = Sizing(COST, window=10.0).prefill(cluster, 200_000, now=100.0)
+    per_token = COST.prefill_seconds(8192) / 8192  # the backlog as full passes
+    assert got == math.ceil(200_000 / 10.0 * per_token / 0.8 - 1e-9) < 5
+
+
 def test_measured_token_cost_wins_over_the_cost_model():
     sizing = Sizing(COST, window=10.0)
     for i in range(1000):
