@@ -16,28 +16,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models
 from tokenizers import Tokenizer as HFTokenizer
 
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.model import cache
 from pdserve.common.model.config import ModelSource, gguf_field, open_gguf, resolve_model
+from pdserve.common.model.pretokenize import gguf_pre_tokenizer
 
 log = logging.getLogger(__name__)
 GGUF_TOKEN_TYPE_CONTROL = 3
 GGUF_TOKEN_TYPE_USER_DEFINED = 4
 CACHE_VERSION = 2  # in the cache key: entries built by older code are built again
-
-# `tokenizer.ggml.pre`: the splits a vocabulary's merges were learned on, where they are not
-# GPT-2's (merges never cross a split: with GPT-2's, "f(x)" is cut before "(x" and its merge
-# never applies). Llama 3's, as llama.cpp and transformers' GGUF converter read those names
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-GGUF_PRE_SPLITS = dict.fromkeys(
-    ("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"), _LLAMA3_SPLIT
-)
 
 
 @dataclass
@@ -192,14 +182,7 @@ class Tokenizer:
         pairs = [(a, b) for a, _, b in (m.partition(" ") for m in merges)]
         bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
         backend = HFTokenizer(bpe)
-        split = GGUF_PRE_SPLITS.get(str(gguf_field(reader, "tokenizer.ggml.pre") or ""))
-        if split is None:  # GPT-2's splits (SmolLM2's "smollm", "gpt2", ...)
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        else:
-            backend.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ])  # fmt: skip
+        backend.pre_tokenizer = gguf_pre_tokenizer(gguf_field(reader, "tokenizer.ggml.pre"))
         backend.decoder = decoders.ByteLevel()
         kinds = list(zip(tokens, types, strict=True))
         # control tokens are special (skipped in output); user-defined ones are text that
