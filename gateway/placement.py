@@ -240,8 +240,7 @@ class Placer:
         adm = self.admission
         ordered = order(adm.order, [w.entry for w in by_key.values()], now, adm.max_wait, adm.aging)
         room: dict[str, int] = {}  # node id -> the longest prompt it takes this round
-        roles = ("prefill", "colocated", *(("decode",) if self.local is not None else ()))
-        nodes = {n.node_id for r in roles for n in self.cluster.alive(r)}
+        nodes = {n.node_id for r in ("prefill", "colocated") for n in self.cluster.alive(r)}
         snap = Snapshot(self.cluster, self.table, self.index)
         for entry in ordered:
             w = by_key[entry.key]
