@@ -12,8 +12,8 @@ token lost, repeated or recomputed.
 Which ones: those with the most growth left (max_tokens not yet generated), since the ones
 about to finish free their blocks soon anyway; as many as bring the two nodes halfway
 together, at most `MOST` a round, only what fits in the target's free blocks, and never
-one whose move would leave the target `GAP` fuller than the source (it would come back: one
-large sequence bounced between two nodes every cooldown). A node
+one whose move would leave the target past U and `GAP` fuller than the source (the next
+round would move it back: one large sequence bounced between two nodes). A node
 rebalanced less than `COOLDOWN` seconds ago is left alone: its load reports must show the
 moves before the rule looks again, or it would move twice as much (hysteresis).
 """
@@ -81,8 +81,9 @@ def choose(
         if blocks + 1 > room - moved:  # +1: its next token's block on the target
             continue
         after = moved + blocks
-        if (u_dst + after / n_dst) - (u_src - after / n_src) >= GAP:
-            continue  # it would turn the gap around: the next round would move it back
+        d2, s2 = u_dst + after / n_dst, u_src - after / n_src
+        if d2 >= high and d2 - s2 >= GAP:
+            continue  # the target past `high`, the gap turned: the next round moves it back
         picked.append(wire_id)
         moved += blocks
     if not picked:

@@ -4,7 +4,7 @@ Each placement attempt of a request is an `Attempt`, keyed by its wire id
 (`request_id.attempt`): the prefill node that accepted it, the decode node its KV goes to, the
 KV blocks promised there, and its phase. Nothing else keeps placement state: what policies,
 metrics and failure handling need per node (requests in prefill, KV headed to a decode node,
-blocks promised since its last load report) is computed from this table.
+blocks promised that its last load report does not show) is computed from this table.
 
     OFFERED --commit--> PREFILL --first token--> DECODE --close--> (gone)
        (an offer in flight)  (prefill node computing)  (KV on / headed to the decode node;

@@ -30,7 +30,7 @@ class NodeView:
     in_prefill: tuple[int, ...] = ()  # prompt tokens of each request the gateway has in
     # prefill here (what it sent since the node's report counts too)
     decoding: int = 0  # requests whose KV is on, or headed to, this node
-    free_blocks: int = 0  # reported free + cached, minus what was promised since
+    free_blocks: int = 0  # reported free + cached, minus what was promised and not shown
     cached: int = 0  # of this request's leading blocks, how many its cache holds (the index)
     # prefill: another node holding more of them (`holder_blocks`), which this node may fetch
     holder: NodeState | None = None

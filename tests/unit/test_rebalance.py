@@ -72,17 +72,27 @@ def test_only_what_fits_on_the_target_and_never_a_sequence_already_moving():
 
 
 def test_a_sequence_that_would_turn_the_gap_around_is_not_moved_to_bounce_back():
-    """85 % against 10 %, all of it one 70-block sequence with growth left: moved, the
-    target was 80 % full and the source 15 %, and the next round (the target never a source
-    before, so no cooldown) moved it back: its whole KV shipped every cooldown."""
+    """86 % against 10 %, most of it one 71-block sequence with growth left: moved, the
+    target was 81 % full (past 0.8) and the source 15 %, and the next round (the target
+    never a source before, so no cooldown) moved it back: its whole KV shipped each time."""
     table = RequestTable()
-    _running(table, "d0", "big", 70 * 16 - 1, 2000)
-    pool = views(_reported({"d0": 15, "d1": 90}, table), table, "decode")
+    _running(table, "d0", "big", 71 * 16 - 1, 2000)
+    pool = views(_reported({"d0": 14, "d1": 90}, table), table, "decode")
     assert choose(pool, table, 0.8, {}, now=10.0) is None
     _running(table, "d0", "small", 20 * 16 - 1, 2000)  # one that halves the gap instead
-    pool = views(_reported({"d0": 15, "d1": 90}, table), table, "decode")
+    pool = views(_reported({"d0": 14, "d1": 90}, table), table, "decode")
     move = choose(pool, table, 0.8, {}, now=10.0)
     assert move is not None and move.request_ids == ("small.0",)
+
+
+def test_a_move_that_turns_the_gap_but_leaves_the_target_below_the_threshold_is_made():
+    # 92 % (one 60-block sequence) against 5 %: moved, 32 % and 65 %, the target under 0.9:
+    # nothing would move it back, and kept, it fills d0 until a preemption recomputes it
+    table = RequestTable()
+    _running(table, "d0", "big", 60 * 16 - 1, 2000)
+    pool = views(_reported({"d0": 8, "d1": 95}, table), table, "decode")
+    move = choose(pool, table, 0.9, {}, now=10.0)
+    assert move is not None and move.request_ids == ("big.0",)
 
 
 def test_a_node_that_refused_kv_since_its_report_is_not_taken_for_the_fullest():
