@@ -7,6 +7,7 @@ dead after `heartbeat_timeout` seconds of silence. `now` is always passed in.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from pdserve.common.wire.protocol import DecodeTarget, Foreign, Load, NodeInfo, Probe
@@ -24,7 +25,7 @@ class NodeState:
     last_seen: float
     load: Load = EMPTY_LOAD
     load_at: float = 0.0  # when `load` was reported
-    held: frozenset[str] = frozenset()  # `load.held`, for lookups
+    held: Container[str] = frozenset()  # `load.held`, for lookups
     refused_at: float = -1.0  # when it last refused KV: its report is stale until a newer one
     progress_at: float = 0.0  # when it last produced a token (the progress lease)
     # what it holds for other gateways (several gateways): from its load reports and answers

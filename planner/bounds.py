@@ -76,7 +76,8 @@ class Bounds:
             least_end = max(least_end, arrivals[i] + e2e)
             alone = {"ttft": ttft, "tpot": step if steps else 0.0, "e2e": e2e}
             able[i] = all(alone[k] <= v for k, v in slo.items() if k in alone)
-            able[i] &= length + spec.max_tokens <= cost.model.max_context  # else refused
+            # else refused (a decode node's cache bounds the context too: at most its tokens)
+            able[i] &= length + spec.max_tokens <= min(cost.model.max_context, kv_tokens)
         return cls(arrivals, prefill, kv, able, least_end, slo.get("ttft"), kv_tokens)
 
     def goodput_per_node(self, prefill: int, decode: int) -> float:

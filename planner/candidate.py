@@ -131,7 +131,7 @@ def missed(sim: ClusterSim, slo: dict[str, float], work: Sequence[float] = ()) -
     now, count = sim.now, 0
     for r in sim.arrived.values():
         rec = r.record
-        if rec.done:
+        if rec.done or rec.error:  # ended (refused at arrival: done may be 0)
             count += not meets(rec, slo)
             continue
         first = rec.chunk_times[0] if rec.chunk_times else now

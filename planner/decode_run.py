@@ -18,6 +18,7 @@ changes that bound: the simulation then cuts the run (`cut`) and plans a new one
 
 from __future__ import annotations
 
+import array
 import functools
 import zlib
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ VOCAB = 32_000  # ids a text prompt's tokens are drawn from
 
 def prompt_tokens(prompt: list[int] | str, prompt_len: int) -> list[int]:
     """A workload prompt as token ids. A text (sharegpt) has no tokenizer here: token i
-    stands for characters 4i..4i+3 (the workload's ~4 characters a token) and its id
+    stands for its UTF-8 bytes 4i..4i+3 (the workload's ~4 characters a token) and its id
     hashes the text up to there, so texts that begin alike share leading tokens (and
     prefix-cache blocks) as far as they agree, and other texts share none (one id for
     every token made every prompt a cache hit of every earlier one)."""
@@ -42,12 +43,12 @@ def prompt_tokens(prompt: list[int] | str, prompt_len: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=4096)  # each candidate split replays the same workload
-def _text_tokens(text: str, n: int) -> tuple[int, ...]:
-    data, h, out = text.encode(), 0, []
+def _text_tokens(text: str, n: int) -> array.array:
+    data, h, out = text.encode(), 0, array.array("i")  # 4 bytes a token kept, not 36
     for i in range(n):
         h = zlib.crc32(data[4 * i : 4 * i + 4] or i.to_bytes(4, "little"), h)
         out.append(TOKEN + h % VOCAB)
-    return tuple(out)
+    return out
 
 
 @dataclass(eq=False)

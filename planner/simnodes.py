@@ -97,6 +97,6 @@ def make_node(
         num_blocks=blocks,
         max_batch=ecfg.max_batch,
         max_batch_tokens=ecfg.max_batch_tokens,
-        max_model_len=cost.model.max_context,
+        max_model_len=sched.fit(cost.model.max_context),  # as a real node reports it
     )
     return SimNode(info, sched, index)

@@ -256,8 +256,10 @@ def test_a_request_the_gateway_would_refuse_or_one_that_never_ends_fails():
 
     cost = CostModel.named(PROFILE)
     long = RequestSpec(0.0, [1000] * 100, cost.model.max_context, 100)
-    [refused] = ClusterSim(SimConfig(1, 1, PROFILE)).run([long])
+    sim = ClusterSim(SimConfig(1, 1, PROFILE))
+    [refused] = sim.run([long])
     assert not refused.ok and "context" in refused.error
+    assert missed(sim, {"ttft": 1.0}) == 1  # refused at t=0: done is 0, yet it has ended
     stuck = RequestSpec(0.0, list(range(1000, 1060)), 100, 60)
     [rec] = ClusterSim(SimConfig(1, 1, PROFILE, num_kv_blocks=8)).run([stuck])
     assert not rec.ok and not meets(rec, {"ttft": 1.0})
