@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pdserve.common.costmodel import CostModel
 from pdserve.gateway.cluster import ClusterView
 
-PASS_TOKENS = 8192  # a prefill pass's prompt tokens (the nodes' default --max-batch-tokens)
+PASS_TOKENS = 8192  # a prefill pass's prompt tokens with no prefill node (the nodes' default)
 
 
 @dataclass
@@ -94,7 +94,8 @@ class Sizing:
             # no arrival here yet (only other gateways' backlog): their prompts' lengths
             # are not known, so a full pass of it; a length of 1 made a step's fixed cost
             # the cost of every token (~280x: decode nodes switched away one by one)
-            mean = round(rate / requests) if requests > 0 else min(backlog_tokens, PASS_TOKENS)
+            passes = [n.info.max_batch_tokens for n in cluster.alive("prefill")] or [PASS_TOKENS]
+            mean = round(rate / requests) if requests > 0 else min(backlog_tokens, min(passes))
             per_token = self.cost.prefill_seconds(max(1, mean)) / max(1, mean)
         busy = (rate + backlog_tokens / self.window) * per_token  # node-seconds per second
         return max(1, math.ceil(busy / self.utilization - 1e-9))

@@ -47,7 +47,8 @@ def test_another_gateway_s_backlog_alone_is_sized_at_a_full_pass_not_one_token()
     another gateway asked for 38 prefill nodes."""
     cluster = cluster_with({"p0": (0, 0)}, {"d0": 100})
     got = Sizing(COST, window=10.0).prefill(cluster, 200_000, now=100.0)
-    per_token = COST.prefill_seconds(8192) / 8192  # the backlog as full passes
+    full = cluster.nodes["p0"].info.max_batch_tokens  # the backlog as full passes (1000)
+    per_token = COST.prefill_seconds(full) / full
     assert got == math.ceil(200_000 / 10.0 * per_token / 0.8 - 1e-9) < 5
 
 
