@@ -38,6 +38,8 @@ def test_only_merges_into_a_run_of_the_same_workload_and_clusters(tmp_path):
     with pytest.raises(ValueError, match=r"\['b'\] ran with other `up` arguments"):
         earlier(tmp_path, DATA, {"a"}, WORKLOAD)
     assert list(earlier(tmp_path, DATA, {"b"}, WORKLOAD)) == [("a", 4.0)]  # b re-run: fine
-    (tmp_path / INPUTS).unlink()  # a run recorded before the inputs were
+    (tmp_path / INPUTS).unlink()  # a run recorded before the inputs were: taken, said
+    assert list(earlier(tmp_path, DATA, {"a"}, WORKLOAD)) == [("b", 4.0)]
+    (tmp_path / INPUTS).write_text("{not json")
     with pytest.raises(ValueError, match="run it whole"):
         earlier(tmp_path, DATA, {"a"}, WORKLOAD)
