@@ -8,7 +8,6 @@ loads the library).
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import platform
 import shutil
@@ -18,7 +17,6 @@ from pathlib import Path
 
 from pdserve.common.numerics import cpu_flags, cpu_isa
 
-log = logging.getLogger(__name__)
 ENGINE = Path(__file__).resolve().parent / "engine"
 SOURCE = ENGINE / "cpu_kernels.c"  # absolute: it includes itself
 SOURCES = (SOURCE, ENGINE / "gguf_matmul.c")  # one library
@@ -37,11 +35,6 @@ def compile_flags() -> list[str]:
     isa = cpu_isa()
     if isa != "native" and platform.machine().lower() not in ("x86_64", "amd64"):
         isa = "native"  # the forced-down levels are x86 levels; elsewhere the CPU as it is
-    if isa == "avx2" and not {"avx2", "fma"} <= cpu_flags():
-        # a level above this CPU's (a VM's qemu64) built code it cannot run: SIGILL at the
-        # first kernel call. The level only ever forces a faster CPU down
-        log.warning("PDSERVE_CPU_ISA=avx2 on a CPU without AVX2 and FMA: kernels built for it")
-        isa = "native"
     return [MARCH[isa], *FLAGS]
 
 

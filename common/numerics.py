@@ -11,6 +11,7 @@ MKL_ENABLE_INSTRUCTIONS), which they read when first used. Unset or `native`: th
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 from pathlib import Path
@@ -24,16 +25,31 @@ ISAS = ("native", "avx2")
 # Flags an AVX2-only x86-64 CPU lacks (prefixes): AVX-512 in all its forms, AMX, and the
 # VEX-encoded VNNI / bf16 conversions that came with them (oneDNN uses avx_ne_convert for bf16).
 _BEYOND_AVX2 = ("avx512", "amx", "avx_vnni", "avx_ne_convert", "avx_ifma")
+# x86-64-v3 (what the level builds for and tells torch): its /proc/cpuinfo flags
+X86_64_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")
+_said: list[bool] = []  # the fallback is logged once a process
 # What PyTorch, oneDNN and MKL are told under PDSERVE_CPU_ISA=avx2.
 TORCH_LIMITS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
                 "MKL_ENABLE_INSTRUCTIONS": "AVX2"}  # fmt: skip
 
 
 def cpu_isa() -> str:
-    """The CPU level the project runs as: "native" or "avx2" (from PDSERVE_CPU_ISA)."""
+    """The CPU level the project runs as: "native" or "avx2" (from PDSERVE_CPU_ISA). The
+    level only forces a faster x86 CPU down: on one that lacks part of x86-64-v3 (a VM's
+    qemu64) its code and torch's AVX2 kernels would die of SIGILL, so it runs as it is."""
     isa = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
     if isa not in ISAS:
         raise ValueError(f"{ISA_ENV}={isa!r}: expected one of {', '.join(ISAS)}")
+    if isa == "avx2" and platform.machine().lower() in ("x86_64", "amd64"):
+        raw = _raw_flags()
+        lacks = sorted(set(X86_64_V3) - raw) if raw else []  # unknown flags: as asked
+        if lacks:
+            if not _said:
+                _said.append(True)
+                logging.getLogger(__name__).warning(
+                    "%s=avx2 on a CPU without %s: run as the CPU is", ISA_ENV, ", ".join(lacks)
+                )
+            return "native"
     return isa
 
 
