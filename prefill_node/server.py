@@ -131,6 +131,8 @@ class PrefillRole(RoleDefaults):
     def kv_acked(self, t: Transfer) -> None:
         if t.prefill_end:  # a first send (not a resend after a refusal): how long it took
             self.tails.acked(t.request_id, t.finished)
+        else:  # a resend's: the first send's batch gives no sample
+            self.tails.lost(t.request_id)
         self.handoff.acked(t)
 
     async def kv_refused(self, rid: str, peer: str, why: str) -> None:
@@ -227,6 +229,8 @@ class PrefillRole(RoleDefaults):
                 self.node.steps.wake()
                 if reason is not None:  # it ended here: kept for a resume as a decode node's
                     self.node.control.adoption.ended(req, reason)
+            if reason is None and ours is not None:  # before the await: a drop meanwhile
+                self.tails.add(tails, ours.request_id, ours.total_bytes, ours.layerwise)
             first = FirstToken(
                 request_id=seq.seq_id,
                 token_id=token,
@@ -236,7 +240,6 @@ class PrefillRole(RoleDefaults):
             )
             await self.node.send_gateway(first)
             if reason is None and ours is not None:
-                self.tails.add(tails, ours.request_id, ours.total_bytes, ours.layerwise)
                 self.node.sender.done(ours, token)
         self.tails.seal(tails)
 

@@ -94,3 +94,42 @@ def test_a_pass_s_transfers_give_one_tail_sample_once_all_are_acknowledged():
         t.finished = 11.0 + k
         role.kv_acked(t)
     assert rule.tail[False].count == 1 and rule.tail[False].value == 3.0 / 3000
+
+
+def test_a_transfer_dropped_while_the_pass_s_first_tokens_go_out_leaves_no_tail_entry():
+    """Dropped (an Abort, a lease) while its own FirstToken went out: its tail entry was
+    added after that await, and stayed (a batch that never samples, an entry kept until the
+    tracker's cap threw away the in-flight batches' too)."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    seqs = [Sequence.new(f"r{k}.0", [5, 6, 7], params) for k in range(2)]
+    for seq in seqs:
+        seq.token_ids.append(9)
+    transfers = {s.seq_id: SimpleNamespace(request_id=s.seq_id, layerwise=False,
+                                           prefill_end=0.0, total_bytes=1000, finished=0.0)
+                 for s in seqs}  # fmt: skip
+    role = PrefillRole.__new__(PrefillRole)
+
+    async def send_gateway(msg: Any) -> None:
+        if msg.request_id == "r0.0":  # let go meanwhile, as node.drop does
+            role.node.requests.pop("r0.0")
+            role.on_dropped("r0.0", None)
+
+    count = SimpleNamespace(observe=lambda v: None, inc=lambda v: None)
+    role.node = SimpleNamespace(
+        requests={s.seq_id: NodeRequest(seq=s) for s in seqs},
+        sender=SimpleNamespace(transfers=transfers, push_all=lambda t, p: None,
+                               done=lambda t, token: None, abort=lambda rid: None),
+        metrics=SimpleNamespace(queue_time=count, prefill_time=count, prompt_tokens=count),
+        engine=SimpleNamespace(eos_token_ids=(), max_model_len=4096),
+        send_gateway=send_gateway,
+    )  # fmt: skip
+    role.layerwise = rule = LayerwiseRule()
+    role.tails = BatchTails(rule)
+    role.handoff = SimpleNamespace(acked=lambda t: None)
+    out = SchedulerOutput(prefills=[(s, 3) for s in seqs])
+    result = ([9] * 2, {s.seq_id: ["kv"] for s in seqs}, 0.0, 10.0, dict(transfers))
+    asyncio.run(role.after_step(out, seqs, result))
+    assert "r0.0" not in role.tails.of
+    transfers["r1.0"].finished = 11.0
+    role.kv_acked(transfers["r1.0"])
+    assert not role.tails.of and rule.tail[False].count == 0  # the batch lost one: no sample
