@@ -78,6 +78,7 @@ def _tiny(tmp_path, name: str = "blk.0.attn_q.weight", **arrays) -> bytes:
 
     out = tmp_path / "tiny.gguf"
     writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_tokenizer_model("gpt2")  # a tokenizer the loader reads, up to the bad bytes
     writer.add_token_list(["a", "b", "zzzz"])
     for key, value in arrays.items():
         writer.add_array(key, value)

@@ -84,3 +84,17 @@ def test_a_bos_added_by_the_post_processor_is_added(tmp_path, tokenizer):
     ids = Tokenizer.load(str(folder)).encode("hi")
     assert ids == [bos, *tokenizer.encode("hi", add_special_tokens=False)]
     assert Tokenizer.load(str(folder)).encode("hi", add_special_tokens=False) == ids[1:]
+
+
+def test_the_split_table_is_transformers_and_an_unknown_name_is_said(tmp_path, caplog):
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    from pdserve.common.model.pretokenize import GGUF_PRE_SPLITS
+
+    for name, split in GGUF_PRE_SPLITS.items():  # the reference's regex, character for character
+        assert GGUF_PRE_TOKENIZER_SPLITS[name] == split, name
+    with caplog.at_level("WARNING"):
+        Tokenizer.load(str(_gguf(tmp_path, "smollm")))
+        assert "not known" not in caplog.text
+        Tokenizer.load(str(_gguf(tmp_path, "qwen2")))  # a split it does not have
+    assert "'qwen2' is not known here" in caplog.text
