@@ -85,4 +85,13 @@ def stack_env(root: Path, port: int, models: Path) -> dict[str, str]:
         "PDSERVE_KV_CACHE_GB": "0.25",
         "PDSERVE_SHM_SIZE": "512mb",
         "PDSERVE_HEARTBEAT_TIMEOUT": "1",  # the chaos tests' detection bound
+        # the numerics of the tests' own reference engine (float32, as compose.cpu.yaml):
+        # `auto` timed again in an image built beside other work may choose otherwise
+        "PDSERVE_QUANTIZATION": _host_quantization(),
     }
+
+
+def _host_quantization() -> str:
+    from pdserve.common.config import EngineConfig
+
+    return EngineConfig(dtype="float32").quantization

@@ -27,6 +27,11 @@ import pytest
 from pdserve.common.wire.transport import free_port
 from tests.docker_util import build_once, compose_or_skip, stack_env
 
+# the first test of the file pays for the stack: the wheels download, the image build and
+# `up` (their own timeouts are 900, 900 and 700 s) on a fresh, slow machine, beyond the
+# suite's 600 s a test
+pytestmark = pytest.mark.timeout(1800)
+
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Name three colours of the rainbow."
 

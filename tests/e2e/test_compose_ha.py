@@ -21,6 +21,11 @@ from pdserve.loadgen.resumable import parse_event
 from tests.docker_util import build_once, compose_or_skip, stack_env
 from tests.e2e.test_compose import PROMPT, _stream_chat, _wait_nodes
 
+# the first test of the file pays for the stack: the wheels download, the image build and
+# `up` (their own timeouts are 900, 900 and 700 s) on a fresh, slow machine, beyond the
+# suite's 600 s a test
+pytestmark = pytest.mark.timeout(1800)
+
 ROOT = Path(__file__).resolve().parents[2]
 HEALTH_ANY = (  # the body of a 503 too
     "import urllib.request as u, urllib.error as e\n"

@@ -115,7 +115,7 @@ def test_auto_picks_the_kernel_only_by_a_clear_margin(tmp_path, monkeypatch):
     assert not quant_choice.choice("slow", tmp_path)[0]
     # none cached: measured in a child process (both sides real), written for the next start
     # (even on a CPU this suite's other work starves: what is kept is the next test's)
-    monkeypatch.setattr(quant_choice, "starved", lambda dense_s: False)
+    monkeypatch.setattr(quant_choice, "starved", lambda kernel_s, dense_s: False)
     pays, why = quant_choice.choice("new", tmp_path)
     kernel_s, dense_s = json.loads((tmp_path / "gguf-choice-new.json").read_text())
     assert pays == quant_choice.kernel_pays(kernel_s, dense_s) and "dense float32" in why
@@ -132,3 +132,7 @@ def test_a_measurement_on_a_starved_cpu_decides_once_and_is_not_kept(tmp_path, m
     monkeypatch.setattr(quant_choice, "_measured", lambda: (80e-6, 200e-6))  # a quiet CPU
     assert quant_choice.choice("old", tmp_path)[0] is True
     assert json.loads((tmp_path / "gguf-choice-old.json").read_text()) == [80e-6, 200e-6]
+    # the kernel's threads starved (an image build beside other work): 2,496 us against 146
+    monkeypatch.setattr(quant_choice, "_measured", lambda: (2496e-6, 146e-6))
+    assert quant_choice.choice("build", tmp_path)[0] is False
+    assert not (tmp_path / "gguf-choice-build.json").exists()
