@@ -8,6 +8,7 @@ loads the library).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -15,8 +16,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from pdserve.common.numerics import cpu_flags, cpu_isa
+from pdserve.common.numerics import ISA_ENV, cpu_flags, cpu_isa, lacks_avx2_level
 
+log = logging.getLogger(__name__)
+_said: list[bool] = []  # a level above the CPU is said once a process
 ENGINE = Path(__file__).resolve().parent / "engine"
 SOURCE = ENGINE / "cpu_kernels.c"  # absolute: it includes itself
 SOURCES = (SOURCE, ENGINE / "gguf_matmul.c")  # one library
@@ -35,6 +38,10 @@ def compile_flags() -> list[str]:
     isa = cpu_isa()
     if isa != "native" and platform.machine().lower() not in ("x86_64", "amd64"):
         isa = "native"  # the forced-down levels are x86 levels; elsewhere the CPU as it is
+    lacks = lacks_avx2_level() if os.environ.get(ISA_ENV, "").strip().lower() == "avx2" else []
+    if lacks and not _said:  # the level asked for is above this CPU: it runs as it is
+        _said.append(True)
+        log.warning("%s=avx2 on a CPU without %s: run as the CPU is", ISA_ENV, ", ".join(lacks))
     return [MARCH[isa], *FLAGS]
 
 

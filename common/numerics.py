@@ -11,7 +11,6 @@ MKL_ENABLE_INSTRUCTIONS), which they read when first used. Unset or `native`: th
 
 from __future__ import annotations
 
-import logging
 import os
 import platform
 from pathlib import Path
@@ -27,7 +26,6 @@ ISAS = ("native", "avx2")
 _BEYOND_AVX2 = ("avx512", "amx", "avx_vnni", "avx_ne_convert", "avx_ifma")
 # x86-64-v3 (what the level builds for and tells torch): its /proc/cpuinfo flags
 X86_64_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")
-_said: list[bool] = []  # the fallback is logged once a process
 # What PyTorch, oneDNN and MKL are told under PDSERVE_CPU_ISA=avx2.
 TORCH_LIMITS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
                 "MKL_ENABLE_INSTRUCTIONS": "AVX2"}  # fmt: skip
@@ -40,17 +38,18 @@ def cpu_isa() -> str:
     isa = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
     if isa not in ISAS:
         raise ValueError(f"{ISA_ENV}={isa!r}: expected one of {', '.join(ISAS)}")
-    if isa == "avx2" and platform.machine().lower() in ("x86_64", "amd64"):
-        raw = _raw_flags()
-        lacks = sorted(set(X86_64_V3) - raw) if raw else []  # unknown flags: as asked
-        if lacks:
-            if not _said:
-                _said.append(True)
-                logging.getLogger(__name__).warning(
-                    "%s=avx2 on a CPU without %s: run as the CPU is", ISA_ENV, ", ".join(lacks)
-                )
-            return "native"
+    if isa == "avx2" and lacks_avx2_level():
+        return "native"  # said by the kernels' build (cbuild.py), once logging is set up
     return isa
+
+
+def lacks_avx2_level() -> list[str]:
+    """The x86-64-v3 features this x86 CPU lacks (none where the flags cannot be read, or
+    on another architecture: the level is then as asked, or not an x86 one)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    raw = _raw_flags()
+    return sorted(set(X86_64_V3) - raw) if raw else []
 
 
 def limit_torch() -> None:

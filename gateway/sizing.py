@@ -94,7 +94,8 @@ class Sizing:
             # no arrival here yet (only other gateways' backlog): their prompts' lengths
             # are not known, so a full pass of it; a length of 1 made a step's fixed cost
             # the cost of every token (~280x: decode nodes switched away one by one)
-            passes = [n.info.max_batch_tokens for n in cluster.alive("prefill")] or [PASS_TOKENS]
+            passes = [n.info.max_batch_tokens for n in cluster.alive("prefill")]
+            passes = [p for p in passes if p > 0] or [PASS_TOKENS]
             mean = round(rate / requests) if requests > 0 else min(backlog_tokens, min(passes))
             per_token = self.cost.prefill_seconds(max(1, mean)) / max(1, mean)
         busy = (rate + backlog_tokens / self.window) * per_token  # node-seconds per second

@@ -243,11 +243,11 @@ def earlier(
         raise ValueError(f"--only merges into an earlier full run: {path} is missing")
     try:
         inputs = json.loads((out / INPUTS).read_text())
-    except OSError:  # a run recorded before its inputs were: taken as the config says
+    except FileNotFoundError:  # a run recorded before its inputs were: as the config says
         print(f"--only: {out / INPUTS} is missing (an older run): its rows are taken "
               "as this workload's and these clusters', unchecked", file=sys.stderr)  # fmt: skip
         inputs = {"workload": workload, "up": {c["name"]: c["up"] for c in data["configurations"]}}
-    except ValueError as exc:
+    except (OSError, ValueError) as exc:
         raise ValueError(f"--only: {out / INPUTS} is not readable: run it whole") from exc
     if inputs.get("workload") != json.loads(json.dumps(workload)):
         raise ValueError(f"--only: {out} was measured on another workload: run it whole")

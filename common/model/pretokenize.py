@@ -29,7 +29,7 @@ LLAMA3_NAMES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixt
                 "lfm2", "jina-v5-nano", "dbrx", "smaug-bpe")  # fmt: skip
 GGUF_PRE_SPLITS = {**dict.fromkeys(LLAMA3_NAMES, _LLAMA3_SPLIT), "tekken": _TEKKEN_SPLIT}
 # names whose splits are GPT-2's (llama.cpp's), and the absence of one
-GPT2_NAMES = ("", "default", "gpt2", "gpt-2", "smollm", "phi-2", "roberta-bpe", "codeshell",
+GPT2_NAMES = ("", "gpt2", "gpt-2", "smollm", "phi-2", "roberta-bpe", "codeshell",
               "exaone", "minerva-7b")  # fmt: skip
 
 

@@ -248,10 +248,10 @@ def test_text_prompts_share_cached_blocks_only_as_far_as_their_texts_agree():
     assert records[1].ttft > records[2].ttft > 0.8 * records[1].ttft  # ~500 tokens cached
 
 
-def test_a_request_the_gateway_would_refuse_or_one_that_never_ends_fails():
-    """They were returned as completed with done=0 (ok, meeting every SLO): a workload past
-    the model's context was planned as servable; a sequence that outgrew a decode node's
-    cache stalled and counted as good."""
+def test_a_request_the_gateway_would_refuse_fails_and_the_bounds_agree():
+    """Returned as completed with done=0 (ok, meeting every SLO): a workload past the
+    model's context was planned as servable, and one past what a decode node's cache holds
+    (the limit a real node reports) stalled there and counted as good."""
     from pdserve.loadgen.metrics import summarize
 
     cost = CostModel.named(PROFILE)
@@ -260,11 +260,13 @@ def test_a_request_the_gateway_would_refuse_or_one_that_never_ends_fails():
     [refused] = sim.run([long])
     assert not refused.ok and "context" in refused.error
     assert missed(sim, {"ttft": 1.0}) == 1  # refused at t=0: done is 0, yet it has ended
-    stuck = RequestSpec(0.0, list(range(1000, 1060)), 100, 60)
-    [rec] = ClusterSim(SimConfig(1, 1, PROFILE, num_kv_blocks=8)).run([stuck])
-    assert not rec.ok and not meets(rec, {"ttft": 1.0})
+    past_cache = RequestSpec(0.0, list(range(1000, 1060)), 100, 60)  # 160 tokens, 8 blocks
+    [rec] = ClusterSim(SimConfig(1, 1, PROFILE, num_kv_blocks=8)).run([past_cache])
+    assert not rec.ok and "context" in rec.error and not meets(rec, {"ttft": 1.0})
     assert summarize([rec], {"ttft": 1.0})["goodput"] == 0
     assert not Bounds.of([long], {"ttft": 60.0}, cost, 16, 10**6).able.any()
+    able = [Bounds.of([past_cache], {"ttft": 60.0}, cost, 16, kv).able[0] for kv in (128, 10**6)]
+    assert able == [False, True]  # a decode node's cache bounds the context too
 
 
 def test_equal_goodputs_rank_by_the_split_not_by_which_simulation_ended_first():
