@@ -78,7 +78,7 @@ async def _decode(ready: Any) -> None:
         admit,
         receivers,
     )
-    ready.put((address, await listen_all(receivers, intake)))
+    ready.put((address, await listen_all(receivers, intake.landing)))
     await intake.run()
 
 

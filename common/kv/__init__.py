@@ -36,6 +36,7 @@ from pdserve.common.kv_backends import BACKENDS, CHOICES
 
 if TYPE_CHECKING:
     from pdserve.common.kv.base import Backend, Local, ReceiveConnector
+    from pdserve.common.kv.landing import FrameSink
 
 
 def backend(name: str) -> Backend:
@@ -72,7 +73,7 @@ def receivers_for(local: Local) -> dict[str, ReceiveConnector]:
     return {name: backend(name).receive(local) for name in names}
 
 
-async def listen_all(receivers: dict[str, ReceiveConnector], sink: object) -> dict[str, str]:
+async def listen_all(receivers: dict[str, ReceiveConnector], sink: FrameSink) -> dict[str, str]:
     """Start every receiver; the endpoints of those offered, to advertise (`kv_endpoints`)."""
     endpoints = {}
     for name, receiver in receivers.items():

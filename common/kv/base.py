@@ -176,8 +176,8 @@ class ReceiveConnector:
 
     async def listen(self, sink: Any) -> str:
         """Start receiving; the endpoint peers should use ("" when this node does not offer
-        the backend). `sink` is the intake (a tcp.FrameSink), for backends that land frames
-        themselves."""
+        the backend). `sink` is the intake's `landing` (a landing.FrameSink), for backends
+        that land frames themselves."""
         return ""
 
     def open(self, rec: Intake) -> str | None:

@@ -4,9 +4,9 @@ A `KvHeader` asks `reserve` for blocks (a block table, or the reason to refuse, 
 with `KvRefuse`) and its backend's `ReceiveConnector` prepares (`open`). Each layer's frame is
 put into those blocks: behind a `KvLayer` descriptor the connector says where the frame is
 (ZeroMQ parts, a shared-memory segment, a UCX receive); a stream backend (tcp) lands frames
-itself through this intake's `open_frame`/`frame_landed` (tcp.FrameSink): its frames carry
-their own head, need no descriptor and may arrive before the header (the stream reader waits
-for it a moment). A transfer is complete once it has every layer and its `KvDone`, in either
+itself through this intake's `landing` (tcp.FrameSink, landing.py): its frames carry their own
+head, need no descriptor and may arrive before the header (the stream reader waits for it a
+moment). A transfer is complete once it has every layer and its `KvDone`, in either
 order (frames and ZeroMQ messages may travel on different connections); then it goes to
 `admit` and the peer gets `KvAck`.
 
@@ -22,17 +22,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from pdserve.common.aio import wait_event
 from pdserve.common.engine.interface import KvStore
 from pdserve.common.kv.base import LANDED, Intake, ReceiveConnector
+from pdserve.common.kv.landing import StreamLanding
 from pdserve.common.wire.kv_messages import (
     TO_DECODE_DECODER,
     KvAck,
@@ -80,6 +81,10 @@ class KvIntake:
         self.arrivals: dict[str, asyncio.Event] = {}  # stream frames waiting for their header
         self.quarantine: list[Intake] = []  # dropped, blocks held until the writer's grant ends
         self.serving: set[asyncio.Task] = set()  # fetches of our prefixes being served
+        # stream readers claim frames from their threads (landing.py): a claim and a release
+        # of the same transfer's blocks exclude each other under this lock
+        self.lock = threading.Lock()
+        self.landing = StreamLanding(self)  # tcp.FrameSink
 
     async def run(self) -> None:
         while True:
@@ -104,12 +109,12 @@ class KvIntake:
                 if intake is None or intake.peer != peer:
                     return
                 if intake.dropped:
-                    self._forget(rid)
+                    self.forget(rid)
                     return
                 intake.first_token = token
                 intake.progress = time.monotonic()  # from now on a stall is a failure
                 if intake.complete:
-                    await self._complete(intake)
+                    await self.finish(intake)
                 elif intake.header.backend not in STREAMED:  # its frames may still be coming
                     got = f"{len(intake.layers)}/{intake.header.num_layers}"
                     self.drop(rid)
@@ -118,7 +123,7 @@ class KvIntake:
                 intake = self.incoming.get(rid)
                 if intake is not None and intake.peer == peer:
                     self.drop(rid)
-                    self._forget(rid)  # nothing more comes for it
+                    self.forget(rid)  # nothing more comes for it
             case KvFetch() if self.on_fetch is not None:
                 # served beside the intake: staging a large prefix takes a while, and every
                 # other transfer's frames, acks and aborts were read only after it
@@ -142,7 +147,7 @@ class KvIntake:
         if rid in self.incoming:  # never replace a live transfer's state
             return await self.refuse(peer, rid, "duplicate request id")
         if receiver is None:
-            self._remember_closed(rid)
+            self.remember_closed(rid)
             return await self.refuse(peer, rid, f"KV backend {h.backend!r} not offered here")
         problem = self._malformed(peer, h)
         reserved = problem if problem is not None else self.reserve(h)  # nothing reserved then
@@ -150,7 +155,7 @@ class KvIntake:
             if receiver.drains_after_drop:  # its frames still come, in order: read, discard
                 self.incoming[rid] = Intake(h, peer, [], dropped=True)
             else:
-                self._remember_closed(rid)
+                self.remember_closed(rid)
             return await self.refuse(peer, rid, reserved)
         intake = Intake(h, peer, reserved)
         self.incoming[rid] = intake
@@ -159,7 +164,7 @@ class KvIntake:
         if problem is not None:
             self.drop(rid)
             return await self.refuse(peer, rid, problem)
-        grant = receiver.grant(intake, self._frame_target(intake)[0])
+        grant = receiver.grant(intake, self.frame_target(intake)[0])
         if grant is not None:  # the sender writes into our blocks itself (shm_direct)
             await self._send(peer, grant)
 
@@ -189,7 +194,7 @@ class KvIntake:
             return
         if frame is LANDED:  # the sender copied it into the blocks itself
             if not intake.dropped and 0 <= layer < h.num_layers:
-                self._landed(intake, layer)
+                self.mark_landed(intake, layer)
             return
         if isinstance(frame, list):
             got = sum(memoryview(p).nbytes for p in frame)
@@ -197,82 +202,29 @@ class KvIntake:
             got = -1 if frame is None else memoryview(frame).nbytes
         if intake.dropped or got != h.frame_bytes or not 0 <= layer < h.num_layers:
             return
-        self.kv.import_kv(layer, *self._frame_target(intake), frame)
-        self._landed(intake, layer)
+        self.kv.import_kv(layer, *self.frame_target(intake), frame)
+        self.mark_landed(intake, layer)
 
-    def _frame_target(self, intake: Intake) -> tuple[list[int], int]:
+    def frame_target(self, intake: Intake) -> tuple[list[int], int]:
         """Where the frames go: the blocks after those the node already held (a prefix its
         cache kept, `skip_tokens`), and how many tokens they carry."""
         h = intake.header
         skip_blocks = h.skip_tokens // self.kv.block_size
         return intake.block_table[skip_blocks:], len(h.prompt_ids) - h.skip_tokens
 
-    def _landed(self, intake: Intake, layer: int) -> None:
+    def mark_landed(self, intake: Intake, layer: int) -> None:
         intake.layers.add(layer)
         intake.bytes_in += intake.header.frame_bytes
         intake.progress = time.monotonic()
 
-    # -- stream backends land frames themselves (tcp.FrameSink) ------------------------------
-    async def open_frame(
-        self, peer: str, request_id: str, layer: int, nbytes: int
-    ) -> Sequence[memoryview] | None:
-        intake = self.incoming.get(request_id)
-        if intake is None and request_id not in self.closed:
-            # the header travels on ZeroMQ and may lag the frame: wait for it a moment
-            event = self.arrivals.setdefault(request_id, asyncio.Event())
-            try:
-                if not await wait_event(event, self.timeout):
-                    log.warning("KV frame of %s from %s came without a header", request_id, peer)
-                    if request_id not in self.incoming:  # its other layers: discarded at once,
-                        self._remember_closed(request_id)  # not another wait each
-            finally:
-                if self.arrivals.get(request_id) is event:
-                    del self.arrivals[request_id]
-            intake = self.incoming.get(request_id)
-        if intake is None or intake.dropped or intake.header.prefill_node != peer:
-            return None
-        h = intake.header
-        if nbytes != h.frame_bytes or not 0 <= layer < h.num_layers or layer in intake.layers:
-            return None
-        if intake.receiving:  # a frame of it is landing on another stream (a reconnect)
-            return None
-        views = self.kv.kv_targets(layer, *self._frame_target(intake))
-        intake.receiving = True  # set once nothing here can raise: it holds the blocks
-        if views is not None:
-            return views
-        if intake.state is None or len(intake.state) < nbytes:
-            intake.state = bytearray(nbytes)  # a cache that cannot be written in place
-        return [memoryview(intake.state)[:nbytes]]
-
-    async def frame_landed(self, peer: str, request_id: str, layer: int, ok: bool) -> None:
-        intake = self.incoming.get(request_id)
-        if intake is None:
-            return
-        intake.receiving = False
-        if intake.dropped:  # dropped while its frame landed: the blocks are free now
-            self._release(intake)
-            self._forget(request_id)
-            return
-        if not ok:
-            if self.drop(request_id):
-                await self.refuse(intake.peer, request_id, "KV stream failed")
-            return
-        h = intake.header
-        if intake.state is not None:
-            frame = memoryview(intake.state)[: h.frame_bytes]
-            self.kv.import_kv(layer, *self._frame_target(intake), frame)
-        self._landed(intake, layer)
-        if intake.complete:
-            await self._complete(intake)
-
     # -- endings ------------------------------------------------------------------------------
-    async def _complete(self, intake: Intake) -> None:
+    async def finish(self, intake: Intake) -> None:
         rid = intake.header.request_id
         # a direct writer's grant closes now; if the lock is still held (not by the writer,
         # which let go before its last descriptor), confirm later: the blocks stay the
         # sequence's, only the ticket waits
-        self._release(dataclasses.replace(intake, block_table=[]))
-        self._forget(rid, keep_blocks=True)  # they are the sequence's now
+        self.free(dataclasses.replace(intake, block_table=[]))
+        self.forget(rid, keep_blocks=True)  # they are the sequence's now
         assert intake.first_token is not None
         await self.admit(intake, intake.first_token)
         await self._send(intake.peer, KvAck(request_id=rid))
@@ -295,15 +247,17 @@ class KvIntake:
         intake = self.incoming.get(rid)
         if intake is None or intake.dropped:
             return False
-        intake.dropped = True
-        if not intake.receiving:  # else released when its frame has landed
-            self._release(intake)
+        with self.lock:  # a stream reader's claim sees it dropped, or this sees it receiving
+            intake.dropped = True
+            busy = intake.receiving
+        if not busy:  # else released when its frame has landed
+            self.free(intake)
             receiver = self.receivers.get(intake.header.backend)
             if receiver is None or not receiver.drains_after_drop:
-                self._forget(rid)
+                self.forget(rid)
         return True
 
-    def _release(self, intake: Intake) -> None:
+    def free(self, intake: Intake) -> None:
         """Give the blocks back, once no writer can touch them (`revoke`); until then the
         intake waits in quarantine and `expire` tries again."""
         receiver = self.receivers.get(intake.header.backend)
@@ -315,22 +269,23 @@ class KvIntake:
             self.release(intake.block_table)
             intake.block_table = []
 
-    def _forget(self, rid: str, keep_blocks: bool = False) -> None:
+    def forget(self, rid: str, keep_blocks: bool = False) -> None:
         """The transfer is over here. Its blocks go back with it (unless admitted), except
-        while a frame is landing in them: then `frame_landed` releases and forgets it."""
+        while a frame is landing in them: then its landing releases and forgets it."""
         intake = self.incoming.get(rid)
         if intake is not None:
-            if intake.receiving:
-                intake.dropped = True
-                return
-            del self.incoming[rid]
+            with self.lock:  # gone before a stream reader could claim it
+                if intake.receiving:
+                    intake.dropped = True
+                    return
+                del self.incoming[rid]
             if not keep_blocks:
-                self._release(intake)
+                self.free(intake)
             if intake.header.backend in self.receivers:
                 self.receivers[intake.header.backend].close_intake(intake)
-        self._remember_closed(rid)
+        self.remember_closed(rid)
 
-    def _remember_closed(self, rid: str) -> None:
+    def remember_closed(self, rid: str) -> None:
         self.closed[rid] = None
         while len(self.closed) > CLOSED_MEMORY:
             self.closed.popitem(last=False)
@@ -342,11 +297,11 @@ class KvIntake:
     async def expire(self, now: float) -> None:
         held, self.quarantine = self.quarantine, []
         for intake in held:
-            self._release(intake)  # back in quarantine if the writer is still inside
+            self.free(intake)  # back in quarantine if the writer is still inside
         for rid, intake in list(self.incoming.items()):
             if intake.dropped:
                 if now - intake.started > 3 * self.timeout:
-                    self._forget(rid)  # a draining transfer whose peer is gone too
+                    self.forget(rid)  # a draining transfer whose peer is gone too
                 continue
             if intake.progress and now - intake.progress > self.timeout and not intake.receiving:
                 log.warning(

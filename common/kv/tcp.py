@@ -8,9 +8,11 @@ The stream is self-describing: a prefill node opens one connection per decode pe
 node id (64 bytes, space padded; with --cluster-key the decode node first sends a nonce and
 the id is followed by HMAC(key, nonce + id), checked before anything else is read), then
 frames, each behind a head naming its request, layer and length (`HEAD` + the request id).
-The decode node reads every connection in its own thread (tcp_wire: blocking reads, one
-system call per frame) and asks a `FrameSink` on the event loop where each frame goes: into
-reserved blocks, or nowhere (unknown, refused or dropped transfers: read and discarded). So
+Each side gives every connection a thread of its own (tcp_wire: blocking reads, one system
+call per frame; tcp_send: blocking writes of a queue of frames). The decode node's reader asks
+a `FrameSink` (landing.py) where each frame goes, from its thread without waiting for the
+event loop while the transfer's header has come: into reserved blocks, or nowhere (unknown,
+refused or dropped transfers: read and discarded). So
 the stream never falls out of step with the transfers, and one stalled or broken peer holds
 up no other. A frame stalled for `timeout`, a bad head or a closed connection ends the
 stream; the transfer whose frame was landing fails, and the peer reconnects for its next
@@ -21,57 +23,36 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import socket
-import struct
 import threading
 import time
-from collections.abc import Coroutine, Sequence
-from typing import Any, Protocol
+from collections.abc import Coroutine
+from typing import Any
 
 from pdserve.common.kv.base import Backend, Intake, Local, ReceiveConnector, SendConnector, Transfer
-from pdserve.common.kv.tcp_wire import WireStats, recv_views, set_timeout
-from pdserve.common.wire.security import MAC_BYTES, NONCE_BYTES, REFUSALS, ClusterKey, new_nonce
+from pdserve.common.kv.landing import ASK_LOOP, FrameSink
+from pdserve.common.kv.tcp_send import TcpStream, frame_head
+from pdserve.common.kv.tcp_wire import (
+    HEAD,
+    ID_BYTES,
+    MAGIC,
+    Closed,
+    WireStats,
+    recv_views,
+    set_timeout,
+    shut,
+)
+from pdserve.common.wire.security import MAC_BYTES, REFUSALS, ClusterKey, new_nonce
 
-ID_BYTES = 64
-MAGIC = b"PDKV"
-HEAD = struct.Struct("<4sIQH")  # magic, layer, payload bytes, request id bytes
+__all__ = ["ID_BYTES", "TcpListener", "TcpStream", "frame_head"]
+
 MAX_ID = 512
 CHUNK = 1 << 20  # discarded payloads are read through a buffer of this size
 MAX_READERS = 256  # connections read at once (a thread each): past it, the idlest is shut
 HANDSHAKE_S = 10.0  # a connection's whole handshake (its id, its tag), at most
 
 log = logging.getLogger(__name__)
-
-
-def frame_head(request_id: str, layer: int, nbytes: int) -> bytes:
-    rid = request_id.encode()
-    return HEAD.pack(MAGIC, layer, nbytes, len(rid)) + rid
-
-
-class FrameSink(Protocol):
-    """Where the decode node's frames go (the KV intake)."""
-
-    async def open_frame(
-        self, peer: str, request_id: str, layer: int, nbytes: int
-    ) -> Sequence[memoryview] | None:
-        """Writable views (total `nbytes`) for this frame, or None to discard it."""
-        ...
-
-    async def frame_landed(self, peer: str, request_id: str, layer: int, ok: bool) -> None:
-        """The frame opened last is in place (ok), or its stream broke mid-frame."""
-        ...
-
-
-async def _fill(sock: socket.socket, view: memoryview, timeout: float | None) -> None:
-    loop = asyncio.get_running_loop()
-    got = 0
-    while got < len(view):
-        n = await asyncio.wait_for(loop.sock_recv_into(sock, view[got:]), timeout)
-        if n == 0:
-            raise ConnectionError("the KV stream closed mid-frame")
-        got += n
 
 
 class TcpListener:
@@ -168,7 +149,7 @@ class TcpListener:
             pool = [c for c in self.idle if c in self.unproven] or self.idle
             victim = min(pool, key=self.idle.__getitem__)
             del self.idle[victim]
-        _shut(victim)
+        shut(victim)
         return True
 
     def _serve(self, conn: socket.socket, addr: Any = None) -> None:
@@ -190,7 +171,7 @@ class TcpListener:
     def _serve_conn(self, conn: socket.socket, addr: Any) -> None:
         ident = bytearray(ID_BYTES + (MAC_BYTES if self.key else 0))
         # the whole handshake in a deadline (a byte every few seconds held a reader for long)
-        deadline = threading.Timer(min(self.timeout, HANDSHAKE_S), _shut, (conn,))
+        deadline = threading.Timer(min(self.timeout, HANDSHAKE_S), shut, (conn,))
         deadline.start()
         try:
             if self.key is not None:
@@ -216,7 +197,7 @@ class TcpListener:
             old = self.conns.pop(peer, None)
             self.conns[peer] = conn
         if old is not None:
-            _shut(old)  # the peer reconnected: its old stream is over
+            shut(old)  # the peer reconnected: its old stream is over
         try:
             self._read_frames(peer, conn)
         except (OSError, ValueError) as exc:
@@ -236,7 +217,10 @@ class TcpListener:
         while not self.closing:
             with self.lock:
                 self.idle[conn] = time.monotonic()
-            recv_views(conn, [memoryview(head)], self.stats, idle_ok=True)  # idle: no deadline
+            try:
+                recv_views(conn, [memoryview(head)], self.stats, idle_ok=True)  # no deadline
+            except Closed:
+                return  # between frames: the sender ended its stream (idle, or going)
             with self.lock:
                 self.idle.pop(conn, None)
             magic, layer, nbytes, id_len = HEAD.unpack(head)
@@ -245,7 +229,10 @@ class TcpListener:
             rid_bytes = bytearray(id_len)
             recv_views(conn, [memoryview(rid_bytes)], self.stats)
             rid = rid_bytes.decode(errors="replace")
-            views = self._call(self.sink.open_frame(peer, rid, layer, nbytes))
+            views = self.sink.claim_frame(peer, rid, layer, nbytes)
+            claimed = views is not ASK_LOOP  # then landed here too, no round trip to the loop
+            if not claimed:
+                views = self._call(self.sink.open_frame(peer, rid, layer, nbytes))
             try:
                 if views is None:
                     self._discard(conn, nbytes)
@@ -255,8 +242,23 @@ class TcpListener:
                 if views is not None:
                     self._call(self.sink.frame_landed(peer, rid, layer, False))
                 raise
-            if views is not None:
+            if views is None:
+                continue
+            if claimed:
+                self._post(self.sink.frame_written(peer, rid, layer))
+            else:
                 self._call(self.sink.frame_landed(peer, rid, layer, True))
+
+    def _post(self, coro: Coroutine[Any, Any, Any] | None) -> None:
+        """Run a sink call on the event loop without waiting for it (reader thread)."""
+        if coro is None or self.loop is None:
+            return
+        try:
+            fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        except RuntimeError:  # the loop is closed: the node is going
+            coro.close()
+            return
+        fut.add_done_callback(_log_failure)
 
     def _discard(self, conn: socket.socket, nbytes: int) -> None:
         scratch = memoryview(bytearray(min(nbytes, CHUNK)))
@@ -272,82 +274,13 @@ class TcpListener:
         with self.lock:
             conns = list(self.conns.values())
         for conn in conns:
-            _shut(conn)  # wakes its reader, which closes it
+            shut(conn)  # wakes its reader, which closes it
         self.sock.close()
 
 
-def _closed_by_peer(sock: socket.socket) -> bool:
-    """The decode node sends nothing after its challenge: a readable end of stream (or an
-    error) on a stream between frames means it closed it."""
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
-def _shut(conn: socket.socket) -> None:
-    try:
-        conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # already closed or never connected
-
-
-class TcpStream:
-    """Prefill side: one connection to a decode peer, opened on first use, reopened after
-    an error. Written from the event loop (non-blocking sends): measured faster than a
-    blocking writer thread, whose hand-off per frame left the socket idle between layers
-    (benchmarks/kv_transfer.py: 0.80-0.84x raw TCP against 0.98x)."""
-
-    def __init__(
-        self, address: str, node_id: str, key: ClusterKey | None = None, timeout: float = 10.0
-    ) -> None:
-        host, _, port = address.rpartition(":")
-        self.address = address
-        self.endpoint = (host, int(port))
-        self.node_id = node_id
-        self.key = key
-        self.timeout = timeout
-        self.sock: socket.socket | None = None
-
-    async def send(self, request_id: str, layer: int, parts: Sequence[Any]) -> None:
-        loop = asyncio.get_running_loop()
-        nbytes = sum(memoryview(p).nbytes for p in parts)
-        try:
-            if self.sock is not None and _closed_by_peer(self.sock):
-                self.close()  # the decode node shut it (idle, or it restarted): a fresh one
-            if self.sock is None:
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                sock.setblocking(False)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                # a decode node that stops reading (paused, partitioned: its window stays 0
-                # or nothing is acknowledged) fails the send, not stalls this peer's queue for
-                # good; 3 x: its reader may wait `timeout` for a frame's header, not reading
-                with contextlib.suppress(AttributeError, OSError):  # Linux only
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
-                                    int(3 * self.timeout * 1000))  # fmt: skip
-                self.sock = sock  # closed by the handler below if anything fails
-                await loop.sock_connect(sock, self.endpoint)
-                ident = self.node_id.encode()[:ID_BYTES].ljust(ID_BYTES)
-                if self.key is not None:  # answer the decode node's challenge
-                    nonce = bytearray(NONCE_BYTES)
-                    await _fill(sock, memoryview(nonce), self.timeout)
-                    ident += self.key.mac(bytes(nonce), ident)
-                await loop.sock_sendall(sock, ident)
-            await loop.sock_sendall(self.sock, frame_head(request_id, layer, nbytes))
-            for part in parts:
-                await loop.sock_sendall(self.sock, part)
-        except (OSError, asyncio.TimeoutError) as exc:
-            self.close()  # the next frame starts a fresh stream
-            if isinstance(exc, asyncio.TimeoutError):
-                raise ConnectionError("the decode node sent no challenge") from exc
-            raise
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
+def _log_failure(fut: concurrent.futures.Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("landing a KV frame failed", exc_info=fut.exception())
 
 
 class TcpSend(SendConnector):
@@ -368,7 +301,7 @@ class TcpSend(SendConnector):
             stream = self.streams[t.target.node_id] = TcpStream(
                 endpoint, self.local.node_id, self.local.key, self.local.timeout
             )
-        await stream.send(t.request_id, layer, payload)
+        await stream.send(t.request_id, layer, payload, skip=lambda: t.ended is not None)
 
     async def close(self) -> None:
         for stream in self.streams.values():

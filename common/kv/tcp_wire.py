@@ -17,11 +17,18 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-IOV_MAX = 1024  # Linux's limit on the buffers of one recvmsg
+IOV_MAX = 1024  # Linux's limit on the buffers of one recvmsg or sendmsg
+ID_BYTES = 64  # a stream opens with its sender's node id, space padded
+MAGIC = b"PDKV"
+HEAD = struct.Struct("<4sIQH")  # a frame's head: magic, layer, payload bytes, request id bytes
 
 
 class Stalled(TimeoutError):
     """No byte moved for the socket's timeout."""
+
+
+class Closed(ConnectionError):
+    """The stream ended before the first byte of a read: at a frame's boundary, a clean end."""
 
 
 @dataclass
@@ -53,6 +60,20 @@ def _advance(views: list[memoryview], n: int) -> list[memoryview]:
     return views[i:]
 
 
+def send_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
+    """Write `views` in order to a blocking socket: one `sendmsg` per socket buffer's worth
+    however many views (SO_SNDTIMEO: no progress for that long fails it)."""
+    left = [v.cast("B") for v in views if len(v)]
+    while left:
+        try:
+            n = sock.sendmsg(left[:IOV_MAX])
+        except InterruptedError:
+            continue
+        except BlockingIOError as exc:  # SO_SNDTIMEO: the peer took nothing
+            raise Stalled("the KV stream's peer stopped reading") from exc
+        left = _advance(left, n)
+
+
 def recv_views(
     sock: socket.socket, views: Sequence[memoryview], stats: WireStats, idle_ok: bool = False
 ) -> None:
@@ -71,7 +92,29 @@ def recv_views(
             raise Stalled("the KV stream stalled mid-frame") from exc
         stats.recv_calls += 1
         if n == 0:
-            raise ConnectionError("the KV stream closed")
+            raise (
+                Closed("the KV stream closed")
+                if not started
+                else ConnectionError("the KV stream closed mid-read")
+            )
         stats.recv_bytes += n
         started = True
         left = _advance(left, n)
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """The decode node sends nothing after its challenge: a readable end of stream (or an
+    error) on a stream between frames means it closed it."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def shut(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed or never connected

@@ -115,7 +115,7 @@ class NodeKv:
         )
 
     async def start(self) -> list[asyncio.Task]:
-        self.endpoints = await listen_all(self.intake.receivers, self.intake)
+        self.endpoints = await listen_all(self.intake.receivers, self.intake.landing)
         tasks = [asyncio.create_task(self.intake.run()), asyncio.create_task(self._expiry())]
         if self.node.key is not None:  # refused CurveZMQ peers show in the socket monitor
             tasks.append(asyncio.create_task(watch_handshakes(self.data, "node.data")))

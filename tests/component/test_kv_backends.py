@@ -91,7 +91,7 @@ class Pair:
         )
 
     async def start(self) -> Pair:
-        endpoints = await listen_all(self.receivers, self.intake)
+        endpoints = await listen_all(self.receivers, self.intake.landing)
         self.endpoints = endpoints
         self.target = DecodeTarget(
             node_id="d",

@@ -5,14 +5,15 @@ read or an intermediate copy comes back (issue 30). Real sockets on loopback."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
 
-from pdserve.common.kv import tcp
+from pdserve.common.kv import tcp, tcp_send
+from pdserve.common.kv.landing import ASK_LOOP
 from pdserve.common.kv.tcp import TcpListener, TcpStream
 from tests.component.cluster import until  # waits on the listener's own state, not on time
 
@@ -22,9 +23,12 @@ RUN = 16 << 10  # scattered targets: one view per 16 KiB, as a fragmented block 
 
 
 class Sink:
-    """Targets for every frame: `RUN`-sized views of one arena, in reverse order."""
+    """Targets for every frame: `RUN`-sized views of one arena, in reverse order. Claimed in
+    the reader thread (as the intake's are), or, `threaded` False, opened on the loop (as a
+    frame that came before its header or lands in a scratch buffer is)."""
 
-    def __init__(self) -> None:
+    def __init__(self, threaded: bool = True) -> None:
+        self.threaded = threaded
         self.arena = bytearray(FRAMES * FRAME)
         self.landed: list[tuple[str, int, bool]] = []
         self.done = asyncio.Event()
@@ -44,15 +48,29 @@ class Sink:
         if len(self.landed) == FRAMES:
             self.done.set()
 
+    def claim_frame(self, peer: str, request_id: str, layer: int, nbytes: int) -> Any:
+        if not self.threaded:
+            return ASK_LOOP
+        return self.views(layer) if request_id == "big" and nbytes == FRAME else None
+
+    def frame_written(
+        self, peer: str, request_id: str, layer: int
+    ) -> Coroutine[Any, Any, None] | None:
+        return self.frame_landed(peer, request_id, layer, True)  # on the loop, not waited for
+
 
 def payload(layer: int) -> np.ndarray:
     return (np.arange(FRAME, dtype=np.uint32) * 2654435761 + layer).astype(np.uint8)
 
 
-async def test_scattered_frames_land_in_few_receives() -> None:
-    sink = Sink()
+@pytest.mark.parametrize("threaded", [True, False], ids=["claimed-in-thread", "opened-on-loop"])
+async def test_scattered_frames_land_in_few_receives(threaded: bool) -> None:
+    sink = Sink(threaded)
     listener = TcpListener("127.0.0.1", timeout=10.0)
     listener.start(sink)
+    waits = []  # the reader's round trips to the event loop: none when it claims itself
+    call = listener._call
+    listener._call = lambda coro: waits.append(1) or call(coro)  # type: ignore[method-assign]
     stream = TcpStream(listener.address, "p")
     try:
         await stream.send("junk", 0, [memoryview(b"x" * 1000)])  # discarded, then in step
@@ -63,6 +81,7 @@ async def test_scattered_frames_land_in_few_receives() -> None:
         stream.close()
         await listener.close()
     assert sink.landed == [("big", layer, True) for layer in range(FRAMES)]
+    assert len(waits) == (0 if threaded else 2 * FRAMES + 1)  # open + landed, junk's open
     for layer in range(FRAMES):  # byte-exact, each run where its view said
         got = b"".join(bytes(v) for v in sink.views(layer)[::-1])
         assert got == payload(layer).tobytes()
@@ -123,7 +142,7 @@ async def test_a_sender_whose_idle_stream_was_shut_reconnects_for_its_next_frame
             await asyncio.sleep(0.01)
         with listener.lock:
             [conn] = listener.conns.values()
-        tcp._shut(conn)  # what a full listener does to an idle stream
+        tcp.shut(conn)  # what a full listener does to an idle stream
         for _ in range(500):  # the reader saw it end
             if not listener.conns:
                 break
@@ -152,10 +171,10 @@ async def test_a_decode_node_that_stops_reading_fails_the_send_not_stalls_it_for
     big = memoryview(bytes(128 << 20))
     try:
         started = asyncio.get_running_loop().time()
-        with contextlib.suppress(OSError):  # ETIMEDOUT; wait_for's TimeoutError fails below
-            await asyncio.wait_for(stream.send("big", 0, [big]), 20)
-            raise AssertionError("the send completed into a peer that reads nothing")
-        # 3 x the timeout without progress (TCP_USER_TIMEOUT), plus zero-window probing
+        await stream.send("big", 0, [big])  # queued: the stream's thread writes it
+        await asyncio.wait_for(stream.flush(), 20)  # wait_for's TimeoutError: stalled for good
+        assert stream.failed == 1, "the send completed into a peer that reads nothing"
+        # 3 x the timeout without progress (SO_SNDTIMEO, TCP_USER_TIMEOUT), plus probing
         assert asyncio.get_running_loop().time() - started < 15
     finally:
         stream.close()
@@ -195,3 +214,34 @@ async def test_connections_in_their_handshake_go_before_a_proven_stream(monkeypa
         for s in silent:
             s.close()
         await listener.close()
+
+
+async def test_the_writer_skips_ended_frames_survives_a_bad_one_and_ends_when_idle(
+    monkeypatch,
+) -> None:
+    """The prefill side's writer thread: a frame whose transfer ended while queued is not
+    sent (its views may be another transfer's by then); a frame it cannot write (not a
+    contiguous buffer) is logged and the next one still goes; idle for IDLE_S, it closes
+    its stream (the reader takes that as a clean end) and the next frame starts another."""
+    monkeypatch.setattr(tcp_send, "IDLE_S", 0.3)
+    sink = Sink()
+    listener = TcpListener("127.0.0.1", timeout=10.0)
+    listener.start(sink)
+    stream = TcpStream(listener.address, "p")
+    try:
+        await stream.send("big", 0, [memoryview(payload(0))], skip=lambda: True)
+        strided = memoryview(np.zeros(2 * FRAME, dtype=np.uint8))[::2]  # FRAME bytes, apart
+        await stream.send("big", 1, [strided])
+        await stream.send("big", 2, [memoryview(payload(2))])
+        await asyncio.wait_for(stream.flush(), 30)
+        await until(lambda: len(sink.landed) == 1)
+        assert sink.landed == [("big", 2, True)] and stream.failed == 0
+        first = stream.writer
+        await until(lambda: stream.writer is None and not listener.conns, 10.0, "idle end")
+        await stream.send("big", 3, [memoryview(payload(3))])
+        await until(lambda: len(sink.landed) == 2)
+        assert sink.landed[-1] == ("big", 3, True) and stream.writer is not first
+    finally:
+        stream.close()
+        await listener.close()
+    assert all(ok for _, _, ok in sink.landed)
