@@ -152,7 +152,8 @@ class SendConnector:
 
     async def send(self, t: Transfer, layer: int, payload: Any) -> None:
         """In the peer's ordered sender task, after the descriptor: bytes that travel outside
-        ZeroMQ. Raise OSError when they cannot (the decode side refuses the transfer)."""
+        ZeroMQ. Raise OSError when they cannot, or hand them to a writer of the backend's own
+        (tcp) that logs its failures: either way the decode side refuses the transfer."""
 
     def on_grant(self, t: Transfer, grant: Any) -> None:
         """The receiver answered the header with where to write (KvGrant), or refused the

@@ -4,7 +4,7 @@ A `KvHeader` asks `reserve` for blocks (a block table, or the reason to refuse, 
 with `KvRefuse`) and its backend's `ReceiveConnector` prepares (`open`). Each layer's frame is
 put into those blocks: behind a `KvLayer` descriptor the connector says where the frame is
 (ZeroMQ parts, a shared-memory segment, a UCX receive); a stream backend (tcp) lands frames
-itself through this intake's `landing` (tcp.FrameSink, landing.py): its frames carry their own
+itself through this intake's `landing` (landing.FrameSink): its frames carry their own
 head, need no descriptor and may arrive before the header (the stream reader waits for it a
 moment). A transfer is complete once it has every layer and its `KvDone`, in either
 order (frames and ZeroMQ messages may travel on different connections); then it goes to
@@ -84,7 +84,7 @@ class KvIntake:
         # stream readers claim frames from their threads (landing.py): a claim and a release
         # of the same transfer's blocks exclude each other under this lock
         self.lock = threading.Lock()
-        self.landing = StreamLanding(self)  # tcp.FrameSink
+        self.landing = StreamLanding(self)  # the tcp stream's FrameSink
 
     async def run(self) -> None:
         while True:

@@ -1,9 +1,9 @@
-"""Where a stream backend's frames land (tcp.FrameSink): the decode node's side of the
+"""Where a stream backend's frames land (FrameSink): the decode node's side of the
 self-describing stream, over the intake's reservations.
 
 The stream's reader threads claim a frame's target and say it landed themselves, under the
 intake's lock, without waiting for the event loop: a round trip to the loop per frame (two
-thread wakeups each, 0.2-1.6 ms on two busy vCPUs) held the reader while the sender filled
+thread wakeups each, 0.15-1.6 ms on two busy vCPUs) held the reader while the sender filled
 the socket, and cost the tcp stream a fifth of the socket's speed (benchmarks/kv_transfer.py).
 The loop is asked only when the thread cannot decide: the header has not come yet (the
 reader waits for it on the loop, `open_frame`), the cache cannot be written in place (GPU,
@@ -85,6 +85,8 @@ class StreamLanding:
             views = owner.kv.kv_targets(layer, *owner.frame_target(intake))
             if views is None:
                 return ASK_LOOP  # a scratch buffer, copied in on the loop
+            if sum(len(v) for v in views) != nbytes:  # a header whose frame_bytes lied:
+                return None  # read and discarded, the stream stays in step
             intake.receiving = True
             return views
 
@@ -137,6 +139,8 @@ class StreamLanding:
             if intake is None or not self._claimable(peer, intake, layer, nbytes):
                 return None
             views = owner.kv.kv_targets(layer, *owner.frame_target(intake))
+            if views is not None and sum(len(v) for v in views) != nbytes:
+                return None  # a header whose frame_bytes lied: read and discarded
             intake.receiving = True  # set once nothing here can raise: it holds the blocks
         if views is not None:
             return views

@@ -295,7 +295,7 @@ class TcpSend(SendConnector):
         endpoint = t.target.kv_endpoints["tcp"]
         stream = self.streams.get(t.target.node_id)
         if stream is not None and stream.address != endpoint:  # restarted, new port
-            stream.close()
+            stream.retire()  # what it holds goes out first: frames of live transfers too
             stream = None
         if stream is None:
             stream = self.streams[t.target.node_id] = TcpStream(

@@ -5,9 +5,9 @@ The event loop queues a frame and goes on while fewer than `DEPTH` are queued or
 written: the thread always has the next frame when it finishes one, so the socket never
 idles between layers, and a transfer's KvDone (sent on ZeroMQ after its last frame is
 queued) runs ahead of its frames by at most `DEPTH` frames (the decode node's stall clock
-starts at KvDone). Written from the loop with non-blocking sends, every third of a socket
-buffer cost a wakeup and a Python callback (~1,300 per 524 MB transfer); awaiting a writer
-thread frame by frame left the socket idle for a hand-off across threads per layer
+starts at KvDone). Written from the loop with non-blocking sends, every few MB cost a
+wakeup and a Python callback (~250 sends per 524 MB transfer); awaiting a writer thread
+frame by frame left the socket idle for a hand-off across threads per layer
 (benchmarks/kv_transfer.py, docs/results §11).
 
 A failed frame is logged (rate-limited) and counted; the stream reconnects for the next one.
@@ -90,16 +90,17 @@ class TcpStream:
     ) -> None:
         """Queue a frame behind those before it, once fewer than DEPTH are ahead. Its views
         must stay valid until it is written, unless `skip()` says its transfer ended."""
+        nbytes = sum(memoryview(p).nbytes for p in parts)  # what raises, before a slot
+        head = frame_head(request_id, layer, nbytes)
         if self.slots is None:
             self.slots = asyncio.Semaphore(DEPTH)
         await self.slots.acquire()
-        nbytes = sum(memoryview(p).nbytes for p in parts)
-        head = frame_head(request_id, layer, nbytes)
         try:
-            self._put(_Frame(head, parts, asyncio.get_running_loop(), self.slots, skip))
+            frame = _Frame(head, parts, asyncio.get_running_loop(), self.slots, skip)
         except BaseException:
             self.slots.release()
             raise
+        self._put(frame)  # from here the writer (or `_give_back`) releases the slot
 
     async def flush(self) -> None:
         """Until every frame queued before this call is written or failed."""
@@ -110,22 +111,43 @@ class TcpStream:
     def _put(self, item: Any) -> None:
         with self.lock:
             if self.closed:
+                _give_back([item])
                 raise ConnectionError("the KV stream is closed")
             self.queue.put(item)
-            if self.writer is None:
-                name = f"kv-tcp-out-{self.address}"
-                self.writer = threading.Thread(target=self._write, name=name, daemon=True)
-                self.writer.start()
+            if self.writer is not None:
+                return
+            writer = threading.Thread(
+                target=self._write, name=f"kv-tcp-out-{self.address}", daemon=True
+            )
+            try:
+                writer.start()  # the lock held: it cannot end before it is `self.writer`
+            except RuntimeError:  # no thread to be had: nothing queued may wait for one
+                _give_back(self._take_queued())
+                raise ConnectionError("no thread to write the KV stream") from None
+            self.writer = writer
 
     def _write(self) -> None:
         try:
             while self._write_next():
                 pass
+        except Exception:  # a bug: said here, and what it leaves queued is given back
+            log.exception("the KV stream's writer to %s failed", self.address)
         finally:
+            left: list[Any] = []
             with self.lock:
                 if self.writer is threading.current_thread():  # not one started since
                     self.writer = None
                     self._disconnect()
+                    left = self._take_queued()  # after a failure here: none may wait on
+            _give_back(left)
+
+    def _take_queued(self) -> list[Any]:
+        left = []
+        while True:
+            try:
+                left.append(self.queue.get_nowait())
+            except queue.Empty:
+                return left
 
     def _write_next(self) -> bool:
         """One item of the queue; False: the writer ends (closed, or idle for IDLE_S)."""
@@ -167,6 +189,8 @@ class TcpStream:
                     sock.close()
                     return
                 self.sock = sock
+            if frame.skip is not None and frame.skip():  # ended while this connected
+                return
         send_views(self.sock, [memoryview(frame.head), *(memoryview(p) for p in frame.parts)])
 
     def _connect(self) -> socket.socket:
@@ -205,6 +229,12 @@ class TcpStream:
             self.sock.close()
             self.sock = None
 
+    def retire(self) -> None:
+        """The peer moved (a new endpoint): write what is queued, then end."""
+        with self.lock:
+            if self.writer is not None:
+                self.queue.put(None)
+
     def close(self) -> None:
         """End the writer: frames still queued are dropped, one being written fails."""
         with self.lock:
@@ -215,6 +245,15 @@ class TcpStream:
                 with contextlib.suppress(OSError):
                     self.sock.shutdown(socket.SHUT_RDWR)  # a blocked send returns at once
             self.queue.put(None)  # behind what is queued: each skipped, its waiters told
+
+
+def _give_back(items: list[Any]) -> None:
+    """Items no writer will take: their slots released, their flushes resolved."""
+    for item in items:
+        if isinstance(item, _Frame):
+            _done_soon(item.loop, item.slots.release)
+        elif isinstance(item, asyncio.Future):
+            _done_soon(item.get_loop(), item.set_result, None)
 
 
 def _done_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., Any], *args: Any) -> None:

@@ -61,8 +61,8 @@ def _advance(views: list[memoryview], n: int) -> list[memoryview]:
 
 
 def send_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
-    """Write `views` in order to a blocking socket: one `sendmsg` per socket buffer's worth
-    however many views (SO_SNDTIMEO: no progress for that long fails it)."""
+    """Write `views` in order to a blocking socket: one `sendmsg` for them all (more only if
+    interrupted, or past IOV_MAX views); SO_SNDTIMEO: no progress for that long fails it."""
     left = [v.cast("B") for v in views if len(v)]
     while left:
         try:

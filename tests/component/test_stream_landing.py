@@ -187,3 +187,20 @@ async def test_readers_claiming_while_the_loop_drops_never_lose_or_share_a_block
     finally:
         peer.dealer.close()
         await pair.close()
+
+
+async def test_a_header_whose_frame_size_is_not_the_cache_layouts_lands_nothing() -> None:
+    """A header's frame_bytes is the sender's word: where it disagrees with the blocks the
+    frame would land in, the frame is read and discarded (the views would take more or
+    fewer bytes than the frame has, and the stream would fall out of step)."""
+    pair = await Pair("tcp", capacity=600).start()
+    peer = Peer(pair)
+    peer.size += 64  # a header that lies about its frames
+    try:
+        await peer.open("r")
+        assert peer.claim("r", 0) is None
+        assert not pair.intake.incoming["r"].receiving
+        assert await pair.intake.landing.open_frame(PEER, "r", 0, peer.size) is None
+    finally:
+        peer.dealer.close()
+        await pair.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
@@ -245,3 +246,42 @@ async def test_the_writer_skips_ended_frames_survives_a_bad_one_and_ends_when_id
         stream.close()
         await listener.close()
     assert all(ok for _, _, ok in sink.landed)
+
+
+async def test_a_writer_that_dies_strands_no_frame_and_the_next_one_starts_afresh() -> None:
+    """Whatever ends a writer thread, what it left queued gives its slots back and its
+    flushes return (the peer's sender task waits on those slots: stranded, every later
+    message to that decode node would wait for good), and the next frame starts a writer."""
+    sink = Sink()
+    listener = TcpListener("127.0.0.1", timeout=10.0)
+    listener.start(sink)
+    stream = TcpStream(listener.address, "p")
+    written = stream._write_frame
+    go = threading.Event()
+
+    def broken(frame: object) -> None:
+        go.wait(10)  # until the others are queued behind it
+        raise OSError("the wire broke")
+
+    def worse(exc: OSError) -> None:
+        raise RuntimeError("and its handler too")  # ends the writer thread
+
+    try:
+        stream._write_frame = broken  # type: ignore[method-assign]
+        stream._failed = worse  # type: ignore[method-assign]
+        for layer in range(tcp_send.DEPTH):  # the first being written, the next queued
+            await asyncio.wait_for(stream.send("big", layer, [memoryview(b"x")]), 10)
+        flushed = asyncio.ensure_future(stream.flush())  # queued behind them
+        await until(lambda: stream.queue.qsize() == tcp_send.DEPTH, 10.0, "both queued")
+        go.set()
+        await asyncio.wait_for(flushed, 10)  # given back by the dying writer
+        await until(lambda: stream.writer is None, 10.0, "the writer ended")
+        for _ in range(tcp_send.DEPTH):  # the slots came back: no wait
+            await asyncio.wait_for(stream.send("big", 9, [memoryview(b"x")]), 1)
+        stream._write_frame = written  # type: ignore[method-assign]
+        await asyncio.wait_for(stream.send("big", 0, [memoryview(payload(0))]), 10)
+        await until(lambda: sink.landed == [("big", 0, True)], 10.0, "a fresh writer's frame")
+    finally:
+        go.set()
+        stream.close()
+        await listener.close()
