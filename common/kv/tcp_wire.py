@@ -49,6 +49,13 @@ def set_timeout(sock: socket.socket, seconds: float) -> None:
         sock.setsockopt(socket.SOL_SOCKET, opt, timeval)
 
 
+def _bytes(view: memoryview) -> memoryview:
+    """`view` as bytes, for `_advance`'s byte counts; a byte view as it is (a fragmented
+    frame has 500: a cast each cost a third of the reader's time between frames)."""
+    plain = view.ndim == 1 and view.format == "B" and view.c_contiguous
+    return view if plain else view.cast("B")
+
+
 def _advance(views: list[memoryview], n: int) -> list[memoryview]:
     """The views left after the first `n` bytes were moved (one pass, one slice)."""
     i = 0
@@ -63,7 +70,7 @@ def _advance(views: list[memoryview], n: int) -> list[memoryview]:
 def send_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
     """Write `views` in order to a blocking socket: one `sendmsg` for them all (more only if
     interrupted, or past IOV_MAX views); SO_SNDTIMEO: no progress for that long fails it."""
-    left = [v.cast("B") for v in views if len(v)]
+    left = [_bytes(v) for v in views if v.nbytes]
     while left:
         try:
             n = sock.sendmsg(left[:IOV_MAX])
@@ -79,7 +86,7 @@ def recv_views(
 ) -> None:
     """Fill `views` in order from the stream. `idle_ok`: before the first byte, a timeout
     means an idle stream (read on); after it, a stall."""
-    left = [v.cast("B") for v in views if len(v)]
+    left = [_bytes(v) for v in views if v.nbytes]
     started = False
     while left:
         try:
