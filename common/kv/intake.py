@@ -178,6 +178,9 @@ class KvIntake:
             return f"KV layout mismatch: {h.num_layers} layers, this cache has {self.kv.num_layers}"
         if not 0 <= h.skip_tokens < len(h.prompt_ids):
             return "KV layout mismatch: skip_tokens outside the prompt"
+        ours = self.kv.frame_bytes(len(h.prompt_ids) - h.skip_tokens)
+        if h.frame_bytes != ours:  # another dtype or head layout: no frame could land
+            return f"KV layout mismatch: frames of {h.frame_bytes} bytes, this cache's {ours}"
         return None
 
     async def _on_layer(self, peer: bytes, rid: str, layer: int, parts: list[Any]) -> None:

@@ -284,23 +284,30 @@ def _log_failure(fut: concurrent.futures.Future) -> None:
 
 
 class TcpSend(SendConnector):
+    """A stream per decode node and endpoint: a node restarted on another port gets a new
+    one while transfers begun before still name the old (their frames fail there, as their
+    transfers must); two at most per node, the one used least recently retired (it writes
+    what it holds, then ends). One stream per node, switched at each change, ping-ponged
+    between the two and each reconnect made the listener shut the stream before it."""
+
+    KEEP = 2  # endpoints per decode node
+
     def __init__(self, local: Local) -> None:
         super().__init__(local)
-        self.streams: dict[str, TcpStream] = {}  # by decode node id
+        self.streams: dict[tuple[str, str], TcpStream] = {}  # by decode node id, endpoint
 
     def descriptor(self, t: Transfer, layer: int, payload: Any) -> list[Any] | None:
         return None  # the stream is self-describing: no KvLayer messages
 
     async def send(self, t: Transfer, layer: int, payload: Any) -> None:
-        endpoint = t.target.kv_endpoints["tcp"]
-        stream = self.streams.get(t.target.node_id)
-        if stream is not None and stream.address != endpoint:  # restarted, new port
-            stream.retire()  # what it holds goes out first: frames of live transfers too
-            stream = None
+        key = (t.target.node_id, t.target.kv_endpoints["tcp"])
+        stream = self.streams.pop(key, None)  # back in last: the most recently used
         if stream is None:
-            stream = self.streams[t.target.node_id] = TcpStream(
-                endpoint, self.local.node_id, self.local.key, self.local.timeout
-            )
+            stream = TcpStream(key[1], self.local.node_id, self.local.key, self.local.timeout)
+            same = [k for k in self.streams if k[0] == key[0]]
+            for old in same[: max(0, len(same) - self.KEEP + 1)]:
+                self.streams.pop(old).retire()
+        self.streams[key] = stream
         await stream.send(t.request_id, layer, payload, skip=lambda: t.ended is not None)
 
     async def close(self) -> None:

@@ -189,18 +189,22 @@ async def test_readers_claiming_while_the_loop_drops_never_lose_or_share_a_block
         await pair.close()
 
 
-async def test_a_header_whose_frame_size_is_not_the_cache_layouts_lands_nothing() -> None:
-    """A header's frame_bytes is the sender's word: where it disagrees with the blocks the
-    frame would land in, the frame is read and discarded (the views would take more or
-    fewer bytes than the frame has, and the stream would fall out of step)."""
+async def test_a_header_whose_frame_size_is_not_the_cache_layouts_is_refused() -> None:
+    """A header's frame_bytes is the sender's word: where it disagrees with this cache's
+    layout (another dtype or head layout) the header is refused at once, nothing reserved,
+    and its frames are read and discarded (views of another size would take more or fewer
+    bytes than the frame has, and the stream would fall out of step)."""
     pair = await Pair("tcp", capacity=600).start()
     peer = Peer(pair)
     peer.size += 64  # a header that lies about its frames
+    total = len(pair.free)
     try:
-        await peer.open("r")
+        await peer.dealer.send(encode(header("r", peer.size)))
+        await until(lambda: "r" in pair.intake.closed, 5.0, "the header refused")
+        assert "r" not in pair.intake.incoming and len(pair.free) == total
         assert peer.claim("r", 0) is None
-        assert not pair.intake.incoming["r"].receiving
-        assert await pair.intake.landing.open_frame(PEER, "r", 0, peer.size) is None
+        landing = pair.intake.landing
+        assert await landing.open_frame(PEER, "r", 0, peer.size) is None
     finally:
         peer.dealer.close()
         await pair.close()

@@ -8,6 +8,7 @@ import asyncio
 import socket
 import threading
 from collections.abc import Coroutine, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -285,3 +286,36 @@ async def test_a_writer_that_dies_strands_no_frame_and_the_next_one_starts_afres
         go.set()
         stream.close()
         await listener.close()
+
+
+async def test_a_decode_node_on_a_new_port_gets_a_stream_beside_the_old_one() -> None:
+    """Transfers begun before a decode node moved to another port still name the old one:
+    with one stream per node, alternating frames switched it back and forth, and each
+    reconnect made the listener shut the stream before it (its frames cut). Now each
+    endpoint keeps its stream, two per node, the least recently used retired."""
+    sinks = [Sink() for _ in range(3)]
+    listeners = [TcpListener("127.0.0.1", timeout=10.0) for _ in sinks]
+    for listener, sink in zip(listeners, sinks, strict=True):
+        listener.start(sink)
+    local = SimpleNamespace(node_id="p", key=None, timeout=10.0)
+    send = tcp.TcpSend(local)  # type: ignore[arg-type]
+
+    def transfer(listener: TcpListener) -> Any:
+        target = SimpleNamespace(node_id="d", kv_endpoints={"tcp": listener.address})
+        return SimpleNamespace(target=target, request_id="big", ended=None)
+
+    try:
+        for layer in range(4):  # old, new, old, new
+            await send.send(transfer(listeners[layer % 2]), layer, [memoryview(payload(layer))])
+        await until(lambda: len(sinks[0].landed) == 2 and len(sinks[1].landed) == 2)
+        first = [listeners[i].conns["p"] for i in range(2)]
+        await send.send(transfer(listeners[0]), 4, [memoryview(payload(4))])
+        await until(lambda: len(sinks[0].landed) == 3)
+        assert [listeners[i].conns["p"] for i in range(2)] == first  # no reconnect
+        await send.send(transfer(listeners[2]), 5, [memoryview(payload(5))])  # a third port
+        await until(lambda: len(sinks[2].landed) == 1)
+        assert {k[1] for k in send.streams} == {listeners[0].address, listeners[2].address}
+    finally:
+        await send.close()
+        for listener in listeners:
+            await listener.close()
