@@ -63,7 +63,8 @@ class StreamLanding:
         self.intake = intake
 
     def _claimable(self, peer: str, intake: Intake | None, layer: int, nbytes: int) -> bool:
-        """Whether this frame may be written into the transfer's blocks now (lock held)."""
+        """Whether this frame may be written into the transfer's blocks now (lock held). Its
+        size is the header's, which the intake held to this cache's layout (`_malformed`)."""
         if intake is None or intake.dropped or intake.header.prefill_node != peer:
             return False
         h = intake.header
@@ -85,8 +86,6 @@ class StreamLanding:
             views = owner.kv.kv_targets(layer, *owner.frame_target(intake))
             if views is None:
                 return ASK_LOOP  # a scratch buffer, copied in on the loop
-            if sum(len(v) for v in views) != nbytes:  # a header whose frame_bytes lied:
-                return None  # read and discarded, the stream stays in step
             intake.receiving = True
             return views
 
@@ -139,8 +138,6 @@ class StreamLanding:
             if intake is None or not self._claimable(peer, intake, layer, nbytes):
                 return None
             views = owner.kv.kv_targets(layer, *owner.frame_target(intake))
-            if views is not None and sum(len(v) for v in views) != nbytes:
-                return None  # a header whose frame_bytes lied: read and discarded
             intake.receiving = True  # set once nothing here can raise: it holds the blocks
         if views is not None:
             return views

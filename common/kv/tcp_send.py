@@ -91,15 +91,11 @@ class TcpStream:
         """Queue a frame behind those before it, once fewer than DEPTH are ahead. Its views
         must stay valid until it is written, unless `skip()` says its transfer ended."""
         nbytes = sum(memoryview(p).nbytes for p in parts)  # what raises, before a slot
-        head = frame_head(request_id, layer, nbytes)
         if self.slots is None:
             self.slots = asyncio.Semaphore(DEPTH)
+        loop = asyncio.get_running_loop()
+        frame = _Frame(frame_head(request_id, layer, nbytes), parts, loop, self.slots, skip)
         await self.slots.acquire()
-        try:
-            frame = _Frame(head, parts, asyncio.get_running_loop(), self.slots, skip)
-        except BaseException:
-            self.slots.release()
-            raise
         self._put(frame)  # from here the writer (or `_give_back`) releases the slot
 
     async def flush(self) -> None:
