@@ -79,8 +79,8 @@ class Gateway:
         ]
         if self.cfg.cluster_key:  # peers refused by CurveZMQ show only in the socket monitor
             loops += [
-                watch_handshakes(self.link.control, "gateway.control"),
-                watch_handshakes(self.link.tokens, "gateway.tokens"),
+                watch_handshakes(self.link.control.sock, "gateway.control"),
+                watch_handshakes(self.link.tokens.sock, "gateway.tokens"),
             ]
         self.tasks = [asyncio.create_task(c) for c in loops]
 

@@ -10,6 +10,7 @@ from typing import Any
 import zmq
 
 from pdserve.common.config import GatewayConfig
+from pdserve.common.wire.loop_socket import LoopSocket
 from pdserve.common.wire.protocol import Msg, PrefillOffer
 from pdserve.common.wire.security import ClusterKey, close_context, make_context
 from pdserve.common.wire.transport import CONTROL_MAX_MSG, TOKENS_MAX_MSG, make_socket, send
@@ -22,14 +23,16 @@ class NodeLink:
     def __init__(self, cfg: GatewayConfig) -> None:
         self.ctx = make_context(ClusterKey.load(cfg.cluster_key) if cfg.cluster_key else None)
         bind = "*" if cfg.host in ("0.0.0.0", "") else cfg.host
-        self.control = make_socket(
+        # read and written without pyzmq's future per message: the gateway's busiest sockets
+        # (every node's heartbeats and token batches; common/wire/loop_socket.py)
+        self.control = LoopSocket(make_socket(
             self.ctx, "gateway.control", f"tcp://{bind}:{cfg.control_port}",
             max_msg=CONTROL_MAX_MSG,
-        )  # fmt: skip
-        self.tokens = make_socket(
+        ))  # fmt: skip
+        self.tokens = LoopSocket(make_socket(
             self.ctx, "gateway.tokens", f"tcp://{bind}:{cfg.tokens_port}",
             max_msg=TOKENS_MAX_MSG,
-        )  # fmt: skip
+        ))  # fmt: skip
         # an empty host tells each node to use the host it registered through (common/node/host.py)
         self.tokens_address = f"tcp://{cfg.advertise_host}:{cfg.tokens_port}"
         # this process among several gateways (RegisterAck.gateway_id): new at every start, so

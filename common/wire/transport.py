@@ -24,6 +24,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pdserve.common.wire.loop_socket import LoopSocket
 from pdserve.common.wire.protocol import Msg, encode
 from pdserve.common.wire.security import key_of, secure_socket
 
@@ -131,7 +132,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-async def send(sock: zmq.asyncio.Socket, msg: Msg, *frames: Any, to: bytes | None = None) -> None:
+async def send(
+    sock: zmq.asyncio.Socket | LoopSocket, msg: Msg, *frames: Any, to: bytes | None = None
+) -> None:
     """Send one message (plus raw frames, zero-copy) optionally to a ROUTER peer."""
     parts: list[Any] = [encode(msg), *frames]
     if to is not None:

@@ -1,0 +1,222 @@
+"""LoopSocket (common/wire/loop_socket.py) on real ZeroMQ sockets over loopback TCP: what a
+reader without pyzmq's futures must still do (order, every wake-up, a full peer, close)."""
+
+from __future__ import annotations
+
+import asyncio
+import select
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+import uvloop
+import zmq
+import zmq.asyncio
+
+from pdserve.common.wire.loop_socket import LoopSocket
+
+LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+    "asyncio": asyncio.new_event_loop,
+    "uvloop": uvloop.new_event_loop,  # the loop every process of pdserve runs
+}
+
+
+Run = Callable[[Coroutine[Any, Any, None]], None]
+
+
+@pytest.fixture(params=sorted(LOOPS))
+def run(request: pytest.FixtureRequest) -> Run:
+    """Each test on asyncio's own loop and on uvloop."""
+
+    def go(body: Coroutine[Any, Any, None]) -> None:
+        with asyncio.Runner(loop_factory=LOOPS[request.param]) as runner:
+            runner.run(body)
+
+    return go
+
+
+class Counting(LoopSocket):
+    """Counts the loop's calls of the descriptor's callback."""
+
+    calls = 0
+
+    def _on_readable(self) -> None:
+        self.calls += 1
+        super()._on_readable()
+
+
+def _pair(
+    kind: int, peer_kind: int, hwm: int = 1000
+) -> tuple[zmq.asyncio.Context, Counting, zmq.Socket]:
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, hwm)  # set before the pipes exist: they take it at creation
+    if kind == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    peer: zmq.Socket[bytes] = zmq.Context.instance().socket(peer_kind)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.setsockopt(zmq.RCVHWM, hwm)
+    peer.setsockopt(zmq.RCVTIMEO, 10_000)  # a test fails rather than hangs
+    if peer_kind == zmq.DEALER:
+        peer.setsockopt(zmq.IDENTITY, b"peer")
+    peer.connect(f"tcp://127.0.0.1:{port}")
+    return ctx, Counting(sock), peer
+
+
+def _close(ctx: zmq.asyncio.Context, ls: LoopSocket, peer: zmq.Socket) -> None:
+    ls.close()
+    peer.close()
+    ctx.term()
+
+
+async def _asleep(ls: LoopSocket) -> None:
+    """Until a reader sleeps on the descriptor (10 s at most)."""
+    until = time.monotonic() + 10
+    while not ls._waiters:
+        assert time.monotonic() < until, "the reader never went to sleep"
+        await asyncio.sleep(0)
+
+
+def _announce(peer: zmq.Socket, body: bytes) -> None:
+    """A message the peer sends reaches the socket's mailbox while the loop cannot look (this
+    blocks it on purpose; 0.1 s also passes libzmq's throttle on a send's command
+    processing)."""
+    peer.send(body)
+    time.sleep(0.1)
+
+
+def test_a_burst_arrives_whole_and_in_order(run: Run) -> None:
+    run(_a_burst_arrives_whole_and_in_order())
+
+
+async def _a_burst_arrives_whole_and_in_order() -> None:
+    ctx, ls, peer = _pair(zmq.PULL, zmq.PUSH)
+    try:
+        for i in range(3000):
+            peer.send(i.to_bytes(4, "big"))
+        got = [int.from_bytes(await asyncio.wait_for(ls.recv(), 10), "big") for _ in range(3000)]
+        assert got == list(range(3000))
+    finally:
+        _close(ctx, ls, peer)
+
+
+@pytest.mark.parametrize("send_to", [b"peer", b"gone"])
+def test_a_send_that_takes_the_read_signal_wakes_the_reader(run: Run, send_to: bytes) -> None:
+    run(_a_send_that_takes_the_read_signal_wakes_the_reader(send_to))
+
+
+async def _a_send_that_takes_the_read_signal_wakes_the_reader(send_to: bytes) -> None:
+    """A message announced on the descriptor, then a send on the same socket (one that
+    succeeds, or one to a peer that left, which fails) processes that announcement before
+    the loop sees it: the descriptor is quiet, the message queued. The send must wake the
+    reader; without that each round below waits out its timeout and fails."""
+    ctx, ls, peer = _pair(zmq.ROUTER, zmq.DEALER)
+    try:
+        peer.send(b"hello")
+        assert await asyncio.wait_for(ls.recv_multipart(), 10) == [b"peer", b"hello"]
+        quiet = 0
+        for i in range(10):
+            reader = asyncio.create_task(ls.recv_multipart())
+            await _asleep(ls)
+            _announce(peer, b"m%d" % i)
+            try:
+                await ls.send_multipart([send_to, b"r%d" % i])
+            except zmq.ZMQError as exc:
+                assert send_to == b"gone" and exc.errno == zmq.EHOSTUNREACH
+            quiet += not select.select([ls._fd], [], [], 0)[0]  # the case this test is about
+            assert await asyncio.wait_for(reader, 5) == [b"peer", b"m%d" % i]
+            if send_to == b"peer":
+                assert peer.recv() == b"r%d" % i
+        # a send processes commands at most once a millisecond: on a host too slow for it in
+        # 0.1 s the signal stays and the reader wakes on it (then this round proves nothing)
+        assert quiet >= 1, "the sends never took the signal: nothing was tested"
+    finally:
+        _close(ctx, ls, peer)
+
+
+def test_messages_left_unread_do_not_spin_the_loop(run: Run) -> None:
+    run(_messages_left_unread_do_not_spin_the_loop())
+
+
+async def _messages_left_unread_do_not_spin_the_loop() -> None:
+    """The descriptor is level-triggered: a signal nobody waits for must be cleared, not
+    called back on every loop turn (a spinning loop calls it thousands of times a second)."""
+    ctx, ls, peer = _pair(zmq.PULL, zmq.PUSH)
+    try:
+        reader = asyncio.create_task(ls.recv())
+        await _asleep(ls)
+        reader.cancel()  # nobody reads: the next message is announced to nobody
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        assert not ls._waiters
+        for i in range(100):
+            peer.send(b"%d" % i)
+        before = ls.calls
+        await asyncio.sleep(1.0)
+        assert ls.calls - before <= 5, f"{ls.calls - before} callbacks in 1 s: the loop spun"
+        got = [await asyncio.wait_for(ls.recv(), 10) for _ in range(100)]
+        assert got == [b"%d" % i for i in range(100)]
+    finally:
+        _close(ctx, ls, peer)
+
+
+def test_a_send_to_a_full_peer_fails_at_once_and_strands_no_reader(
+    run: Run,
+) -> None:
+    run(_a_send_to_a_full_peer_fails_at_once_and_strands_no_reader())
+
+
+async def _a_send_to_a_full_peer_fails_at_once_and_strands_no_reader() -> None:
+    ctx, ls, peer = _pair(zmq.ROUTER, zmq.DEALER, hwm=2)
+    try:
+        peer.send(b"hello")  # the ROUTER learns the peer's identity
+        await asyncio.wait_for(ls.recv_multipart(), 10)
+        payload = b"x" * (1 << 20)
+        sent = 0
+        with pytest.raises(zmq.Again):
+            for _ in range(256):  # 256 MiB: more than the socket buffers and both HWMs hold
+                await asyncio.wait_for(ls.send_multipart([b"peer", payload]), 1)
+                sent += 1
+        assert 0 < sent < 256
+        # the reader still hears the full peer, and the peer gets all that was taken
+        reader = asyncio.create_task(ls.recv_multipart())
+        await _asleep(ls)
+        peer.send(b"after")
+        assert await asyncio.wait_for(reader, 10) == [b"peer", b"after"]
+        assert all(peer.recv() == payload for _ in range(sent))
+        await ls.send_multipart([b"peer", b"room again"])
+        assert peer.recv() == b"room again"
+    finally:
+        _close(ctx, ls, peer)
+
+
+def test_close_ends_a_waiting_reader_and_cancel_leaves_no_waiter(
+    run: Run,
+) -> None:
+    run(_close_ends_a_waiting_reader_and_cancel_leaves_no_waiter())
+
+
+async def _close_ends_a_waiting_reader_and_cancel_leaves_no_waiter() -> None:
+    ctx, ls, peer = _pair(zmq.PULL, zmq.PUSH)
+    reader = None
+    try:
+        first = asyncio.create_task(ls.recv())
+        await _asleep(ls)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert not ls._waiters
+        peer.send(b"after")
+        assert await asyncio.wait_for(ls.recv(), 10) == b"after"
+        reader = asyncio.create_task(ls.recv())
+        await _asleep(ls)
+    finally:
+        _close(ctx, ls, peer)
+    assert reader is not None and ls._fd == -1
+    with pytest.raises(zmq.ZMQError):
+        await asyncio.wait_for(reader, 5)
+    with pytest.raises(zmq.ZMQError):
+        await ls.recv()
