@@ -43,7 +43,7 @@ class NodeLink:
         try:
             await send(self.control, msg, to=node.identity)
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY): liveness will drop it
-            log.warning("cannot reach %s: %s", node.node_id, exc)
+            log.warning("cannot reach %s: %s", node.node_id, _why(exc))
 
     async def offer(self, node: NodeState, offer: PrefillOffer) -> None:
         try:
@@ -54,6 +54,8 @@ class NodeLink:
     async def reply(self, identity: bytes, msg: Any) -> None:
         try:
             await send(self.control, msg, to=identity)
+        except zmq.Again:
+            log.warning("%s dropped: %s", type(msg).__name__, _why(zmq.Again()))
         except zmq.ZMQError as exc:  # the peer is gone (ROUTER_MANDATORY): liveness drops it
             log.info("no reply to a node that left (%s): %s", type(msg).__name__, exc)
 
@@ -61,3 +63,9 @@ class NodeLink:
         self.control.close()
         self.tokens.close()
         close_context(self.ctx)
+
+
+def _why(exc: zmq.ZMQError) -> str:
+    if isinstance(exc, zmq.Again):  # sends never wait (common/wire/loop_socket.py)
+        return "its control queue is full (1000 messages unread: a node not reading)"
+    return str(exc)

@@ -105,6 +105,7 @@ class LoopSocket:
     def _on_readable(self) -> None:
         if self.sock.closed:  # closed behind this wrapper's back: stop watching
             self._unwatch()
+            self._wake()  # whoever waits finds it closed
         elif self._waiters:
             self._wake()
         else:
