@@ -89,11 +89,13 @@ class Gateways:
         link = self.link_for(rid)
         return link.gateway_id if link is not None else ""
 
-    def foreign(self, link: GatewayLink) -> Foreign:
-        """What the node holds for the other gateways (one gateway: nothing)."""
+    def foreign(self, link: GatewayLink, held: tuple[str, ...] | None = None) -> Foreign:
+        """What the node holds for the other gateways (one gateway: nothing); `held`: the
+        ids of a load report just taken (else one is taken)."""
         if len(self.links) == 1:
             return Foreign()
-        held = self.node.load().held
+        if held is None:
+            held = self.node.load().held
         return self.node.foreign([r for r in held if self.owners.get(r) not in (link, None)])
 
     def heartbeat(self, link: GatewayLink, load: Load, events: KvEvents | None, last_seq: int,
@@ -103,7 +105,7 @@ class Gateways:
         gets a snapshot after its ack), `kv_seq` the last KvEvents sent with or before it."""
         if len(self.links) > 1:
             held = tuple(r for r in load.held if self.owners.get(r) is link)
-            load = msgspec.structs.replace(load, held=held, foreign=self.foreign(link))
+            load = msgspec.structs.replace(load, held=held, foreign=self.foreign(link, load.held))
         elif self.gone:  # orphans are no gateway's: not named to this one's lease
             held = tuple(r for r in load.held if not isinstance(self.owners.get(r), Gone))
             load = msgspec.structs.replace(load, held=held)

@@ -79,14 +79,17 @@ def test_shared_block_freed_only_when_last_reference_goes():
 @settings(max_examples=150, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["alloc", "free", "hit"]), st.integers(0, 5), st.integers(1, 4)),
+        st.tuples(
+            st.sampled_from(["alloc", "free", "hit", "late"]), st.integers(0, 5), st.integers(1, 4)
+        ),
         max_size=80,
     )
 )
 def test_reference_counts_hashes_and_lru_eviction_stay_consistent(ops):
     """Random sequences allocate, register, free and reuse prefixes of 6 distinct prompts;
     after every step: free blocks are exactly those without references, hashes point both
-    ways, and what the cache serves for a prompt is its own chain."""
+    ways, the cached-block count (kept as blocks move) is the count over the free queue,
+    and what the cache serves for a prompt is its own chain."""
     bm = BlockManager(num_blocks=12, block_size=2, salt=b"s", record_events=True)
     prompts = [[p * 100 + i for i in range(8)] for p in range(6)]
     held: list[list[int]] = []
@@ -105,6 +108,11 @@ def test_reference_counts_hashes_and_lru_eviction_stay_consistent(ops):
             table = held.pop(p % len(held))
             bm.free(table)
             freed += [b for b in reversed(table) if bm.ref_counts[b] == 0]
+        elif op == "late":  # a hash registered on a block already free
+            bare = [b for b in bm.free_queue if bm.hash_of[b] is None]
+            if bare:
+                bm.register([bare[p % len(bare)]], [b"late-%d-%d" % (p, n)])
+        assert bm.num_cached_blocks == sum(bm.hash_of[b] is not None for b in bm.free_queue)
         assert set(bm.free_queue) == {b for b in range(12) if bm.ref_counts[b] == 0}
         assert all(bm.hash_of[b] == h for h, b in bm.block_of_hash.items())
         for q, prompt in enumerate(prompts):  # a match is a chain of that prompt's blocks
