@@ -98,19 +98,32 @@ def _down(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def _gateway_pids(ports: list[int]) -> list[int]:
-    """The gateway processes of `pdserve up`, by their --port."""
-    found = []
+def _argvs() -> dict[int, list[bytes]]:
+    found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            found[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"gateway" in argv and b"--port" in argv:
-            if int(argv[argv.index(b"--port") + 1]) in ports:
-                found.append(int(entry))
+    return found
+
+
+def _gateway_pids(ports: list[int]) -> list[int]:
+    """The gateway processes of `pdserve up`, by their --port."""
+    return [pid for pid, argv in _argvs().items() if b"gateway" in argv and b"--port" in argv
+            and int(argv[argv.index(b"--port") + 1]) in ports]  # fmt: skip
+
+
+def _node_pids(control_port: int) -> list[int]:
+    """The node processes of `pdserve up` (each names every gateway in its --gateway)."""
+    mine = f":{control_port}".encode()
+    found = []
+    for pid, argv in _argvs().items():
+        if b"--gateway" in argv:
+            if any(a.endswith(mine) for a in argv[argv.index(b"--gateway") + 1].split(b",")):
+                found.append(pid)
     return found
 
 
@@ -152,17 +165,21 @@ def _measure(n: int, specs: list[workloads.RequestSpec]) -> dict[str, Any]:
     try:
         pids = _gateway_pids([int(u.rsplit(":", 1)[1]) for u in urls])
         assert len(pids) == n, pids
+        nodes = _node_pids(int(urls[0].rsplit(":", 1)[1]) + 1)  # gateway 0's control port
+        assert len(nodes) == 16, nodes
         # what the gateways spend with no request at all (heartbeats and KV events of
         # 16 nodes, each to every gateway), per second, to tell it from per-request work
-        idle0 = _cpu_s(pids)
+        idle0, node_idle0 = _cpu_s(pids), _cpu_s(nodes)
         time.sleep(IDLE_S)
         idle_rate = (_cpu_s(pids) - idle0) / IDLE_S
-        before, started = _cpu_s(pids), time.monotonic()
+        node_idle_rate = (_cpu_s(nodes) - node_idle0) / IDLE_S
+        before, started, node_before = _cpu_s(pids), time.monotonic(), _cpu_s(nodes)
         queries0 = _metric(urls[0], "pdserve:cluster_prefix_cache_queries_total")
         hits0 = _metric(urls[0], "pdserve:cluster_prefix_cache_hits_total")
         msgs0 = {t: _summed(urls, "pdserve:node_messages_total", type=t) for t in COUNTED}
         records = asyncio.run(run(specs, BenchConfig(url=",".join(urls), progress=False)))
         cpu, took = _cpu_s(pids) - before, time.monotonic() - started
+        node_cpu = _cpu_s(nodes) - node_before
         msgs = {t: _summed(urls, "pdserve:node_messages_total", type=t) - msgs0[t]
                 for t in COUNTED}  # fmt: skip
         time.sleep(1.0)  # the nodes' next load reports carry the last prefill's counts
@@ -180,6 +197,9 @@ def _measure(n: int, specs: list[workloads.RequestSpec]) -> dict[str, Any]:
         "gateway_cpu_s_per_request": round(cpu / per, 5),
         "gateway_idle_cpu_s_per_s": round(idle_rate, 4),
         "gateway_cpu_s_per_request_net_of_idle": round(max(0.0, cpu - idle_rate * took) / per, 5),
+        # the 16 nodes' (sim engines: their CPU is host work, heartbeats to every gateway)
+        "node_cpu_s_per_request": round(node_cpu / per, 5),
+        "node_idle_cpu_s_per_s": round(node_idle_rate, 4),
         **{f"{t}_per_request": round(v / per, 2) for t, v in msgs.items()},
     }  # fmt: skip
 
