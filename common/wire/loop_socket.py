@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
+
+T = TypeVar("T")
 
 
 class LoopSocket:
@@ -37,24 +40,20 @@ class LoopSocket:
         self._waiters: list[asyncio.Future[None]] = []
 
     async def recv_multipart(self) -> list[bytes]:
-        while True:
-            try:
-                frames = self._live().recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                await self._wait()
-                continue
-            self._wake()
-            return frames
+        return await self._take(zmq.Socket.recv_multipart)
 
     async def recv(self) -> bytes:
+        return await self._take(zmq.Socket.recv)
+
+    async def _take(self, receive: Callable[[zmq.Socket, int], T]) -> T:
         while True:
             try:
-                frame = self._live().recv(zmq.NOBLOCK)
+                got = receive(self._live(), zmq.NOBLOCK)
             except zmq.Again:
                 await self._wait()
                 continue
-            self._wake()
-            return frame
+            self._wake()  # it may have processed another reader's announcement
+            return got
 
     async def send_multipart(self, parts: list[Any], copy: bool = False) -> None:
         """One non-blocking send, for ROUTER sockets (ROUTER_MANDATORY): `zmq.Again` when

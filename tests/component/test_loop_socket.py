@@ -4,6 +4,7 @@ reader without pyzmq's futures must still do (order, every wake-up, a full peer,
 from __future__ import annotations
 
 import asyncio
+import inspect
 import select
 import time
 from collections.abc import Callable, Coroutine
@@ -22,18 +23,18 @@ LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
 }
 
 
-Run = Callable[[Coroutine[Any, Any, None]], None]
+def on_both_loops(body: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
+    """The test `body` on asyncio's own loop and on uvloop, as a parametrized sync test."""
 
+    def test(loop: str, **kwargs: Any) -> None:
+        with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
+            runner.run(body(**kwargs))
 
-@pytest.fixture(params=sorted(LOOPS))
-def run(request: pytest.FixtureRequest) -> Run:
-    """Each test on asyncio's own loop and on uvloop."""
-
-    def go(body: Coroutine[Any, Any, None]) -> None:
-        with asyncio.Runner(loop_factory=LOOPS[request.param]) as runner:
-            runner.run(body)
-
-    return go
+    first = inspect.Parameter("loop", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    given = list(inspect.signature(body).parameters.values())
+    test.__signature__ = inspect.Signature([first, *given])  # type: ignore[attr-defined]
+    test.__name__, test.__doc__ = body.__name__, body.__doc__
+    return pytest.mark.parametrize("loop", sorted(LOOPS))(test)
 
 
 class Counting(LoopSocket):
@@ -88,11 +89,8 @@ def _announce(peer: zmq.Socket, body: bytes) -> None:
     time.sleep(0.1)
 
 
-def test_a_burst_arrives_whole_and_in_order(run: Run) -> None:
-    run(_a_burst_arrives_whole_and_in_order())
-
-
-async def _a_burst_arrives_whole_and_in_order() -> None:
+@on_both_loops
+async def test_a_burst_arrives_whole_and_in_order() -> None:
     ctx, ls, peer = _pair(zmq.PULL, zmq.PUSH)
     try:
         for i in range(3000):
@@ -104,11 +102,8 @@ async def _a_burst_arrives_whole_and_in_order() -> None:
 
 
 @pytest.mark.parametrize("send_to", [b"peer", b"gone"])
-def test_a_send_that_takes_the_read_signal_wakes_the_reader(run: Run, send_to: bytes) -> None:
-    run(_a_send_that_takes_the_read_signal_wakes_the_reader(send_to))
-
-
-async def _a_send_that_takes_the_read_signal_wakes_the_reader(send_to: bytes) -> None:
+@on_both_loops
+async def test_a_send_that_takes_the_read_signal_wakes_the_reader(send_to: bytes) -> None:
     """A message announced on the descriptor, then a send on the same socket (one that
     succeeds, or one to a peer that left, which fails) processes that announcement before
     the loop sees it: the descriptor is quiet, the message queued. The send must wake the
@@ -139,11 +134,8 @@ async def _a_send_that_takes_the_read_signal_wakes_the_reader(send_to: bytes) ->
         _close(ctx, ls, peer)
 
 
-def test_messages_left_unread_do_not_spin_the_loop(run: Run) -> None:
-    run(_messages_left_unread_do_not_spin_the_loop())
-
-
-async def _messages_left_unread_do_not_spin_the_loop() -> None:
+@on_both_loops
+async def test_messages_left_unread_do_not_spin_the_loop() -> None:
     """The descriptor is level-triggered: a signal nobody waits for must be cleared, not
     called back on every loop turn (a spinning loop calls it thousands of times a second)."""
     ctx, ls, peer = _pair(zmq.PULL, zmq.PUSH)
@@ -165,13 +157,8 @@ async def _messages_left_unread_do_not_spin_the_loop() -> None:
         _close(ctx, ls, peer)
 
 
-def test_a_send_to_a_full_peer_fails_at_once_and_strands_no_reader(
-    run: Run,
-) -> None:
-    run(_a_send_to_a_full_peer_fails_at_once_and_strands_no_reader())
-
-
-async def _a_send_to_a_full_peer_fails_at_once_and_strands_no_reader() -> None:
+@on_both_loops
+async def test_a_send_to_a_full_peer_fails_at_once_and_strands_no_reader() -> None:
     ctx, ls, peer = _pair(zmq.ROUTER, zmq.DEALER, hwm=2)
     try:
         peer.send(b"hello")  # the ROUTER learns the peer's identity
@@ -202,13 +189,8 @@ async def _a_send_to_a_full_peer_fails_at_once_and_strands_no_reader() -> None:
         _close(ctx, ls, peer)
 
 
-def test_close_ends_a_waiting_reader_and_cancel_leaves_no_waiter(
-    run: Run,
-) -> None:
-    run(_close_ends_a_waiting_reader_and_cancel_leaves_no_waiter())
-
-
-async def _close_ends_a_waiting_reader_and_cancel_leaves_no_waiter() -> None:
+@on_both_loops
+async def test_close_ends_a_waiting_reader_and_cancel_leaves_no_waiter() -> None:
     ctx, ls, peer = _pair(zmq.PULL, zmq.PUSH)
     reader = None
     try:
