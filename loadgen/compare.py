@@ -143,7 +143,10 @@ def gateway_counts(url: str) -> dict[str, float]:
 
 
 def stop_cluster(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
+    # SIGTERM, which `up` takes as it takes SIGINT: a SIGINT ignored where this process was
+    # started (a pytest-xdist worker, `nohup`) is ignored by the child until it sets its own
+    # handler, so one that never got that far ran on for the whole wait
+    proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(60)
     except subprocess.TimeoutExpired:
