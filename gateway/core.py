@@ -86,6 +86,7 @@ class Gateway:
 
     async def stop(self) -> None:
         await self.placer.stop()
+        await self.service.resumes.stop()
         for task in self.tasks:
             task.cancel()
         for task in self.tasks:

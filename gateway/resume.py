@@ -15,6 +15,7 @@ no token is lost, repeated or recomputed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import re
@@ -233,6 +234,13 @@ class Resumes:
                                code="conflict")  # fmt: skip
             await asyncio.sleep(GAP_S)
         await asyncio.sleep(GAP_S)
+
+    async def stop(self) -> None:
+        """Ends the rounds (the gateway is stopping: its sockets close next)."""
+        if self._asker is not None:
+            self._asker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._asker
 
     def _ask_soon(self) -> None:
         self._wake.set()

@@ -269,3 +269,23 @@ async def test_a_stream_its_node_gave_back_while_orphaned_is_rebuilt_and_placed_
     req, _, back = await task
     assert back is not None and not req.finished and req.output_ids == [7, 8]
     assert table.current(req) is not None
+
+
+async def test_stopping_the_gateway_ends_the_rounds_while_a_stream_is_looked_for(tokenizer):
+    """The gateway stops with a resume still asking: `stop()` ends the rounds' task, so no
+    round goes out on the sockets the gateway closes next (it would fail on a closed
+    socket, logged as an error at every shutdown)."""
+    link = _Link()
+    resumes, _ = _resumes(tokenizer, link)
+    waiting = asyncio.create_task(resumes.resume(f"cmpl-{ID}", 7, False))
+    await _until(lambda: link.asked(ID) >= 1)  # the rounds run: nobody answers
+    asker = resumes._asker
+    assert asker is not None and not asker.done()
+    await resumes.stop()
+    assert asker.done()
+    rounds = len(link.sent)
+    await asyncio.sleep(ROUND_S * 1.5)  # a round would have gone out again by now
+    assert len(link.sent) == rounds
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
