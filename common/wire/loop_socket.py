@@ -8,10 +8,11 @@ queued cost one `recv` each.
 
 ZeroMQ's file descriptor says only that the socket has commands to process, and any call on
 the socket (a send too, and one that fails) may process the command that announced a
-message. So: a reader tries before it sleeps, every call but a reader's empty try wakes the
-readers sleeping (an empty try processed everything and found nothing), and a signal with
-nobody asleep is cleared by reading `ZMQ_EVENTS` (a level-triggered reader would spin on it
-otherwise): what it announced stays queued for the next try.
+message. So: a reader tries before it sleeps; after a send, and at every signal, `ZMQ_EVENTS`
+is read (it processes the pending commands, which clears the signal: a level-triggered reader
+would spin on it otherwise) and the readers asleep are woken only if a message is queued (a
+signal that announced no message, a send's completion say, wakes nobody: ~40 us of a task
+step saved each); an empty try processed everything and found nothing.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class LoopSocket:
         try:
             self._live().send_multipart(parts, zmq.NOBLOCK, copy=copy)
         finally:
-            self._wake()  # it may have processed the command announcing a message
+            if self._waiters:  # it may have processed the command announcing a message
+                self._wake_if_queued()
 
     def close(self) -> None:
         self._unwatch()
@@ -105,10 +107,19 @@ class LoopSocket:
         if self.sock.closed:  # closed behind this wrapper's back: stop watching
             self._unwatch()
             self._wake()  # whoever waits finds it closed
-        elif self._waiters:
+        else:  # cleared either way; nobody waiting: the next try finds what it announced
+            self._wake_if_queued()
+
+    def _wake_if_queued(self) -> None:
+        """Reads `ZMQ_EVENTS` (processing the socket's commands clears its signal) and wakes
+        the readers asleep if a message is queued, or the socket cannot say (closed, its
+        context ended: they find out)."""
+        try:
+            queued = self.sock.closed or bool(int(self._plain.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+        except zmq.ZMQError:
+            queued = True
+        if queued:
             self._wake()
-        else:
-            self._plain.getsockopt(zmq.EVENTS)  # nobody waits: clear it, the next try finds it
 
     def _unwatch(self) -> None:
         if self._fd >= 0:

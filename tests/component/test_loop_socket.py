@@ -38,13 +38,17 @@ def on_both_loops(body: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..
 
 
 class Counting(LoopSocket):
-    """Counts the loop's calls of the descriptor's callback."""
+    """Counts the loop's calls of the descriptor's callback, and a reader's sleeps."""
 
-    calls = 0
+    calls = sleeps = 0
 
     def _on_readable(self) -> None:
         self.calls += 1
         super()._on_readable()
+
+    async def _wait(self) -> None:
+        self.sleeps += 1
+        await super()._wait()
 
 
 def _pair(
@@ -131,6 +135,45 @@ async def test_a_send_that_takes_the_read_signal_wakes_the_reader(send_to: bytes
         # 0.1 s the signal stays and the reader wakes on it (then this round proves nothing)
         assert quiet >= 1, "the sends never took the signal: nothing was tested"
     finally:
+        _close(ctx, ls, peer)
+
+
+@on_both_loops
+async def test_a_signal_or_a_send_that_announces_no_message_wakes_no_reader() -> None:
+    """Any send may process the command announcing a message, so a send checks for one and
+    wakes the reader if there is; and the descriptor signals for commands that are not
+    messages (a peer connecting or leaving). A reader woken for nothing finds nothing and
+    sleeps again: a task step (~40 us) for each reply a gateway sends. Neither wakes it here:
+    50 replies, 5 peers coming and going, no message queued, no wake-up."""
+    ctx, ls, peer = _pair(zmq.ROUTER, zmq.DEALER)
+    others: list[zmq.Socket] = []
+    try:
+        peer.send(b"hello")
+        assert await asyncio.wait_for(ls.recv_multipart(), 10) == [b"peer", b"hello"]
+        reader = asyncio.create_task(ls.recv_multipart())
+        await _asleep(ls)
+        sleeps, calls = ls.sleeps, ls.calls
+        for i in range(50):
+            await ls.send_multipart([b"peer", b"r%d" % i])
+            assert peer.recv() == b"r%d" % i
+        address = ls.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        for _ in range(5):  # a pipe attached and detached: commands, no message
+            other = zmq.Context.instance().socket(zmq.DEALER)
+            other.setsockopt(zmq.LINGER, 0)
+            other.connect(address)
+            others.append(other)
+        until = time.monotonic() + 10
+        while ls.calls == calls:  # the loop sees the descriptor's signal
+            assert time.monotonic() < until, "the descriptor never signalled: nothing tested"
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        # nothing was queued for it: a reader woken would have slept again, counted here
+        assert ls.sleeps == sleeps, f"the reader woke {ls.sleeps - sleeps} times for nothing"
+        peer.send(b"after")
+        assert await asyncio.wait_for(reader, 10) == [b"peer", b"after"]
+    finally:
+        for other in others:
+            other.close()
         _close(ctx, ls, peer)
 
 
