@@ -194,6 +194,10 @@ class NodeMetrics:
             " given_back: preempted while an orphan (its adopter places it again)",
             ("outcome",),
         )
+        self.gateway_silences = counter(
+            "pdserve:gateway_silences",
+            "Times a gateway said nothing for --heartbeat-timeout: its requests became orphans",
+        )
         r.register(_LoadCollector(node, role, load, num_blocks))
 
     def orphans(self, outcome: str, n: int) -> None:

@@ -162,6 +162,8 @@ class GatewayRequest:
         by earlier attempts; the text of the first `have` is the client's already, so only
         the rest is queued. `have` must be where a chunk ended (its text complete): else
         ValueError."""
+        if not 0 <= have <= len(outputs):  # the node checked it, against the client's word
+            raise ValueError(f"Last-Event-ID {have} is not a position of this stream")
         self.muted = have
         for i, token in enumerate(outputs):
             if self.finished:  # a stop string: its node decoded past it, orphaned

@@ -28,7 +28,7 @@ import msgspec
 
 from pdserve.common.aio import wait_event
 from pdserve.common.model.tokenizer import Tokenizer
-from pdserve.common.wire.protocol import Adopt, Adopted
+from pdserve.common.wire.protocol import REGISTERING, Adopt, Adopted
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.link import NodeLink
 from pdserve.gateway.openai_api import ApiError
@@ -60,7 +60,15 @@ class _Asking:
     used: bool = False  # its found answer was taken (else, left unused, it is let go)
 
     def found(self) -> tuple[str, Adopted] | None:
-        return next(((n, m) for n, m in self.answers.items() if m.found), None)
+        """A found answer, the latest attempt's if several nodes hold one (an attempt its
+        gateway re-placed, then died before the old node read the `Abort`)."""
+        found = [(n, m) for n, m in self.answers.items() if m.found]
+        return max(found, key=lambda nm: _attempt(nm[1].request_id), default=None)
+
+
+def _attempt(wire_id: str) -> int:
+    number = wire_id.rpartition(".")[2]
+    return int(number) if number.isdigit() and len(number) < 10 else -1
 
 
 class Busy(ApiError):
@@ -123,6 +131,7 @@ class Resumes:
 
     def released(self, wire_id: str, now: float) -> None:
         self._trim(now)
+        self.let_go.pop(wire_id, None)  # to the end: the oldest stays first, for `_trim`
         self.let_go[wire_id] = now
 
     def _trim(self, now: float) -> None:
@@ -183,6 +192,9 @@ class Resumes:
                     # its gateway answers the node still: the client may retry later
                     raise ApiError(409, f"stream {public_id} is still served by another "
                                    "gateway", code="conflict")  # fmt: skip
+                if left <= 0 and REGISTERING in refused:  # adoptable once registered
+                    raise ApiError(409, f"stream {public_id} is held by a node registering "
+                                   "with this gateway again; retry", code="conflict")  # fmt: skip
                 if left <= 0 and "in prefill" in refused:  # adoptable once its first token is
                     raise ApiError(409, f"stream {public_id} is still being prefilled",
                                    code="conflict")  # fmt: skip

@@ -19,9 +19,21 @@ from typing import Protocol
 from pdserve.common.node.gateways import Gateways
 from pdserve.common.node.links import GatewayLink, Gone
 from pdserve.common.node.role import NodeRequest
-from pdserve.common.wire.protocol import Adopt, Adopted, Load, Release, Wanted
+from pdserve.common.wire.protocol import (
+    REGISTERING,
+    Adopt,
+    Adopted,
+    Load,
+    Preempted,
+    PrefillFailed,
+    Release,
+    Wanted,
+)
 
 log = logging.getLogger(__name__)
+
+LIVE = "the stream is served by a live gateway"  # its gateway is told (`Wanted`)
+FREED = "freed at the orphan grace's end while its gateway was silent"
 
 
 class AdoptHost(Protocol):
@@ -54,6 +66,9 @@ class Adoption:
         # pair per `window`: two clients resuming one stream at two gateways would bounce it
         # between them every round; one client moving between them again is told again
         self.told: dict[str, dict[tuple[str, str], float]] = {}
+        # taken from a silent gateway's link, which may answer again as the same process
+        # with them still in its table: wire id -> adopted by another gateway (else freed)
+        self.taken: dict[GatewayLink, dict[str, bool]] = {}
         self.clock = time.monotonic
 
     def ended(self, req: NodeRequest, reason: str, now: float | None = None) -> None:
@@ -103,6 +118,7 @@ class Adoption:
     def retire(self, link: GatewayLink, now: float) -> None:
         """`link`'s gateway is no more (a new process under its address, or a vanished
         pod): what it held and what ended for it lately are orphans."""
+        self.taken.pop(link, None)  # a new process has no table to tell
         self.silenced(link, now)
         self.gateways.retire(link, now)
 
@@ -130,7 +146,7 @@ class Adoption:
         for wire_id, adopted in self.adopt(msg, link):
             await link.send(adopted)
             owner = self.gateways.owners.get(wire_id)
-            if not adopted.found and isinstance(owner, GatewayLink) and owner is not link:
+            if adopted.reason == LIVE and isinstance(owner, GatewayLink) and owner is not link:
                 # served by a live gateway: its client has lost that connection, tell it
                 pair, now = (link.gateway_id, owner.gateway_id), self.clock()
                 told = self.told.setdefault(wire_id, {})
@@ -189,12 +205,13 @@ class Adoption:
 
     def _adopt(self, asked: str, rid: str, have: int, link: GatewayLink) -> Adopted:
         owners = self.gateways.owners
+        if link.silent_since is not None or not link.registered:
+            return Adopted(request_id=asked, found=False, reason=REGISTERING)
         again = self.recent.get(rid) if rid in self.handed and rid not in self.finished else None
         # asked again (a lost reply): the same answer, even though it now has a live owner
         reasked = owners.get(rid) is link or (again is not None and again[3] is link)
         if not reasked and not owners.orphan(rid):
-            return Adopted(request_id=asked, found=False,
-                           reason="the stream is served by a live gateway")  # fmt: skip
+            return Adopted(request_id=asked, found=False, reason=LIVE)
         ended = self.finished.get(rid) or (again[:2] if again is not None else None)
         req, reason = ended if ended is not None else (self.node.requests[rid], None)
         seq = req.seq
@@ -213,6 +230,8 @@ class Adoption:
             self.count("adopted", 1)
         if ended is None and not reasked:  # parked for a move its dead gateway never ordered
             self.node.unpark(rid)  # (asked again: parked since by its adopter, moving)
+        if isinstance(was := owners.get(rid), GatewayLink) and was is not link:
+            self.taken.setdefault(was, {})[rid] = True  # a silent one's: told if it answers
         owners.move(rid, link)
         if self.finished.pop(rid, None) is not None:  # ended: its adopter may let it go again
             self._trim(time.monotonic())
@@ -228,9 +247,11 @@ class Adoption:
         """Free the orphans of gateways silent or gone for longer than the grace."""
         owners = self.gateways.owners
         late: list[str] = []
+        silent: list[tuple[GatewayLink, list[str]]] = []
         for link in self.gateways.links:
             if link.silent_since is not None and now - link.silent_since > self.grace:
-                late += owners.owned(link)
+                silent.append((link, owners.owned(link)))
+                late += silent[-1][1]
         if self.gateways.gone:  # one pass: a released stream has a Gone of its own
             late += [r for r, o in owners.of.items() if isinstance(o, Gone)
                      and not o.freed and now - o.since > self.grace]  # fmt: skip
@@ -239,6 +260,9 @@ class Adoption:
         # stall timer never starts for a reservation no frame reached)
         held = set(self.node.load().held) if late else set()
         live = tuple(r for r in late if r in held)
+        for link, owned in silent:  # a running one is told its gateway if it answers again
+            if running := [r for r in owned if r in held]:
+                self.taken.setdefault(link, {}).update(dict.fromkeys(running, False))
         if late:  # nobody resumed them: a running one is lost to its client
             self.count("freed_running", len(live))
             self.count("freed_ended", len(late) - len(live))
@@ -251,6 +275,23 @@ class Adoption:
             log.warning("freeing %d orphaned requests: no gateway adopted them within %.1f s",
                         len(live), self.grace)  # fmt: skip
             self.node.free_stale(live)
+
+
+async def tell_returned(adoption: Adoption, link: GatewayLink, pushes_tokens: bool) -> None:
+    """`link`'s gateway answers again as the same process after a silence: it still holds,
+    in its table, what was taken from it meanwhile. A stream another gateway adopted (its
+    client resumed there): `Wanted`, so this one hangs up the connection it streams on. One
+    freed at the grace's end: given back to be placed again (`Preempted` on the token
+    socket of a decode or colocated node, after its last tokens; `PrefillFailed` from a
+    prefill node), its client perhaps still waiting there."""
+    node_id = adoption.gateways.node_id
+    for rid, adopted in adoption.taken.pop(link, {}).items():
+        if adopted:
+            await link.send(Wanted(request_id=rid))
+        elif pushes_tokens:
+            await link.push(Preempted(node_id=node_id, request_id=rid, reason=FREED))
+        else:
+            await link.send(PrefillFailed(request_id=rid, reason=FREED))
 
 
 def _upto(req: NodeRequest, tokens: int) -> NodeRequest:

@@ -26,7 +26,7 @@ import zmq.asyncio
 
 from pdserve.common.config import NodeConfig
 from pdserve.common.errors import PdserveError
-from pdserve.common.node.adoption import Adoption
+from pdserve.common.node.adoption import Adoption, tell_returned
 from pdserve.common.node.events import PrefixEvents
 from pdserve.common.node.fairness import STALE, Fairness
 from pdserve.common.node.gateways import Gateways
@@ -213,6 +213,7 @@ class ControlPlane:
         match msg:
             case RegisterAck():
                 self._registered(link, msg)
+                await tell_returned(self.adoption, link, self.role.pushes_tokens)
             case RegisterRefuse(reason=reason):
                 log.error("gateway %s refused %s: %s", link.address, self.node_id, reason)
                 self.refused = True
@@ -379,6 +380,7 @@ class ControlPlane:
                             "orphans for %.1f s", link.address, silent,
                             len(self.owners.owned(link)), self.cfg.orphan_grace)  # fmt: skip
                 link.silent_since = time.monotonic()
+                self.metrics.gateway_silences.inc()
                 self.adoption.silenced(link)
                 self.fairness.forget(link)
             link.registered = False

@@ -220,6 +220,11 @@ class Adopted(Msg):
     finish_reason: str | None = None
 
 
+# an `Adopted` refusal: the asking gateway is silent to the node, or registering with it (a
+# stream it adopted now would stay an orphan, for a third gateway to adopt too): ask again
+REGISTERING = "the gateway is registering with this node"
+
+
 class Wanted(Msg):
     """To the gateway serving `request_id` (the wire id): a client resumes it at another
     gateway, so it has lost this gateway's connection (one half-open: no FIN came). A

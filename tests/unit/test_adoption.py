@@ -4,15 +4,23 @@ stream at two gateways at once, and a gateway that fell silent and answers again
 from __future__ import annotations
 
 import msgspec
+import pytest
 import zmq.asyncio
 
 from pdserve.common.engine.sequence import Sequence
-from pdserve.common.node.adoption import Adoption
+from pdserve.common.node.adoption import FREED, Adoption, tell_returned
 from pdserve.common.node.gateways import Gateways
 from pdserve.common.node.links import GatewayLink, Gone
 from pdserve.common.node.role import NodeRequest
 from pdserve.common.sampling import SamplingParams
-from pdserve.common.wire.protocol import Adopt, Release, Wanted
+from pdserve.common.wire.protocol import (
+    REGISTERING,
+    Adopt,
+    Preempted,
+    PrefillFailed,
+    Release,
+    Wanted,
+)
 from tests.unit.test_several_gateways import _Node
 
 
@@ -357,6 +365,88 @@ def test_a_reservation_whose_kv_never_came_is_freed_with_its_gateways_orphans():
         own.silent_since = 100.0
         adoption.expire(103.1)
         assert sorted(node.freed) == ["k.0", "r.0"]
+    finally:
+        for link in links:
+            link.close()
+        ctx.term()
+
+
+async def test_a_silent_or_registering_gateway_adopts_nothing_and_another_still_can():
+    """Gateway A is silent (an orphan's owner). B is silent too, or registering again: its
+    `Adopt` (read before its `RegisterAck`) is refused, since a stream moved to B would
+    stay an orphan and C could adopt it as well (two gateways serving one stream). C, live
+    and registered, adopts it. A wrong position asked for tells nobody (`Wanted` is for a
+    stream a live gateway serves: a client's bad Last-Event-ID hangs nothing up)."""
+    ctx = zmq.asyncio.Context()
+    a, b, c = links = _links(ctx, "g-a", "g-b", "g-c")
+    told: list[tuple[str, str]] = []
+    try:
+        for link in links:
+
+            async def send(msg, link=link) -> None:
+                if isinstance(msg, Wanted):
+                    told.append((link.gateway_id, msg.request_id))
+
+            link.send = send  # type: ignore[method-assign]
+        node, gateways, adoption = _node(links, "r.0", grace=10.0)
+        node.requests["r.0"] = NodeRequest(seq=_seq("r.0", 7, 8))
+        a.silent_since = 100.0
+        assert gateways.owners.orphan("r.0")
+        b.silent_since = 100.5
+        (answer,) = adoption.adopt(Adopt(streams=[("r", 1)]), b)
+        assert not answer[1].found and answer[1].reason == REGISTERING
+        b.silent_since, b.registered = None, False  # knocking: its RegisterAck not read yet
+        (answer,) = adoption.adopt(Adopt(streams=[("r", 1)]), b)
+        assert not answer[1].found and answer[1].reason == REGISTERING
+        assert gateways.owners.orphan("r.0")
+        await adoption.on_gateway(Adopt(streams=[("r", 9)]), c)  # not a position it has
+        assert told == [] and gateways.owners.orphan("r.0")
+        (answer,) = adoption.adopt(Adopt(streams=[("r", 1)]), c)
+        assert answer[1].found and gateways.owners.get("r.0") is c
+    finally:
+        for link in links:
+            link.close()
+        ctx.term()
+
+
+@pytest.mark.parametrize("pushes", [True, False], ids=["decode", "prefill"])
+async def test_what_was_taken_from_a_silent_gateway_is_told_to_it_when_it_answers(pushes):
+    """A is silent with two streams: B adopts one, the grace frees the other. A answers again
+    as the same process, both still in its table: it is told (`Wanted` for the adopted one:
+    its connection there is dead to the client; the freed one given back, to be placed
+    again: `Preempted` on a decode node's token socket, `PrefillFailed` from a prefill
+    node), once. A restarted B (a new process, no table) is told nothing."""
+    ctx = zmq.asyncio.Context()
+    a, b = links = _links(ctx, "g-a", "g-b")
+    out: list = []
+    try:
+
+        async def send(msg) -> None:
+            out.append(msg)
+
+        a.send = a.push = send  # type: ignore[method-assign]
+        node, _, adoption = _node(links, "r.0", "s.0", grace=3.0)
+        node.requests["r.0"] = NodeRequest(seq=_seq("r.0", 7))
+        a.silent_since = 100.0
+        adoption.silenced(a, 100.0)
+        (answer,) = adoption.adopt(Adopt(streams=[("r", 1)]), b)
+        assert answer[1].found
+        adoption.expire(103.5)  # the grace is over: s.0, still running, freed
+        assert node.freed == ["s.0"]
+        assert not adoption.registered(a, "g-a", 104.0)  # the same process
+        a.silent_since = None
+        await tell_returned(adoption, a, pushes)
+        gave_back = (Preempted(node_id="node-x", request_id="s.0", reason=FREED) if pushes
+                     else PrefillFailed(request_id="s.0", reason=FREED))  # fmt: skip
+        assert out == [Wanted(request_id="r.0"), gave_back]
+        await tell_returned(adoption, a, pushes)
+        assert len(out) == 2  # told once
+        b.silent_since = 105.0  # now B falls silent, and comes back a new process
+        adoption.silenced(b, 105.0)
+        (answer,) = adoption.adopt(Adopt(streams=[("r", 1)]), a)  # A adopts r back
+        assert answer[1].found and adoption.taken
+        assert adoption.registered(b, "g-b2", 106.0)  # a new process: nothing to tell
+        assert not adoption.taken
     finally:
         for link in links:
             link.close()

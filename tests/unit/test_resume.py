@@ -59,3 +59,14 @@ def test_a_position_inside_held_back_text_is_refused(tokenizer):
     with pytest.raises(ValueError, match="Last-Event-ID 2"):
         # " world" is held back (it may begin the stop string): no chunk ended after it
         _request(tokenizer, prompt, params).replay(outputs, 2, 0, None)
+
+
+def test_a_position_past_the_tokens_made_is_refused(tokenizer):
+    """The node checks the client's Last-Event-ID against the stream, but an answer can be
+    read for a later resume of the same stream asking from elsewhere (the first one left):
+    a position past what was made would mute text the client never had."""
+    prompt = tokenizer.encode("Say:")
+    outputs = tokenizer.encode(" hello world")
+    req = _request(tokenizer, prompt, SamplingParams(max_tokens=10, temperature=0.0))
+    with pytest.raises(ValueError, match=f"Last-Event-ID {len(outputs) + 1} is not a position"):
+        req.replay(outputs, len(outputs) + 1, 0, None)

@@ -10,11 +10,11 @@ import msgspec
 import pytest
 
 from pdserve.common.sampling import SamplingParams
-from pdserve.common.wire.protocol import Adopt, Adopted
+from pdserve.common.wire.protocol import REGISTERING, Adopt, Adopted
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.openai_api import ApiError
 from pdserve.gateway.requests import GatewayRequest
-from pdserve.gateway.resume import ROUND_S, Resumes
+from pdserve.gateway.resume import ROUND_S, Resumes, _Asking
 from pdserve.gateway.table import RequestTable
 from tests.unit.test_several_gateways import _info
 
@@ -40,13 +40,13 @@ class _Link:
         return sum(rid in dict(m.streams) for m in self.sent)
 
 
-def _resumes(tokenizer, link: _Link, let_go: list | None = None, nodes: int = 1
-             ) -> tuple[Resumes, RequestTable]:  # fmt: skip
+def _resumes(tokenizer, link: _Link, let_go: list | None = None, nodes: int = 1,
+             timeout: float = 5.0) -> tuple[Resumes, RequestTable]:  # fmt: skip
     cluster = ClusterView(heartbeat_timeout=2.0)
     for i in range(nodes):
         assert cluster.register(_info(f"d{i}"), f"d{i}".encode(), 0.0, "t") is None
     table, gone = RequestTable(), let_go if let_go is not None else []
-    resumes = Resumes(cluster, table, link, tokenizer, lambda: "m", timeout=5.0,  # type: ignore[arg-type]
+    resumes = Resumes(cluster, table, link, tokenizer, lambda: "m", timeout=timeout,  # type: ignore[arg-type]
                       limit=16, release=lambda w, n: gone.append((w, n)))  # fmt: skip
     return resumes, table
 
@@ -289,3 +289,39 @@ async def test_stopping_the_gateway_ends_the_rounds_while_a_stream_is_looked_for
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
+
+
+async def test_a_stream_held_by_a_node_still_registering_here_is_a_409_to_retry(tokenizer):
+    """The node answers that this gateway is registering with it again (silent to it for a
+    while): the stream is there, adoptable once the registration is read; a client asking
+    until the resume times out is told to retry (409), not that no node holds it (404)."""
+    link = _Link()
+    resumes, _ = _resumes(tokenizer, link, timeout=0.5)
+    asking = asyncio.create_task(resumes.resume(f"cmpl-{ID}", 3, False))
+    await _until(lambda: link.asked(ID) >= 1)
+    resumes.answered(b"d0", Adopted(request_id=ID, found=False, reason=REGISTERING))
+    with pytest.raises(ApiError) as err:
+        await asking
+    assert err.value.status == 409 and "registering" in err.value.message
+
+
+def test_of_two_nodes_holding_a_stream_the_latest_attempt_is_taken():
+    """A gateway re-placed a stream (attempt 1 on another node) and died before the old node
+    read its `Abort`: both hold it, orphaned. The resume takes the latest attempt, whatever
+    answer came first; a malformed attempt number counts as the oldest."""
+    asking = _Asking(have=0)
+    for node, wire in (("d0", f"{ID}.0"), ("d1", f"{ID}.1"), ("d2", f"{ID}.x")):
+        asking.answers[node] = Adopted(request_id=wire, found=True)
+    found = asking.found()
+    assert found is not None and found[0] == "d1"
+
+
+def test_a_stream_let_go_again_moves_to_the_end_of_the_let_go_list(tokenizer):
+    """`let_go` is trimmed from its oldest entry: one let go again (a client resuming an ended
+    stream over and over) must move to the end, or every entry behind it stays forever."""
+    resumes, _ = _resumes(tokenizer, _Link())
+    resumes.released("a.0", 0.0)
+    resumes.released("b.0", 1.0)
+    resumes.released("a.0", 4.0)
+    resumes.released("c.0", 6.5)  # trims: b is 5.5 s old, a 2.5 s
+    assert list(resumes.let_go) == ["a.0", "c.0"]

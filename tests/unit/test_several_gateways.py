@@ -164,6 +164,7 @@ def test_a_released_stream_waits_for_an_adopter_until_the_grace_ends():
     ctx = zmq.asyncio.Context()
     try:
         own, other = (GatewayLink(ctx, f"tcp://127.0.0.1:{p}", "node-x") for p in (9, 10))
+        own.registered = other.registered = True  # their RegisterAcks read
         own.gateway_id, other.gateway_id = "g-own", "g-other"
         node = _Node("r.0", "s.0")
         gateways = Gateways("node-x", [own], node)  # type: ignore[arg-type]
@@ -195,6 +196,7 @@ def test_a_stream_that_ended_before_its_release_came_is_kept_for_a_resume():
     ctx = zmq.asyncio.Context()
     try:
         own, other = (GatewayLink(ctx, f"tcp://127.0.0.1:{p}", "node-x") for p in (9, 10))
+        own.registered = other.registered = True  # their RegisterAcks read
         own.gateway_id, other.gateway_id = "g-own", "g-other"
         node = _Node("r.0", "s.0")
         gateways = Gateways("node-x", [own, other], node)  # type: ignore[arg-type]
@@ -237,6 +239,7 @@ def test_what_ended_as_its_gateway_died_is_kept_for_a_resume():
     ctx = zmq.asyncio.Context()
     try:
         own, other = (GatewayLink(ctx, f"tcp://127.0.0.1:{p}", "node-x") for p in (9, 10))
+        own.registered = other.registered = True  # their RegisterAcks read
         own.gateway_id, other.gateway_id = "g-own", "g-other"
         ends = {"old.0": 90.0, "r.0": 99.5, "t.0": 99.8, "u.0": 99.9}  # u.0 is the other's
         node = _Node(*ends)
@@ -281,6 +284,7 @@ def test_an_orphan_freed_at_the_grace_is_no_orphan_while_its_step_ends():
     ctx = zmq.asyncio.Context()
     try:
         own, other = (GatewayLink(ctx, f"tcp://127.0.0.1:{p}", "node-x") for p in (9, 10))
+        own.registered = other.registered = True  # their RegisterAcks read
         own.gateway_id, other.gateway_id = "g-own", "g-other"
         seq = Sequence.new("r.0", [5, 6, 7], SamplingParams(max_tokens=9, temperature=0.0))
         seq.token_ids += [8, 9]
