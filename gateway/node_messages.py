@@ -17,6 +17,7 @@ from typing import Any
 
 from pdserve.common.kv_backends import BACKENDS
 from pdserve.common.wire.protocol import (
+    FREED,
     NODE_DECODER,
     TOKENS_DECODER,
     Abort,
@@ -209,7 +210,7 @@ class NodeMessages:
     async def _on_wanted(self, identity: bytes, msg: Wanted) -> None:
         node = self.cluster.by_identity(identity)
         if node is not None:
-            self.service.wanted(msg.request_id, node.node_id)
+            self.service.wanted(msg.request_id, node.node_id, msg.taken)
 
     async def _on_first_token(self, identity: bytes, msg: FirstToken) -> None:
         attempt = self._held_by(identity, msg.request_id, "prefill")
@@ -325,8 +326,11 @@ class NodeMessages:
     async def _on_prefill_failed(self, identity: bytes, msg: PrefillFailed) -> None:
         attempt = self._held_by(identity, msg.request_id, "prefill")
         if attempt is not None:
-            # spawned, not awaited: the re-placement waits for an Accept this loop reads
-            self.service.spawn(self.service.replace(attempt, f"prefill failed: {msg.reason}"))
+            # spawned, not awaited: the re-placement waits for an Accept this loop reads;
+            # freed while this gateway was silent: no node failed, not counted as a loss
+            kind = "preempted" if msg.reason == FREED else "lost"
+            self.service.spawn(self.service.replace(attempt, f"prefill failed: {msg.reason}",
+                                                    kind))  # fmt: skip
 
     async def _on_kv_events(self, identity: bytes, msg: KvEvents) -> None:
         node = self.cluster.nodes.get(msg.node_id)

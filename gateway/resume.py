@@ -60,15 +60,7 @@ class _Asking:
     used: bool = False  # its found answer was taken (else, left unused, it is let go)
 
     def found(self) -> tuple[str, Adopted] | None:
-        """A found answer, the latest attempt's if several nodes hold one (an attempt its
-        gateway re-placed, then died before the old node read the `Abort`)."""
-        found = [(n, m) for n, m in self.answers.items() if m.found]
-        return max(found, key=lambda nm: _attempt(nm[1].request_id), default=None)
-
-
-def _attempt(wire_id: str) -> int:
-    number = wire_id.rpartition(".")[2]
-    return int(number) if number.isdigit() and len(number) < 10 else -1
+        return next(((n, m) for n, m in self.answers.items() if m.found), None)
 
 
 class Busy(ApiError):

@@ -280,11 +280,22 @@ class RequestService:
                     self.spawn(self.link.send(node, Abort(request_id=attempt.wire_id)))
         self.placer.capacity_changed()
 
-    def wanted(self, wire_id: str, node_id: str) -> None:
+    def wanted(self, wire_id: str, node_id: str, taken: bool = False) -> None:
         """A client resumes `wire_id` at another gateway (`Wanted`, from a node holding it):
         it lost the connection this gateway streams it on; hang that up (the stream is then
-        let go for the resume, `end`)."""
+        let go for the resume, `end`). `taken`: another gateway adopted it while this one was
+        silent to the node: forgotten here at once (nothing is ours to let go), and hung up."""
         attempt = self.table.get(wire_id)
+        if attempt is not None and taken and node_id in attempt.nodes():
+            req = attempt.req
+            log.info("%s: adopted by another gateway while this one was silent", wire_id)
+            self._release(req, notify=False)
+            if not req.finished:
+                req.finish(Failed(409, "the stream was resumed at another gateway", "detached"))
+                self.metrics.requests.labels("detached").inc()
+            if req.hangup is not None:
+                req.hangup()
+            return
         if attempt is None or node_id not in attempt.nodes() or attempt.req.hangup is None:
             return
         if attempt.phase is Phase.OFFERED:  # placed again: nothing holds it to adopt

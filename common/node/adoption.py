@@ -20,6 +20,7 @@ from pdserve.common.node.gateways import Gateways
 from pdserve.common.node.links import GatewayLink, Gone
 from pdserve.common.node.role import NodeRequest
 from pdserve.common.wire.protocol import (
+    FREED,
     REGISTERING,
     Adopt,
     Adopted,
@@ -33,7 +34,6 @@ from pdserve.common.wire.protocol import (
 log = logging.getLogger(__name__)
 
 LIVE = "the stream is served by a live gateway"  # its gateway is told (`Wanted`)
-FREED = "freed at the orphan grace's end while its gateway was silent"
 
 
 class AdoptHost(Protocol):
@@ -114,6 +114,16 @@ class Adoption:
             req, reason, *_ = self.recent.pop(rid)
             self.finished[rid] = (req, reason)
             self.gateways.owners.move(rid, self._gone(link, now))
+
+    def given_back(self, rid: str) -> bool:
+        """An orphan given back (preempted, handed back), its tokens kept for an adopter:
+        True if its gateway is silent, to be told when it answers again unless another
+        adopts it meanwhile (a `Preempted` read then would have it placed again by both)."""
+        owner = self.gateways.owners.get(rid)
+        if isinstance(owner, GatewayLink) and owner.silent_since is not None:
+            self.taken.setdefault(owner, {})[rid] = False
+            return True
+        return False
 
     def retire(self, link: GatewayLink, now: float) -> None:
         """`link`'s gateway is no more (a new process under its address, or a vanished
@@ -280,15 +290,20 @@ class Adoption:
 async def tell_returned(adoption: Adoption, link: GatewayLink, pushes_tokens: bool) -> None:
     """`link`'s gateway answers again as the same process after a silence: it still holds,
     in its table, what was taken from it meanwhile. A stream another gateway adopted (its
-    client resumed there): `Wanted`, so this one hangs up the connection it streams on. One
-    freed at the grace's end: given back to be placed again (`Preempted` on the token
-    socket of a decode or colocated node, after its last tokens; `PrefillFailed` from a
-    prefill node), its client perhaps still waiting there."""
-    node_id = adoption.gateways.node_id
+    client resumed there): `Wanted` (taken), so this one forgets it and hangs up the
+    connection it streams on. One freed at the grace's end: given back to be placed again
+    (`Preempted` on the token socket of a decode or colocated node; `PrefillFailed` from a
+    prefill node), its client perhaps still waiting there; tokens of it that a step still
+    holds may come after, and are dropped there as an old attempt's. One given back while it was
+    silent goes the same way (its tokens, kept for an adopter, are no longer offered)."""
+    node_id, owners = adoption.gateways.node_id, adoption.gateways.owners
     for rid, adopted in adoption.taken.pop(link, {}).items():
         if adopted:
-            await link.send(Wanted(request_id=rid))
-        elif pushes_tokens:
+            await link.send(Wanted(request_id=rid, taken=True))
+            continue
+        if adoption.finished.pop(rid, None) is not None:  # given back: its gateway's again,
+            owners.move(rid, Gone("", time.monotonic(), freed=True))  # nobody else's to adopt
+        if pushes_tokens:
             await link.push(Preempted(node_id=node_id, request_id=rid, reason=FREED))
         else:
             await link.send(PrefillFailed(request_id=rid, reason=FREED))

@@ -206,6 +206,8 @@ class NodeRuntime:
         if req is not None and self.control.gateways.owners.orphan(rid):
             self.control.adoption.ended(req, "preempted")
             self.metrics.orphans("given_back", 1)
+            if self.control.adoption.given_back(rid):
+                return  # its silent gateway is told if it answers again
         await self.control.push_tokens(Preempted(node_id=self.node_id, request_id=rid,
                                                  reason=reason))  # fmt: skip
 

@@ -116,7 +116,8 @@ class LoopSocket:
         context ended: they find out)."""
         try:
             queued = self.sock.closed or bool(int(self._plain.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
-        except zmq.ZMQError:
+        except zmq.ZMQError:  # its context ended: nothing clears the descriptor any more
+            self._unwatch()
             queued = True
         if queued:
             self._wake()

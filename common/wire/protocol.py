@@ -223,15 +223,21 @@ class Adopted(Msg):
 # an `Adopted` refusal: the asking gateway is silent to the node, or registering with it (a
 # stream it adopted now would stay an orphan, for a third gateway to adopt too): ask again
 REGISTERING = "the gateway is registering with this node"
+# a `Preempted` or `PrefillFailed` reason: freed at the orphan grace's end, or given back,
+# while its gateway was silent (told when it answers again): placed again, no node's fault
+FREED = "given back while its gateway was silent"
 
 
 class Wanted(Msg):
     """To the gateway serving `request_id` (the wire id): a client resumes it at another
     gateway, so it has lost this gateway's connection (one half-open: no FIN came). A
     resumable stream's gateway hangs that connection up and lets the stream go (`Release`)
-    for the resume (docs/architecture.md, "Several gateways")."""
+    for the resume (docs/architecture.md, "Several gateways"). `taken`: another gateway
+    adopted it already, while this one was silent to the node: nothing here is to be let go,
+    the request is forgotten and its connection hung up."""
 
     request_id: str
+    taken: bool = False
 
 
 NodeToGateway = (Adopted | Wanted | KvTransferred | KvEvents | Register | Probe | Heartbeat

@@ -438,7 +438,7 @@ async def test_what_was_taken_from_a_silent_gateway_is_told_to_it_when_it_answer
         await tell_returned(adoption, a, pushes)
         gave_back = (Preempted(node_id="node-x", request_id="s.0", reason=FREED) if pushes
                      else PrefillFailed(request_id="s.0", reason=FREED))  # fmt: skip
-        assert out == [Wanted(request_id="r.0"), gave_back]
+        assert out == [Wanted(request_id="r.0", taken=True), gave_back]
         await tell_returned(adoption, a, pushes)
         assert len(out) == 2  # told once
         b.silent_since = 105.0  # now B falls silent, and comes back a new process
@@ -447,6 +447,46 @@ async def test_what_was_taken_from_a_silent_gateway_is_told_to_it_when_it_answer
         assert answer[1].found and adoption.taken
         assert adoption.registered(b, "g-b2", 106.0)  # a new process: nothing to tell
         assert not adoption.taken
+    finally:
+        for link in links:
+            link.close()
+        ctx.term()
+
+
+@pytest.mark.parametrize("adopted", [True, False], ids=["adopted", "not-adopted"])
+async def test_an_orphan_given_back_while_its_gateway_is_silent_is_placed_again_once(adopted):
+    """A's orphan is preempted on its node while A is silent: its tokens are kept for an
+    adopter, and no `Preempted` goes to A now (read when A wakes, it would have A place the
+    stream again while B, adopting it, places it too). B adopts it: A is told it was taken.
+    Nobody does: A, answering again, gets it back (`Preempted`), and it is no orphan for
+    another gateway to adopt any more."""
+    ctx = zmq.asyncio.Context()
+    a, b = links = _links(ctx, "g-a", "g-b")
+    out: list = []
+    try:
+
+        async def send(msg) -> None:
+            out.append(msg)
+
+        a.send = a.push = send  # type: ignore[method-assign]
+        node, gateways, adoption = _node(links, "r.0", grace=10.0)
+        req = NodeRequest(seq=_seq("r.0", 7, 8))
+        a.silent_since = 100.0
+        del node.requests["r.0"]  # preempted: off the engine
+        adoption.ended(req, "preempted")  # as the runtime's give_back does
+        assert adoption.given_back("r.0") and out == []
+        if adopted:
+            (answer,) = adoption.adopt(Adopt(streams=[("r", 2)]), b)
+            assert answer[1].found and answer[1].finish_reason == "preempted"
+        assert not adoption.registered(a, "g-a", 101.0)  # A answers again
+        a.silent_since = None
+        await tell_returned(adoption, a, True)
+        if adopted:
+            assert out == [Wanted(request_id="r.0", taken=True)]
+        else:
+            assert out == [Preempted(node_id="node-x", request_id="r.0", reason=FREED)]
+            assert adoption.adopt(Adopt(streams=[("r", 2)]), b) == []  # A's again, not B's
+            assert not gateways.owners.orphan("r.0")
     finally:
         for link in links:
             link.close()
