@@ -208,7 +208,8 @@ class GatewayConfig:
     progress_timeout: float = flag(
         120.0,
         "seconds a node holding work may go without a token before it is dropped as hung "
-        "(longer than the longest prefill pass)",
+        "(longer than the longest prefill pass), and a request's KV may take to reach its "
+        "decode node before the request is placed again",
     )
     max_replacements: int = flag(
         3,

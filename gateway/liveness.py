@@ -1,6 +1,7 @@
 """Which nodes are alive, judged on the gateway's own clock: a node silent past
 `--heartbeat-timeout`, or holding work without producing a token past `--progress-timeout`,
-is dropped and its requests re-placed; a token stream stuck behind a lost token is re-placed.
+is dropped and its requests re-placed; a token stream stuck behind a lost token, or a KV
+hand-off that never completes, is re-placed.
 The same tick drives the pools' care (gateway/pools.py).
 """
 
@@ -34,6 +35,7 @@ class Liveness:
     ) -> None:
         self.cfg, self.cluster, self.table, self.index = cfg, cluster, table, index
         self.placer, self.service, self.pools = placer, service, pools
+        self.awake = 0.0  # when the gateway's last stall ended
 
     async def loop(self) -> None:
         tick = min(0.25, self.cfg.heartbeat_timeout / 4)
@@ -55,9 +57,11 @@ class Liveness:
             level = logging.WARNING if late > self.cfg.heartbeat_timeout / 2 else logging.DEBUG
             log.log(level, "gateway stalled %.1f s; node leases extended by as much", late)
             self.cluster.excuse(late)
+            self.awake = now  # what came meanwhile waits unread: no hand-off judged on it
         for node_id in self.cluster.expired(now):
             await self.drop(node_id, "heartbeat timeout")
         await self._check_progress(now)
+        self._check_handoffs(now)
         self._check_streams(now)
         await self.pools.tick(now)
 
@@ -82,6 +86,15 @@ class Liveness:
             since = self.table.work_since(node.node_id)
             if since is not None and now - max(since, node.progress_at) > limit:
                 await self.drop(node.node_id, f"no token in {limit:g} s while busy")
+
+    def _check_handoffs(self, now: float) -> None:
+        """A request whose KV never reaches its decode node after its first token would
+        wait forever, its blocks held on both nodes (the lease keeps what the table knows):
+        placed again after the progress timeout, as a node that produced nothing would be."""
+        limit = self.cfg.progress_timeout
+        for attempt in self.table.stalled_handoffs(now, limit, self.awake):
+            why = f"its KV did not reach {attempt.decode} in {limit:g} s"
+            self.service.spawn(self.service.replace(attempt, why))
 
     def _check_streams(self, now: float) -> None:
         """A token that waits this long for an earlier one waits for a lost message: the

@@ -217,12 +217,11 @@ class NodeMessages:
         self.placer.capacity_changed()
         if attempt is None or not 0 <= msg.token_id < TOKEN_ID_LIMIT:
             return  # an old attempt's, or not from the node that holds the request
-        req, prefill = attempt.req, attempt.prefill  # `delivered` below forgets it
-        self.table.prefilled(attempt)
+        req, prefill, now = attempt.req, attempt.prefill, time.monotonic()
+        self.table.prefilled(attempt, now)  # `delivered` below forgets the prefill node
         req.mark(f"prefilled.{req.attempt}")
         req.timeline[f"prefill_ms.{req.attempt}"] = round(msg.prefill_ms, 3)
         req.timeline[f"queue_ms.{req.attempt}"] = round(msg.queue_ms, 3)
-        now = time.monotonic()
         if (node := self.cluster.nodes.get(attempt.prefill or "")) is not None:
             node.progress_at = now
         if msg.finish_reason is not None:
@@ -231,8 +230,7 @@ class NodeMessages:
             self.table.prefilled_in_place(attempt, now)  # a decode node prefilled it itself
             self.metrics.local_prefills.inc()
         self.service.on_token(req, msg.index, msg.token_id, msg.finish_reason, prefill)
-        if req.detached:  # its client left: let go now its KV is where it decodes
-            self.service.settle(req)
+        self.service.settle(req)  # its client left: let go now its KV is where it decodes
 
     async def _on_kv_transferred(self, identity: bytes, msg: KvTransferred) -> None:
         node = self.cluster.by_identity(identity)
@@ -247,8 +245,7 @@ class NodeMessages:
             return
         self.table.delivered(attempt, time.monotonic())
         req = attempt.req
-        if req.detached:
-            self.service.settle(req)
+        self.service.settle(req)  # its client left: let go now its KV is where it decodes
         req.timeline[f"kv_transfer.{req.attempt}"] = {  # type: ignore[assignment]
             "backend": msg.backend,
             "bytes": msg.bytes,
@@ -279,6 +276,7 @@ class NodeMessages:
             # a migration whose target refused and no other can take it: the draining
             # node still holds the KV and decodes it itself
             self.table.stay(attempt, time.monotonic())
+            self.service.settle(attempt.req)  # its client left: let go, the KV is there
             self.metrics.migrations.labels("stayed").inc()
             await self.link.reply(identity, Redirect(request_id=msg.request_id, decode=None))
             return
@@ -326,11 +324,10 @@ class NodeMessages:
     async def _on_prefill_failed(self, identity: bytes, msg: PrefillFailed) -> None:
         attempt = self._held_by(identity, msg.request_id, "prefill")
         if attempt is not None:
-            # spawned, not awaited: the re-placement waits for an Accept this loop reads;
-            # freed while this gateway was silent: no node failed, not counted as a loss
+            # spawned, not awaited (the re-placement waits for an Accept this loop reads); freed
+            # while this gateway was silent: no node failed, not counted as a loss
             kind = "preempted" if msg.reason == FREED else "lost"
-            self.service.spawn(self.service.replace(attempt, f"prefill failed: {msg.reason}",
-                                                    kind))  # fmt: skip
+            self.service.spawn(self.service.replace(attempt, f"prefill failed: {msg.reason}", kind))
 
     async def _on_kv_events(self, identity: bytes, msg: KvEvents) -> None:
         node = self.cluster.nodes.get(msg.node_id)

@@ -210,7 +210,7 @@ class RequestService:
             await self._place(req, prompt, params)
         except Exception as exc:  # as a first placement's (`_run_or_fail`): a 500, not a hang
             log.exception("re-placing %s failed", req.request_id)
-            self.table.close(req.wire_id)
+            self._release(req, notify=True)  # an attempt accepted meanwhile: aborted there
             if not req.finished:
                 req.finish(Failed(500, f"internal error while placing again: {exc!r}"))
                 self.metrics.requests.labels("failed").inc()
@@ -318,7 +318,7 @@ class RequestService:
         """A detached stream whose KV is on its decode (or colocated) node alone: `Release` it
         there and forget it here; before that (prefill, KV on its way) it waits for this."""
         attempt = self.table.current(req)
-        if req.finished or attempt is None:
+        if not req.detached or req.finished or attempt is None:
             return
         if attempt.phase is not Phase.DECODE or attempt.nodes() != {attempt.decode}:
             return

@@ -41,6 +41,7 @@ class Attempt:
     blocks: int = 0  # KV blocks promised on the decode node (prompt + first token)
     placed_at: float = 0.0  # when the decode node was promised them
     delivered_at: float = 0.0  # when the decode node had its KV (its decode work began)
+    prefilled_at: float = 0.0  # when its first token came (the KV hand-off began)
     phase: Phase = Phase.OFFERED
     hashes: tuple[bytes, ...] = ()  # its prompt's block hashes (where its prefix is cached)
 
@@ -119,10 +120,10 @@ class RequestTable:
         if attempt.decode is not None:
             attempt.req.ran_on["decode"] = attempt.decode
 
-    def prefilled(self, attempt: Attempt) -> None:
+    def prefilled(self, attempt: Attempt, now: float = 0.0) -> None:
         """The first token arrived: prefill is over. The prefill node keeps the KV (and the
         attempt stays on it: its death loses the request) until the decode node has it."""
-        attempt.phase = Phase.DECODE
+        attempt.phase, attempt.prefilled_at = Phase.DECODE, now
 
     def delivered(self, attempt: Attempt, now: float) -> None:
         """The decode node acknowledged the KV: the prefill node holds nothing of it."""
@@ -182,6 +183,19 @@ class RequestTable:
             or (a.phase is Phase.DECODE and a.decode == node_id == a.prefill)
         ]
         return min(starts) if starts else None
+
+    def stalled_handoffs(self, now: float, limit: float, awake: float = 0.0) -> list[Attempt]:
+        """Attempts whose KV has been on its way to the decode node for longer than `limit`
+        (since the first token, or the redirect or move that chose that node, or `awake`:
+        the end of the gateway's last stall, when their news may have waited unread): a
+        hand-off lost (its `Redirect`, the link between the two nodes) that no node's
+        progress lease sees, since both nodes go on with their other work."""
+        return [
+            a for a in self.attempts.values()
+            if a.phase is Phase.DECODE and a.prefill is not None and a.decode is not None
+            and a.prefill != a.decode and not a.delivered_at
+            and now - max(a.placed_at, a.prefilled_at, awake) > limit
+        ]  # fmt: skip
 
     def on_node(self, node_id: str) -> list[Attempt]:
         return [self.attempts[w] for w in self._on_node.get(node_id, ())]

@@ -141,3 +141,30 @@ def test_a_renewed_attempt_starts_without_the_spent_ones_early_tokens():
     assert req.pending and req.gap_since is not None
     table.renew(req)
     assert req.attempt == 1 and not req.pending and req.gap_since is None
+
+
+def test_a_hand_off_that_never_completes_is_found_after_the_limit():
+    """A request's KV on its way to the decode node after its first token (or a redirect,
+    or a move off a draining node) is a stalled hand-off once `limit` has passed since the
+    later of those and of the gateway's last stall; delivered, prefilled in place by its
+    decode node or on a colocated node (nothing to hand off), it is not."""
+    table = RequestTable()
+    moving = table.open(make_request("m"), 32)
+    table.commit(moving, "p0", "d0", blocks=2, now=0.0)
+    assert table.stalled_handoffs(100.0, 10.0) == []  # in prefill: the progress lease's
+    table.prefilled(moving, 50.0)
+    assert table.stalled_handoffs(60.0, 10.0) == []
+    assert table.stalled_handoffs(60.5, 10.0) == [moving]
+    assert table.stalled_handoffs(60.5, 10.0, awake=55.0) == []  # its news may wait unread
+    table.redirect(moving, "d1", blocks=2, now=58.0)  # another decode node: timed anew
+    assert table.stalled_handoffs(60.5, 10.0) == []
+    assert table.stalled_handoffs(68.5, 10.0) == [moving]
+    table.delivered(moving, 69.0)
+    assert table.stalled_handoffs(200.0, 10.0) == []
+    table.migrate(moving, "d2", blocks=2, now=70.0)  # d1 drains: the KV moves on
+    assert table.stalled_handoffs(80.5, 10.0) == [moving]
+    table.delivered(moving, 81.0)
+    together = table.open(make_request("c"), 32)
+    table.commit(together, "c0", "c0", blocks=2, now=0.0)  # a colocated node
+    table.prefilled(together, 1.0)
+    assert table.stalled_handoffs(200.0, 10.0) == []
