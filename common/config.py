@@ -207,9 +207,8 @@ class GatewayConfig:
     heartbeat_timeout: float = flag(2.0, "seconds of silence before a node is dropped")
     progress_timeout: float = flag(
         120.0,
-        "seconds a node holding work may go without a token before it is dropped as hung "
-        "(longer than the longest prefill pass), and a request's KV may take to reach its "
-        "decode node before the request is placed again",
+        "seconds a busy node may go without a token before it is dropped as hung (longer "
+        "than the longest prefill pass), and a request's KV may take to reach its decode node",
     )
     max_replacements: int = flag(
         3,

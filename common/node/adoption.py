@@ -260,8 +260,9 @@ class Adoption:
         silent: list[tuple[GatewayLink, list[str]]] = []
         for link in self.gateways.links:
             if link.silent_since is not None and now - link.silent_since > self.grace:
-                silent.append((link, owners.owned(link)))
-                late += silent[-1][1]
+                owned = owners.owned(link)
+                silent.append((link, owned))
+                late += owned
         if self.gateways.gone:  # one pass: a released stream has a Gone of its own
             late += [r for r, o in owners.of.items() if isinstance(o, Gone)
                      and not o.freed and now - o.since > self.grace]  # fmt: skip

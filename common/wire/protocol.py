@@ -220,12 +220,11 @@ class Adopted(Msg):
     finish_reason: str | None = None
 
 
-# an `Adopted` refusal: the asking gateway is silent to the node, or registering with it (a
-# stream it adopted now would stay an orphan, for a third gateway to adopt too): ask again
+# an `Adopted` refusal: the asking gateway is silent to the node or registering (adopted
+# now, the stream would stay an orphan, for a third gateway to adopt too): ask again
 REGISTERING = "the gateway is registering with this node"
-# a `Preempted` or `PrefillFailed` reason: freed at the orphan grace's end, or given back,
-# while its gateway was silent (told when it answers again): placed again, no node's fault
-FREED = "given back while its gateway was silent"
+# `Preempted` / `PrefillFailed` reason: freed or given back in its gateway's silence, told
+FREED = "given back while its gateway was silent"  # when it answers: no node's fault
 
 
 class Wanted(Msg):

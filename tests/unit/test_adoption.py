@@ -33,6 +33,17 @@ def _links(ctx: zmq.asyncio.Context, *ids: str) -> list[GatewayLink]:
     return links
 
 
+def _sent(link: GatewayLink) -> list:
+    """What the node sends `link`'s gateway, on its control socket and its token socket."""
+    out: list = []
+
+    async def send(msg) -> None:
+        out.append(msg)
+
+    link.send = link.push = send  # type: ignore[method-assign]
+    return out
+
+
 def _seq(rid: str, *outputs: int) -> Sequence:
     """A request of prompt [5, 6] that has made these output tokens."""
     seq = Sequence.new(rid, [5, 6], SamplingParams(max_tokens=9, temperature=0.0))
@@ -418,13 +429,8 @@ async def test_what_was_taken_from_a_silent_gateway_is_told_to_it_when_it_answer
     node), once. A restarted B (a new process, no table) is told nothing."""
     ctx = zmq.asyncio.Context()
     a, b = links = _links(ctx, "g-a", "g-b")
-    out: list = []
+    out = _sent(a)
     try:
-
-        async def send(msg) -> None:
-            out.append(msg)
-
-        a.send = a.push = send  # type: ignore[method-assign]
         node, _, adoption = _node(links, "r.0", "s.0", grace=3.0)
         node.requests["r.0"] = NodeRequest(seq=_seq("r.0", 7))
         a.silent_since = 100.0
@@ -462,13 +468,8 @@ async def test_an_orphan_given_back_while_its_gateway_is_silent_is_placed_again_
     another gateway to adopt any more."""
     ctx = zmq.asyncio.Context()
     a, b = links = _links(ctx, "g-a", "g-b")
-    out: list = []
+    out = _sent(a)
     try:
-
-        async def send(msg) -> None:
-            out.append(msg)
-
-        a.send = a.push = send  # type: ignore[method-assign]
         node, gateways, adoption = _node(links, "r.0", grace=10.0)
         req = NodeRequest(seq=_seq("r.0", 7, 8))
         a.silent_since = 100.0
