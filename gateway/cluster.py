@@ -23,6 +23,7 @@ class NodeState:
     info: NodeInfo
     identity: bytes  # its control socket's ZeroMQ identity (node id + a per-process suffix)
     last_seen: float
+    beat_gap: float = 0.0  # its heartbeats' gap, peaks kept; 0: none yet (gateway/succession.py)
     load: Load = EMPTY_LOAD
     load_at: float = 0.0  # when `load` was reported
     held: Container[str] = frozenset()  # `load.held`, for lookups
@@ -143,6 +144,7 @@ class ClusterView:
         node = self.nodes.get(node_id)
         if node is None or node.identity != identity:
             return False
+        node.beat_gap = max(now - node.last_seen, 0.75 * node.beat_gap)
         node.last_seen, node.load, node.load_at = now, load, now
         node.held = frozenset(load.held)
         self.prefix_totals.report(identity, load)

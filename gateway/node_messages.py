@@ -53,9 +53,11 @@ from pdserve.gateway.policies import Need, Policy
 from pdserve.gateway.pools import PoolCare
 from pdserve.gateway.prefix_index import PrefixIndex
 from pdserve.gateway.service import RequestService
+from pdserve.gateway.succession import Succession, Verdict
 from pdserve.gateway.table import Attempt, RequestTable
 
 log = logging.getLogger(__name__)
+JOIN = Verdict.JOIN
 # token ids the detokenizer takes (u32: past it, it raised for good); not the tokenizer's
 # vocabulary: a model may pad its own past it, and sample an id there
 TOKEN_ID_LIMIT = 1 << 32
@@ -83,6 +85,7 @@ class NodeMessages:
         self.drop = drop  # a node gone: its requests are re-placed (gateway/liveness.py)
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self._counted: dict[str, Any] = {}  # node_messages' child per message type
+        self.succession = Succession(cluster)  # a node restarted under its id
 
     # -- loops -----------------------------------------------------------------------------
     async def control_loop(self) -> None:
@@ -132,12 +135,16 @@ class NodeMessages:
 
     # -- control socket --------------------------------------------------------------------
     async def _on_register(self, identity: bytes, msg: Register) -> None:
-        info = msg.info
+        info, now = msg.info, time.monotonic()
         # only a node that may join replaces its old self (anyone could name a live node)
         fits = self.cluster.refusal(info, self.tokenizer_fingerprint) is None
         if fits and self.pools.switched_away(info, identity):
             await self.drop(info.node_id, f"switched to {info.role}")
-        reason = self.cluster.register(info, identity, time.monotonic(), self.tokenizer_fingerprint)
+        elif fits and (verdict := self.succession.verdict(info.node_id, identity, now)) != JOIN:
+            if verdict is Verdict.WAIT:
+                return  # not answered: it registers again at its next heartbeat
+            await self.drop(info.node_id, "restarted (a new process under its id)")
+        reason = self.cluster.register(info, identity, now, self.tokenizer_fingerprint)
         if reason is not None:
             log.warning("refused node %s: %s", info.node_id, reason)
             await self.link.reply(identity, RegisterRefuse(node_id=info.node_id, reason=reason))
@@ -208,8 +215,7 @@ class NodeMessages:
         self.service.resumes.answered(identity, msg)
 
     async def _on_wanted(self, identity: bytes, msg: Wanted) -> None:
-        node = self.cluster.by_identity(identity)
-        if node is not None:
+        if (node := self.cluster.by_identity(identity)) is not None:
             self.service.wanted(msg.request_id, node.node_id, msg.taken)
 
     async def _on_first_token(self, identity: bytes, msg: FirstToken) -> None:
@@ -246,13 +252,9 @@ class NodeMessages:
         self.table.delivered(attempt, time.monotonic())
         req = attempt.req
         self.service.settle(req)  # its client left: let go now its KV is where it decodes
+        fields = ("backend", "bytes", "layerwise", "start_ms", "end_ms", "overlap_ms")
         req.timeline[f"kv_transfer.{req.attempt}"] = {  # type: ignore[assignment]
-            "backend": msg.backend,
-            "bytes": msg.bytes,
-            "layerwise": msg.layerwise,
-            "start_ms": round(msg.start_ms, 3),
-            "end_ms": round(msg.end_ms, 3),
-            "overlap_ms": round(msg.overlap_ms, 3),
+            f: round(v, 3) if isinstance(v := getattr(msg, f), float) else v for f in fields
         }
 
     async def _on_need_decode(self, identity: bytes, msg: NeedDecode) -> None:
@@ -340,8 +342,7 @@ class NodeMessages:
             log.info("KV events of %s lost: asking for a snapshot", msg.node_id)
 
     async def _on_deregister(self, identity: bytes, msg: Deregister) -> None:
-        node = self.cluster.nodes.get(msg.node_id)
-        if node is not None and node.identity == identity:
+        if (node := self.cluster.nodes.get(msg.node_id)) is not None and node.identity == identity:
             await self.drop(msg.node_id, "node left")
 
     # -- tokens socket ---------------------------------------------------------------------
