@@ -190,7 +190,7 @@ class KvIntake:
         h = intake.header
         try:  # the connector must take its frame off its channel even if it will be dropped
             frame = await self.receivers[h.backend].frame(intake, layer, parts)
-        except (OSError, asyncio.TimeoutError) as exc:
+        except Exception as exc:  # a closed endpoint, a timeout, a UCX error: this frame only
             log.warning("KV frame of %s from %s failed: %r", rid, h.prefill_node, exc)
             if self.drop(rid):
                 await self.refuse(peer, rid, "KV stream failed")
@@ -203,6 +203,8 @@ class KvIntake:
             got = sum(memoryview(p).nbytes for p in frame)
         else:
             got = -1 if frame is None else memoryview(frame).nbytes
+        if intake.dropped:  # its frame taken off a channel in order (ucx): a drained one
+            intake.progress = time.monotonic()
         if intake.dropped or got != h.frame_bytes or not 0 <= layer < h.num_layers:
             return
         self.kv.import_kv(layer, *self.frame_target(intake), frame)
@@ -253,6 +255,7 @@ class KvIntake:
         with self.lock:  # a stream reader's claim sees it dropped, or this sees it receiving
             intake.dropped = True
             busy = intake.receiving
+        intake.progress = time.monotonic()  # a drained placeholder lives from here (expire)
         if not busy:  # else released when its frame has landed
             self.free(intake)
             receiver = self.receivers.get(intake.header.backend)
@@ -302,8 +305,8 @@ class KvIntake:
         for intake in held:
             self.free(intake)  # back in quarantine if the writer is still inside
         for rid, intake in list(self.incoming.items()):
-            if intake.dropped:
-                if now - intake.started > 3 * self.timeout:
+            if intake.dropped:  # drained while its sender sends, however long its pass
+                if now - max(intake.started, intake.progress) > 3 * self.timeout:
                     self.forget(rid)  # a draining transfer whose peer is gone too
                 continue
             if intake.progress and now - intake.progress > self.timeout and not intake.receiving:

@@ -1,9 +1,12 @@
 """UCX payload channel (ucxx). Control stays on ZeroMQ; only frames travel here.
 
 A prefill node connects one endpoint per decode peer and first sends its node id (64 bytes,
-space padded), so the decode node knows whose frames arrive on it. Frames then follow in
-exactly the order of their KvLayer descriptors on the ZeroMQ channel, so the decode node,
-handling a descriptor, receives the next frame of that peer's endpoint into a reused buffer.
+space padded), so the decode node knows whose frames arrive on it. Each frame is sent under
+a tag made from its request id and layer, and the decode node, handling a KvLayer
+descriptor, receives that tag's frame from that peer's endpoint into a reused buffer: a
+frame skipped (its transfer forgotten), late (a receive timed out) or lost (a send failed)
+cannot shift another transfer's frames into the wrong blocks, as frames matched by their
+order alone did.
 On a GPU box UCX picks RDMA or NVLink (`UCX_TLS`); here it runs over TCP loopback.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 from typing import Any
 
 import numpy as np
@@ -25,6 +29,13 @@ from pdserve.common.kv.base import (
 )
 
 ID_BYTES = 64
+
+
+def frame_tag(request_id: str, layer: int) -> int:
+    """The UCX tag of a frame. An int below 2**61 - 1: ucxx mixes the tag in with Python's
+    `hash()`, which is the int itself there, and differs between processes for a str."""
+    digest = hashlib.blake2b(f"{request_id}\0{layer}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 4
 
 
 @functools.cache  # one import attempt: a forced ucx asks on every transfer
@@ -64,14 +75,20 @@ class UcxListener:
         self.endpoints[peer] = ep
         self.arrived.setdefault(peer, asyncio.Event()).set()
 
-    async def recv(self, peer: str, size: int) -> memoryview:
-        """The next frame from `peer`, in a buffer reused across frames (valid until the next
+    async def recv(self, peer: str, size: int, tag: int) -> memoryview:
+        """The frame `tag` from `peer`, in a buffer reused across frames (valid until the next
         call)."""
         await self.arrived.setdefault(peer, asyncio.Event()).wait()
         if self.buffer.size < size:
             self.buffer = np.empty(size, dtype=np.uint8)
         view = self.buffer[:size]
-        await self.endpoints[peer].recv(view)
+        try:
+            await self.endpoints[peer].recv(view, tag=tag)
+        except BaseException:
+            # a receive cancelled (timed out) may still complete later, into this buffer:
+            # the next frame gets another one
+            self.buffer = np.empty(0, dtype=np.uint8)
+            raise
         return memoryview(view.data)
 
     async def close(self) -> None:
@@ -103,7 +120,11 @@ class UcxSend(SendConnector):
             self.endpoints[t.target.node_id] = (address, ep)
         else:
             ep = known[1]
-        await ep.send(payload)
+        try:
+            await ep.send(payload, tag=frame_tag(t.request_id, layer))
+        except Exception:  # a broken endpoint stays broken: the next frame connects again
+            self.endpoints.pop(t.target.node_id, None)
+            raise
 
     async def close(self) -> None:
         for _, ep in self.endpoints.values():
@@ -128,9 +149,10 @@ class UcxReceive(ReceiveConnector):
 
     async def frame(self, rec: Intake, layer: int, parts: list[Any]) -> Any:
         assert self.listener is not None
-        size = rec.header.frame_bytes
+        h = rec.header
+        tag = frame_tag(h.request_id, layer)
         return await asyncio.wait_for(
-            self.listener.recv(rec.header.prefill_node, size), self.local.timeout
+            self.listener.recv(h.prefill_node, h.frame_bytes, tag), self.local.timeout
         )
 
     async def close(self) -> None:
