@@ -94,6 +94,7 @@ class KvHandoff:
             return
         node.sender.release(rid)
         if target is None and self.keep(rid):
+            req.target = None  # decoded here: no longer on its way (an adopter may take it)
             return
         if target is None:  # the gateway re-places the request
             node.requests.pop(rid)
