@@ -60,6 +60,17 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_choice": (),
     "guided_grammar": (),
     "structured_outputs": (),
+    # vLLM's: each changes the text or the prompt; what asks for nothing is accepted
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "logits_processors": (),
+    "truncate_prompt_tokens": (),
+    "chat_template": (),
+    "documents": (),
+    "return_tokens_as_token_ids": (False,),
 }
 
 
@@ -116,7 +127,15 @@ CompletionRequest = msgspec.defstruct(
 )
 ChatCompletionRequest = msgspec.defstruct(
     "ChatCompletionRequest",
-    [("messages", Annotated[list[ChatMessage], Meta(min_length=1)]), *_COMMON],
+    [
+        ("messages", Annotated[list[ChatMessage], Meta(min_length=1)]),
+        *_COMMON,
+        # vLLM's chat fields: variables for the chat template (`enable_thinking`, say), the
+        # assistant's opening, or the last assistant message continued instead of answered
+        ("chat_template_kwargs", dict[str, Any] | None, None),
+        ("add_generation_prompt", bool | None, None),
+        ("continue_final_message", bool | None, None),
+    ],
     kw_only=True,
 )
 

@@ -158,7 +158,9 @@ async def _generate(
     body = await read_json(request)
     reason = service.health()
     if reason is not None:
-        raise ApiError(503, f"the cluster cannot serve yet: {reason}", code="service_unavailable")
+        err = ApiError(503, f"the cluster cannot serve yet: {reason}", code="service_unavailable")
+        err.headers = {"Retry-After": "1"}  # a client that backs off by it comes back soon
+        raise err
     parsed = await service.parse(kind, body)
     # the wire id is always ours: clients may send one x-request-id on concurrent requests
     rid = secrets.token_hex(12)

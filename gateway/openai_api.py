@@ -123,6 +123,7 @@ def parse_request(
 ) -> ParsedRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    body = _whole_numbers(body)
     _refuse_unsupported(body)
     req = _decode(kind, body)
     model = served_model if req.model is None else req.model
@@ -134,12 +135,7 @@ def parse_request(
             "model_not_found",
         )
     if kind == "chat":
-        chat = [_message_text(m, i) for i, m in enumerate(req.messages)]
-        try:
-            text = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), "messages") from exc
-        _refuse_surely_too_long(tokenizer, text, max_model_len, "messages")
+        text = _chat_text(req, tokenizer, max_model_len)
         prompt_ids = tokenizer.encode(text, add_special_tokens=False)
     else:
         prompt_ids = _completion_prompt(req.prompt, tokenizer, max_model_len)
@@ -150,6 +146,11 @@ def parse_request(
     vocab = tokenizer.vocab_size
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
         raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+    if len(prompt_ids) >= max_model_len:  # no room for one token, whatever max_tokens says
+        raise ApiError(400, f"this model's maximum context length is {max_model_len} tokens; "
+                       f"the prompt has {len(prompt_ids)}: shorten it",
+                       "messages" if kind == "chat" else "prompt",
+                       "context_length_exceeded")  # fmt: skip
     limit = max_model_len - len(prompt_ids)
     max_tokens = req.max_completion_tokens
     if max_tokens is None:
@@ -169,10 +170,51 @@ def parse_request(
         )
     params = _sampling(req, max_tokens, vocab)
     stream = bool(req.stream)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage) and stream
+    if req.stream_options is not None and not stream:  # as OpenAI's API and vLLM answer
+        raise ApiError(400, "'stream_options' is only allowed with 'stream': true",
+                       "stream_options")  # fmt: skip
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return ParsedRequest(
         kind, model, prompt_ids, params, stream, include_usage, bool(req.return_token_ids)
     )
+
+
+# integer fields a client may send as a whole float (1000.0), as vLLM's parser takes them;
+# up to 2**53, where every float is a whole number: 1e308 stays a float, and a 400
+WHOLE_NUMBER_FIELDS = ("max_tokens", "max_completion_tokens", "n", "top_k", "seed")
+
+
+def _whole_numbers(body: dict[str, Any]) -> dict[str, Any]:
+    whole = {k: int(v) for k in WHOLE_NUMBER_FIELDS
+             if type(v := body.get(k)) is float and v.is_integer() and abs(v) <= 2**53}  # fmt: skip
+    return {**body, **whole} if whole else body
+
+
+def _chat_text(req: Any, tokenizer: Tokenizer, max_model_len: int) -> str:
+    """The chat's prompt text: the messages through the model's chat template, with the
+    request's template variables, and its last assistant message continued if asked."""
+    if len(req.messages) > max_model_len:  # a token each at least: refused before rendering
+        raise ApiError(400, f"{len(req.messages)} messages cannot fit this model's context "
+                       f"of {max_model_len} tokens", "messages",
+                       "context_length_exceeded")  # fmt: skip
+    chat = [_message_text(m, i) for i, m in enumerate(req.messages)]
+    _refuse_surely_too_long(tokenizer, "".join(m["content"] for m in chat), max_model_len,
+                            "messages")  # fmt: skip
+    generation = req.add_generation_prompt is not False
+    final = bool(req.continue_final_message)
+    if final and (generation or chat[-1]["role"] != "assistant"):
+        raise ApiError(400, "'continue_final_message' continues a last assistant message, "
+                       "with 'add_generation_prompt': false", "continue_final_message")  # fmt: skip
+    try:
+        text = tokenizer.apply_chat_template(chat, generation, req.chat_template_kwargs)
+        if final and (last := chat[-1]["content"]):  # cut after it, as transformers does
+            if (at := text.rfind(last)) < 0:
+                raise ValueError("the chat template rewrites the final message: not continuable")
+            text = text[: at + len(last)]
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "messages") from exc
+    _refuse_surely_too_long(tokenizer, text, max_model_len, "messages")
+    return text
 
 
 def _refuse_surely_too_long(tokenizer: Tokenizer, text: str, limit: int, param: str) -> None:

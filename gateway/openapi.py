@@ -21,10 +21,10 @@ CHECKS = (
     "Checked beyond the schema: `model`, when given, must be the served model (else 404 "
     "`model_not_found`); the prompt must not be empty and its token ids must be below the "
     "vocabulary size (400); prompt tokens + `max_tokens` must fit the context length (400 "
-    "`context_length_exceeded`); `stream_options` applies to streams only. Unknown fields are "
-    "ignored. With `stream: true` the 200 response is `text/event-stream`: `data: {json}` "
-    "events (chunks, then a usage chunk if asked, or an error object if the request fails "
-    "midway) and `data: [DONE]`."
+    "`context_length_exceeded`); `stream_options` only with `stream: true` (400). Unknown "
+    "fields are ignored. With `stream: true` the 200 response is `text/event-stream`: "
+    "`data: {json}` events (chunks, then a usage chunk if asked, or an error object if the "
+    "request fails midway) and `data: [DONE]`."
 )
 
 

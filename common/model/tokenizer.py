@@ -8,6 +8,7 @@ transformers' GGUF converter does, so ids match the Hugging Face reference.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import hashlib
 import json
@@ -136,17 +137,20 @@ class Tokenizer:
         return self.backend.id_to_token(token_id)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        variables: dict[str, Any] | None = None,
     ) -> str:
+        """`variables`: a request's own for the template (vLLM's `chat_template_kwargs`,
+        `enable_thinking` say); the ones set here win."""
         if not self.chat_template:
             raise ValueError("this model has no chat template: use /v1/completions instead")
-        return render_chat_template(
-            self.chat_template,
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self._special_text(self.bos_token_id),
-            eos_token=self._special_text(self.eos_token_ids[0] if self.eos_token_ids else None),
-        )
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        fixed = {"add_generation_prompt": add_generation_prompt, "messages": messages,
+                 "bos_token": self._special_text(self.bos_token_id),
+                 "eos_token": self._special_text(eos)}  # fmt: skip
+        return render_chat_template(self.chat_template, **{**(variables or {}), **fixed})
 
     def fingerprint(self) -> str:
         """A short hash of the vocabulary, so processes can check they tokenize alike. Kept:
@@ -269,20 +273,22 @@ def _compiled(template: str) -> Any:
     compiled template renders safely from several threads."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # what transformers' (and so vLLM's) template environment has: `{% break %}`, the date
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(
         x, ensure_ascii=False, indent=indent
     )
     return env.from_string(template)
 
 
-def render_chat_template(template: str, messages: list[dict[str, Any]], **kwargs: Any) -> str:
-    import jinja2
-
+def render_chat_template(template: str, **variables: Any) -> str:
     try:
-        return str(_compiled(template).render(messages=messages, **kwargs))
-    except jinja2.TemplateError as exc:
+        return str(_compiled(template).render(**variables))
+    except Exception as exc:  # a template's error, or one a request's variables provoke
         raise ValueError(f"chat template failed: {exc}") from exc
 
 

@@ -27,7 +27,8 @@ CASES = 1000  # per endpoint in `make test`; x10 with --chaos-long
 FIELDS = [
     "model", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options",
     "return_token_ids", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-    "stop_token_ids", "ignore_eos",
+    "stop_token_ids", "ignore_eos", "chat_template_kwargs", "add_generation_prompt",
+    "continue_final_message",
 ]  # fmt: skip
 DELETE = object()
 

@@ -532,6 +532,11 @@ def test_health_without_decode_node() -> None:
         assert status == 503
         err = assert_openai_error(payload)
         assert err["code"] == "service_unavailable" and "decode" in err["message"]
+        raw = urllib.request.Request(gw.url + CHAT, json.dumps(_chat()).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(raw, timeout=30)
+        assert refused.value.code == 503 and refused.value.headers["Retry-After"] == "1"
 
         decode = gw.add_node("decode", "decode-0")
         assert wait_for(lambda: health(gw)[0] == 200, timeout=60)
