@@ -189,7 +189,10 @@ class DirectSend(SendConnector):
             if not valid or state.closed:
                 return False
             self.copy(own, t, layer, dst, table, mark)
-        return True
+            # ended while copying (its request dropped): its source blocks may have gone to
+            # another sequence's pass meanwhile, so this layer is never announced and the
+            # receiver refuses the transfer at its KvDone (they are freed only after `closed`)
+            return not state.closed
 
     def end(self, t: Transfer) -> None:
         if isinstance(t.state, Direct):

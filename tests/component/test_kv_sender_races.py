@@ -87,3 +87,38 @@ async def test_a_fetch_being_served_holds_up_no_other_transfer():
         await until(lambda: not pair.intake.serving, 5.0, "the fetch served")
     finally:
         await pair.close()
+
+
+async def test_a_direct_write_whose_transfer_ends_mid_copy_is_never_announced():
+    """shm_direct copies from the sender's blocks in a thread; the request dropped during
+    the copy frees those blocks, and another pass may write into them before the copy ends.
+    That layer must not be announced as landed (the receiver then refuses the transfer at
+    its KvDone, and caches nothing from it); it was, and the torn KV was admitted."""
+    pair = await Pair("shm_direct", capacity=600).start()
+    connector = pair.sender.connector("shm_direct")
+    real_copy = connector.copy
+    try:
+        n, table = 40, [0, 1, 2]
+        t = pair.sender.begin("torn", pair.target, list(range(n)), n, SamplingParams(), table)
+        assert t.backend == "shm_direct"
+        last = t.num_layers - 1
+
+        def copy_then_drop(own, tr, layer, dst, blocks, mark):
+            real_copy(own, tr, layer, dst, blocks, mark)
+            if layer == last:  # the abort lands while the last layer is being copied
+                tr.state.closed = True
+
+        connector.copy = copy_then_drop
+        for layer in range(t.num_layers):
+            pair.sender.push(t, layer, pair.sender.stage(t, layer))
+        pair.sender.done(t, 1)
+        await until(lambda: bool(pair.refusals), 5.0, "the receiver refuses it")
+        assert pair.refusals == [f"got {last}/{t.num_layers} layers"]
+        assert pair.admitted.empty()
+        pair.sender.release("torn")
+        connector.copy = real_copy
+        ok = await pair.send("after", n, [5, 6, 7], layerwise=True)
+        assert digest(pair.dst, ok.block_table, n) == digest(pair.src, [5, 6, 7], n)
+    finally:
+        connector.copy = real_copy
+        await pair.close()
