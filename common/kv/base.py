@@ -79,6 +79,7 @@ class Transfer:
     # whether the transfer was released meanwhile: its backend state outlives those stages
     staging: int = 0
     ended: Any = None  # released: the event loop to end it on once no stage is in flight
+    trackers: list[Any] = field(default_factory=list)  # zero-copy ZeroMQ frames not yet out
 
     @property
     def total_bytes(self) -> int:
@@ -154,6 +155,10 @@ class SendConnector:
         """In the peer's ordered sender task, after the descriptor: bytes that travel outside
         ZeroMQ. Raise OSError when they cannot, or hand them to a writer of the backend's own
         (tcp) that logs its failures: either way the decode side refuses the transfer."""
+
+    async def settle(self, t: Transfer) -> None:
+        """Until every frame `send` took for `t` has been read out of its views (written,
+        or failed): its KvDone waits for it (common/kv/sender.py `_settled`)."""
 
     def on_grant(self, t: Transfer, grant: Any) -> None:
         """The receiver answered the header with where to write (KvGrant), or refused the

@@ -61,6 +61,7 @@ class _Item:
     layer: int = 0
     payload: Any = None
     framed: bool = False  # a layer: its parts are made when its turn comes (_frame_parts)
+    commit: bool = False  # KvDone: sent once the transfer's frames are out (_settled)
 
 
 @dataclass
@@ -216,7 +217,7 @@ class KvSender:
         if t.ended is not None:
             return
         done = KvDone(request_id=t.request_id, first_token_id=first_token)
-        self._post(t.target, _Item([encode(done)]))
+        self._post(t.target, _Item([encode(done)], t, commit=True))
 
     def abort(self, request_id: str) -> None:
         """Tell the decode node to drop the reservation, and forget the transfer."""
@@ -286,13 +287,21 @@ class KvSender:
             item = await peer.outbox.get()
             try:
                 t = item.transfer
+                if item.commit:  # KvDone
+                    if t is not None and await self._settled(t):
+                        await peer.sock.send_multipart(item.parts)
+                    continue
                 if item.framed:
                     item.parts = await self._frame_parts(item)
                 first = t is not None and self.connector(t.backend).writes_first
                 if t is not None and first:  # the frame is in place before its descriptor
                     await self.connector(t.backend).send(t, item.layer, item.payload)
-                if item.parts:
-                    await peer.sock.send_multipart(item.parts, copy=len(item.parts) == 1)
+                if item.parts:  # a frame's parts go zero-copy: tracked till read out
+                    tracked = t is not None and len(item.parts) > 1
+                    sent = await peer.sock.send_multipart(item.parts, copy=not tracked,
+                                                          track=tracked)  # fmt: skip
+                    if tracked and t is not None:
+                        t.trackers.append(sent)
                 if t is not None and not first:
                     await self.connector(t.backend).send(t, item.layer, item.payload)
             except OSError as exc:  # the decode side sees the broken channel and refuses
@@ -308,6 +317,19 @@ class KvSender:
                     peer.warned_at, peer.failed = now, 0
             except Exception:  # one failed send must not stop this peer's channel
                 log.exception("KV send to %s failed", peer.node_id)
+
+    async def _settled(self, t: Transfer) -> bool:
+        """Every frame of `t` read out of its views (written to its stream, or taken by
+        ZeroMQ), and `t` not ended meanwhile: its KvDone may go. An aborted transfer's blocks
+        may be another's by now: a frame still reading them would be torn KV, which the
+        decode node admits and caches under the prompt's hashes once its KvDone comes."""
+        await self.connector(t.backend).settle(t)
+        pending, t.trackers = [tr for tr in t.trackers if not tr.done], []
+        if pending and not await asyncio.to_thread(_wait_all, pending, self.local.timeout):
+            log.warning("KV frames of %s not out in %.0f s: no KvDone", t.request_id,
+                        self.local.timeout)  # fmt: skip
+            return False
+        return t.ended is None
 
     async def _receiver(self, peer: Peer) -> None:
         while True:
@@ -351,3 +373,15 @@ class KvSender:
             self._retire(peer)
         for connector in self.connectors.values():
             await connector.close()
+
+
+def _wait_all(trackers: list[Any], timeout: float) -> bool:
+    """Worker thread: until ZeroMQ has let go of every tracked frame (False: not in time, a
+    peer that reads nothing; its frames stay queued, and so they never complete)."""
+    deadline = time.monotonic() + timeout
+    try:
+        for tracker in trackers:
+            tracker.wait(max(0.0, deadline - time.monotonic()))
+    except zmq.NotDone:
+        return False
+    return True

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import socket
 import threading
@@ -309,6 +310,12 @@ class TcpSend(SendConnector):
                 self.streams.pop(old).retire()
         self.streams[key] = stream
         await stream.send(t.request_id, layer, payload, skip=lambda: t.ended is not None)
+
+    async def settle(self, t: Transfer) -> None:
+        stream = self.streams.get((t.target.node_id, t.target.kv_endpoints.get("tcp", "")))
+        if stream is not None:
+            with contextlib.suppress(ConnectionError):  # closed: nothing of it is written
+                await stream.flush()
 
     async def close(self) -> None:
         for stream in self.streams.values():

@@ -3,12 +3,11 @@ its own with blocking `sendmsg` (a frame's head and its views of the cache in on
 
 The event loop queues a frame and goes on while fewer than `DEPTH` are queued or being
 written: the thread always has the next frame when it finishes one, so the socket never
-idles between layers, and a transfer's KvDone (sent on ZeroMQ after its last frame is
-queued) runs ahead of its frames by at most `DEPTH` frames (the decode node's stall clock
-starts at KvDone). Written from the loop with non-blocking sends, every few MB cost a
-wakeup and a Python callback (~250 sends per 524 MB transfer); awaiting a writer thread
-frame by frame left the socket idle for a hand-off across threads per layer
-(benchmarks/kv_transfer.py, docs/results §11).
+idles between layers. A transfer's KvDone (on ZeroMQ) waits for `flush`: its frames are
+written before it goes, so none still reads blocks an abort freed. Written from the loop
+with non-blocking sends, every few MB cost a wakeup and a Python callback (~250 sends per
+524 MB transfer); awaiting a writer thread frame by frame left the socket idle for a
+hand-off across threads per layer (benchmarks/kv_transfer.py, docs/results §11).
 
 A failed frame is logged (rate-limited) and counted; the stream reconnects for the next one.
 The decode node's reader sees the broken stream and refuses the transfer, or its lease runs

@@ -5,16 +5,18 @@ nothing of it is sent after; a fetch being served holds up no other transfer."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import zmq
 
+from pdserve.common.kv import tcp_send
 from pdserve.common.kv.sender import TransferEnded
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.wire.kv_messages import KvFetch
 from pdserve.common.wire.protocol import encode
 from tests.component.cluster import until
-from tests.component.test_kv_backends import Pair, digest
+from tests.component.test_kv_backends import LAYOUT, Pair, digest
 
 
 async def test_a_transfer_released_mid_stage_keeps_its_segment_till_the_stage_ends():
@@ -121,4 +123,49 @@ async def test_a_direct_write_whose_transfer_ends_mid_copy_is_never_announced():
         assert digest(pair.dst, ok.block_table, n) == digest(pair.src, [5, 6, 7], n)
     finally:
         connector.copy = real_copy
+        await pair.close()
+
+
+async def test_an_ended_tcp_transfer_sends_no_kv_done_after_a_frame_read_its_freed_blocks(
+    monkeypatch,
+):
+    """A transfer's KvDone goes only once its frames are out of their views (written to the
+    tcp stream, or taken by ZeroMQ), and not at all if it ended meanwhile. It ran ahead of up
+    to two frames: a request dropped while its last frame was being written freed blocks the
+    frame still read, the next pass wrote into them, and the decode node admitted the torn
+    layer (and cached it under the prompt's hashes)."""
+    pair = await Pair("tcp", capacity=600).start()
+    held, go = threading.Event(), threading.Event()
+    real = tcp_send.send_views
+    frames = {"n": 0}
+
+    def last_held(sock, views):
+        frames["n"] += 1
+        if frames["n"] == LAYOUT.num_layers:  # the last layer's frame, its views not read
+            held.set()
+            go.wait(10)
+        real(sock, views)
+
+    monkeypatch.setattr(tcp_send, "send_views", last_held)
+    try:
+        n, table = 40, [0, 1, 2]
+        t = pair.sender.begin("torn", pair.target, list(range(n)), n, SamplingParams(), table)
+        for layer in range(t.num_layers):
+            pair.sender.push(t, layer, pair.sender.stage(t, layer))
+        pair.sender.done(t, 1)
+        await asyncio.to_thread(held.wait, 10)
+        # the request dropped: its transfer ends, its blocks go to a pass that writes them;
+        # its Abort, on ZeroMQ, may be read after the frame lands (released here: none sent)
+        pair.sender.release("torn")
+        pair.src.cache.data.zero_()
+        go.set()
+        # behind every message and frame before it: once it is in, the torn frame landed
+        # and any KvDone sent for it was read
+        ok = await pair.send("after", n, [5, 6, 7], layerwise=True)
+        assert ok.header.request_id == "after", "the torn transfer was admitted"
+        assert digest(pair.dst, ok.block_table, n) == digest(pair.src, [5, 6, 7], n)
+        torn = pair.intake.incoming["torn"]
+        assert len(torn.layers) == t.num_layers and torn.first_token is None  # no KvDone
+    finally:
+        go.set()
         await pair.close()
