@@ -172,6 +172,8 @@ class DecodeRole(RoleDefaults):
             return "draining"
         if h.request_id in self.node.requests:
             return "duplicate request id"
+        if n >= self.node.engine.max_model_len:  # its first step would be past the context
+            return f"{n} tokens: longer than this node's context"
         if not h.fetch and not self.node.control.gateways.adopt(h.request_id, h.gateway):
             return "not registered with the request's gateway, or its id is another's"
         if (

@@ -67,6 +67,7 @@ class KvIntake:
         receivers: dict[str, ReceiveConnector],
         timeout: float = 10.0,
         on_fetch: Callable[[bytes, KvFetch], Awaitable[None]] | None = None,
+        vocab_size: int = 1 << 32,
     ) -> None:
         self.sock = sock
         self.kv = kv
@@ -75,6 +76,7 @@ class KvIntake:
         self.admit = admit
         self.receivers = receivers  # the backends this node offers, by name
         self.timeout = timeout
+        self.vocab_size = vocab_size  # a first token past it would fail the decode step
         self.on_fetch = on_fetch  # a peer asks for prefix blocks of ours (common/node/fetch.py)
         self.incoming: dict[str, Intake] = {}
         self.closed: OrderedDict[str, None] = OrderedDict()
@@ -110,6 +112,10 @@ class KvIntake:
                     return
                 if intake.dropped:
                     self.forget(rid)
+                    return
+                if not intake.header.fetch and not 0 <= token < self.vocab_size:
+                    self.drop(rid)
+                    await self.refuse(peer, rid, f"first token {token} is not in the vocabulary")
                     return
                 intake.first_token = token
                 intake.progress = time.monotonic()  # from now on a stall is a failure

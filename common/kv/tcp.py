@@ -112,14 +112,25 @@ class TcpListener:
                     self.warned = now
                     log.warning("KV listener full (%d streams): refused %s", MAX_READERS, addr)
                 continue
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            set_timeout(conn, self.timeout)
             name = f"kv-tcp-in-{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "kv-tcp-in"
-            self.readers += 1
-            with self.lock:
-                self.idle[conn] = time.monotonic()
-                self.unproven.add(conn)
-            threading.Thread(target=self._serve, args=(conn, addr), name=name, daemon=True).start()
+            counted = False
+            try:  # no thread to be had (or a socket gone at once): this one closed, not the loop
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                set_timeout(conn, self.timeout)
+                reader = threading.Thread(target=self._serve, args=(conn, addr), name=name,
+                                          daemon=True)  # fmt: skip
+                with self.lock:
+                    self.idle[conn] = time.monotonic()
+                    self.unproven.add(conn)
+                self.readers, counted = self.readers + 1, True
+                reader.start()
+            except (OSError, RuntimeError) as exc:
+                log.warning("KV listener cannot serve %s: %r", addr, exc)
+                self.readers -= counted
+                with self.lock:
+                    self.idle.pop(conn, None)
+                    self.unproven.discard(conn)
+                conn.close()
 
     def _call(self, coro: Coroutine[Any, Any, Any]) -> Any:
         """Run a sink call on the event loop and wait for it (reader thread)."""
@@ -173,13 +184,13 @@ class TcpListener:
         ident = bytearray(ID_BYTES + (MAC_BYTES if self.key else 0))
         # the whole handshake in a deadline (a byte every few seconds held a reader for long)
         deadline = threading.Timer(min(self.timeout, HANDSHAKE_S), shut, (conn,))
-        deadline.start()
         try:
+            deadline.start()  # RuntimeError: no thread to be had, the connection closed
             if self.key is not None:
                 nonce = new_nonce()
                 conn.sendall(nonce)
             recv_views(conn, [memoryview(ident)], self.stats)
-        except OSError:
+        except (OSError, RuntimeError):
             conn.close()
             return
         finally:

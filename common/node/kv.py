@@ -88,6 +88,7 @@ class NodeKv:
             receivers_for(local),
             timeout=cfg.kv_transfer_timeout,
             on_fetch=self.fetches.serve,
+            vocab_size=node.engine.model_config.vocab_size,
         )
         self.sender = KvSender(
             node.ctx,
