@@ -77,6 +77,8 @@ class ColocatedRole(RoleDefaults):
         self.node.metrics.generation_tokens.inc(len(grew))
         batch = []
         for seq in grew:
+            if seq.seq_id not in self.node.requests:  # aborted while this loop awaited a send
+                continue
             reason = check_stop(seq, self.node.engine.eos_token_ids, self.node.engine.max_model_len)
             if reason is not None:
                 self.node.finished(seq, reason)

@@ -121,9 +121,12 @@ class PrefillRole(RoleDefaults):
             await self.node.send_gateway(Reject(request_id=rid, reason=reason, room=room))
             return
         seq = Sequence.new(rid, offer.prompt_ids, offer.params)
-        self.node.requests[rid] = NodeRequest(seq, target=offer.decode, skip=offer.decode_cached,
-                                              prompt_len=offer.prompt_len)  # fmt: skip
+        req = NodeRequest(seq, target=offer.decode, skip=offer.decode_cached,
+                          prompt_len=offer.prompt_len)  # fmt: skip
+        self.node.requests[rid] = req
         await self.node.send_gateway(Accept(request_id=rid))
+        if self.node.requests.get(rid) is not req:  # aborted while the Accept went out
+            return
         if not self.fetches.start(seq, offer):  # else scheduled once its prefix is here
             self.node.scheduler.add(seq)
             self.node.steps.wake()

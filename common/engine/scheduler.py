@@ -193,6 +193,8 @@ class Scheduler(PrefixCaching):
         return max(0, min(most, (bm.num_free_blocks - promised) * bm.block_size))
 
     def add(self, seq: Sequence) -> None:
+        # a finished one (aborted before it was added) would be scheduled with no blocks
+        assert seq.status is SeqStatus.WAITING, (seq.seq_id, seq.status)
         needed = self.block_manager.blocks_needed(seq.num_tokens + 1)
         if needed > self.cfg.num_blocks - self.cfg.watermark_blocks:
             raise ValueError(
