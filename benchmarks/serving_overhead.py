@@ -44,10 +44,11 @@ def engine_step_cmd(args: argparse.Namespace) -> list[str]:
 
 
 def engine_step_ms(args: argparse.Namespace) -> float:
-    """The engine's batch-1 decode step in ms, in a child process (its own OpenMP team)."""
+    """The engine's batch-1 decode step in ms, the median step (as the served ITL is its
+    p50), in a child process (its own OpenMP team)."""
     cmd = engine_step_cmd(args)
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return 1000.0 / float(json.loads(done.stdout.strip().splitlines()[-1])["decode_tok_s_b1"])
+    return float(json.loads(done.stdout.strip().splitlines()[-1])["decode_step_ms_b1_p50"])
 
 
 def served_itl_ms(kind: str, args: argparse.Namespace, seed: int) -> float:

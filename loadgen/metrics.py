@@ -6,6 +6,9 @@
     ITL     every gap between consecutive content chunks, pooled over all requests
     E2E     request sent -> last byte of the response
     goodput requests meeting every given SLO (<=) / measured duration; errors are not good
+    slo_attainment  requests meeting every SLO / requests (goodput's numerator alone: over a
+            short run the duration is much the drain after the last arrival, so goodput also
+            counts how late the slowest requests end)
     duration first request sent (after warm-up) -> last response completed
 
 Percentiles interpolate linearly between order statistics (numpy's default).
@@ -137,6 +140,8 @@ def summarize(records: list[RequestRecord], slo: dict[str, float] | None = None)
     summary["output_throughput"] = round(sum(r.output_tokens for r in ok) / duration, 3)
     good = [r for r in records if meets(r, slo or {})]
     summary["goodput"] = round(len(good) / duration, 4)
+    summary["good"] = len(good)
+    summary["slo_attainment"] = round(len(good) / len(records), 4) if records else 0.0
     summary["completed"] = len(ok)
     summary["failed"] = len(records) - len(ok)
     summary["resumed"] = sum(r.resumed > 0 for r in records)  # streams that changed gateway

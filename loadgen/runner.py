@@ -41,6 +41,9 @@ class BenchConfig:
     # that prompts keep arriving while others decode (0: every stream starts at once, and
     # equal requests then run in lock-step waves)
     stagger: float = 0.0
+    # several gateways: streams resumable on the others (False: plain streams, as one
+    # gateway's are: a study comparing gateway counts runs one client path in every row)
+    resumable: bool = True
 
 
 async def _send(
@@ -49,8 +52,9 @@ async def _send(
     urls = [u.strip().rstrip("/") for u in cfg.url.split(",") if u.strip()]
     turn = abs(index) % len(urls)
     url, others = urls[turn], urls[turn + 1 :] + urls[:turn]  # resumed on the others
+    resume = others if cfg.resumable and others else None
     return await send(session, url, cfg.model, spec, index, cfg.ignore_eos, cfg.timeout,
-                      cfg.endpoint, others=others or None)  # fmt: skip
+                      cfg.endpoint, others=resume)  # fmt: skip
 
 
 async def run(specs: list[RequestSpec], cfg: BenchConfig) -> list[RequestRecord]:

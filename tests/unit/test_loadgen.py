@@ -99,6 +99,7 @@ def test_summary_math_and_goodput():
     assert s["completed"] == 2 and s["failed"] == 1
     assert s["duration_s"] == pytest.approx(0.5)
     assert s["goodput"] == pytest.approx(1 / 0.5)  # only the first meets both SLOs
+    assert s["good"] == 1 and s["slo_attainment"] == round(1 / 3, 4)  # the error too
     with pytest.raises(ValueError):
         parse_slo("latency=3")
 
