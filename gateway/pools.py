@@ -89,6 +89,8 @@ class PoolCare:
 
     async def tick(self, now: float) -> None:
         if not self.leading():
+            # a lead regained later starts its hold afresh: not from a sample taken before
+            self.switcher.toward = self.switcher.since = None
             return
         if self.cfg.rebalance:
             await self._rebalance(now)
@@ -99,14 +101,17 @@ class PoolCare:
         """A node registers in the role it was asked to take, from a new socket, before its
         old self's Deregister arrived: that old self must be dropped first. With several
         gateways the leader asked (this gateway may not know): a node registering in the
-        other role under its id from a new socket is that node, switched."""
+        other role under its id from a new socket, its old self draining, is that node,
+        switched. A live old self that is not draining is a twin's: judged as any process
+        claiming a registered id (gateway/succession.py), not dropped at each of the two's
+        registrations in turn."""
         switched = self.switching.get(info.node_id)
         old = self.cluster.nodes.get(info.node_id)
         if old is None or old.identity == identity:
             return False
         if switched is not None:
             return switched[0] == info.role
-        return {old.info.role, info.role} == {"prefill", "decode"}
+        return {old.info.role, info.role} == {"prefill", "decode"} and old.load.draining
 
     def registered(self, node_id: str, now: float) -> None:
         """Back in its new role, or restarted in its old one: a switch is over."""

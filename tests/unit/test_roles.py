@@ -1,9 +1,14 @@
-"""The role-switching rule (gateway/roles.py): when, which node, and never flapping."""
+"""The role-switching rule (gateway/roles.py): when, which node, and never flapping; and
+what pool care (gateway/pools.py) takes for a switch made elsewhere."""
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 from msgspec.structs import replace
 
+from pdserve.gateway.pools import PoolCare
 from pdserve.gateway.roles import RoleSwitcher
 from tests.unit.test_policies import cluster_with
 
@@ -60,3 +65,36 @@ def test_toward_decode_takes_the_prefill_node_with_fewest_prompts_in_prefill():
     rules = RoleSwitcher(hold=0.0, dwell=0.0, cooldown=0.0)
     move = rules.decide(cluster, {"prefill": 1, "decode": 2}, {"p0": 1, "p1": 4}, False, 1.0)
     assert move is not None and (move.node_id, move.role) == ("p0", "decode")
+
+
+def _pools(cluster, leads: bool = True) -> PoolCare:
+    pools = PoolCare.__new__(PoolCare)
+    pools.cluster, pools.switching = cluster, {}
+    pools.switcher = RoleSwitcher(hold=5.0, dwell=0.0, cooldown=0.0)
+    pools.cfg = SimpleNamespace(rebalance=0.0, role_switching="on")  # type: ignore[assignment]
+    pools.leading = lambda: leads  # type: ignore[method-assign]
+    return pools
+
+
+def test_a_node_of_the_other_role_under_a_live_id_is_a_switch_only_if_the_old_one_drains():
+    """Another gateway ordered the switch (this one may not know): the old self drains first.
+    A live, serving process of the other role under the id is a twin: dropping the old one
+    for it, then it for the old one at its next registration, looped every heartbeat."""
+    cluster = _cluster()
+    pools = _pools(cluster)
+    as_prefill = replace(cluster.nodes["d0"].info, role="prefill")
+    assert not pools.switched_away(as_prefill, b"d0/twin")
+    old = cluster.nodes["d0"]
+    old.load = replace(old.load, draining=True)
+    assert pools.switched_away(as_prefill, b"d0/switched")
+    assert not pools.switched_away(as_prefill, old.identity)  # the same process again
+
+
+def test_a_lead_lost_and_regained_starts_the_hold_afresh():
+    cluster = _cluster()
+    pools = _pools(cluster)
+    assert pools.switcher.decide(cluster, SHORT_PREFILL, {}, False, 100.0) is None  # from 100
+    pools.leading = lambda: False  # type: ignore[method-assign]
+    asyncio.run(pools.tick(101.0))  # another gateway leads for a while
+    assert pools.switcher.decide(cluster, SHORT_PREFILL, {}, False, 300.0) is None  # afresh
+    assert pools.switcher.decide(cluster, SHORT_PREFILL, {}, False, 305.0) is not None
