@@ -113,11 +113,14 @@ class PoolCare:
             return switched[0] == info.role
         return {old.info.role, info.role} == {"prefill", "decode"} and old.load.draining
 
-    def registered(self, node_id: str, now: float) -> None:
-        """Back in its new role, or restarted in its old one: a switch is over."""
-        self.switching.pop(node_id, None)
-        self.gone_since.pop(node_id, None)
-        self.switcher.registered(node_id, now)
+    def registered(self, info: NodeInfo, now: float) -> None:
+        """Back in its new role, or restarted in its old one: a switch is over (failed, in
+        the second case: that node is not asked again at once)."""
+        switch = self.switching.pop(info.node_id, None)
+        self.gone_since.pop(info.node_id, None)
+        if switch is not None and switch[0] != info.role:
+            self.switcher.failed(info.node_id, now)
+        self.switcher.registered(info.node_id, now, switch is not None and switch[0] == info.role)
 
     async def switch_role(self, node_id: str, role: str, why: str) -> bool:
         """Ask a node to take the other role (gateway/roles.py; common/node/roles.py)."""
@@ -136,6 +139,7 @@ class PoolCare:
             if now - since > SWITCH_GIVE_UP_S or self._will_not_switch(node_id, since, now):
                 del self.switching[node_id]
                 self.gone_since.pop(node_id, None)
+                self.switcher.failed(node_id, now)
         in_prefill = {n: len(self.table.in_prefill(n)) for n in self.cluster.nodes}
         # one switch at a time, also across a change of leader: a node draining may be one
         # another leader ordered (its switch is not in this one's table), or a scale-down

@@ -36,9 +36,19 @@ class RoleSwitcher:
     toward: str | None = None  # the role it calls for
     last_switch: float = -1e9
     registered_at: dict[str, float] = field(default_factory=dict)  # node id -> in its role
+    # node id -> (switches failed in a row, no donor before): a node whose new role cannot
+    # start (it crashes, its supervisor restarts it in the old one, idle, the first donor
+    # again) is not asked again every dwell, but after 2, 4, 8... dwells (an hour at most)
+    failures: dict[str, tuple[int, float]] = field(default_factory=dict)
 
-    def registered(self, node_id: str, now: float) -> None:
+    def registered(self, node_id: str, now: float, switched: bool = False) -> None:
         self.registered_at[node_id] = now
+        if switched:
+            self.failures.pop(node_id, None)
+
+    def failed(self, node_id: str, now: float) -> None:
+        count = self.failures.get(node_id, (0, 0.0))[0] + 1
+        self.failures[node_id] = (count, now + min(self.dwell * 2**count, 3600.0))
 
     def decide(
         self,
@@ -61,7 +71,11 @@ class RoleSwitcher:
         if now - self.since < self.hold or now - self.last_switch < self.cooldown:
             return None
         donors = decode if toward == "prefill" else prefill
-        ready = [n for n in donors if now - self.registered_at.get(n.node_id, -1e9) >= self.dwell]
+        ready = [
+            n for n in donors
+            if now - self.registered_at.get(n.node_id, -1e9) >= self.dwell
+            and now >= self.failures.get(n.node_id, (0, 0.0))[1]
+        ]  # fmt: skip
         if not ready:
             return None
 

@@ -98,3 +98,33 @@ def test_a_lead_lost_and_regained_starts_the_hold_afresh():
     asyncio.run(pools.tick(101.0))  # another gateway leads for a while
     assert pools.switcher.decide(cluster, SHORT_PREFILL, {}, False, 300.0) is None  # afresh
     assert pools.switcher.decide(cluster, SHORT_PREFILL, {}, False, 305.0) is not None
+
+
+def test_a_node_whose_switch_failed_is_not_the_donor_again_until_its_backoff_ends():
+    """Its new role could not start: its supervisor restarts it in the old one, idle, the
+    first donor again. It was asked again every dwell (drain, crash, reload) for good."""
+    rules = RoleSwitcher(hold=0.0, dwell=30.0, cooldown=0.0)
+    cluster = _cluster()  # d1 the least busy decode node
+    rules.failed("d1", 100.0)  # back in its old role at 100 s: 2 dwells' backoff
+    move = rules.decide(cluster, SHORT_PREFILL, {}, False, 101.0)
+    assert move is not None and move.node_id == "d0"  # the other donor meanwhile
+    rules.failed("d0", 101.0)
+    assert rules.decide(cluster, SHORT_PREFILL, {}, False, 159.0) is None  # neither yet
+    again = rules.decide(cluster, SHORT_PREFILL, {}, False, 161.0)
+    assert again is not None and again.node_id == "d1"
+    rules.failed("d1", 161.0)  # a second failure in a row: 4 dwells
+    assert rules.failures["d1"] == (2, 161.0 + 120.0)
+    rules.registered("d1", 300.0, switched=True)  # a switch that worked clears it
+    assert "d1" not in rules.failures
+
+
+def test_pool_care_counts_a_node_back_in_its_old_role_as_a_failed_switch():
+    cluster = _cluster()
+    pools = _pools(cluster)
+    pools.switching["d1"] = ("prefill", 100.0)
+    pools.gone_since = {}
+    pools.registered(cluster.nodes["d1"].info, 140.0)  # restarted as a decode node
+    assert "d1" not in pools.switching and pools.switcher.failures["d1"][0] == 1
+    pools.switching["d0"] = ("prefill", 150.0)
+    pools.registered(replace(cluster.nodes["d0"].info, role="prefill"), 160.0)
+    assert "d0" not in pools.switcher.failures  # switched
