@@ -66,7 +66,7 @@ class Gateway:
         self.messages = NodeMessages(
             self.cluster, self.table, self.index, self.policy, self.placer, self.metrics,
             self.link, self.service, self.pools,
-            lambda node_id, why: self.liveness.drop(node_id, why),  # late: tests replace it
+            lambda *why: self.liveness.drop(*why),  # looked up late: tests replace it
             tokenizer.fingerprint(),
         )  # fmt: skip
         self.tasks: list[asyncio.Task] = []

@@ -65,7 +65,9 @@ class Liveness:
         self._check_streams(now)
         await self.pools.tick(now)
 
-    async def drop(self, node_id: str, why: str) -> None:
+    async def drop(self, node_id: str, why: str, kind: str = "lost") -> None:
+        """`kind` "preempted": a node that left as planned (a drain, a role switch); what
+        it still held does not count against the requests' `--max-replacements`."""
         node = self.cluster.remove(node_id)
         self.index.drop(node_id)
         if node is None:
@@ -74,7 +76,7 @@ class Liveness:
         log.warning("dropped node %s: %s", node_id, why)
         for attempt in self.table.on_node(node_id):
             self.service.spawn(
-                self.service.replace(attempt, f"{node.info.role} node {node_id}: {why}")
+                self.service.replace(attempt, f"{node.info.role} node {node_id}: {why}", kind)
             )
         self.placer.capacity_changed()
 

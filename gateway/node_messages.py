@@ -76,7 +76,7 @@ class NodeMessages:
         link: NodeLink,
         service: RequestService,
         pools: PoolCare,
-        drop: Callable[[str, str], Awaitable[None]],
+        drop: Callable[..., Awaitable[None]],
         tokenizer_fingerprint: str,
     ) -> None:
         self.cluster, self.table, self.index, self.policy = cluster, table, index, policy
@@ -139,7 +139,7 @@ class NodeMessages:
         # only a node that may join replaces its old self (anyone could name a live node)
         fits = self.cluster.refusal(info, self.tokenizer_fingerprint) is None
         if fits and self.pools.switched_away(info, identity):
-            await self.drop(info.node_id, f"switched to {info.role}")
+            await self.drop(info.node_id, f"switched to {info.role}", "preempted")
         elif fits and (verdict := self.succession.verdict(info.node_id, identity, now)) != JOIN:
             if verdict is Verdict.WAIT:
                 return  # not answered: it registers again at its next heartbeat
@@ -343,7 +343,7 @@ class NodeMessages:
 
     async def _on_deregister(self, identity: bytes, msg: Deregister) -> None:
         if (node := self.cluster.nodes.get(msg.node_id)) is not None and node.identity == identity:
-            await self.drop(msg.node_id, "node left")
+            await self.drop(msg.node_id, "node left", "preempted")
 
     # -- tokens socket ---------------------------------------------------------------------
     async def _on_token_batch(self, _: bytes, msg: TokenBatch) -> None:

@@ -72,9 +72,9 @@ async def test_a_gateway_loop_blocked_past_the_heartbeat_timeout_drops_no_node(t
         dropped: list[str] = []
         drop = c.gw.liveness.drop
 
-        async def record(node_id: str, why: str) -> None:
+        async def record(node_id: str, why: str, kind: str = "lost") -> None:
             dropped.append(f"{node_id}: {why}")
-            await drop(node_id, why)
+            await drop(node_id, why, kind)
 
         c.gw.liveness.drop = record  # type: ignore[method-assign]
         await asyncio.sleep(0.6)  # a liveness tick or two on a healthy loop

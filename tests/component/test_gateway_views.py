@@ -4,15 +4,20 @@ and heartbeats ask for a reply only when the link's liveness needs one."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from pdserve.common.config import EngineConfig
+from pdserve.common.sampling import SamplingParams
 from pdserve.common.wire.protocol import (
     Accept,
     Reject,
 )
 from pdserve.decode_node.server import DecodeRole
+from pdserve.gateway.requests import Done
 from pdserve.prefill_node.server import PrefillRole
-from tests.component.cluster import Cluster, until
+from tests.component.cluster import Cluster, outcome, prompt, until
 from tests.component.test_gateways import ScriptedGateway, _node, _stop
 
 pytestmark = pytest.mark.asyncio
@@ -98,3 +103,26 @@ async def test_a_dropped_node_s_labelled_series_leave_with_it(tokenizer):
         assert 'node="prefill-0"' in metrics.render().decode()
         await c.gw.liveness.drop("prefill-0", "a test")
         assert 'node="prefill-0"' not in metrics.render().decode()
+
+
+SLOW = EngineConfig(engine="sim", sim_time_scale=1.0, num_kv_blocks=256)
+
+
+async def test_what_a_node_leaving_as_planned_held_does_not_count_as_a_loss(tokenizer):
+    """A drain or a role switch ends with the node leaving; whatever it still held is placed
+    again, but not counted against the request's --max-replacements (a request could get a
+    503 for the cluster's own decisions). A node lost still counts."""
+    async with Cluster(tokenizer) as c:
+        await c.add(c.node(PrefillRole, "prefill-0"))
+        for d in ("decode-0", "decode-1"):
+            await c.add(c.node(DecodeRole, d, ecfg=SLOW))
+        params = SamplingParams(max_tokens=120, temperature=1.0, seed=3, ignore_eos=True)
+        for kind, losses in (("preempted", 0), ("lost", 1)):
+            req = c.request(f"r-{kind}", prompt(30, 7000), params)
+            run = asyncio.create_task(c.gw.service.run(req))
+            await until(lambda r=req: len(r.output_ids) >= 5, 30, "decoding")
+            await c.gw.liveness.drop(req.ran_on["decode"], "leaving", kind)
+            assert await outcome(req, 60) == Done("length")
+            await run
+            assert req.losses == losses and req.attempt == 1
+            assert c.gw.metrics.replacements.labels(kind)._value.get() == 1
