@@ -224,6 +224,8 @@ class DecodeRole(RoleDefaults):
                     request_id=seq.seq_id, token_id=seq.token_ids[-1], finish_reason=reason
                 )
                 await self.node.send_gateway(first)
+                if reason is None and self.node.draining and self.node.cfg.drain_migrate == "on":
+                    self.to_park[seq.seq_id] = "draining"  # waiting when the drain began
                 continue
             batch.append((seq, reason))
         parking, self.to_park = self.to_park, {}

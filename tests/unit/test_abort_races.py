@@ -67,6 +67,7 @@ def test_a_sequence_aborted_during_after_step_s_sends_gets_no_token_sent():
 
     node = SimpleNamespace(
         requests={"local.0": object(), "other.0": object()},
+        draining=False,
         metrics=SimpleNamespace(generation_tokens=SimpleNamespace(inc=lambda n: None)),
         engine=SimpleNamespace(eos_token_ids=(), max_model_len=4096),
         finished=lambda seq, reason: pushed.append(("finished", seq.seq_id)),
@@ -78,3 +79,35 @@ def test_a_sequence_aborted_during_after_step_s_sends_gets_no_token_sent():
     role.to_park = {}
     asyncio.run(role.after_step(None, [local, other], None))  # type: ignore[arg-type]
     assert pushed == []
+
+
+def test_a_sequence_prefilled_here_during_a_drain_is_migrated_too():
+    """A decode node's own prefill still waiting when its drain began could not be parked
+    then (on_drain migrates what runs); it is parked once its first token is out, as the
+    rest, instead of holding the drain until --drain-timeout and being recomputed."""
+    seq = Sequence.new("local.0", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+    seq.token_ids.append(7)
+    parked: list[str] = []
+
+    async def send_gateway(msg: Any) -> None:
+        pass
+
+    async def push_step(batch: list[Any]) -> None:
+        pass
+
+    node = SimpleNamespace(
+        requests={"local.0": object()},
+        draining=True,
+        cfg=SimpleNamespace(drain_migrate="on"),
+        metrics=SimpleNamespace(generation_tokens=SimpleNamespace(inc=lambda n: None)),
+        engine=SimpleNamespace(eos_token_ids=(), max_model_len=4096),
+        finished=lambda seq, reason: None,
+        send_gateway=send_gateway,
+        push_step=push_step,
+    )
+    role = DecodeRole.__new__(DecodeRole)
+    role.node = node  # type: ignore[assignment]
+    role.to_park = {}
+    role._park = lambda rid, why: parked.append(rid)  # type: ignore[method-assign]
+    asyncio.run(role.after_step(None, [seq], None))  # type: ignore[arg-type]
+    assert parked == ["local.0"]
