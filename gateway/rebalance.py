@@ -15,7 +15,9 @@ together, at most `MOST` a round, only what fits in the target's free blocks, an
 one whose move would leave the target past U and `GAP` fuller than the source (the next
 round would move it back: one large sequence bounced between two nodes). A node
 rebalanced less than `COOLDOWN` seconds ago is left alone: its load reports must show the
-moves before the rule looks again, or it would move twice as much (hysteresis).
+moves before the rule looks again, or it would move twice as much (hysteresis); and what is
+still on its way off it (its blocks in the source's reports until the target acknowledges
+the KV: longer than the cooldown for a large sequence) counts as gone already.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ def choose(
     if u_src < high or u_src - u_dst < GAP or now - last.get(source.node_id, -1e9) < COOLDOWN:
         return None
     block = source.block_size
+    u_src -= _leaving(table, source.node_id, block) / source.node.info.num_blocks
+    if u_src < high or u_src - u_dst < GAP:
+        return None
     running = []
     for a in table.headed_to(source.node_id):
         moving = a.prefill is not None  # a migration (or its first transfer) in flight
@@ -89,3 +94,14 @@ def choose(
     if not picked:
         return None
     return Move(source.node_id, target.node_id, tuple(picked))
+
+
+def _leaving(table: RequestTable, node_id: str, block: int) -> int:
+    """Blocks of the sequences moving off `node_id` (the table holds the old node as a
+    migration's "prefill" side until its KvTransferred)."""
+    total = 0
+    for a in table.on_node(node_id):
+        if a.prefill == node_id and a.decode not in (None, node_id) and not a.req.finished:
+            size = a.prompt_len + max(0, len(a.req.output_ids) - a.req.base - 1) + 1
+            total += -(-size // block)
+    return total

@@ -103,3 +103,18 @@ def test_a_node_that_refused_kv_since_its_report_is_not_taken_for_the_fullest():
     assert choose(views(cluster, table, "decode"), table, 0.6, {}, 10.0) is None
     cluster.nodes["d0"].refused_at = cluster.nodes["d0"].load_at
     assert choose(views(cluster, table, "decode"), table, 0.6, {}, 10.0) is None
+
+
+def test_sequences_still_moving_off_the_source_count_as_gone():
+    """A round's moves stay in the source's reports until each target acknowledges its KV
+    (longer than the cooldown for large sequences): the next round took the source for as
+    full as before and moved as much again, past halfway, and the round after moved back."""
+    pool, table = _setup(free0=5, free1=95)
+    move = choose(pool, table, 0.9, {}, now=10.0)
+    assert move is not None and len(move.request_ids) == MOST  # 4 x 3 blocks
+    for rid in move.request_ids:
+        attempt = table.get(rid)
+        assert attempt is not None
+        table.migrate(attempt, "d1", 3, 10.0)  # on their way, 12 blocks: 95 % -> 83 %
+    pool = views(_reported({"d0": 5, "d1": 95}, table), table, "decode")  # reports as before
+    assert choose(pool, table, 0.9, {"d0": 10.0}, now=10.0 + 2 * COOLDOWN) is None
