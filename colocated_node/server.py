@@ -90,4 +90,6 @@ class ColocatedRole(RoleDefaults):
                 )
                 continue
             batch.append((seq, reason))
+        # aborted during a later send of this loop: its token is not sent either
+        batch = [(s, r) for s, r in batch if r is not None or s.seq_id in self.node.requests]
         await self.node.push_step(batch)

@@ -231,4 +231,6 @@ class DecodeRole(RoleDefaults):
         parking, self.to_park = self.to_park, {}
         for rid, why in parking.items():  # before the next step is scheduled
             self._park(rid, why)
+        # aborted during a later send of this loop: its token is not sent either
+        batch = [(s, r) for s, r in batch if r is not None or s.seq_id in self.node.requests]
         await self.node.push_step(batch)

@@ -150,7 +150,7 @@ class NodeMessages:
             await self.link.reply(identity, RegisterRefuse(node_id=info.node_id, reason=reason))
             return
         log.info("registered %s node %s (%s)", info.role, info.node_id, info.model_id)
-        self.pools.registered(info, now)
+        self.pools.registered(info, identity, now)
         self.index.drop(info.node_id)  # a new process: its snapshot follows
         ack = RegisterAck(
             node_id=info.node_id,
@@ -343,7 +343,7 @@ class NodeMessages:
 
     async def _on_deregister(self, identity: bytes, msg: Deregister) -> None:
         if (node := self.cluster.nodes.get(msg.node_id)) is not None and node.identity == identity:
-            await self.drop(msg.node_id, "node left", "preempted")
+            await self.drop(msg.node_id, "node left", "preempted" if node.load.draining else "lost")
 
     # -- tokens socket ---------------------------------------------------------------------
     async def _on_token_batch(self, _: bytes, msg: TokenBatch) -> None:

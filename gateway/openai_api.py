@@ -181,7 +181,8 @@ def parse_request(
 
 # integer fields a client may send as a whole float (1000.0), as vLLM's parser takes them;
 # up to 2**53, where every float is a whole number: 1e308 stays a float, and a 400
-WHOLE_NUMBER_FIELDS = ("max_tokens", "max_completion_tokens", "n", "top_k", "seed")
+WHOLE_NUMBER_FIELDS = ("max_tokens", "max_completion_tokens", "n", "top_k", "seed", "best_of",
+                       "min_tokens", "top_logprobs")  # fmt: skip
 
 
 def _whole_numbers(body: dict[str, Any]) -> dict[str, Any]:
@@ -200,6 +201,10 @@ def _chat_text(req: Any, tokenizer: Tokenizer, max_model_len: int) -> str:
     chat = [_message_text(m, i) for i, m in enumerate(req.messages)]
     _refuse_surely_too_long(tokenizer, "".join(m["content"] for m in chat), max_model_len,
                             "messages")  # fmt: skip
+    tooling = sorted({"tools", "documents"} & set(req.chat_template_kwargs or ()))
+    if tooling:  # the template would be given what the request's own fields may not ask
+        raise ApiError(400, f"'chat_template_kwargs': {tooling[0]!r} is not supported by this "
+                       "server", "chat_template_kwargs", "unsupported_parameter")  # fmt: skip
     generation = req.add_generation_prompt is not False
     final = bool(req.continue_final_message)
     if final and (generation or chat[-1]["role"] != "assistant"):

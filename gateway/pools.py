@@ -45,6 +45,7 @@ class PoolCare:
         self.sizing, self.metrics, self.link = sizing, metrics, link
         self.switcher = RoleSwitcher(cfg.switch_hold, cfg.switch_dwell)
         self.switching: dict[str, tuple[str, float]] = {}  # node id -> (new role, since)
+        self.switched_from: dict[str, bytes] = {}  # node id -> the process asked to switch
         self.gone_since: dict[str, float] = {}  # switching nodes not registered, since when
         self.rebalanced_at: dict[str, float] = {}  # decode node id -> its last rebalance
         self.others = OtherGateways(lambda: link.gateway_id, sizing)
@@ -113,9 +114,13 @@ class PoolCare:
             return switched[0] == info.role
         return {old.info.role, info.role} == {"prefill", "decode"} and old.load.draining
 
-    def registered(self, info: NodeInfo, now: float) -> None:
+    def registered(self, info: NodeInfo, identity: bytes, now: float) -> None:
         """Back in its new role, or restarted in its old one: a switch is over (failed, in
-        the second case: that node is not asked again at once)."""
+        the second case: that node is not asked again at once). The process asked to switch
+        registering again (it lost an answer) is no end of it."""
+        if info.node_id in self.switching and self.switched_from.get(info.node_id) == identity:
+            return
+        self.switched_from.pop(info.node_id, None)
         switch = self.switching.pop(info.node_id, None)
         self.gone_since.pop(info.node_id, None)
         if switch is not None and switch[0] != info.role:
@@ -129,6 +134,7 @@ class PoolCare:
             return False
         log.info("switching %s from %s to %s: %s", node_id, node.info.role, role, why)
         self.switching[node_id] = (role, time.monotonic())
+        self.switched_from[node_id] = node.identity
         node.load = msgspec.structs.replace(node.load, draining=True)  # no new work meanwhile
         self.metrics.role_switches.labels(node.info.role, role).inc()
         await self.link.reply(node.identity, SwitchRole(role=role))  # type: ignore[arg-type]
@@ -138,6 +144,7 @@ class PoolCare:
         for node_id, (_, since) in list(self.switching.items()):
             if now - since > SWITCH_GIVE_UP_S or self._will_not_switch(node_id, since, now):
                 del self.switching[node_id]
+                self.switched_from.pop(node_id, None)
                 self.gone_since.pop(node_id, None)
                 self.switcher.failed(node_id, now)
         in_prefill = {n: len(self.table.in_prefill(n)) for n in self.cluster.nodes}

@@ -47,6 +47,8 @@ class RoleSwitcher:
             self.failures.pop(node_id, None)
 
     def failed(self, node_id: str, now: float) -> None:
+        for gone in [n for n, (_, until) in self.failures.items() if until + 3600.0 < now]:
+            del self.failures[gone]  # nodes long gone (pod churn): not kept for good
         count = self.failures.get(node_id, (0, 0.0))[0] + 1
         self.failures[node_id] = (count, now + min(self.dwell * 2**count, 3600.0))
 

@@ -174,7 +174,7 @@ class SendConnector:
 class ReceiveConnector:
     """Decode side of a backend. One instance per node, on its event loop."""
 
-    # frames keep coming in order after a refusal and must still be consumed (ucx)
+    # frames keep coming after a refusal and must still be received (ucx: a send waits for it)
     drains_after_drop = False
 
     def __init__(self, local: Local) -> None:

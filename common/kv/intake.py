@@ -158,7 +158,7 @@ class KvIntake:
         problem = self._malformed(peer, h)
         reserved = problem if problem is not None else self.reserve(h)  # nothing reserved then
         if isinstance(reserved, str):
-            if receiver.drains_after_drop:  # its frames still come, in order: read, discard
+            if receiver.drains_after_drop:  # its frames still come: received, discarded
                 self.incoming[rid] = Intake(h, peer, [], dropped=True)
             else:
                 self.remember_closed(rid)
@@ -197,7 +197,9 @@ class KvIntake:
         try:  # the connector must take its frame off its channel even if it will be dropped
             frame = await self.receivers[h.backend].frame(intake, layer, parts)
         except Exception as exc:  # a closed endpoint, a timeout, a UCX error: this frame only
-            log.warning("KV frame of %s from %s failed: %r", rid, h.prefill_node, exc)
+            bug = not isinstance(exc, (OSError, asyncio.TimeoutError))
+            (log.exception if bug else log.warning)("KV frame of %s from %s failed: %r", rid,
+                                                    h.prefill_node, exc)  # fmt: skip
             if self.drop(rid):
                 await self.refuse(peer, rid, "KV stream failed")
             return
@@ -209,7 +211,7 @@ class KvIntake:
             got = sum(memoryview(p).nbytes for p in frame)
         else:
             got = -1 if frame is None else memoryview(frame).nbytes
-        if intake.dropped:  # its frame taken off a channel in order (ucx): a drained one
+        if intake.dropped:  # its frame received all the same (ucx): a drained one
             intake.progress = time.monotonic()
         if intake.dropped or got != h.frame_bytes or not 0 <= layer < h.num_layers:
             return
@@ -254,7 +256,7 @@ class KvIntake:
 
     def drop(self, rid: str) -> bool:
         """Release a reservation (abort, lease, stall). A UCX transfer stays listed, dropped,
-        so that its remaining frames are still taken off the endpoint in order."""
+        so that its remaining frames are still received (a large one's send waits for it)."""
         intake = self.incoming.get(rid)
         if intake is None or intake.dropped:
             return False

@@ -328,6 +328,9 @@ class KvSender:
         if pending and not await asyncio.to_thread(_wait_all, pending, self.local.timeout):
             log.warning("KV frames of %s not out in %.0f s: no KvDone", t.request_id,
                         self.local.timeout)  # fmt: skip
+            if self.transfers.get(t.request_id) is t:  # live: as if the decode node refused
+                self.connector(t.backend).on_grant(t, None)
+                await self.on_refuse(t.request_id, t.target.node_id, "KV frames not out in time")
             return False
         return t.ended is None
 

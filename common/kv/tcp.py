@@ -320,11 +320,12 @@ class TcpSend(SendConnector):
             for old in same[: max(0, len(same) - self.KEEP + 1)]:
                 self.streams.pop(old).retire()
         self.streams[key] = stream
+        t.state = stream  # its frames' stream, retired or not: `settle` flushes that one
         await stream.send(t.request_id, layer, payload, skip=lambda: t.ended is not None)
 
     async def settle(self, t: Transfer) -> None:
-        stream = self.streams.get((t.target.node_id, t.target.kv_endpoints.get("tcp", "")))
-        if stream is not None:
+        stream = t.state
+        if isinstance(stream, TcpStream):
             with contextlib.suppress(ConnectionError):  # closed: nothing of it is written
                 await stream.flush()
 

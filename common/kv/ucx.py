@@ -13,6 +13,7 @@ On a GPU box UCX picks RDMA or NVLink (`UCX_TLS`); here it runs over TCP loopbac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 from typing import Any
@@ -120,11 +121,15 @@ class UcxSend(SendConnector):
             self.endpoints[t.target.node_id] = (address, ep)
         else:
             ep = known[1]
-        try:
-            await ep.send(payload, tag=frame_tag(t.request_id, layer))
-        except Exception:  # a broken endpoint stays broken: the next frame connects again
+        try:  # bounded: a large frame's send waits for its receive, which may never come
+            await asyncio.wait_for(
+                ep.send(payload, tag=frame_tag(t.request_id, layer)), self.local.timeout
+            )
+        except Exception as exc:  # a broken endpoint stays broken: the next frame connects again
             self.endpoints.pop(t.target.node_id, None)
-            raise
+            with contextlib.suppress(Exception):
+                await ep.close()
+            raise OSError(f"UCX frame of {t.request_id} to {t.target.node_id}: {exc!r}") from exc
 
     async def close(self) -> None:
         for _, ep in self.endpoints.values():
@@ -135,7 +140,9 @@ class UcxSend(SendConnector):
 
 
 class UcxReceive(ReceiveConnector):
-    drains_after_drop = True  # frames follow their descriptors in order: consume every one
+    # a dropped transfer's frames are still received (and dropped): a large one's send waits
+    # for its receive, and unreceived small ones would pile up in UCX's unexpected queue
+    drains_after_drop = True
 
     def __init__(self, local: Local) -> None:
         super().__init__(local)

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import pytest
 import zmq
 
+from pdserve.common.kv import sender as sender_module
 from pdserve.common.kv import tcp_send
 from pdserve.common.kv.sender import TransferEnded
 from pdserve.common.sampling import SamplingParams
@@ -168,4 +170,23 @@ async def test_an_ended_tcp_transfer_sends_no_kv_done_after_a_frame_read_its_fre
         assert len(torn.layers) == t.num_layers and torn.first_token is None  # no KvDone
     finally:
         go.set()
+        await pair.close()
+
+
+async def test_frames_that_never_leave_end_their_transfer_as_refused(monkeypatch):
+    """ZeroMQ holds a transfer's zero-copy frames for a peer that reads nothing: after the
+    timeout its KvDone is not sent, and the transfer ends as if refused (the prefill node asks
+    the gateway for another decode node); it was left waiting, its blocks held."""
+    pair = await Pair("zmq", capacity=600).start()
+    monkeypatch.setattr(sender_module, "_wait_all", lambda trackers, timeout: False)
+    try:
+        n, table = 40, [0, 1, 2]
+        t = pair.sender.begin("stuck", pair.target, list(range(n)), n, SamplingParams(), table)
+        parts = pair.sender.stage(t, 0)
+        t.trackers.append(SimpleNamespace(done=False))  # a frame ZeroMQ still holds
+        pair.sender.push(t, 0, parts)
+        pair.sender.done(t, 1)
+        await until(lambda: bool(pair.refusals), 5.0, "the transfer ends")
+        assert pair.refusals == ["KV frames not out in time"] and pair.admitted.empty()
+    finally:
         await pair.close()

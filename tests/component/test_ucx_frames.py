@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
 
 
 async def test_a_dropped_ucx_transfer_drains_its_frames_however_long_its_sender_runs():
-    """UCX frames follow their descriptors on the endpoint, unlabelled: a transfer dropped on
+    """UCX frames follow their descriptors on the endpoint: a transfer dropped on
     the decode side (its client left) still has each frame taken off the endpoint as its
     descriptor comes, for as long as its sender keeps sending. The placeholder was forgotten
     3 x timeout after its header: a longer layer-wise pass then left its later frames on the

@@ -375,7 +375,7 @@ async def test_a_node_that_lost_the_ack_registers_again(tokenizer):
                 try:
                     reply = GATEWAY_DECODER.decode(await asyncio.wait_for(new.sock.recv(), 0.05))
                     break
-                except TimeoutError:
+                except asyncio.TimeoutError:
                     assert time.monotonic() - silent_from < 5, "never replaced"
             waited = time.monotonic() - heard
             assert isinstance(reply, RegisterAck), reply

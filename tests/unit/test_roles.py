@@ -69,7 +69,7 @@ def test_toward_decode_takes_the_prefill_node_with_fewest_prompts_in_prefill():
 
 def _pools(cluster, leads: bool = True) -> PoolCare:
     pools = PoolCare.__new__(PoolCare)
-    pools.cluster, pools.switching = cluster, {}
+    pools.cluster, pools.switching, pools.switched_from = cluster, {}, {}
     pools.switcher = RoleSwitcher(hold=5.0, dwell=0.0, cooldown=0.0)
     pools.cfg = SimpleNamespace(rebalance=0.0, role_switching="on")  # type: ignore[assignment]
     pools.leading = lambda: leads  # type: ignore[method-assign]
@@ -122,9 +122,12 @@ def test_pool_care_counts_a_node_back_in_its_old_role_as_a_failed_switch():
     cluster = _cluster()
     pools = _pools(cluster)
     pools.switching["d1"] = ("prefill", 100.0)
+    pools.switched_from["d1"] = cluster.nodes["d1"].identity
     pools.gone_since = {}
-    pools.registered(cluster.nodes["d1"].info, 140.0)  # restarted as a decode node
+    pools.registered(cluster.nodes["d1"].info, cluster.nodes["d1"].identity, 110.0)
+    assert "d1" in pools.switching  # the same process again (a lost answer): still switching
+    pools.registered(cluster.nodes["d1"].info, b"d1/restarted", 140.0)  # as a decode node
     assert "d1" not in pools.switching and pools.switcher.failures["d1"][0] == 1
     pools.switching["d0"] = ("prefill", 150.0)
-    pools.registered(replace(cluster.nodes["d0"].info, role="prefill"), 160.0)
+    pools.registered(replace(cluster.nodes["d0"].info, role="prefill"), b"d0/new", 160.0)
     assert "d0" not in pools.switcher.failures  # switched

@@ -4,8 +4,13 @@ after a whole lease."""
 
 from __future__ import annotations
 
-from pdserve.common.wire.protocol import Load
+import asyncio
+
+from msgspec.structs import replace
+
+from pdserve.common.wire.protocol import Deregister, Load
 from pdserve.gateway.cluster import ClusterView
+from pdserve.gateway.node_messages import NodeMessages
 from pdserve.gateway.succession import MAX_WAITING, Succession, Verdict
 from tests.unit.test_policies import make_info
 
@@ -80,3 +85,22 @@ def test_newcomers_remembered_stay_bounded():
     for i in range(MAX_WAITING + 50):
         assert succession.verdict(f"p{i}", f"p{i}/new".encode(), 0.1) is Verdict.WAIT
     assert len(succession.waiting) <= MAX_WAITING
+
+
+def test_a_deregister_counts_as_planned_only_from_a_draining_node():
+    """A node leaving after its drain: what it held is no loss of the requests'. A node
+    whose loop failed (a request that crashes the engine step) deregisters too, on its way
+    down: that is a loss, or such a request would be placed again without end."""
+    kinds: list[str] = []
+
+    async def drop(node_id: str, why: str, kind: str = "lost") -> None:
+        kinds.append(kind)
+
+    for draining in (True, False):
+        view = ClusterView(heartbeat_timeout=LEASE)
+        view.register(make_info("p0"), b"p0/1", 0.0, "t")
+        view.heartbeat("p0", b"p0/1", replace(LOAD, draining=draining), 0.5)
+        messages = NodeMessages.__new__(NodeMessages)
+        messages.cluster, messages.drop = view, drop
+        asyncio.run(messages._on_deregister(b"p0/1", Deregister(node_id="p0")))
+    assert kinds == ["preempted", "lost"]
