@@ -10,6 +10,7 @@ on block ids, so the receiver scatters it into whatever blocks it reserved.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +20,8 @@ import torch
 
 from pdserve.common.engine.shared_kv import SharedFile, allocate
 from pdserve.common.engine.staging import Staged, Staging, host_bytes
+
+log = logging.getLogger(__name__)
 
 
 class KVCache:
@@ -45,9 +48,8 @@ class KVCache:
         if data is not None:
             assert tuple(data.shape) == shape and data.dtype == dtype, (data.shape, shape)
             self.data = data
-        elif shared:
-            assert torch.device(device).type == "cpu", "a shared KV cache is host memory"
-            self.data, self.shared = allocate(shape, dtype)
+        elif shared and (placed := _shared(shape, dtype, device)) is not None:
+            self.data, self.shared = placed
             weakref.finalize(self, self.shared.close)  # the file goes with the cache (or exit)
         else:  # touch pages now, not mid-run
             self.data = torch.zeros(shape, dtype=dtype, device=device)
@@ -365,3 +367,16 @@ def paired_runs(
         else:
             runs.append((src, dst, count))
     return runs
+
+
+def _shared(
+    shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
+) -> tuple[torch.Tensor, SharedFile] | None:
+    """The cache in a /dev/shm file peers can write into; None (a private cache, peers send
+    otherwise) where /dev/shm has no room for it after all."""
+    assert torch.device(device).type == "cpu", "a shared KV cache is host memory"
+    try:
+        return allocate(shape, dtype)
+    except OSError as exc:
+        log.warning("KV cache not in shared memory (%s): a private one", exc)
+        return None

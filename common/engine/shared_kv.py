@@ -70,7 +70,12 @@ def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, 
     try:
         if not lock_byte(fd, 0):
             raise OSError(f"cannot lock {draft}")
-        os.ftruncate(fd, size)
+        # the pages reserved now: a /dev/shm another node filled meanwhile (both passed the
+        # free-space check) is an OSError here, not a SIGBUS in the middle of zeroing
+        if hasattr(os, "posix_fallocate"):  # Linux; elsewhere a size only
+            os.posix_fallocate(fd, 0, size)
+        else:
+            os.ftruncate(fd, size)
         mem = mmap.mmap(fd, size)
         os.rename(draft, path)
     except BaseException:

@@ -143,6 +143,23 @@ def test_an_orphaned_cache_file_is_swept_and_a_live_one_kept():
     assert not os.path.exists(path)  # the file goes with its cache
 
 
+def test_a_shared_cache_with_no_room_left_in_dev_shm_is_a_private_one(monkeypatch):
+    """Two nodes starting together both see room in /dev/shm for their cache; the second
+    to fill it got a SIGBUS while zeroing its pages (the node died). Its pages are reserved
+    first: no room is an error there, and the cache is a private one (peers send to it
+    another way), its draft file gone."""
+    from benchmarks.cache_engine import CacheOnlyEngine
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    before = set(os.listdir(SHM_DIR))
+    engine = CacheOnlyEngine(LAYOUT, 64, BLOCK, torch.float32, shared=True)
+    assert engine.cache.shared is None and engine.cache.data.abs().sum() == 0
+    assert set(os.listdir(SHM_DIR)) <= before
+
+
 def test_malformed_or_stale_endpoints_are_not_usable_and_fall_back():
     from benchmarks.cache_engine import CacheOnlyEngine
     from pdserve.common.kv import backend, choose
