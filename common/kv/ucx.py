@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import functools
 import hashlib
+import logging
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,8 @@ from pdserve.common.kv.base import (
 )
 
 ID_BYTES = 64
+HELLO_S = 10.0  # for a new endpoint's node id
+log = logging.getLogger(__name__)
 
 
 def frame_tag(request_id: str, layer: int) -> int:
@@ -71,8 +74,14 @@ class UcxListener:
 
     async def _on_connect(self, ep: Any) -> None:
         ident = np.empty(ID_BYTES, dtype=np.uint8)
-        await ep.recv(ident)
-        peer = ident.tobytes().decode().strip()
+        try:  # a stranger's bytes, or nothing in time: its endpoint closed, no peer named
+            await asyncio.wait_for(ep.recv(ident), HELLO_S)
+            peer = ident.tobytes().decode().strip()
+        except Exception as exc:
+            log.warning("UCX connection without a node id: %r", exc)
+            with contextlib.suppress(Exception):
+                await ep.close()
+            return
         self.endpoints[peer] = ep
         self.arrived.setdefault(peer, asyncio.Event()).set()
 
