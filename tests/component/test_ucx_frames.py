@@ -68,4 +68,3 @@ async def test_a_ucx_frame_nobody_receives_does_not_shift_the_next_transfer():
         stray.cancel()
     finally:
         await pair.close()
-
