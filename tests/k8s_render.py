@@ -43,7 +43,15 @@ FIELDS = {
     "images",
 }
 # kinds whose handling by the namespace, labels and images transformers is known here
-KINDS = {"Namespace", "Secret", "Service", "Deployment", "HorizontalPodAutoscaler", "PodMonitor"}
+KINDS = {
+    "Namespace",
+    "Secret",
+    "Service",
+    "Deployment",
+    "HorizontalPodAutoscaler",
+    "PodMonitor",
+    "PodDisruptionBudget",  # the labels transformer (no includeSelectors): metadata only
+}
 MERGE_KEYS = {
     "containers": "name",
     "initContainers": "name",

@@ -36,12 +36,11 @@ from pdserve.common.wire.security import ClusterKey
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.table import RequestTable
-from tests.k8s_render import Unsupported, merge, render
+from tests.k8s_render import KINDS, Unsupported, merge, render
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 VERSIONS = ("1.31.0", latest_version())
-KINDS = {"Namespace", "Secret", "Service", "Deployment", "HorizontalPodAutoscaler", "PodMonitor"}
 ROLES = ("gateway", "prefill", "decode")
 DOWNWARD = {"status.podIP": "10.1.2.3", "metadata.name": "pdserve-decode-5d9c-x2x7q"}
 Obj = dict[str, Any]
@@ -182,6 +181,17 @@ def test_every_service_selects_one_pool_and_its_named_ports(objs):
     assert control["publishNotReadyAddresses"] is True and control["clusterIP"] == "None"
     gateways = of_kind(objs, "Deployment")["pdserve-gateway"]["spec"]
     assert gateways["replicas"] > 1 and gateways["strategy"]["type"] == "RollingUpdate"
+
+
+def test_evictions_take_one_pod_of_a_pool_at_a_time(objs):
+    budgets = of_kind(objs, "PodDisruptionBudget")
+    assert set(budgets) == {f"pdserve-{role}" for role in ROLES}
+    for role in ROLES:
+        spec = budgets[f"pdserve-{role}"]["spec"]
+        assert selected_pods(objs, spec["selector"]) == [pod(objs, role)]
+        assert spec["maxUnavailable"] == 1 and "minAvailable" not in spec
+    # with two gateways, an eviction always leaves one serving
+    assert of_kind(objs, "Deployment")["pdserve-gateway"]["spec"]["replicas"] > 1
 
 
 def test_nodes_register_through_the_control_service(objs):
