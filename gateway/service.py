@@ -306,9 +306,11 @@ class RequestService:
     def _detach(self, req: GatewayRequest) -> bool:
         """Keep a resumable stream whose client left for a resume at any gateway (this one
         too): once its KV is where it decodes, its node holds it as an orphan for
-        `--orphan-grace` (`settle`). False while no node has accepted it: nothing to keep."""
+        `--orphan-grace` (`settle`). False while no node has accepted its first attempt:
+        nothing to keep. One given back and waiting to be placed again has tokens its client
+        may resume from: kept here until a node holds it, then let go there."""
         attempt = self.table.current(req)
-        if attempt is None or attempt.phase is Phase.OFFERED:
+        if attempt is None or (attempt.phase is Phase.OFFERED and req.attempt == 0):
             return False
         req.detached = True
         self.settle(req)

@@ -38,3 +38,32 @@ async def test_a_resumable_stream_left_before_its_first_chunk_is_aborted_not_kep
         assert outcomes.labels("detached")._value.get() == 1
         await until(lambda: d.control.gateways.owners.orphan(req.wire_id), what="an orphan")
         assert list(d.requests) == [req.wire_id]
+
+
+async def test_a_stream_left_while_placed_again_is_kept_once_placed(tokenizer):
+    """Its client leaves while its stream, given back (preempted), waits to be placed again:
+    it has tokens the client may resume from, so it is kept, let go to its new decode node
+    once its KV is there (it was aborted: the client's resume found nothing)."""
+    async with Cluster(tokenizer, placement_timeout=60.0) as c:
+        p = await c.add(c.node(PrefillRole, "prefill-0", ecfg=SLOW))
+        d = await c.add(c.node(DecodeRole, "decode-0", ecfg=SLOW, orphan_grace=60.0))
+        params = SamplingParams(max_tokens=400, temperature=1.0, seed=4, ignore_eos=True)
+        req = c.request("s", prompt(40), params)
+        req.resumable = req.announced = True
+        asyncio.create_task(c.gw.service.run(req))
+        await until(lambda: len(req.output_ids) >= 2, what="decoding")
+        [(node, task)] = [v for v in c.tasks.values() if v[0] is p]
+        await c.stop(node, task)  # no prefill node: the next placement waits
+        await until(lambda: "prefill-0" not in c.gw.cluster.nodes, what="prefill-0 gone")
+        attempt = c.gw.service.table.current(req)
+        c.gw.service.spawn(c.gw.service.replace(attempt, "given back", "preempted"))
+        await until(lambda: req.attempt == 1, what="placed again")
+        await until(lambda: not d.requests, what="the old attempt aborted on decode-0")
+        c.gw.service.end(req)  # its client leaves while it waits for a prefill node
+        assert not req.finished
+        await c.add(c.node(PrefillRole, "prefill-1", ecfg=SLOW))
+        await until(lambda: d.control.gateways.owners.orphan(req.wire_id), what="an orphan")
+        outcomes = c.gw.metrics.requests
+        assert outcomes.labels("detached")._value.get() == 1
+        assert outcomes.labels("cancelled")._value.get() == 0
+        assert list(d.requests) == ["s.1"]
