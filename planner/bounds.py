@@ -9,7 +9,9 @@ work that every schedule must do:
 - a request's KV stays on a decode node for at least its prompt's tokens times its decode
   steps, each at least a batch-1 step;
 - a request alone takes at least those times (TTFT, TPOT, end to end): one that misses an
-  SLO even alone misses it in every split.
+  SLO even alone misses it in every split;
+- a request past the cluster's context limit (prompt + max_tokens > max_model_len) is
+  refused at its arrival, as the gateway answers it: it does no work and ends there.
 
 From these, for P prefill and D decode nodes: the run lasts at least as long as the work
 arriving after any moment needs on P nodes (prefill) or in D nodes' KV (decode); and of the
@@ -41,7 +43,18 @@ class Bounds:
     least_end: float  # the run's least duration (the last request alone)
     ttft: float | None
     kv_tokens: int  # a decode node's KV capacity (tokens)
+    fastest: dict[str, float] = field(default_factory=dict)  # per SLO: least of any alone
     _met: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    _ends: dict[tuple[str, float], float] = field(default_factory=dict)  # _drain's, kept
+
+    def __post_init__(self) -> None:
+        # what every split's bound reads, sorted once: a large budget has O(budget^2) splits
+        order = np.argsort(self.arrivals, kind="stable")
+        self._sorted = self.arrivals[order]
+        self._after = {  # work arriving at or after each request (in arrival order)
+            name: np.cumsum(work[order][::-1])[::-1]
+            for name, work in (("prefill", self.prefill_work), ("kv", self.kv_work))
+        }
 
     @classmethod
     def of(
@@ -52,18 +65,29 @@ class Bounds:
         block_size: int,
         kv_tokens: int,
         step_overhead_s: float = 0.0,
+        max_model_len: int | None = None,
     ) -> Bounds:
+        """`max_model_len`: the cluster's context limit, as the simulation refuses past it
+        (default: the model's context or a decode node's cache, whichever is less)."""
         n = len(specs)
         arrivals = np.array([s.arrival for s in specs], dtype=float)
         if n:
             arrivals -= arrivals.min()
-        cached = _shared_blocks(specs, block_size) * block_size
-        prefill = np.empty(n)
-        kv = np.empty(n)
-        able = np.ones(n, dtype=bool)
+        limit = min(cost.model.max_context, kv_tokens) if max_model_len is None else max_model_len
+        prompts = [prompt_tokens(s.prompt, s.prompt_len) for s in specs]
+        need = [len(p) + s.max_tokens for p, s in zip(prompts, specs, strict=True)]
+        refused = np.array(need, dtype=np.int64) > limit
+        cached = _shared_blocks(specs, prompts, refused, block_size) * block_size
+        prefill = np.zeros(n)
+        kv = np.zeros(n)
+        able = np.zeros(n, dtype=bool)
         least_end = 0.0
+        fastest: dict[str, float] = {}
         for i, spec in enumerate(specs):
-            length = len(prompt_tokens(spec.prompt, spec.prompt_len))
+            if refused[i]:  # ended at its arrival, never placed: no work, no good
+                least_end = max(least_end, arrivals[i])
+                continue
+            length = len(prompts[i])
             hit = min(int(cached[i]), length - 1)
             new = length - hit
             prefill[i] = cost.prefill_compute_seconds(new, hit)
@@ -76,9 +100,9 @@ class Bounds:
             least_end = max(least_end, arrivals[i] + e2e)
             alone = {"ttft": ttft, "tpot": step if steps else 0.0, "e2e": e2e}
             able[i] = all(alone[k] <= v for k, v in slo.items() if k in alone)
-            # else refused (a decode node's cache bounds the context too: at most its tokens)
-            able[i] &= length + spec.max_tokens <= min(cost.model.max_context, kv_tokens)
-        return cls(arrivals, prefill, kv, able, least_end, slo.get("ttft"), kv_tokens)
+            for k, v in alone.items():
+                fastest[k] = min(fastest.get(k, v), v)
+        return cls(arrivals, prefill, kv, able, least_end, slo.get("ttft"), kv_tokens, fastest)
 
     def goodput_per_node(self, prefill: int, decode: int) -> float:
         """At most this goodput per node for `prefill` P + `decode` D nodes."""
@@ -86,11 +110,22 @@ class Bounds:
             return 0.0
         duration = max(
             self.least_end,
-            _drain(self.arrivals, self.prefill_work, prefill),
-            _drain(self.arrivals, self.kv_work, decode * self.kv_tokens),
+            self._drain("prefill", prefill),
+            self._drain("kv", decode * self.kv_tokens),
             1e-9,
         )
         return self.meetable(prefill) / duration / (prefill + decode)
+
+    def _drain(self, work: str, servers: float) -> float:
+        """The least time until `work` (each arriving at its time) is done at rate `servers`:
+        what arrives after any moment needs at least its sum / servers from then."""
+        end = self._ends.get((work, servers))
+        if end is None:  # once per node count: the splits with as many share it
+            end = float("inf") if servers <= 0 else 0.0
+            if servers > 0 and len(self._sorted):
+                end = float(np.max(self._sorted + self._after[work] / servers))
+            self._ends[work, servers] = end
+        return end
 
     def meetable(self, prefill: int) -> int:
         """At most this many requests meet every SLO with `prefill` prefill nodes."""
@@ -116,24 +151,17 @@ class Bounds:
         return best
 
 
-def _drain(arrivals: np.ndarray, work: np.ndarray, servers: float) -> float:
-    """The least time until `work` (each arriving at its time) is done at rate `servers`:
-    what arrives after any moment needs at least its sum / servers from then."""
-    if servers <= 0:
-        return float("inf")
-    order = np.argsort(arrivals, kind="stable")
-    after = np.cumsum(work[order][::-1])[::-1]  # work arriving at or after each request
-    return float(np.max(arrivals[order] + after / servers))
-
-
-def _shared_blocks(specs: list[RequestSpec], block_size: int) -> np.ndarray:
-    """Per request: its leading full blocks that some earlier prompt also began with."""
+def _shared_blocks(
+    specs: list[RequestSpec], prompts: list[list[int]], refused: np.ndarray, block_size: int
+) -> np.ndarray:
+    """Per request: its leading full blocks that some earlier prompt also began with (a
+    refused prompt is never prefilled: it caches nothing)."""
     seen: set[int] = set()
     out = np.zeros(len(specs), dtype=np.int64)
     for i in sorted(range(len(specs)), key=lambda i: specs[i].arrival):
-        spec = specs[i]
-        prompt = prompt_tokens(spec.prompt, spec.prompt_len)
-        tokens = np.asarray(prompt, dtype=np.int64)
+        if refused[i]:
+            continue
+        tokens = np.asarray(prompts[i], dtype=np.int64)
         full = len(tokens) // block_size
         key, shared, leading = 0, 0, True
         for row in tokens[: full * block_size].reshape(full, block_size):

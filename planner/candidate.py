@@ -25,6 +25,9 @@ class Candidate:
     seconds: float  # simulation wall time
     peak_batch: int = 0  # the most sequences a prefill node's batch held
     bound: float = float("inf")  # the cost model's upper bound on its goodput per node
+    # requests meeting every SLO per second, unrounded: the summary's is rounded to 4
+    # decimals, 0 at low rates, where every split tied (None: the summary's)
+    exact_goodput: float | None = None
 
     @property
     def nodes(self) -> int:
@@ -35,13 +38,19 @@ class Candidate:
         return f"{self.cfg.prefill}P{self.cfg.decode}D"
 
     @property
+    def goodput(self) -> float:
+        if self.exact_goodput is not None:
+            return self.exact_goodput
+        return float(self.summary["goodput"])
+
+    @property
     def goodput_per_node(self) -> float:
-        return float(self.summary["goodput"]) / self.nodes
+        return self.goodput / self.nodes
 
     def key(self) -> tuple[float, float, int, int, int]:
-        # ties (goodput is rounded) broken by the split itself, never by which of the
+        # ties (per node rounded here) broken by the split itself, never by which of the
         # parallel simulations finished first: fewer prefill nodes, then the smaller batch
-        return (-round(self.goodput_per_node, 6), -float(self.summary["goodput"]), self.nodes,
+        return (-round(self.goodput_per_node, 6), -round(self.goodput, 6), self.nodes,
                 self.cfg.prefill, self.cfg.prefill_max_batch)  # fmt: skip
 
     def row(self) -> dict[str, Any]:
@@ -110,6 +119,9 @@ def evaluate(
         return Stopped(cfg, stop.bound)
     summary = summarize(records, slo)
     good = sum(meets(r, slo) for r in records)
+    # the summary's duration, unrounded (loadgen/metrics.py `summarize`)
+    first = min((r.sent for r in records), default=0.0)
+    duration = max(max((r.done for r in records), default=0.0) - first, 1e-9)
     return Candidate(
         cfg,
         summary,
@@ -117,6 +129,7 @@ def evaluate(
         sim.replacements,
         time.perf_counter() - start,
         sim.peak_prefill_batch,
+        exact_goodput=good / duration,
     )
 
 

@@ -24,9 +24,15 @@ from pdserve.common.flags import add_shared_flags
 from pdserve.loadgen.bench import add_workload_flags, build_workload
 from pdserve.loadgen.metrics import parse_slo
 from pdserve.loadgen.workloads import RequestSpec
+from pdserve.planner.candidate import Candidate
 from pdserve.planner.progress import Progress, cores
 from pdserve.planner.search import plan_splits
 from pdserve.planner.sim import SimConfig
+
+# splits grow as budget^2 / 2 (bounded and sorted before the first simulation starts): 1024
+# nodes is ~520k of them, seconds to bound; far beyond, the search would hang before its
+# first output (and --max-seconds is no help there)
+MAX_BUDGET = 1024
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=0,
                    help="as bench's: the workload's first N requests warm the cluster up, "
                         "not planned for (bench's N: the same measured requests)")  # fmt: skip
-    p.add_argument("--budget", type=int, default=8, help="most nodes (prefill + decode)")
+    p.add_argument("--budget", type=int, default=8,
+                   help=f"most nodes (prefill + decode; at most {MAX_BUDGET})")  # fmt: skip
     # what the planner models of the serving commands: their flags, their defaults
     add_shared_flags(p, EngineConfig, ("sim_profile", "max_batch", "max_batch_tokens"))
     p.add_argument(
@@ -83,23 +90,28 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--try-max-batch {args.try_max_batch!r}: limits of at least 1")
     start = time.perf_counter()
     line = Progress(sys.stderr, start) if not args.no_progress else None
-    plan = plan_splits(
-        specs,
-        slo,
-        args.budget,
-        base,
-        batches,
-        max_prefill=args.max_prefill,
-        max_decode=args.max_decode,
-        workers=args.workers or cores(),
-        max_seconds=args.max_seconds,
-        progress=line,
-    )
-    if line is not None:
-        line.close()
+    try:  # a ValueError (nothing to plan) ends the progress line before it is printed
+        plan = plan_splits(
+            specs,
+            slo,
+            args.budget,
+            base,
+            batches,
+            max_prefill=args.max_prefill,
+            max_decode=args.max_decode,
+            workers=args.workers or cores(),
+            max_seconds=args.max_seconds,
+            progress=line,
+        )
+    finally:
+        if line is not None:
+            line.close()
     took = time.perf_counter() - start
     if not plan.ranked:
         print(f"no split simulated to its end within --max-seconds {args.max_seconds}")
+        return 1
+    if plan.ranked[0].goodput <= 0:  # not a recommendation: every split scored 0
+        print(nothing_meets(plan.ranked[0], len(plan.ranked)))
         return 1
     rows = [c.row() for c in plan.ranked]
     if args.json:
@@ -142,10 +154,19 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def nothing_meets(best: Candidate, tried: int) -> str:
+    row = best.row()
+    return (
+        f"no split meets the SLOs: none of the {tried} simulated served a request within "
+        f"them (the best, {row['split']}: TTFT p50 {row['ttft_ms_p50']} ms, TPOT p50 "
+        f"{row['tpot_ms_p50']} ms); loosen the SLOs or lower the load"
+    )
+
+
 def _check(args: argparse.Namespace) -> None:
     """What would plan nothing (or search forever) is an error, not a recommendation."""
-    if args.budget < 2:
-        raise ValueError("--budget: at least 2 nodes (one prefill, one decode)")
+    if not 2 <= args.budget <= MAX_BUDGET:
+        raise ValueError(f"--budget: 2 (one prefill, one decode) to {MAX_BUDGET} nodes")
     for name in ("max_prefill", "max_decode"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: at least 1 (leave it out: no limit)")
