@@ -37,9 +37,13 @@ class SimEngine:
         self.block_size = cfg.block_size
         self.max_model_len = cfg.max_model_len or m.max_context
         self.kernels = "sim"
-        self.num_blocks = cfg.num_kv_blocks or max(
-            1, self.cost.kv_capacity_tokens() // cfg.block_size
-        )
+        self.num_blocks = cfg.num_kv_blocks or self.cost.kv_capacity_tokens() // cfg.block_size
+        if self.num_blocks < 1:  # the 70B profiles: one GPU's memory holds the weights alone
+            raise ValueError(
+                f"sim profile {cfg.sim_profile!r}: {m.weight_bytes / 1e9:.0f} GB of weights "
+                f"leave no KV room in 90 % of one {self.cost.gpu.name}'s "
+                f"{self.cost.gpu.hbm_bytes / 1e9:.0f} GB; give --num-kv-blocks"
+            )
         per_layer = m.kv_bytes_per_token // m.num_layers
         self.sleep = sleep
         per_token = max(1, round(per_layer * cfg.sim_kv_scale))

@@ -3,6 +3,8 @@
 import sys
 import time
 
+import pytest
+
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.interface import DecodeWork, PrefillWork
 from pdserve.common.engine.sim import SimEngine
@@ -83,6 +85,15 @@ def test_blocks_come_from_gpu_memory_minus_weights():
     tokens = eng.num_blocks * eng.block_size
     # H100 80 GB x 0.9 - 16 GB weights, 128 KiB per token: about 430k tokens
     assert 400_000 < tokens < 460_000
+
+
+def test_a_profile_whose_weights_fill_the_gpu_needs_its_blocks_given():
+    """The 70B profiles on one GPU: no KV room. An engine of one block refused every request
+    as too long; it is an error at start, unless the blocks are given."""
+    with pytest.raises(ValueError, match="no KV room.*--num-kv-blocks"):
+        SimEngine(EngineConfig(engine="sim", sim_profile="a100-llama3.1-70b"))
+    given = EngineConfig(engine="sim", sim_profile="a100-llama3.1-70b", num_kv_blocks=64)
+    assert SimEngine(given).num_blocks == 64
 
 
 def test_the_simulated_cache_refuses_what_the_real_cache_refuses():
