@@ -100,6 +100,12 @@ class DecodeRole(RoleDefaults):
             for rid in list(self.node.requests):
                 self.node.spawn(self.migrate(rid, "draining"))
 
+    def on_adopted(self, rid: str) -> None:
+        # an orphan decodes on through a drain (no gateway to ask where it goes); adopted,
+        # it has one: moved on as the others were, not handed back at the drain's timeout
+        if self.node.draining and self.node.cfg.drain_migrate == "on":
+            self.node.spawn(self.migrate(rid, "draining"))
+
     def kv_acked(self, t: Transfer) -> None:
         self.handoff.acked(t)
 

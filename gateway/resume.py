@@ -58,9 +58,28 @@ class _Asking:
     # node id -> (wire id, reason); the adopter places it again at once
     gave_back: dict[str, tuple[str, str]] = field(default_factory=dict)
     used: bool = False  # its found answer was taken (else, left unused, it is let go)
+    since: dict[str, float] = field(default_factory=dict)  # first found / refused: when
 
     def found(self) -> tuple[str, Adopted] | None:
-        return next(((n, m) for n, m in self.answers.items() if m.found), None)
+        """The latest attempt found: a node may still hold an older one (given back, then
+        placed again elsewhere), whose use would place a second copy under the same id."""
+        found = [(n, m) for n, m in self.answers.items() if m.found]
+        return max(found, key=lambda f: _attempt(f[1].request_id), default=None)
+
+    def settled(self, now: float) -> tuple[str, Adopted] | None:
+        """The answer to use, once no other node's to the same round may still come: a
+        running stream at once; one given back (to be placed again), or a position refused
+        (perhaps by an older attempt's node), a round after it came."""
+        found = self.found()
+        if found is not None and found[1].finish_reason != GAVE_BACK:
+            return found
+        if found is not None and now - self.since["found"] >= ROUND_S:
+            return found
+        return None
+
+    def note(self, msg: Adopted, now: float) -> None:
+        if msg.found or msg.reason.startswith("Last-Event-ID"):
+            self.since.setdefault("found" if msg.found else "position", now)
 
 
 class Busy(ApiError):
@@ -112,6 +131,7 @@ class Resumes:
                 self.release(msg.request_id, node.node_id)
             return
         asking.answers[node.node_id] = msg
+        asking.note(msg, time.monotonic())
         asking.news.set()
 
     def claims(self, wire_id: str) -> bool:
@@ -174,12 +194,14 @@ class Resumes:
                 await self._let_go(rid, public_id, deadline)
                 asking.due = 0.0
             self._ask_soon()
-            while (found := asking.found()) is None:
+            while (found := asking.settled(now := time.monotonic())) is None:
                 refused = [m.reason for m in asking.answers.values()]
-                if any(r.startswith("Last-Event-ID") for r in refused):
-                    raise ApiError(409, next(r for r in refused if r.startswith("Last")),
-                                   code="conflict")  # fmt: skip
-                left = deadline - time.monotonic()
+                bad = [r for r in refused if r.startswith("Last-Event-ID")]
+                if bad and now - asking.since["position"] >= ROUND_S and not asking.found():
+                    raise ApiError(409, bad[0], code="conflict")
+                left = deadline - now
+                if asking.since:  # the other answers to its round, if any, come by then
+                    left = min(left, ROUND_S / 2)
                 if left <= 0 and any("live gateway" in r for r in refused):
                     # its gateway answers the node still: the client may retry later
                     raise ApiError(409, f"stream {public_id} is still served by another "
@@ -195,7 +217,7 @@ class Resumes:
                                    "or ended or left longer ago than the nodes' "
                                    "--orphan-grace)", code="not_found")  # fmt: skip
                 asking.news.clear()
-                await wait_event(asking.news, left)
+                await wait_event(asking.news, max(left, 0.0))
             node_id, msg = found
             asking.used = True
             if msg.finish_reason == GAVE_BACK:  # preempted while orphaned: not ended, its
@@ -305,3 +327,8 @@ class Resumes:
         log.info("resumed %s from token %d on %s (%d tokens so far)", req.request_id, have,
                  node_id, len(msg.output_ids))  # fmt: skip
         return req
+
+
+def _attempt(wire_id: str) -> int:
+    tail = wire_id.rpartition(".")[2]
+    return int(tail) if tail.isdigit() else -1

@@ -34,6 +34,7 @@ from pdserve.common.wire.protocol import (
 log = logging.getLogger(__name__)
 
 LIVE = "the stream is served by a live gateway"  # its gateway is told (`Wanted`)
+GIVEN_BACK = "preempted"  # an ended orphan's reason: its adopter places it again
 
 
 class AdoptHost(Protocol):
@@ -47,6 +48,8 @@ class AdoptHost(Protocol):
     def load(self) -> Load: ...
 
     def unpark(self, rid: str) -> None: ...  # parked to move: decodes here again
+
+    def adopted(self, rid: str) -> None: ...  # a running one: a draining node moves it on
 
 
 class Adoption:
@@ -113,7 +116,10 @@ class Adoption:
         for rid in [rid for rid, (*_, owner) in self.recent.items() if owner is link]:
             req, reason, *_ = self.recent.pop(rid)
             self.finished[rid] = (req, reason)
-            self.gateways.owners.move(rid, self._gone(link, now))
+            if reason == GIVEN_BACK:  # its Preempted may wait unread in a paused gateway:
+                self.given_back(rid)  # as one given back while silent (that gateway's still)
+            else:
+                self.gateways.owners.move(rid, self._gone(link, now))
 
     def given_back(self, rid: str) -> bool:
         """An orphan given back (preempted, handed back), its tokens kept for an adopter:
@@ -128,8 +134,8 @@ class Adoption:
     def retire(self, link: GatewayLink, now: float) -> None:
         """`link`'s gateway is no more (a new process under its address, or a vanished
         pod): what it held and what ended for it lately are orphans."""
-        self.taken.pop(link, None)  # a new process has no table to tell
         self.silenced(link, now)
+        self.taken.pop(link, None)  # a new process has no table to tell
         self.gateways.retire(link, now)
 
     def _gone(self, link: GatewayLink, now: float | None) -> Gone:
@@ -243,6 +249,8 @@ class Adoption:
         if isinstance(was := owners.get(rid), GatewayLink) and was is not link:
             self.taken.setdefault(was, {})[rid] = True  # a silent one's: told if it answers
         owners.move(rid, link)
+        if ended is None and not reasked:
+            self.node.adopted(rid)
         if self.finished.pop(rid, None) is not None:  # ended: its adopter may let it go again
             self._trim(time.monotonic())
             self.recent[rid] = (req, reason or "", time.monotonic(), link)

@@ -42,6 +42,9 @@ class RoleDefaults:
     def on_drain(self) -> None:
         pass
 
+    def on_adopted(self, rid: str) -> None:
+        """A running orphan was adopted (its gateway is new: it can answer a move now)."""
+
     async def on_drain_timeout(self) -> None:
         pass
 

@@ -67,6 +67,9 @@ class Role(Protocol):
     async def on_drain_timeout(self) -> None:
         """Hand back whatever is still held when the drain timeout passes."""
 
+    def on_adopted(self, rid: str) -> None:
+        """A running orphan was adopted: it has a gateway to ask where it goes again."""
+
     # -- steps -----------------------------------------------------------------------------
     async def before_step(self, out: SchedulerOutput) -> None:
         """The step is scheduled and about to run."""
@@ -119,6 +122,7 @@ class NodeState(Protocol):
     def foreign(self, request_ids: list[str]) -> Foreign: ...  # what these ids hold
     def holds(self, rid: str) -> bool: ...
     def unpark(self, rid: str) -> None: ...  # parked to move: decodes here again
+    def adopted(self, rid: str) -> None: ...  # a running orphan has a gateway again
     @property
     def requests(self) -> dict[str, NodeRequest]: ...
 

@@ -40,6 +40,7 @@ from pdserve.common.kv.intake import KvIntake
 from pdserve.common.kv.sender import KvSender
 from pdserve.common.model.cache import cache_dir
 from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.node.adoption import GIVEN_BACK
 from pdserve.common.node.control import ControlPlane
 from pdserve.common.node.events import PrefixEvents
 from pdserve.common.node.host import default_node_id, facing_address, host_identity
@@ -163,14 +164,17 @@ class NodeRuntime:
 
     def load(self) -> Load:
         sched, bm = self.scheduler, self.blocks
-        cached = bm.num_cached_blocks
+        # an allocation takes free blocks, then cached ones, short of the watermark: both
+        # offered only up to it (gateways add them up as a node's room)
+        offered = max(0, bm.num_free_blocks - sched.cfg.watermark_blocks)
+        cached = min(bm.num_cached_blocks, offered)
         extra = self.role.extra_held()
         fetches = self.kv.fetches if self.kv is not None else None
         return Load(
             running=len(sched.running),
             waiting=len(sched.waiting) + len(extra) + (len(fetches.fetching) if fetches else 0),
             # blocks held back by the watermark are not offered: work needing them waits
-            blocks_free=max(0, bm.num_free_blocks - cached - sched.cfg.watermark_blocks),
+            blocks_free=offered - cached,
             blocks_cached=cached,
             blocks_in_use=bm.num_in_use_blocks,
             held=(*self.requests, *extra),
@@ -202,12 +206,16 @@ class NodeRuntime:
     async def give_back(self, rid: str, req: NodeRequest | None, reason: str) -> None:
         """`rid` leaves this node to be placed again (preempted, handed back): its gateway
         re-places it; an orphan's tokens wait for its adopter, which re-places it (`Adopted`
-        with finish_reason "preempted"), instead of its Preempted going nowhere."""
-        if req is not None and self.control.gateways.owners.orphan(rid):
-            self.control.adoption.ended(req, "preempted")
-            self.metrics.orphans("given_back", 1)
-            if self.control.adoption.given_back(rid):
-                return  # its silent gateway is told if it answers again
+        with finish_reason "preempted"), instead of its Preempted going nowhere. A live
+        gateway's are kept a while too (`recent`): it may be dead, not yet seen silent, or
+        its `Release` may cross the Preempted (its client left): then they are orphans."""
+        if req is not None:
+            orphan = self.control.gateways.owners.orphan(rid)
+            self.control.adoption.ended(req, GIVEN_BACK)
+            if orphan:
+                self.metrics.orphans("given_back", 1)
+                if self.control.adoption.given_back(rid):
+                    return  # its silent gateway is told if it answers again
         await self.control.push_tokens(Preempted(node_id=self.node_id, request_id=rid,
                                                  reason=reason))  # fmt: skip
 
@@ -220,8 +228,14 @@ class NodeRuntime:
         if self.scheduler.resume(rid):
             self.steps.wake()
 
+    def adopted(self, rid: str) -> None:
+        self.role.on_adopted(rid)
+
     def idle(self) -> bool:
-        return not self.requests and not self.role.extra_held()
+        """Nothing held: a draining node may exit. Ended orphans' tokens count: a client
+        may still resume them (within the grace; a drain waits --drain-timeout at most)."""
+        held = self.requests or self.role.extra_held()
+        return not held and not self.control.adoption.finished
 
     def hung(self) -> str | None:
         return self.steps.hung(self.cfg.step_timeout, time.monotonic())

@@ -74,3 +74,47 @@ async def test_a_node_with_no_gateway_left_drains_and_exits(tokenizer):
         await until(lambda: not d.control.registered.is_set(), what="no gateway left")
         d.control.begin_drain()
         await until(d.stopped.is_set, 10.0, "the drain's end")
+
+
+async def test_a_draining_node_waits_for_its_ended_orphans_adopter(tokenizer):
+    """A's stream ended here as an orphan (given back: its tokens kept for a resume), then
+    the node drains. It no longer exits at once, the tokens with it (the client's resume
+    found nothing): it waits, up to --drain-timeout, until they are adopted."""
+    async with _streaming_for_a(tokenizer) as (a, b, d):
+        d.cfg = d.control.cfg = dataclasses.replace(d.cfg, drain_timeout=60.0)
+        a.muted = True
+        await until(lambda: d.control.links[0].silent_since is not None, what="A silent")
+        await d.hand_back("draining")
+        await until(lambda: "r.0" not in d.requests, what="given back")
+        assert "r.0" in d.control.adoption.finished
+        checks: list[bool] = []
+        idle = d.idle
+        d.idle = lambda: checks.append(idle()) or checks[-1]  # type: ignore[method-assign]
+        d.control.begin_drain()
+        await until(lambda: len(checks) >= 3, what="the drain to look thrice")
+        assert not d.stopped.is_set() and not any(checks)
+        await b.tell(d, Adopt(streams=[("r", 0)]))
+        await until(lambda: [m for m in b.inbox if isinstance(m, Adopted)], what="an answer")
+        adopted = next(m for m in b.inbox if isinstance(m, Adopted))
+        assert adopted.found and adopted.finish_reason == "preempted"
+        await until(d.stopped.is_set, 10.0, "the drain's end")
+
+
+async def test_a_running_orphan_adopted_while_its_node_drains_moves_on(tokenizer):
+    """A draining node decodes an orphan on (no gateway to ask where it goes); once adopted,
+    it has one: moved on like the others (Migrate to its adopter), not decoded here until
+    the drain's timeout hands it back for recompute."""
+    async with _streaming_for_a(tokenizer) as (a, b, d):
+        d.cfg = d.control.cfg = dataclasses.replace(d.cfg, drain_migrate="on")
+        a.muted = True
+        await until(lambda: d.control.links[0].silent_since is not None, what="A silent")
+        d.control.begin_drain()
+        await until(lambda: not d.role.to_park, what="the drain's move skipped (an orphan)")
+        made = len(d.requests["r.0"].seq.output_ids)
+        await until(lambda: len(d.requests["r.0"].seq.output_ids) > made, what="decoding on")
+        assert "r.0" not in d.scheduler.parked
+        await b.tell(d, Adopt(streams=[("r", 0)]))
+        await until(lambda: [m for m in b.inbox if isinstance(m, Adopted)], what="an answer")
+        assert next(m for m in b.inbox if isinstance(m, Adopted)).found
+        await until(lambda: [m for m in b.inbox if isinstance(m, Migrate)], what="a move")
+        assert "r.0" in d.scheduler.parked

@@ -3,6 +3,8 @@ stream at two gateways at once, and a gateway that fell silent and answers again
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import msgspec
 import pytest
 import zmq.asyncio
@@ -12,6 +14,7 @@ from pdserve.common.node.adoption import FREED, Adoption, tell_returned
 from pdserve.common.node.gateways import Gateways
 from pdserve.common.node.links import GatewayLink, Gone
 from pdserve.common.node.role import NodeRequest
+from pdserve.common.node.runtime import NodeRuntime
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.wire.protocol import (
     REGISTERING,
@@ -488,6 +491,46 @@ async def test_an_orphan_given_back_while_its_gateway_is_silent_is_placed_again_
             assert out == [Preempted(node_id="node-x", request_id="r.0", reason=FREED)]
             assert adoption.adopt(Adopt(streams=[("r", 2)]), b) == []  # A's again, not B's
             assert not gateways.owners.orphan("r.0")
+    finally:
+        for link in links:
+            link.close()
+        ctx.term()
+
+
+@pytest.mark.parametrize("then", ["silent", "released"])
+async def test_a_stream_given_back_to_a_live_gateway_stays_adoptable_if_it_never_hears(then):
+    """A's stream is preempted while A still answers: its `Preempted` goes to A. But A may
+    be dead, not yet seen silent (heartbeat timeout), or its `Release` (its client left)
+    may cross the `Preempted`, which it then drops: either way nobody places it again. Its
+    tokens are kept a while: B adopts it (and places it again); A, answering after all, is
+    told it was taken."""
+    ctx = zmq.asyncio.Context()
+    a, b = links = _links(ctx, "g-a", "g-b")
+    out = _sent(a)
+    try:
+        node, gateways, adoption = _node(links, "r.0", grace=10.0)
+        req = NodeRequest(seq=_seq("r.0", 7, 8))
+        del node.requests["r.0"]  # preempted: off the engine
+        runtime = SimpleNamespace(
+            control=SimpleNamespace(gateways=gateways, adoption=adoption, push_tokens=a.push),
+            metrics=SimpleNamespace(orphans=lambda outcome, n: None),
+            node_id="node-x",
+        )
+        await NodeRuntime.give_back(runtime, "r.0", req, "out of KV blocks")  # type: ignore[arg-type]
+        assert out == [Preempted(node_id="node-x", request_id="r.0", reason="out of KV blocks")]
+        if then == "silent":
+            a.silent_since = 100.0
+            adoption.silenced(a, 100.0)
+        else:
+            adoption.release("r.0", a, 100.0)
+        (answer,) = adoption.adopt(Adopt(streams=[("r", 2)]), b)
+        assert answer[1].found and answer[1].finish_reason == "preempted"
+        assert answer[1].output_ids == [7, 8]
+        if then == "silent":  # A answers again: it forgets the stream B took
+            assert not adoption.registered(a, "g-a", 101.0)
+            a.silent_since = None
+            await tell_returned(adoption, a, True)
+            assert out[1:] == [Wanted(request_id="r.0", taken=True)]
     finally:
         for link in links:
             link.close()

@@ -316,3 +316,30 @@ def test_a_stream_let_go_again_moves_to_the_end_of_the_let_go_list(tokenizer):
     resumes.released("a.0", 4.0)
     resumes.released("c.0", 6.5)  # trims: b is 5.5 s old, a 2.5 s
     assert list(resumes.let_go) == ["a.0", "c.0"]
+
+
+@pytest.mark.parametrize("old", ["given back", "mispositioned"])
+async def test_the_latest_attempt_is_resumed_not_an_older_one_on_another_node(tokenizer, old):
+    """d0 still has attempt 0 of the stream (given back: its tokens kept; placed again since
+    as attempt 1 on d1, which decodes on). Both answer a round, d0 first: attempt 1 is
+    resumed. Attempt 0 taken would be placed again as a second attempt 1, and a client
+    past attempt 0's tokens would get d0's refusal of its position, a 409."""
+    link = _Link()
+    resumes, table = _resumes(tokenizer, link, nodes=2)
+    words = tuple(tokenizer.encode(" one two three four", add_special_tokens=False))
+    assert len(words) == 4
+    have = 2 if old == "given back" else 3
+    task = asyncio.create_task(resumes.resume(f"cmpl-{ID}", have, False))
+    await _until(lambda: link.asked(ID) >= 2)
+    if old == "given back":
+        older = msgspec.structs.replace(_found(ID, words[:2]), finish_reason="preempted")
+        resumes.answered(b"d0", older)
+    else:
+        resumes.answered(b"d0", Adopted(request_id=ID, found=False,
+                                        reason="Last-Event-ID 3 is not a position"))  # fmt: skip
+    await asyncio.sleep(ROUND_S / 5)  # d1 is busy: its answer comes a little later
+    latest = msgspec.structs.replace(_found(ID, words), request_id=f"{ID}.1")
+    resumes.answered(b"d1", latest)
+    req, _, gave_back = await task
+    assert req.attempt == 1 and req.ran_on == {"decode": "d1"} and gave_back is None
+    assert table.get(f"{ID}.1") is not None and req.output_ids == list(words)

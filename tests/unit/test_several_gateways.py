@@ -152,6 +152,9 @@ class _Node:
     def unpark(self, rid: str) -> None:
         self.unparked.append(rid)
 
+    def adopted(self, rid: str) -> None:
+        pass
+
     def load(self) -> Load:
         return Load(running=len(self.requests), waiting=0, blocks_free=0, blocks_cached=0,
                     blocks_in_use=0, held=tuple(self.requests))  # fmt: skip
