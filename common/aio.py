@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
@@ -19,3 +23,19 @@ async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
     finally:
         waiter.cancel()  # no-op once done
     return bool(done)
+
+
+async def within(aw: Awaitable[T], timeout: float | None) -> T:
+    """`asyncio.wait_for(aw, timeout)` without gh-86296 (above): a cancellation arriving in
+    the turn `aw` completes is raised, not dropped for its result. Past `timeout`, `aw` is
+    cancelled and TimeoutError raised, as wait_for does."""
+    fut = asyncio.ensure_future(aw)
+    try:
+        done, _ = await asyncio.wait([fut], timeout=timeout)
+    except asyncio.CancelledError:
+        fut.cancel()
+        raise
+    if not done:
+        fut.cancel()
+        raise asyncio.TimeoutError
+    return fut.result()

@@ -22,6 +22,7 @@ import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from pdserve.common.aio import within
 from pdserve.common.config import GatewayConfig
 from pdserve.common.model.tokenizer import Tokenizer
 from pdserve.gateway.core import Gateway
@@ -122,7 +123,7 @@ async def read_body(request: web.Request) -> bytes:
     body = bytearray()
     while True:
         try:
-            chunk = await asyncio.wait_for(request.content.readany(), cfg.body_timeout)
+            chunk = await within(request.content.readany(), cfg.body_timeout)
         except asyncio.TimeoutError:
             stalled = f"the request body stalled for {cfg.body_timeout:g} s"
             raise ApiError(408, stalled, code="timeout") from None

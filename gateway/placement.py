@@ -31,7 +31,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from pdserve.common.aio import wait_event
+from pdserve.common.aio import wait_event, within
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.wire.protocol import PrefillOffer
 from pdserve.gateway.admission import Waiting, order, urgent
@@ -62,7 +62,7 @@ class _Offer:
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     room: int = -1  # with a Reject: the longest prompt the node would take now
-    lost: bool = False  # accepted after a node of the pair left: aborted, its wire id spent
+    lost: bool = False  # accepted after a node of the pair left or its attempt closed: aborted
 
     def commit(self, table: RequestTable) -> None:
         blocks = self.decode.blocks_for(self.attempt.prompt_len + 1)
@@ -151,8 +151,10 @@ class Placer:
             return False  # the caller aborts the acceptance on the node
         if self.table.get(wire_id) is not offer.attempt:
             # its client left (or it moved on) while the offer was out: the attempt is closed,
-            # and an acceptance must not link nodes to it (the caller aborts it on the node)
-            offer.answer.set_result(False)
+            # and an acceptance must not link nodes to it (the caller aborts it on the node);
+            # not the node's refusal either (counted as one, its room taken as full)
+            offer.lost = True
+            offer.answer.set_result(None)
             return False
         if accepted:
             offer.commit(self.table)
@@ -365,11 +367,11 @@ class Placer:
             answer: bool | None = None  # None: no answer in time
             try:
                 await self.send_offer(node.node, offer)
-                answer = await asyncio.wait_for(pending.answer, self.offer_timeout)
+                answer = await within(pending.answer, self.offer_timeout)
             except asyncio.TimeoutError:  # first: TimeoutError is an OSError too
                 if pending.answer.done() and not pending.answer.cancelled():
-                    # answered in the turn the deadline fell in: Python 3.12's wait_for then
-                    # raises though the answer is in (the attempt committed: keep it)
+                    # answered in the turn the deadline fell in: the wait then raises
+                    # though the answer is in (the attempt committed: keep it)
                     answer = pending.answer.result()
                 else:
                     log.warning("offer of %s to %s got no answer", attempt.wire_id,

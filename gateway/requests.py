@@ -129,8 +129,9 @@ class GatewayRequest:
         done = self._append(token_id, finish_reason)
         while not done and (nxt := len(self.output_ids) - self.base) in self.pending:
             done = self._append(*self.pending.pop(nxt))
-        if not self.pending:
-            self.gap_since = None
+        # a gap filled; another may remain (tokens still wait): timed from now, not from the
+        # first gap's start (it would be re-placed early, counted as a loss)
+        self.gap_since = time.monotonic() if self.pending else None
         return done
 
     def _append(self, token_id: int, finish_reason: str | None) -> bool:

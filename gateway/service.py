@@ -263,6 +263,8 @@ class RequestService:
                               "retry later", "service_unavailable"))  # fmt: skip
             self.metrics.requests.labels("placement_timeout").inc()
             return
+        if req.finished or self.table.current(req) is None:
+            return  # its client left while it waited: not placed
         self.metrics.placement_wait.observe(time.monotonic() - start)
         req.mark(f"accepted.{req.attempt}")
 

@@ -26,6 +26,10 @@ import zmq
 import zmq.asyncio
 
 T = TypeVar("T")
+# messages taken in a row without a pause: a queue that never empties (a flood, or more token
+# batches than the gateway keeps up with) must not hold the event loop, where SSE writes,
+# HTTP requests and the liveness checks wait for a turn
+BURST = 64
 
 
 class LoopSocket:
@@ -39,6 +43,7 @@ class LoopSocket:
         self._fd = -1  # a duplicate of the socket's descriptor, watched once a loop asks
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiters: list[asyncio.Future[None]] = []
+        self._taken = 0  # taken since this socket's reader last let others run
 
     async def recv_multipart(self) -> list[bytes]:
         return await self._take(zmq.Socket.recv_multipart)
@@ -47,10 +52,15 @@ class LoopSocket:
         return await self._take(zmq.Socket.recv)
 
     async def _take(self, receive: Callable[[zmq.Socket, int], T]) -> T:
+        self._taken += 1
+        if self._taken >= BURST:
+            self._taken = 0
+            await asyncio.sleep(0)
         while True:
             try:
                 got = receive(self._live(), zmq.NOBLOCK)
             except zmq.Again:
+                self._taken = 0  # it waits: others run meanwhile
                 await self._wait()
                 continue
             self._wake()  # it may have processed another reader's announcement

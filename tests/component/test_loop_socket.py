@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import select
 import time
 from collections.abc import Callable, Coroutine
@@ -15,7 +16,7 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from pdserve.common.wire.loop_socket import LoopSocket
+from pdserve.common.wire.loop_socket import BURST, LoopSocket
 
 LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
     "asyncio": asyncio.new_event_loop,
@@ -101,6 +102,37 @@ async def test_a_burst_arrives_whole_and_in_order() -> None:
             peer.send(i.to_bytes(4, "big"))
         got = [int.from_bytes(await asyncio.wait_for(ls.recv(), 10), "big") for _ in range(3000)]
         assert got == list(range(3000))
+    finally:
+        _close(ctx, ls, peer)
+
+
+@on_both_loops
+async def test_a_reader_that_never_finds_its_queue_empty_lets_others_run() -> None:
+    """A flood (or more token batches than the gateway keeps up with): every receive finds
+    a message, so the reader never awaited anything that suspends, and the gateway's SSE
+    writes, HTTP handlers and liveness checks waited for the whole burst."""
+    ctx, ls, peer = _pair(zmq.PULL, zmq.PUSH, hwm=5000)
+    try:
+        for i in range(3000):
+            peer.send(i.to_bytes(4, "big"))
+        while ls.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN == 0:  # the first one is in
+            await asyncio.sleep(0.01)
+        time.sleep(0.2)  # the rest too (loopback: 3,000 four-byte messages), before reading
+        got: list[bytes] = []
+        turns: list[int] = []  # messages read by each turn another task had
+
+        async def reader() -> None:
+            while len(got) < 3000:
+                got.append(await ls.recv())  # no wait_for: it would suspend each time
+
+        async def other() -> None:
+            while len(got) < 3000:
+                turns.append(len(got))
+                await asyncio.sleep(0)
+
+        await asyncio.gather(reader(), other())
+        gaps = [b - a for a, b in itertools.pairwise(turns)]
+        assert len(turns) >= 3000 // BURST and max(gaps) <= BURST, (len(turns), max(gaps))
     finally:
         _close(ctx, ls, peer)
 

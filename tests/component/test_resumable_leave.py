@@ -50,7 +50,7 @@ async def test_a_stream_left_while_placed_again_is_kept_once_placed(tokenizer):
         params = SamplingParams(max_tokens=400, temperature=1.0, seed=4, ignore_eos=True)
         req = c.request("s", prompt(40), params)
         req.resumable = req.announced = True
-        asyncio.create_task(c.gw.service.run(req))
+        run = asyncio.create_task(c.gw.service.run(req))
         await until(lambda: len(req.output_ids) >= 2, what="decoding")
         [(node, task)] = [v for v in c.tasks.values() if v[0] is p]
         await c.stop(node, task)  # no prefill node: the next placement waits
@@ -67,3 +67,28 @@ async def test_a_stream_left_while_placed_again_is_kept_once_placed(tokenizer):
         assert outcomes.labels("detached")._value.get() == 1
         assert outcomes.labels("cancelled")._value.get() == 0
         assert list(d.requests) == ["s.1"]
+        await run  # its first placement was over long ago
+
+
+async def test_an_acceptance_after_the_client_left_is_no_rejection(tokenizer):
+    """The client leaves while its offer is out; the node then accepts. The acceptance is
+    aborted there, and it is not the node's refusal: it was counted as a Reject (the
+    pdserve:placement_rejects series, the node's room taken as full for the round)."""
+    async with Cluster(tokenizer) as c:
+        p = await c.add(c.node(PrefillRole, "prefill-0", ecfg=SLOW))
+        await c.add(c.node(DecodeRole, "decode-0", ecfg=SLOW))
+        req = c.request("s", prompt(40))
+        placer, offer = c.gw.placer, c.gw.placer.send_offer
+
+        async def send_then_leave(node, msg) -> None:
+            await offer(node, msg)
+            c.gw.service.end(req)  # its client leaves before the node's answer is read
+
+        placer.send_offer = send_then_leave
+        await c.gw.service.run(req)
+        answers = c.gw.metrics.node_messages.labels("Accept")
+        await until(lambda: answers._value.get() == 1, what="the node's acceptance")
+        await until(lambda: not p.requests, what="the acceptance aborted on the node")
+        assert c.gw.metrics.accepts.labels("prefill-0")._value.get() == 0
+        assert c.gw.metrics.rejects.labels("prefill-0")._value.get() == 0
+        assert c.gw.cluster.nodes["prefill-0"].rejects == 0

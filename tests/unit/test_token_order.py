@@ -62,6 +62,23 @@ def test_a_token_ahead_of_a_gap_waits_and_marks_the_gap(tokenizer):
     assert req.output_ids == TOKENS[:2] and req.gap_since is None
 
 
+def test_a_second_gap_is_timed_from_when_the_first_filled(tokenizer, monkeypatch):
+    """Tokens 2 and 5 wait for 1; 1 comes at t=10 s, so 2 goes out and 5 waits for 3 and 4
+    from then on: not from t=0, when --stream-gap-timeout would take the attempt as broken
+    at once (re-placed, counted as a loss) though its tokens arrived in time."""
+    clock = [0.0]
+    monkeypatch.setattr("pdserve.gateway.requests.time.monotonic", lambda: clock[0])
+    req = _request(tokenizer)
+    req.add_token(0, TOKENS[0], None)
+    req.add_token(2, TOKENS[2], None)
+    req.add_token(5, TOKENS[5], None)
+    assert req.gap_since == 0.0
+    clock[0] = 10.0
+    req.add_token(1, TOKENS[1], None)
+    assert req.output_ids == TOKENS[:3] and list(req.pending) == [5]
+    assert req.gap_since == 10.0
+
+
 def test_the_final_token_arriving_first_does_not_end_the_request(tokenizer):
     req = _request(tokenizer, max_tokens=2)
     assert req.add_token(1, TOKENS[1], "length") is False
