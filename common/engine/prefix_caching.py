@@ -8,6 +8,7 @@ manager and touches no clock or socket.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,8 @@ from pdserve.common.engine.tiers import TierStore
 
 if TYPE_CHECKING:
     from pdserve.common.engine.scheduler import SchedulerConfig
+
+log = logging.getLogger(__name__)
 
 
 class PrefixCaching:
@@ -57,14 +60,20 @@ class PrefixCaching:
 
     def _load(self, blocks: list[int], hashes: list[bytes]) -> int:
         """Fill the first blocks with the tiers' copies of `hashes`; how many it loaded (a
-        block that is gone or corrupt ends the run: the rest is computed)."""
+        block that is gone or corrupt, or a copy that fails, ends the run: the rest is
+        computed; a failure raised here would leave the sequence's blocks nobody's and stop
+        the step loop)."""
         if not hashes or self.tiers is None or self._write_block is None:
             return 0
         for i, digest in enumerate(hashes):
-            data = self.tiers.take(digest)
-            if data is None:
+            try:
+                data = self.tiers.take(digest)
+                if data is None:
+                    return i
+                self._write_block(blocks[i], data)
+            except Exception:  # out of device or pinned memory, say
+                log.warning("loading a cached block from the KV tiers failed", exc_info=True)
                 return i
-            self._write_block(blocks[i], data)
         return len(hashes)
 
     def _extend_hashes(self, seq: Sequence, upto: int | None = None) -> None:

@@ -85,12 +85,13 @@ class TierStore:
             return
         path = self.dir / (digest.hex() + ".kv")
         body = MAGIC + hashlib.blake2b(data, digest_size=CHECK).digest() + data
+        tmp = path.with_suffix(".tmp")
         try:
-            tmp = path.with_suffix(".tmp")
             tmp.write_bytes(body)
             os.replace(tmp, path)
         except OSError as exc:
             log.warning("KV disk tier: cannot write %s: %s", path, exc)
+            tmp.unlink(missing_ok=True)  # a partial write (disk full) counts in no budget
             return
         self.disk[digest] = len(body)
         self.disk_used += len(body)

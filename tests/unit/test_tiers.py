@@ -3,7 +3,9 @@ load-or-recompute decision from measured costs."""
 
 from __future__ import annotations
 
+import errno
 import os
+from pathlib import Path
 
 from pdserve.common.engine.tiers import TierStore
 
@@ -42,6 +44,22 @@ def test_a_corrupt_disk_block_is_a_miss_and_is_dropped(tmp_path):
     assert store.take(b"a" * 16) is None
     assert store.where(b"a" * 16) is None and store.stats["corrupt"] == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_disk_write_that_fails_leaves_no_partial_file(tmp_path, monkeypatch):
+    """The disk fills mid-write: the block is not spilled, and its partial file is removed
+    (it sat outside the tier's budget until the node's next start)."""
+    store = TierStore(host_bytes=0, disk_bytes=10_000, disk_dir=tmp_path)
+    real = Path.write_bytes
+
+    def full(path: Path, data: bytes) -> int:
+        real(path, data[:100])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    store.put(b"a" * 16, block(1))
+    assert store.where(b"a" * 16) is None and store.disk_used == 0
+    assert list(tmp_path.glob("*.tmp")) == []
 
 
 def test_loading_is_chosen_only_when_it_is_cheaper_than_recomputing():
