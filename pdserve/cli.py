@@ -160,6 +160,8 @@ def _add_serving(sub: argparse._SubParsersAction) -> None:
     up.set_defaults(func=launch.run_up)
     if "PDSERVE_DTYPE" not in os.environ:  # a local cluster runs what this machine runs best
         up.set_defaults(dtype="auto")
+        [dtype] = [a for a in up._actions if a.dest == "dtype"]
+        dtype.help = (dtype.help or "").replace("(default: float32;", "(default: auto;")
 
 
 # Commands that need none of the tools' parsers: the serving processes (`pdserve up` and the

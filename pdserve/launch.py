@@ -9,7 +9,6 @@ import dataclasses
 import json
 import logging
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig
 from pdserve.common.errors import ConfigError
 from pdserve.common.flags import from_args
 from pdserve.common.ofd import sweep_dead_kv_files
+from pdserve.ports import node_ports_free, ports_free
 from pdserve.spawn import cores, node_spawn_options
 from pdserve.spawn import spawn as _spawn
 from pdserve.supervisor import Child, Supervisor
@@ -56,7 +56,9 @@ def run_gateway(args: argparse.Namespace) -> int:
     from pdserve.gateway.app import serve
 
     _use_uvloop()
-    serve(from_args(GatewayConfig, args))
+    cfg = from_args(GatewayConfig, args)
+    ports_free([cfg])  # a taken port: its flag named, not a bind's traceback
+    serve(cfg)
     return 0
 
 
@@ -73,6 +75,7 @@ def run_node(args: argparse.Namespace, role: str) -> int:
 
         ecfg = dataclasses.replace(ecfg, device=resolve_device(ecfg.device, ecfg.gpu_offset))
     ncfg = from_args(NodeConfig, args)
+    node_ports_free(ncfg)  # before the model loads (minutes), not after
     tokenizer = Tokenizer.load(ecfg.model if ecfg.engine == "torch" else None)
     executor, helpers = None, None
     if ecfg.engine == "torch":  # all torch work on one engine thread (common/engine/threads.py)
@@ -278,24 +281,28 @@ def run_up(args: argparse.Namespace) -> int:
     """Start the cluster, wait until every node registered, then supervise it: a child that
     dies is restarted and the others keep serving (pdserve/supervisor.py). A child that fails
     before the cluster is up is a configuration error and stops everything."""
-    gcfg, _ = up_configs(args)
+    gcfg, ncfg = up_configs(args)
     gateways = getattr(args, "gateways", 1)
     urls = [f"http://{g.host}:{g.port}" for g in gateway_configs(gcfg, gateways)]
-    stop = False
+    stop = 0  # signals received: the first drains the cluster, a second stops it now
 
     def on_signal(signum: int, frame: object) -> None:
         nonlocal stop
-        stop = True
+        stop += 1
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    ports_free(gateway_configs(gcfg, gateways))  # before the kernels' build and measurement
     commands = cluster_commands(args)
-    ports_free(gateway_configs(gcfg, gateways))
     names = [f"gateway-{i}" if gateways > 1 else "gateway" for i in range(gateways)]
     children = [Child(names[i], cmd) for i, cmd in enumerate(commands[:gateways])]
     for child in children:
         child.essential = True  # the cluster serves while one gateway does
-    children += [Child(cmd[cmd.index("--node-id") + 1], cmd) for cmd in commands[gateways:]]
+    for cmd in commands[gateways:]:
+        name = cmd[cmd.index("--node-id") + 1]
+        role = cmd[cmd.index("--gateway") - 1]  # the subcommand: prefill, decode, colocated
+        serves = ("prefill", "decode") if role == "colocated" else (role,)
+        children.append(Child(name, cmd, serves=serves))
     options = node_spawn_options(args, [c.command for c in children])
     options.update({name: {"secrets": gateway_secrets(gcfg)} for name in names})
     ready = Readiness(names, urls, gcfg.heartbeat_timeout + 1.0)
@@ -306,7 +313,7 @@ def run_up(args: argparse.Namespace) -> int:
         supervisor.start(time.monotonic())
         procs = list(supervisor.running())
         for url in urls:
-            wait_healthy(url, procs, args.startup_timeout, len(procs) - gateways, lambda: stop)
+            wait_healthy(url, procs, args.startup_timeout, len(procs) - gateways, lambda: stop > 0)
         body = json.dumps(
             {"messages": [{"role": "user", "content": "Hello!"}], "stream": True, "max_tokens": 32}
         )
@@ -314,7 +321,7 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"pdserve is up at {' '.join(urls)} ({shape})", flush=True)
         curl = f"curl -N {urls[0]}/v1/chat/completions -H 'Content-Type: application/json'"
         print(f"  {curl} -d '{body}'", flush=True)
-        code = supervisor.run(lambda: stop)
+        code = supervisor.run(lambda: stop > 0)
         if code:
             print("pdserve up: the cluster cannot go on; stopping", file=sys.stderr)
         return code
@@ -322,22 +329,13 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 1
     finally:
-        stop_all([c.proc for c in children if c.proc is not None])
+        # the nodes' drain (and its hand-back) first, then the gateways streaming the last
+        # tokens; a second Ctrl-C (or SIGTERM) ends it at once
+        drain = ncfg.drain_timeout + 5.0
+        procs = [c.proc for c in children if c.proc is not None]
+        stop_all(procs[gateways:], drain, hurry=lambda: stop > 1)
+        stop_all(procs[:gateways], hurry=lambda: stop > 1)
         sweep_dead_kv_files()  # a node killed mid-drain or mid-load leaves its KV cache file
-
-
-def ports_free(configs: list[GatewayConfig]) -> None:
-    """Refuse ports something listens on: another cluster's /health answered the wait
-    ("is up") while this one's gateway failed its bind, and its nodes joined the other."""
-    for g in configs:
-        for port in (g.port, g.control_port, g.tokens_port):
-            with socket.socket() as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do
-                try:
-                    probe.bind(("0.0.0.0" if g.host in ("", "::") else g.host, port))
-                except OSError as exc:
-                    why = f"port {port} is in use or not ours ({exc.strerror})"
-                    raise ConfigError(f"{why}: --port, --control-port, --tokens-port") from None
 
 
 class Readiness:
@@ -367,15 +365,17 @@ class Readiness:
         return up
 
 
-def stop_all(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
-    """SIGTERM every child (nodes drain), then SIGKILL what is left after `grace`."""
+def stop_all(procs: list[subprocess.Popen], grace: float = 10.0,
+             hurry: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
+    """SIGTERM every child (nodes drain), then SIGKILL what is left after `grace`, or at
+    once when `hurry` says so."""
     for p in reversed(procs):  # nodes first, the gateway last
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline and not hurry():
+        time.sleep(0.05)
     for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        if p.poll() is None:
             p.kill()
-            p.wait()
+        p.wait()

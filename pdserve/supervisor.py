@@ -9,7 +9,9 @@ Rules, per child:
   (from when `is_ready` first saw it serve: a model load is not a stable run);
 - `give_up_after` failures in a row, each within `stable_after` seconds of serving, mean the
   child cannot run here (a bad flag, a port taken): it is not started again, and the rest keep
-  serving. When the gateway gives up, or nothing is left running, the cluster stops.
+  serving. When the gateway gives up, or every node that prefills or every node that decodes
+  does (no request can be served then: the gateways would answer 503 for good), or nothing
+  is left running, the cluster stops.
 
 `step(now)` is the whole policy, driven by a clock passed in; `run` polls it.
 """
@@ -32,6 +34,7 @@ class Child:
     name: str
     command: list[str]
     essential: bool = False  # the cluster cannot serve without one of these (the gateways)
+    serves: tuple[str, ...] = ()  # a node's phases: ("prefill",), ("decode",) or both
     proc: subprocess.Popen | None = None
     started: float = 0.0
     failures: int = 0  # fast failures in a row
@@ -86,6 +89,12 @@ class Supervisor:
         essential = [c for c in self.children if c.essential]
         if essential and all(c.state in ("gave_up", "exited") for c in essential):
             return False  # no gateway left: nothing can reach the nodes
+        for phase in ("prefill", "decode"):
+            able = [c for c in self.children if phase in c.serves]
+            gone = [c.state for c in able if c.state in ("gave_up", "exited")]
+            if able and len(gone) == len(able) and "gave_up" in gone:  # not a chosen end
+                self._say(f"no node left that can {phase}: the cluster cannot serve")
+                return False
         return any(c.state in ("running", "waiting") for c in self.children)
 
     def _exited(self, child: Child, code: int, now: float) -> None:

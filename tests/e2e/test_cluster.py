@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -197,6 +198,43 @@ def test_pdserve_up_stops_every_child(role, tmp_path):
         with socket.socket() as s:  # nothing listens any more (TIME_WAIT is fine, as for servers)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_second_ctrl_c_stops_pdserve_up_at_once():
+    """The first Ctrl-C drains: nodes first (a decode node decodes its streams on, up to its
+    --drain-timeout), the gateways after them. A second one ends it now, as every server's
+    does: it was ignored, the cluster killed only 10 s later."""
+    from pdserve.common.wire.transport import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", "up", "--engine", "sim",
+           "--port", str(port), "--control-port", str(free_port()), "--tokens-port",
+           str(free_port()), "--sim-time-scale", "40", "--drain-timeout", "60"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        while line and "is up" not in line:
+            line = proc.stdout.readline()
+        assert "is up" in line
+        body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 4000, "ignore_eos": True,
+                           "stream": True}).encode()  # fmt: skip
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})  # fmt: skip
+        stream = urllib.request.urlopen(request, timeout=30)
+        assert stream.readline().startswith(b"data:")  # its first token: decoding now
+        proc.send_signal(signal.SIGINT)
+        line = proc.stdout.readline()
+        while line and "draining" not in line:  # the decode node drains its stream on
+            line = proc.stdout.readline()
+        assert "draining" in line
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+        assert time.monotonic() - start < 5.0
+        stream.close()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -53,3 +53,14 @@ def test_help_and_the_tools_still_see_every_command():
         assert {"bench", "compare", "plan", "prefill", "up"} <= set(subs.choices), argv
     argv = ["bench", "--url", "http://x"]
     assert build_parser(argv).parse_args(argv).url == ["http://x"]  # repeatable: gateways
+
+
+def test_up_s_help_gives_the_dtype_it_defaults_to(monkeypatch):
+    """`pdserve up` runs --dtype auto unless told (what this machine runs best); its help
+    said float32, the default of the single-process commands."""
+    monkeypatch.delenv("PDSERVE_DTYPE", raising=False)
+    parser = build_parser(["up"])
+    subs = next(a for a in parser._actions if a.dest == "command")
+    up = subs.choices["up"]
+    [dtype] = [a for a in up._actions if a.dest == "dtype"]
+    assert up.get_default("dtype") == "auto" and "(default: auto;" in (dtype.help or "")

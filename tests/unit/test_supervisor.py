@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from pdserve.supervisor import Child, Supervisor
 
 
@@ -24,7 +26,9 @@ def make(*names: str, **kw: Any) -> tuple[Supervisor, dict[str, list[FakeProc]]]
         spawned[child.name].append(proc)
         return proc
 
-    children = [Child(n, [n], essential=(n == "gateway")) for n in names]
+    phases = {"prefill": ("prefill",), "decode": ("decode",), "colocated": ("prefill", "decode")}
+    children = [Child(n, [n], essential=(n == "gateway"), serves=phases.get(n[: n.find("-")], ()))
+                for n in names]  # fmt: skip
     sup = Supervisor(children, spawn, **kw)
     sup.start(0.0)
     return sup, spawned
@@ -59,7 +63,8 @@ def test_backoff_doubles_for_fast_failures_and_resets_after_a_stable_run():
 
 
 def test_repeated_fast_failures_give_up_on_that_node_only():
-    sup, spawned = make("gateway", "prefill-0", "decode-0", backoff=0.1, give_up_after=3)
+    sup, spawned = make("gateway", "prefill-0", "decode-0", "decode-1", backoff=0.1,
+                        give_up_after=3)  # fmt: skip
     now = 0.0
     for _ in range(3):
         spawned["decode-0"][-1].code = 2
@@ -68,8 +73,34 @@ def test_repeated_fast_failures_give_up_on_that_node_only():
         sup.step(now)
     assert sup.children[2].state == "gave_up"
     assert len(spawned["decode-0"]) == 3
-    assert sup.step(now + 100)  # the gateway and the prefill node still serve
+    assert sup.step(now + 100)  # the gateway, the prefill node and decode-1 still serve
     assert any("giving up" in e for e in sup.events)
+
+
+@pytest.mark.parametrize("lost", [("decode-0",), ("prefill-0", "colocated-0")])
+def test_a_cluster_with_no_node_left_for_a_phase_stops(lost):
+    """Every node that can decode (or prefill) was given up on: no request can be served,
+    and the gateway would answer 503 for good while `up` ran on, exit code 0 at Ctrl-C.
+    The gateway alone does not make a cluster."""
+    sup, spawned = make("gateway", "prefill-0", "decode-0", "colocated-0", backoff=0.1,
+                        give_up_after=2)  # fmt: skip
+    now = 0.0
+    for name in lost[:-1]:  # given up on first, the cluster serving on without them
+        for _ in range(2):
+            spawned[name][-1].code = 1
+            assert sup.step(now)
+            now += 1.0
+            assert sup.step(now)
+    if "decode-0" in lost:  # the colocated node decodes too: still served
+        spawned["colocated-0"][-1].code = 0  # it drained and exited cleanly
+        assert sup.step(now)
+    spawned[lost[-1]][-1].code = 1
+    assert sup.step(now)
+    now += 1.0
+    assert sup.step(now)
+    spawned[lost[-1]][-1].code = 1
+    assert not sup.step(now + 0.05)
+    assert any("no node left that can" in e for e in sup.events)
 
 
 def test_a_clean_exit_after_a_drain_is_not_a_failure():

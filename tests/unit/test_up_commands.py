@@ -204,6 +204,29 @@ def test_a_port_in_use_is_refused_before_anything_starts():
             launch.ports_free(launch.gateway_configs(launch.up_configs(args)[0], 1))
 
 
+def test_a_standalone_process_names_the_flag_of_a_taken_port(capfd):
+    """A gateway on a taken --port printed a bind's traceback (a ZeroMQ one for
+    --control-port) naming no flag; a node found its taken --data-port or --metrics-port
+    only after loading its model."""
+    import socket
+
+    from pdserve.cli import main
+    from pdserve.common.wire.transport import free_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["gateway", "--control-port", str(free_port()), "--tokens-port", str(free_port())]
+        assert main([*argv, "--port", str(port)]) == 2
+        assert f"--port: port {port} is in use" in capfd.readouterr().err
+        for flag in ("--data-port", "--metrics-port"):
+            assert main(["decode", "--engine", "sim", flag, str(port)]) == 2
+            assert f"{flag}: port {port} is in use" in capfd.readouterr().err
+    assert main(["prefill", "--engine", "sim", "--data-port", "70000"]) == 2
+    assert "--data-port: port 70000" in capfd.readouterr().err
+
+
 def test_a_niceness_not_permitted_is_said_and_not_restarted(monkeypatch, capfd):
     """A negative niceness without the privilege failed in preexec_fn: a traceback ("Exception
     occurred in preexec_fn") that named no flag, and at a restart the supervisor's crash.
