@@ -17,6 +17,7 @@ from typing import Any
 from pdserve.common.engine.scheduler import Mode, SchedulerOutput
 from pdserve.common.engine.sequence import Sequence, check_stop
 from pdserve.common.node.defaults import RoleDefaults
+from pdserve.common.node.offers import offer_refusal
 from pdserve.common.node.role import NodeRequest
 from pdserve.common.wire.protocol import (
     Abort,
@@ -51,10 +52,10 @@ class ColocatedRole(RoleDefaults):
         reason = "draining" if self.node.draining else None
         if rid in self.node.requests:
             reason = "duplicate request id"
-        if len(offer.prompt_ids) >= self.node.engine.max_model_len:
-            reason = f"prompt has {len(offer.prompt_ids)} tokens; the context limit is "
-            reason += str(self.node.engine.max_model_len)
-        seq = Sequence.new(rid, offer.prompt_ids, offer.params)
+        if refused := offer_refusal(offer, *self.node.engine_limits()):
+            reason = refused
+            log.warning("refusing offer %s: %s", rid, reason)
+        seq = Sequence.new(rid, offer.prompt_ids or [0], offer.params)  # (an empty one: refused)
         if reason is None:
             try:
                 self.node.scheduler.add(seq)

@@ -37,5 +37,6 @@ async def within(aw: Awaitable[T], timeout: float | None) -> T:
         raise
     if not done:
         fut.cancel()
+        await asyncio.wait([fut])  # as wait_for: ended before the timeout is raised
         raise asyncio.TimeoutError
     return fut.result()

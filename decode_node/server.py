@@ -22,6 +22,7 @@ The gateway may also ask a node that is filling up to move some sequences (`Reba
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from typing import Any
@@ -50,6 +51,9 @@ from pdserve.common.wire.protocol import (
 )
 
 log = logging.getLogger(__name__)
+
+
+ADOPTED_MOVE_S = 1.0  # an orphan adopted while the node drains is moved on this much later
 
 
 class DecodeRole(RoleDefaults):
@@ -104,7 +108,15 @@ class DecodeRole(RoleDefaults):
         # an orphan decodes on through a drain (no gateway to ask where it goes); adopted,
         # it has one: moved on as the others were, not handed back at the drain's timeout
         if self.node.draining and self.node.cfg.drain_migrate == "on":
-            self.node.spawn(self.migrate(rid, "draining"))
+            self.node.spawn(self._move_adopted(rid))
+
+    async def _move_adopted(self, rid: str) -> None:
+        # its Migrate asked at once is read by the adopter before its resume has the stream
+        # in its table (the answer wakes the resume; the next message is handled first):
+        # "stay" (Redirect None). A resume takes a round of answers at most (ROUND_S)
+        await asyncio.sleep(ADOPTED_MOVE_S)
+        if rid in self.node.requests:
+            await self.migrate(rid, "draining")
 
     def kv_acked(self, t: Transfer) -> None:
         self.handoff.acked(t)

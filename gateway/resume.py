@@ -44,6 +44,7 @@ PUBLIC_ID = re.compile(r"^(chatcmpl|cmpl)-([0-9a-f]{24})$")
 
 Token = tuple[int, int, str | None]  # index, token id, finish reason
 GAVE_BACK = "preempted"  # an Adopted's finish_reason: its node gave it back (protocol.py)
+HELD = ("live gateway", REGISTERING, "in prefill")  # refusals of a node that holds it
 
 
 @dataclass
@@ -66,16 +67,17 @@ class _Asking:
         found = [(n, m) for n, m in self.answers.items() if m.found]
         return max(found, key=lambda f: _attempt(f[1].request_id), default=None)
 
-    def settled(self, now: float) -> tuple[str, Adopted] | None:
-        """The answer to use, once no other node's to the same round may still come: a
-        running stream at once; one given back (to be placed again), or a position refused
-        (perhaps by an older attempt's node), a round after it came."""
+    def settled(self, now: float, final: bool = False) -> tuple[str, Adopted] | None:
+        """The answer to use: a running stream's at once. One given back (to be placed
+        again) a round after it came, when the other nodes' answers to that round are in,
+        and not while another node holds the stream (served, registering, in prefill: a
+        newer attempt, perhaps); at the deadline (`final`), unless one does."""
         found = self.found()
-        if found is not None and found[1].finish_reason != GAVE_BACK:
+        if found is None or found[1].finish_reason != GAVE_BACK:
             return found
-        if found is not None and now - self.since["found"] >= ROUND_S:
-            return found
-        return None
+        if any(h in m.reason for m in self.answers.values() if not m.found for h in HELD):
+            return None
+        return found if final or now - self.since["found"] >= ROUND_S else None
 
     def note(self, msg: Adopted, now: float) -> None:
         if msg.found or msg.reason.startswith("Last-Event-ID"):
@@ -194,14 +196,16 @@ class Resumes:
                 await self._let_go(rid, public_id, deadline)
                 asking.due = 0.0
             self._ask_soon()
-            while (found := asking.settled(now := time.monotonic())) is None:
+            while True:
+                now = time.monotonic()
+                left = deadline - now
+                if (found := asking.settled(now, final=left <= 0)) is not None:
+                    break
                 refused = [m.reason for m in asking.answers.values()]
                 bad = [r for r in refused if r.startswith("Last-Event-ID")]
-                if bad and now - asking.since["position"] >= ROUND_S and not asking.found():
+                late = left <= 0 or now - asking.since.get("position", math.inf) >= ROUND_S
+                if bad and late and not asking.found():  # an older attempt's node, perhaps
                     raise ApiError(409, bad[0], code="conflict")
-                left = deadline - now
-                if asking.since:  # the other answers to its round, if any, come by then
-                    left = min(left, ROUND_S / 2)
                 if left <= 0 and any("live gateway" in r for r in refused):
                     # its gateway answers the node still: the client may retry later
                     raise ApiError(409, f"stream {public_id} is still served by another "
@@ -216,8 +220,8 @@ class Resumes:
                     raise ApiError(404, f"no node holds stream {public_id} (never started, "
                                    "or ended or left longer ago than the nodes' "
                                    "--orphan-grace)", code="not_found")  # fmt: skip
-                asking.news.clear()
-                await wait_event(asking.news, max(left, 0.0))
+                asking.news.clear()  # the other answers to a round, if any, by ROUND_S / 2
+                await wait_event(asking.news, min(left, ROUND_S / 2) if asking.since else left)
             node_id, msg = found
             asking.used = True
             if msg.finish_reason == GAVE_BACK:  # preempted while orphaned: not ended, its

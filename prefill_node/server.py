@@ -34,6 +34,7 @@ from pdserve.common.node.defaults import RoleDefaults
 from pdserve.common.node.fairness import Room
 from pdserve.common.node.fetch import PrefixFetches
 from pdserve.common.node.handoff import KvHandoff
+from pdserve.common.node.offers import offer_refusal
 from pdserve.common.node.role import NodeRequest
 from pdserve.common.node.runtime import NodeRuntime
 from pdserve.common.wire.protocol import (
@@ -112,6 +113,8 @@ class PrefillRole(RoleDefaults):
         elif rid in self.node.requests:
             # the same request offered again: the first acceptance stands (one per id)
             reason = "duplicate request id"
+        elif (reason := offer_refusal(offer, *self.node.engine_limits())) is not None:
+            log.warning("refusing offer %s: %s", rid, reason)
         else:
             reason = self.node.scheduler.can_take(len(offer.prompt_ids), self.queueing, fetching)
             if reason is not None:
@@ -121,7 +124,8 @@ class PrefillRole(RoleDefaults):
             await self.node.send_gateway(Reject(request_id=rid, reason=reason, room=room))
             return
         seq = Sequence.new(rid, offer.prompt_ids, offer.params)
-        req = NodeRequest(seq, target=offer.decode, skip=offer.decode_cached,
+        bs = self.node.engine.block_size  # whole blocks of ours (a decode node's may differ)
+        req = NodeRequest(seq, target=offer.decode, skip=offer.decode_cached // bs * bs,
                           prompt_len=offer.prompt_len)  # fmt: skip
         self.node.requests[rid] = req
         await self.node.send_gateway(Accept(request_id=rid))

@@ -14,6 +14,7 @@ prefill its tokens.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -91,7 +92,8 @@ class TierStore:
             os.replace(tmp, path)
         except OSError as exc:
             log.warning("KV disk tier: cannot write %s: %s", path, exc)
-            tmp.unlink(missing_ok=True)  # a partial write (disk full) counts in no budget
+            with contextlib.suppress(OSError):  # a partial write (disk full): in no budget
+                tmp.unlink(missing_ok=True)
             return
         self.disk[digest] = len(body)
         self.disk_used += len(body)

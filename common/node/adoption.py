@@ -117,9 +117,10 @@ class Adoption:
             req, reason, *_ = self.recent.pop(rid)
             self.finished[rid] = (req, reason)
             if reason == GIVEN_BACK:  # its Preempted may wait unread in a paused gateway:
-                self.given_back(rid)  # as one given back while silent (that gateway's still)
-            else:
-                self.gateways.owners.move(rid, self._gone(link, now))
+                self.gateways.owners.move(rid, link)  # (the sweep forgot its owner since)
+                if self.given_back(rid):  # as one given back while silent: its gateway's
+                    continue  # still, told if it answers again, unless adopted meanwhile
+            self.gateways.owners.move(rid, self._gone(link, now))
 
     def given_back(self, rid: str) -> bool:
         """An orphan given back (preempted, handed back), its tokens kept for an adopter:

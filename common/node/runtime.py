@@ -167,15 +167,15 @@ class NodeRuntime:
         # an allocation takes free blocks, then cached ones, short of the watermark: both
         # offered only up to it (gateways add them up as a node's room)
         offered = max(0, bm.num_free_blocks - sched.cfg.watermark_blocks)
-        cached = min(bm.num_cached_blocks, offered)
+        free = min(bm.num_free_blocks - bm.num_cached_blocks, offered)  # taken first
         extra = self.role.extra_held()
         fetches = self.kv.fetches if self.kv is not None else None
         return Load(
             running=len(sched.running),
             waiting=len(sched.waiting) + len(extra) + (len(fetches.fetching) if fetches else 0),
             # blocks held back by the watermark are not offered: work needing them waits
-            blocks_free=offered - cached,
-            blocks_cached=cached,
+            blocks_free=free,
+            blocks_cached=offered - free,
             blocks_in_use=bm.num_in_use_blocks,
             held=(*self.requests, *extra),
             draining=self.control.draining,
@@ -218,6 +218,10 @@ class NodeRuntime:
                     return  # its silent gateway is told if it answers again
         await self.control.push_tokens(Preempted(node_id=self.node_id, request_id=rid,
                                                  reason=reason))  # fmt: skip
+
+    def engine_limits(self) -> tuple[int, int]:
+        """What a prompt may be here: shorter than this many tokens, ids below the second."""
+        return self.engine.max_model_len, self.engine.model_config.vocab_size
 
     def holds(self, rid: str) -> bool:
         return rid in self.requests

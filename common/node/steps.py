@@ -93,9 +93,9 @@ class StepLoop:
                         break  # nothing fits now (KV full): wait for blocks to free
                     for seq, _ in out.prefills:  # admission took its fetched blocks itself
                         self.scheduled(seq.seq_id)
-                    await hooks.before_step(out)
-                    started = self.step_started = time.monotonic()
-                    try:
+                    try:  # a hook failing fails the batch (its requests), not the node
+                        await hooks.before_step(out)
+                        started = self.step_started = time.monotonic()
                         result = await self.run_engine(hooks.engine_step, out, loop)
                     except Exception as exc:
                         await hooks.step_failed(out, exc)

@@ -36,6 +36,8 @@ def test_a_request_aborted_while_its_accept_goes_out_is_never_scheduled():
         send_gateway=send_gateway,
         steps=SimpleNamespace(wake=lambda: None),
         kv=SimpleNamespace(fetches=SimpleNamespace(fetching={}, start=lambda seq, offer: False)),
+        engine_limits=lambda: (4096, 49152),
+        engine=SimpleNamespace(block_size=16),
     )
     role = PrefillRole.__new__(PrefillRole)
     role.node = node  # type: ignore[assignment]

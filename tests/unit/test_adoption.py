@@ -518,6 +518,8 @@ async def test_a_stream_given_back_to_a_live_gateway_stays_adoptable_if_it_never
         )
         await NodeRuntime.give_back(runtime, "r.0", req, "out of KV blocks")  # type: ignore[arg-type]
         assert out == [Preempted(node_id="node-x", request_id="r.0", reason="out of KV blocks")]
+        for _ in range(2):  # heartbeats before A is seen silent: r.0's owner is forgotten
+            adoption.sweep(node.load().held)
         if then == "silent":
             a.silent_since = 100.0
             adoption.silenced(a, 100.0)

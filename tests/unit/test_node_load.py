@@ -30,4 +30,5 @@ def test_the_room_reported_is_the_room_an_allocation_has():
     )  # fmt: skip
     load = NodeRuntime.load(node)  # type: ignore[arg-type]
     assert load.blocks_free + load.blocks_cached == bm.num_free_blocks - 10 == 5
+    assert load.blocks_free == 5  # an allocation takes the uncached ones first
     assert load.blocks_in_use == 85

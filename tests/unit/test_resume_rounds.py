@@ -318,6 +318,37 @@ def test_a_stream_let_go_again_moves_to_the_end_of_the_let_go_list(tokenizer):
     assert list(resumes.let_go) == ["a.0", "c.0"]
 
 
+@pytest.mark.parametrize("held", ["the stream is served by a live gateway", "in prefill"])
+async def test_an_older_attempt_given_back_is_not_resumed_while_another_node_holds_it(
+    tokenizer, held
+):
+    """d0 has attempt 0, given back; d1 holds the stream (its newer attempt) but cannot
+    hand it over yet: its gateway not yet seen gone, or its recompute under way. Taking
+    attempt 0 would place a second copy under attempt 1's id: the client gets a 409 to
+    retry, and d0's stream is let go again for that retry."""
+    link, let_go = _Link(), list[tuple[str, str]]()
+    resumes, _ = _resumes(tokenizer, link, let_go, nodes=2, timeout=3 * ROUND_S)
+    task = asyncio.create_task(resumes.resume(f"cmpl-{ID}", 0, False))
+    await _until(lambda: link.asked(ID) >= 2)
+    resumes.answered(b"d1", Adopted(request_id=ID, found=False, reason=held))
+    resumes.answered(b"d0", msgspec.structs.replace(_found(ID), finish_reason="preempted"))
+    with pytest.raises(ApiError) as err:
+        await task
+    assert err.value.status == 409 and let_go == [(f"{ID}.0", "d0")]
+
+
+async def test_a_stream_given_back_found_just_before_the_deadline_is_resumed(tokenizer):
+    """The only answer, one given back, comes in the last round before --resume-timeout:
+    resumed, not a 404 "no node holds" (and let go) for waiting on other answers."""
+    link = _Link()
+    resumes, table = _resumes(tokenizer, link, timeout=ROUND_S / 5)
+    task = asyncio.create_task(resumes.resume(f"cmpl-{ID}", 0, False))
+    await _until(lambda: link.asked(ID) >= 1)
+    resumes.answered(b"d0", msgspec.structs.replace(_found(ID), finish_reason="preempted"))
+    req, _, gave_back = await task
+    assert gave_back == "given back while orphaned" and table.current(req) is not None
+
+
 @pytest.mark.parametrize("old", ["given back", "mispositioned"])
 async def test_the_latest_attempt_is_resumed_not_an_older_one_on_another_node(tokenizer, old):
     """d0 still has attempt 0 of the stream (given back: its tokens kept; placed again since
