@@ -32,6 +32,7 @@ from pdserve.common.engine.sequence import SeqStatus, Sequence, check_stop
 from pdserve.common.kv.base import Intake, Transfer
 from pdserve.common.node.defaults import RoleDefaults
 from pdserve.common.node.handoff import KvHandoff
+from pdserve.common.node.offers import offer_refusal
 from pdserve.common.node.reserve import reserve_blocks
 from pdserve.common.node.role import NodeRequest
 from pdserve.common.node.runtime import NodeRuntime
@@ -165,8 +166,8 @@ class DecodeRole(RoleDefaults):
             reason = "draining"
         elif rid in self.node.requests:
             reason = "duplicate request id"
-        elif n >= self.node.engine.max_model_len:
-            reason = f"prompt has {n} tokens; the context limit is {self.node.engine.max_model_len}"
+        elif (reason := offer_refusal(offer, *self.node.engine_limits())) is not None:
+            log.warning("refusing local prefill %s: %s", rid, reason)
         elif not bm.can_allocate(bm.blocks_needed(n + 1), reserve=watermark):
             reason = "KV cache full"
         if reason is not None:

@@ -75,7 +75,7 @@ def run_node(args: argparse.Namespace, role: str) -> int:
 
         ecfg = dataclasses.replace(ecfg, device=resolve_device(ecfg.device, ecfg.gpu_offset))
     ncfg = from_args(NodeConfig, args)
-    node_ports_free(ncfg)  # before the model loads (minutes), not after
+    node_ports_free(ncfg, role)  # before the model loads (minutes), not after
     tokenizer = Tokenizer.load(ecfg.model if ecfg.engine == "torch" else None)
     executor, helpers = None, None
     if ecfg.engine == "torch":  # all torch work on one engine thread (common/engine/threads.py)
@@ -301,7 +301,9 @@ def run_up(args: argparse.Namespace) -> int:
     for cmd in commands[gateways:]:
         name = cmd[cmd.index("--node-id") + 1]
         role = cmd[cmd.index("--gateway") - 1]  # the subcommand: prefill, decode, colocated
-        serves = ("prefill", "decode") if role == "colocated" else (role,)
+        serves: tuple[str, ...] = ("prefill", "decode") if role == "colocated" else (role,)
+        if gcfg.role_switching == "on":  # a node's phase is the gateway's to change
+            serves = ()
         children.append(Child(name, cmd, serves=serves))
     options = node_spawn_options(args, [c.command for c in children])
     options.update({name: {"secrets": gateway_secrets(gcfg)} for name in names})
@@ -310,6 +312,8 @@ def run_up(args: argparse.Namespace) -> int:
         children, lambda c: _spawn(c, **options.get(c.name, {})), is_ready=ready
     )
     try:
+        if stop:  # a signal while the ports were checked or the kernels built
+            return 1
         supervisor.start(time.monotonic())
         procs = list(supervisor.running())
         for url in urls:
@@ -330,11 +334,14 @@ def run_up(args: argparse.Namespace) -> int:
         return 1
     finally:
         # the nodes' drain (and its hand-back) first, then the gateways streaming the last
-        # tokens; a second Ctrl-C (or SIGTERM) ends it at once
-        drain = ncfg.drain_timeout + 5.0
+        # tokens; a signal more (Ctrl-C, SIGTERM) ends it at once. With no gateway left, a
+        # drain has nowhere to move or hand back to: the plain grace
+        signalled = stop
+        serving = any(c.proc is not None and c.proc.poll() is None for c in children[:gateways])
+        drain = ncfg.drain_timeout + 5.0 if serving else 10.0
         procs = [c.proc for c in children if c.proc is not None]
-        stop_all(procs[gateways:], drain, hurry=lambda: stop > 1)
-        stop_all(procs[:gateways], hurry=lambda: stop > 1)
+        stop_all(procs[gateways:], drain, hurry=lambda: stop > signalled)
+        stop_all(procs[:gateways], hurry=lambda: stop > signalled)
         sweep_dead_kv_files()  # a node killed mid-drain or mid-load leaves its KV cache file
 
 

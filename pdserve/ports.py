@@ -19,20 +19,37 @@ def ports_free(configs: list[GatewayConfig]) -> None:
             _bindable(g.host, port, name)
 
 
-def node_ports_free(cfg: NodeConfig) -> None:
-    """A node's fixed ports (0: any free one), as `ports_free`."""
-    for host, port, name in ((cfg.metrics_host, cfg.metrics_port, "--metrics-port"),
-                             ("", cfg.data_port, "--data-port"),
-                             ("", cfg.kv_tcp_port, "--kv-tcp-port")):  # fmt: skip
+def node_ports_free(cfg: NodeConfig, role: str) -> None:
+    """A node's fixed ports (0: any free one), as `ports_free`; a decode node's tcp KV
+    listener's too (the others do not open it)."""
+    ports = [
+        (cfg.metrics_host, cfg.metrics_port, "--metrics-port"),
+        ("", cfg.data_port, "--data-port"),
+    ]
+    if role == "decode":
+        ports.append(("", cfg.kv_tcp_port, "--kv-tcp-port"))
+    for host, port, name in ports:
         if port:
             _bindable(host, port, name)
 
 
 def _bindable(host: str, port: int, name: str) -> None:
-    with socket.socket() as probe:
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{name}: port {port} is not a TCP port (0 to 65535)")
+    try:  # the address the server binds, in its family (an IPv6 host, a name)
+        family, *_, address = socket.getaddrinfo(
+            None if host in ("", "*", "0.0.0.0") else host,
+            port,
+            type=socket.SOCK_STREAM,
+            flags=socket.AI_PASSIVE,
+        )[0]
+    except socket.gaierror:
+        return  # not resolvable here: the server's own bind says so
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do
         try:
-            probe.bind(("0.0.0.0" if host in ("", "::", "*") else host, port))
-        except (OSError, OverflowError) as exc:  # OverflowError: past 65535
-            why = exc.strerror if isinstance(exc, OSError) else str(exc)
-            raise ConfigError(f"{name}: port {port} is in use or not ours ({why})") from None
+            probe.bind(address)
+        except OSError as exc:
+            raise ConfigError(
+                f"{name}: port {port} is in use or not ours ({exc.strerror})"
+            ) from None

@@ -88,6 +88,8 @@ def library() -> ctypes.CDLL | str:
 
 
 def _ptr(t: torch.Tensor) -> int:
+    # the C reads host memory: a device tensor's pointer would crash the process, not raise
+    assert t.device.type == "cpu", f"a {t.device} tensor given to the CPU kernels"
     return int(t.data_ptr())
 
 

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from pdserve.colocated_node.server import ColocatedRole
-from pdserve.common.wire.protocol import Accept, PrefillOffer, Reject
+from pdserve.common.wire.protocol import Accept, DecodeTarget, PrefillOffer, Reject
 from pdserve.decode_node.server import DecodeRole
 from pdserve.prefill_node.server import PrefillRole
 from tests.component.cluster import PARAMS, SIM, Cluster, prompt, until
@@ -101,3 +101,22 @@ async def test_a_decode_cached_that_is_no_whole_block_here_does_not_stop_the_nod
         req = c.request("after", prompt(20, 500), PARAMS)
         await c.gw.service.run(req)
         await until(lambda: req.finished, what="a request after it")
+
+
+async def test_a_decode_node_refuses_a_local_prefill_it_cannot_take(tokenizer):
+    """A decode node asked to prefill a request itself (--local-prefill): the same checks.
+    An empty prompt or a token id past the vocabulary reached its engine step, which stops
+    a decode node (and every stream on it)."""
+    async with Cluster(tokenizer) as c:
+        await c.add(c.node(PrefillRole, "prefill-0"))
+        node = await c.add(c.node(DecodeRole, "decode-0", ecfg=SMALL))
+        sent = _spy(node)
+        target = DecodeTarget(node_id="decode-0", data_address="", host_id="h")
+        vocab = node.engine.model_config.vocab_size
+        bad = {"empty": [], "vocabulary": [*prompt(10), vocab], "long": prompt(128)}
+        for rid, ids in bad.items():
+            offer = PrefillOffer(request_id=rid, prompt_ids=ids, params=PARAMS, decode=target)
+            await node.role.on_gateway_message(offer)
+        await until(lambda: len(sent) == 3, what="every answer")
+        assert all(isinstance(m, Reject) for m in sent), sent
+        assert not node.stopped.is_set() and not node.requests

@@ -238,7 +238,23 @@ def test_offers_answered_after_their_timeout_leave_no_hung_request_and_no_kv(
         node_flags=("--sim-time-scale", "0.02", "--kv-backend", "tcp"),
     )
     bodies = _bodies(300, 8, stream=False)
-    _check_texts(tokenizer, bodies, run_streams(cluster.url, bodies, timeout=40))
+    prefill = cluster.procs[1]
+
+    def freeze() -> None:
+        # offers sent while the prefill node is frozen get no answer within 3 ms, and are
+        # answered late, after the gateway offered again: the case, on a host of any speed
+        wait_for(lambda: cluster.metric("pdserve:placement_accepts_total") >= 20, timeout=30)
+        prefill.send_signal(signal.SIGSTOP)
+        time.sleep(0.3)
+        prefill.send_signal(signal.SIGCONT)
+
+    frozen = threading.Thread(target=freeze)
+    frozen.start()
+    try:
+        _check_texts(tokenizer, bodies, run_streams(cluster.url, bodies, timeout=40))
+    finally:
+        frozen.join()
+        prefill.send_signal(signal.SIGCONT)
     assert cluster.metric("pdserve:placement_offer_timeouts_total") > 0  # the case did occur
     assert wait_for(lambda: _blocks_in_use(cluster) == 0, timeout=8)
 

@@ -164,3 +164,13 @@ def test_a_cached_library_that_does_not_load_is_built_again(tmp_path, monkeypatc
     lib = kernels.library()
     assert not isinstance(lib, str), lib
     assert not broken.exists()  # the broken one is gone, the rebuilt one loaded
+
+
+def test_a_tensor_not_in_host_memory_is_refused_before_the_c_reads_it():
+    """The kernels take pointers: a CUDA tensor's would crash the process inside the C (a
+    meta tensor stands in for it here, where no GPU is)."""
+    from pdserve.common.engine.kernels import _ptr
+
+    with pytest.raises(AssertionError, match="meta"):
+        _ptr(torch.empty(4, device="meta"))
+    assert _ptr(torch.zeros(4)) != 0
