@@ -135,8 +135,13 @@ def tasks_of(*objs: object) -> list[str]:
     return names
 
 
+SIM_VOCAB = 128_256  # the sim profiles' vocabulary (Llama 3.1's): nodes refuse ids past it
+
+
 def prompt(n: int, start: int = 1000) -> list[int]:
-    return list(range(start, start + n))
+    """`n` token ids from `start` on (wrapped into the vocabulary: distinct starts give
+    distinct prompts, whatever their number)."""
+    return [t % SIM_VOCAB for t in range(start, start + n)]
 
 
 def own_cache(runner: Any) -> Any:
