@@ -302,8 +302,8 @@ def run_up(args: argparse.Namespace) -> int:
         name = cmd[cmd.index("--node-id") + 1]
         role = cmd[cmd.index("--gateway") - 1]  # the subcommand: prefill, decode, colocated
         serves: tuple[str, ...] = ("prefill", "decode") if role == "colocated" else (role,)
-        if gcfg.role_switching == "on":  # a node's phase is the gateway's to change
-            serves = ()
+        if gcfg.role_switching == "on":  # a node's phase is the gateway's to change: the
+            serves = ("prefill", "decode")  # rule fires once every node is gone
         children.append(Child(name, cmd, serves=serves))
     options = node_spawn_options(args, [c.command for c in children])
     options.update({name: {"secrets": gateway_secrets(gcfg)} for name in names})
@@ -336,7 +336,7 @@ def run_up(args: argparse.Namespace) -> int:
         # the nodes' drain (and its hand-back) first, then the gateways streaming the last
         # tokens; a signal more (Ctrl-C, SIGTERM) ends it at once. With no gateway left, a
         # drain has nowhere to move or hand back to: the plain grace
-        signalled = stop
+        signalled = min(stop, 1)  # two at once: the second hurries it
         serving = any(c.proc is not None and c.proc.poll() is None for c in children[:gateways])
         drain = ncfg.drain_timeout + 5.0 if serving else 10.0
         procs = [c.proc for c in children if c.proc is not None]

@@ -4,6 +4,7 @@ the gateway's control port), and for a node not after its model has loaded."""
 
 from __future__ import annotations
 
+import errno
 import socket
 
 from pdserve.common.config import GatewayConfig, NodeConfig
@@ -20,13 +21,13 @@ def ports_free(configs: list[GatewayConfig]) -> None:
 
 
 def node_ports_free(cfg: NodeConfig, role: str) -> None:
-    """A node's fixed ports (0: any free one), as `ports_free`; a decode node's tcp KV
-    listener's too (the others do not open it)."""
+    """A node's fixed ports (0: any free one), as `ports_free`; the tcp KV listener's of a
+    prefill or decode node too."""
     ports = [
         (cfg.metrics_host, cfg.metrics_port, "--metrics-port"),
         ("", cfg.data_port, "--data-port"),
     ]
-    if role == "decode":
+    if role in ("prefill", "decode"):  # both open the tcp KV listener
         ports.append(("", cfg.kv_tcp_port, "--kv-tcp-port"))
     for host, port, name in ports:
         if port:
@@ -36,20 +37,24 @@ def node_ports_free(cfg: NodeConfig, role: str) -> None:
 def _bindable(host: str, port: int, name: str) -> None:
     if not 0 <= port <= 65535:
         raise ConfigError(f"{name}: port {port} is not a TCP port (0 to 65535)")
-    try:  # the address the server binds, in its family (an IPv6 host, a name)
-        family, *_, address = socket.getaddrinfo(
-            None if host in ("", "*", "0.0.0.0") else host,
-            port,
-            type=socket.SOCK_STREAM,
-            flags=socket.AI_PASSIVE,
-        )[0]
-    except socket.gaierror:
-        return  # not resolvable here: the server's own bind says so
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do
+    try:  # every address the host names, in its family (IPv4 and IPv6, a name)
+        found = socket.getaddrinfo(None if host in ("", "*", "0.0.0.0") else host, port,
+                                   type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)  # fmt: skip
+    except socket.gaierror as exc:
+        raise ConfigError(f"{name}: cannot resolve {host!r} ({exc.strerror})") from None
+    for family, *_, address in found:
         try:
-            probe.bind(address)
-        except OSError as exc:
-            raise ConfigError(
-                f"{name}: port {port} is in use or not ours ({exc.strerror})"
-            ) from None
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # a family this host has not (IPv6 off): no server binds there either
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do
+            if family == socket.AF_INET6:  # this address alone, not IPv4's through it
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if family == socket.AF_INET6 and exc.errno == errno.EADDRNOTAVAIL:
+                    continue  # IPv6 turned off here (a container's sysctl): nothing binds it
+                why = f"{name}: port {port} is in use or not ours ({exc.strerror})"
+                raise ConfigError(why) from None

@@ -89,7 +89,7 @@ def library() -> ctypes.CDLL | str:
 
 def _ptr(t: torch.Tensor) -> int:
     # the C reads host memory: a device tensor's pointer would crash the process, not raise
-    assert t.device.type == "cpu", f"a {t.device} tensor given to the CPU kernels"
+    assert t.is_cpu, f"a {t.device} tensor given to the CPU kernels"  # ~60 ns: ~700 a step
     return int(t.data_ptr())
 
 

@@ -227,6 +227,21 @@ def test_a_standalone_process_names_the_flag_of_a_taken_port(capfd):
     assert "--data-port: port 70000" in capfd.readouterr().err
 
 
+def test_a_host_name_s_every_address_is_probed():
+    """`--host localhost` where localhost names ::1 first (Fedora's /etc/hosts): the probe
+    tried the first address alone, and missed a gateway on 127.0.0.1 (ZeroMQ binds IPv4)."""
+    import socket
+
+    from pdserve.ports import _bindable
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"--control-port: port {port} is in use"):
+            _bindable("localhost", port, "--control-port")
+
+
 def test_a_niceness_not_permitted_is_said_and_not_restarted(monkeypatch, capfd):
     """A negative niceness without the privilege failed in preexec_fn: a traceback ("Exception
     occurred in preexec_fn") that named no flag, and at a restart the supervisor's crash.
