@@ -49,6 +49,7 @@ class HandoffHost(Protocol):
     def spawn(self, coro: Any) -> None: ...
     async def send_gateway(self, msg: Msg) -> None: ...
     def gateway_of(self, rid: str) -> str: ...
+    def let_orphan_go(self, rid: str) -> bool: ...
 
 
 class KvHandoff:
@@ -82,6 +83,8 @@ class KvHandoff:
         req = self.node.requests.get(rid)
         if why.startswith(PREFIX_GONE) and req is not None and req.target is not None:
             self.node.spawn(self.send_kv(rid, req.target))  # the same node, the whole KV
+            return
+        if self.node.let_orphan_go(rid):  # no gateway reads a NeedDecode: for its adopter
             return
         await self.node.send_gateway(NeedDecode(request_id=rid, refused_by=peer, reason=why))
 

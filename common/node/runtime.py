@@ -223,6 +223,19 @@ class NodeRuntime:
         """What a prompt may be here: shorter than this many tokens, ids below the second."""
         return self.engine.max_model_len, self.engine.model_config.vocab_size
 
+    def let_orphan_go(self, rid: str) -> bool:
+        """An orphan's KV refused by its decode node: no gateway would answer its NeedDecode
+        (it waited "in prefill" for the grace, then was lost). Its tokens are kept for an
+        adopter, which places it again, and its KV freed here. False: not an orphan."""
+        req = self.requests.get(rid)
+        if req is None or not self.control.gateways.owners.orphan(rid):
+            return False
+        self.control.adoption.ended(req, GIVEN_BACK)
+        self.control.adoption.given_back(rid)  # a silent gateway is told if it answers again
+        self.metrics.orphans("given_back", 1)
+        self.abort(rid)
+        return True
+
     def holds(self, rid: str) -> bool:
         return rid in self.requests
 

@@ -537,3 +537,42 @@ async def test_a_stream_given_back_to_a_live_gateway_stays_adoptable_if_it_never
         for link in links:
             link.close()
         ctx.term()
+
+
+async def test_an_orphan_whose_kv_is_refused_is_kept_for_its_adopter():
+    """A prefill node's orphan (its gateway A silent) whose KV the decode node refuses: its
+    NeedDecode went to A, which never answers; it waited "in prefill" for the grace, every
+    resume a 409, and was lost. Now its tokens wait for an adopter (finish reason
+    "preempted": B places it again) and its KV is freed; a live gateway's asks as before."""
+    from pdserve.common.node.handoff import KvHandoff
+
+    ctx = zmq.asyncio.Context()
+    a, b = links = _links(ctx, "g-a", "g-b")
+    try:
+        _, gateways, adoption = _node(links, "r.0", "s.0", grace=10.0)
+        aborted: list[str] = []
+        sent: list = []
+
+        async def send_gateway(msg) -> None:
+            sent.append(msg)
+
+        host = SimpleNamespace(
+            requests={r: NodeRequest(seq=_seq(r, 7)) for r in ("r.0", "s.0")},
+            control=SimpleNamespace(gateways=gateways, adoption=adoption),
+            metrics=SimpleNamespace(orphans=lambda outcome, n: None),
+            abort=aborted.append, send_gateway=send_gateway,
+        )  # fmt: skip
+        host.let_orphan_go = lambda rid: NodeRuntime.let_orphan_go(host, rid)  # type: ignore[arg-type]
+        handoff = KvHandoff(host)  # type: ignore[arg-type]
+        await handoff.refused("s.0", "decode-0", "KV cache full")  # A answers: asked
+        assert [type(m).__name__ for m in sent] == ["NeedDecode"] and aborted == []
+        a.silent_since = 100.0
+        await handoff.refused("r.0", "decode-0", "KV cache full")
+        assert len(sent) == 1 and aborted == ["r.0"]
+        (answer,) = adoption.adopt(Adopt(streams=[("r", 1)]), b)
+        assert answer[1].found and answer[1].finish_reason == "preempted"
+        assert answer[1].output_ids == [7]
+    finally:
+        for link in links:
+            link.close()
+        ctx.term()
