@@ -374,8 +374,7 @@ class Placer:
                     # though the answer is in (the attempt committed: keep it)
                     answer = pending.answer.result()
                 else:
-                    log.warning("offer of %s to %s got no answer", attempt.wire_id,
-                                node.node_id)  # fmt: skip
+                    log.warning("offer of %s to %s got no answer", attempt.wire_id, node.node_id)
                     if self.table.current(req) is attempt:
                         self.table.renew(req)  # the node may accept later: that id is spent
             except OSError as exc:  # never reached the node

@@ -49,18 +49,11 @@ class ModelSource:
         nodes exchange KV and reuse each other's cached prefixes. The size, and the first
         and last MiB of each file (a GGUF's header and tensor table; the last weights)."""
         files = [self.path] if self.kind == "gguf" else sorted(self.path.glob("*.safetensors"))
-        digest = hashlib.blake2b(digest_size=8)
-        for path in files:
-            try:
-                with path.open("rb") as f:
-                    size = f.seek(0, os.SEEK_END)
-                    f.seek(0)
-                    head = f.read(1 << 20)
-                    f.seek(max(len(head), size - (1 << 20)))
-                    digest.update(size.to_bytes(8, "little") + head + f.read())
-            except OSError as exc:
-                raise ModelLoadError(f"cannot read {path}: {exc}") from exc
-        return digest.hexdigest()
+        try:  # read once a process (probe, load) while the files stay as they are
+            stamp = tuple((f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+        except OSError as exc:
+            raise ModelLoadError(f"cannot read {self.path}: {exc}") from exc
+        return _weights_fingerprint(tuple(files), stamp)
 
 
 MAX_POSITIONS = 1 << 24  # 16M tokens: past any model's context, a mangled field's value
@@ -142,6 +135,23 @@ def resolve_model(model: str | None) -> ModelSource:
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} is a folder without config.json: not a Hugging Face model")
     return ModelSource("hf", path)
+
+
+@functools.cache
+def _weights_fingerprint(files: tuple[Path, ...], stamp: tuple[tuple[int, int], ...]) -> str:
+    # `stamp` (sizes, mtimes) only keys the cache: a file rewritten is read again
+    digest = hashlib.blake2b(digest_size=8)
+    for path in files:
+        try:
+            with path.open("rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(0)
+                head = f.read(1 << 20)
+                f.seek(max(len(head), size - (1 << 20)))
+                digest.update(size.to_bytes(8, "little") + head + f.read())
+        except OSError as exc:
+            raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+    return digest.hexdigest()
 
 
 def load_model_config(source: ModelSource) -> ModelConfig:

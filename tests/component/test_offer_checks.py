@@ -30,6 +30,23 @@ def _spy(node) -> list:
     return sent
 
 
+async def _an_offer(c: Cluster, node, ids: list[int]) -> PrefillOffer:
+    """The gateway's offer of a request served to its end (a template for others)."""
+    offers: list[PrefillOffer] = []
+    real = c.gw.placer.send_offer
+
+    async def keep(target, msg) -> None:
+        offers.append(msg)
+        await real(target, msg)
+
+    c.gw.placer.send_offer = keep
+    ok = c.request("ok", ids)
+    await c.gw.service.run(ok)
+    await until(lambda: ok.finished and not node.requests, what="a first request's end")
+    c.gw.placer.send_offer = real
+    return offers[0]
+
+
 @pytest.mark.parametrize("role", [PrefillRole, ColocatedRole])
 async def test_an_offer_past_the_context_or_the_vocabulary_is_refused(tokenizer, role):
     """A prompt the node's context cannot hold (a node that joined with a smaller
@@ -40,18 +57,7 @@ async def test_an_offer_past_the_context_or_the_vocabulary_is_refused(tokenizer,
     async with Cluster(tokenizer) as c:
         node = await c.add(c.node(role, f"{role.role}-0", ecfg=SMALL))
         await c.add(c.node(DecodeRole, "decode-0"))
-        offers: list[PrefillOffer] = []
-        real = c.gw.placer.send_offer
-
-        async def keep(target, msg) -> None:
-            offers.append(msg)
-            await real(target, msg)
-
-        c.gw.placer.send_offer = keep
-        ok = c.request("ok", prompt(20))
-        await c.gw.service.run(ok)
-        await until(lambda: ok.finished and not node.requests, what="a first request's end")
-        [good] = offers
+        good = await _an_offer(c, node, prompt(20))
         vocab = node.engine.model_config.vocab_size
         sent = _spy(node)
         bad = {
@@ -81,19 +87,9 @@ async def test_a_decode_cached_that_is_no_whole_block_here_does_not_stop_the_nod
     async with Cluster(tokenizer) as c:
         node = await c.add(c.node(PrefillRole, "prefill-0"))
         await c.add(c.node(DecodeRole, "decode-0"))
-        offers: list[PrefillOffer] = []
-        real = c.gw.placer.send_offer
-
-        async def keep(target, msg) -> None:
-            offers.append(msg)
-            await real(target, msg)
-
-        c.gw.placer.send_offer = keep
-        ok = c.request("ok", prompt(40))
-        await c.gw.service.run(ok)
-        await until(lambda: ok.finished and not node.requests, what="a first request's end")
+        good = await _an_offer(c, node, prompt(40))
         sent = _spy(node)
-        offer = msgspec.structs.replace(offers[0], request_id="odd.0", decode_cached=8)
+        offer = msgspec.structs.replace(good, request_id="odd.0", decode_cached=8)
         await node.role.on_gateway_message(offer)
         await until(lambda: any(isinstance(m, Accept) for m in sent), what="the acceptance")
         await until(lambda: "odd.0" not in node.requests, what="the request's end")
