@@ -230,18 +230,29 @@ def scaling(
             alone = _measure(1, _stretched(specs, n))
             rows[-1]["one_gateway_same_load"] = alone
             print(json.dumps({"one_gateway_at_rate_over": n, **alone}), flush=True)
-    one = rows[0]
-    for row in rows:
-        row["hit_rate_vs_one"] = round(row["prefix_hit_rate"] / one["prefix_hit_rate"], 3)
-        row["goodput_vs_one"] = round(row["goodput"] / one["goodput"], 3)
-        for key in ("gateway_cpu_s_per_request", "gateway_cpu_s_per_request_net_of_idle"):
-            short = key.replace("gateway_cpu_s", "cpu")
-            row[short + "_vs_one"] = round(row[key] / one[key], 3)
-            same = row.get("one_gateway_same_load")
-            if same:  # several gateways against one carrying what each of them does
-                row[short + "_vs_one_same_load"] = round(row[key] / same[key], 3)
+    vs_one(rows)
     (out / "scaling.json").write_text(json.dumps(rows, indent=1) + "\n")
     return rows
+
+
+def ratio(a: float, b: float) -> float | None:
+    """a / b, or None where b is 0: a one-gateway row with no hit, no good request or no CPU
+    net of idle raised ZeroDivisionError after every run, and no scaling.json was written."""
+    return round(a / b, 3) if b else None
+
+
+def vs_one(rows: list[dict[str, Any]]) -> None:
+    """Each row's figures against the first (one gateway) row's, added to it."""
+    one = rows[0]
+    for row in rows:
+        row["hit_rate_vs_one"] = ratio(row["prefix_hit_rate"], one["prefix_hit_rate"])
+        row["goodput_vs_one"] = ratio(row["goodput"], one["goodput"])
+        for key in ("gateway_cpu_s_per_request", "gateway_cpu_s_per_request_net_of_idle"):
+            short = key.replace("gateway_cpu_s", "cpu")
+            row[short + "_vs_one"] = ratio(row[key], one[key])
+            same = row.get("one_gateway_same_load")
+            if same:  # several gateways against one carrying what each of them does
+                row[short + "_vs_one_same_load"] = ratio(row[key], same[key])
 
 
 def _sim_text(tokenizer: Tokenizer, prompt: list[int], seed: int, n: int) -> str:

@@ -17,7 +17,7 @@ import aiohttp
 import orjson
 
 from pdserve.loadgen.metrics import RequestRecord
-from pdserve.loadgen.resumable import StreamLost, parse_event, resumable_chunks
+from pdserve.loadgen.resumable import StreamLost, parse_event, resumable_chunks, split_events
 from pdserve.loadgen.workloads import RequestSpec
 
 
@@ -69,16 +69,19 @@ async def send(
                 record.error = (await resp.text())[:500]
                 record.done = time.monotonic()
                 return record
-            buffer = b""
+            buffer, finished = b"", False
             async for data in resp.content.iter_any():
                 # every event of one read gets its time: events that came together (a client
                 # behind the server) give gaps of 0, as one event of several tokens (pdserve
                 # merges what waits) gives one gap; either way what the client saw
                 now = time.monotonic()
-                buffer += data
-                while b"\n\n" in buffer:
-                    event, buffer = buffer.split(b"\n\n", 1)
-                    _on_event(record, event, now)
+                events, buffer = split_events(buffer + data)
+                for event in events:
+                    finished = _on_event(record, event, now) or finished
+            # a server that closed mid-stream (its process gone) is a failure, as the
+            # resumable path takes it for a drop, not a short answer
+            if not finished and not record.error:
+                record.error = "the stream ended without [DONE] or a finish reason"
     except Exception as exc:  # a timeout, a reset, garbage: this request failed, not the run
         record.error = f"{type(exc).__name__}: {exc}"[:500]
     record.done = time.monotonic()
@@ -101,7 +104,7 @@ async def _send_resumable(
             _on_chunk(record, obj, time.monotonic())
         record.status = 200
     except StreamLost as exc:
-        record.error = str(exc)[:500]
+        record.error, record.status = str(exc)[:500], exc.status
     except Exception as exc:  # as in send(): one request's failure, never the run's
         record.error = f"{type(exc).__name__}: {exc}"[:500]
     record.resumed = resumed[0]
@@ -111,17 +114,24 @@ async def _send_resumable(
     return record
 
 
-def _on_event(record: RequestRecord, event: bytes, now: float) -> None:
+def _on_event(record: RequestRecord, event: bytes, now: float) -> bool:
+    """Takes one event into `record`; True for the stream's end: `data: [DONE]`, or a chunk
+    with a finish reason (servers that send no [DONE] after it, as some llama.cpp builds)."""
     _, payload = parse_event(event)
     if payload is None or payload == b"[DONE]":
-        return
-    _on_chunk(record, orjson.loads(payload), now)
+        return payload is not None
+    obj = orjson.loads(payload)
+    _on_chunk(record, obj, now)
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    return any(isinstance(c, dict) and c.get("finish_reason") for c in choices or ())
 
 
 def _on_chunk(record: RequestRecord, obj: dict, now: float) -> None:
     if "error" in obj:
         error = obj["error"]
-        record.error = str(error.get("message", error) if isinstance(error, dict) else error)[:500]
+        text = str(error.get("message", error) if isinstance(error, dict) else error)
+        # an error with an empty message is still one (as "" it counted as no error)
+        record.error = (text or "error event")[:500]
         return
     usage = obj.get("usage")
     if usage:

@@ -29,6 +29,7 @@ from typing import Any
 from pdserve.loadgen.bench import build_workload
 from pdserve.loadgen.metrics import parse_slo, summarize
 from pdserve.loadgen.runner import BenchConfig, run, write_results
+from pdserve.loadgen.workloads import as_text
 
 WORKLOAD_DEFAULTS: dict[str, Any] = {
     "workload": "synthetic",
@@ -45,6 +46,13 @@ WORKLOAD_DEFAULTS: dict[str, Any] = {
     "warmup": 0,
     "slo": "",
     "seed": 0,
+    # how it is sent, as `pdserve bench` takes them
+    "model": None,
+    "endpoint": "completions",
+    "tokenizer": None,
+    "stagger": 0.0,
+    "fresh_connections": False,
+    "no_ignore_eos": False,
 }
 
 
@@ -84,7 +92,33 @@ def load_config(path: Path) -> dict[str, Any]:
     for cfg in data["configurations"]:
         if not cfg.get("name") or not cfg.get("rates"):
             raise ValueError(f"{path}: every configuration needs a name and rates")
+    # a misspelt key (`num_request`) was dropped, and the run measured the default unsaid
+    unknown = sorted(set(data.get("workload") or {}) - set(WORKLOAD_DEFAULTS))
+    if unknown:
+        known = sorted(WORKLOAD_DEFAULTS)
+        raise ValueError(f"{path}: unknown workload key(s) {unknown}; known: {known} "
+                         "(rates go in each configuration)")  # fmt: skip
+    if (data.get("workload") or {}).get("endpoint", "completions") not in ("completions", "chat"):
+        raise ValueError(f"{path}: workload endpoint: completions or chat")
     return data
+
+
+def workload_specs(workload: dict[str, Any], rate: float) -> list[Any]:
+    """The run's requests at `rate`: text prompts for the chat endpoint, as `bench` sends."""
+    specs = build_workload(argparse.Namespace(**{**workload, "rate": rate}))
+    if workload["endpoint"] == "chat":
+        from pdserve.common.model.tokenizer import Tokenizer
+
+        specs = as_text(specs, Tokenizer.load(workload["tokenizer"]).decode)
+    return specs
+
+
+def bench_config(url: str, workload: dict[str, Any]) -> BenchConfig:
+    return BenchConfig(url=url, model=workload["model"], concurrency=workload["concurrency"],
+                       warmup=workload["warmup"], ignore_eos=not workload["no_ignore_eos"],
+                       progress=False, endpoint=workload["endpoint"],
+                       fresh_connections=workload["fresh_connections"],
+                       stagger=workload["stagger"])  # fmt: skip
 
 
 def start_cluster(up_args: list[str], timeout: float) -> tuple[subprocess.Popen, str, list[str]]:
@@ -154,6 +188,11 @@ def stop_cluster(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+# a run's line on stdout, as it ends
+PRINTED = ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "wait_ms_max", "goodput",
+           "slo_attainment", "completed", "failed", "replaced_preempted", "shed")  # fmt: skip
+
+
 def main(args: argparse.Namespace) -> int:
     data = load_config(Path(args.config))
     workload = {**WORKLOAD_DEFAULTS, **data.get("workload", {})}
@@ -183,18 +222,11 @@ def main(args: argparse.Namespace) -> int:
             commands.append(" ".join(["pdserve", "up", *map(up_arg, cfg["up"])]) + "  # earlier")
             continue
         for rate in cfg["rates"]:
-            wl = argparse.Namespace(**{**workload, "rate": float(rate)})
-            specs = build_workload(wl)
+            specs = workload_specs(workload, float(rate))
             proc, url, cmd = start_cluster([up_arg(a) for a in cfg["up"]], args.startup_timeout)
             commands.append(" ".join(["pdserve", *cmd[3:]]))
             try:
-                bench = BenchConfig(
-                    url=url,
-                    concurrency=workload["concurrency"],
-                    warmup=workload["warmup"],
-                    progress=False,
-                )
-                recs = asyncio.run(run(specs, bench))
+                recs = asyncio.run(run(specs, bench_config(url, workload)))
                 counts = gateway_counts(url)
             finally:
                 stop_cluster(proc)
@@ -203,31 +235,8 @@ def main(args: argparse.Namespace) -> int:
             write_results(out / cfg["name"] / f"rate-{rate}", recs, summary, meta)
             results.append({**meta, **summary})
             records[(cfg["name"], float(rate))] = recs
-            print(
-                json.dumps(
-                    {
-                        **meta,
-                        **{
-                            k: summary[k]
-                            for k in (
-                                "ttft_ms_p50",
-                                "ttft_ms_p99",
-                                "itl_ms_p50",
-                                "itl_ms_p99",
-                                "wait_ms_max",
-                                "goodput",
-                                "slo_attainment",
-                                "completed",
-                                "failed",
-                                "replaced_preempted",
-                                "shed",
-                            )
-                            if k in summary
-                        },
-                    }
-                ),
-                flush=True,
-            )
+            print(json.dumps({**meta, **{k: summary[k] for k in PRINTED if k in summary}}),
+                  flush=True)  # fmt: skip
     (out / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
     inputs = {"workload": workload, "up": {c["name"]: c["up"] for c in data["configurations"]}}
     (out / INPUTS).write_text(json.dumps(inputs, indent=2) + "\n")  # what --only checks
@@ -253,7 +262,9 @@ def earlier(
         inputs = {"workload": workload, "up": {c["name"]: c["up"] for c in data["configurations"]}}
     except (OSError, ValueError) as exc:
         raise ValueError(f"--only: {out / INPUTS} is not readable: run it whole") from exc
-    if inputs.get("workload") != json.loads(json.dumps(workload)):
+    # defaults filled in: a run recorded before a key was known ran it at its default
+    ran_wl = json.loads(json.dumps({**WORKLOAD_DEFAULTS, **inputs.get("workload", {})}))
+    if ran_wl != json.loads(json.dumps({**WORKLOAD_DEFAULTS, **workload})):
         raise ValueError(f"--only: {out} was measured on another workload: run it whole")
     ran = inputs.get("up", {})
     changed = sorted(c["name"] for c in data["configurations"] if c["name"] not in only

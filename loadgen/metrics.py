@@ -10,6 +10,8 @@
             short run the duration is much the drain after the last arrival, so goodput also
             counts how late the slowest requests end)
     duration first request sent (after warm-up) -> last response completed
+    send lag  open loop: request sent - its scheduled arrival. TTFT starts at the send (as
+            vLLM's does), so a client too busy to send on time (a loaded host) shows here
 
 Percentiles interpolate linearly between order statistics (numpy's default).
 """
@@ -40,6 +42,11 @@ class RequestRecord:
     # accept it, plus in that node's queue (its `timings`: gateway_wait + prefill_queue)
     server_wait: float | None = None
     token_ids: list[int] = field(default_factory=list)  # the output's, when asked for
+    scheduled: float | None = None  # open loop: its arrival time (monotonic seconds)
+
+    @property
+    def send_lag(self) -> float | None:
+        return None if self.scheduled is None else self.sent - self.scheduled
 
     @property
     def ok(self) -> bool:
@@ -82,6 +89,7 @@ class RequestRecord:
             "tpot_ms": round(self.tpot * 1000, 3) if self.ok and self.tpot is not None else None,
             "e2e_ms": round(self.e2e * 1000, 3) if self.ok else None,
             "itl_ms": [round(x * 1000, 3) for x in self.itls] if self.ok else [],
+            "send_lag_ms": round(lag * 1000, 3) if (lag := self.send_lag) is not None else None,
         }
 
 
@@ -146,4 +154,7 @@ def summarize(records: list[RequestRecord], slo: dict[str, float] | None = None)
     summary["failed"] = len(records) - len(ok)
     summary["resumed"] = sum(r.resumed > 0 for r in records)  # streams that changed gateway
     summary["duration_s"] = round(duration, 3)
+    lags = [lag for r in records if (lag := r.send_lag) is not None]
+    if lags:  # open loop: how late the client sent (0 on a host that keeps up)
+        summary.update(_stats("send_lag_ms", lags))
     return summary

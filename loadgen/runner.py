@@ -80,10 +80,12 @@ async def _open_loop(
     base = specs[0].arrival if specs else 0.0
 
     async def one(i: int, spec: RequestSpec) -> RequestRecord:
-        delay = start + spec.arrival - base - time.monotonic()
+        due = start + spec.arrival - base
+        delay = due - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
         record = await _send(session, cfg, spec, i)
+        record.scheduled = due  # its send lag: how far the client fell behind the arrivals
         progress.update(record)
         return record
 

@@ -75,14 +75,21 @@ def random_tokens(rng: np.random.Generator, n: int) -> list[int]:
     return rng.integers(VOCAB_LOW, VOCAB_HIGH, n).tolist()
 
 
+def generators(seed: int, k: int) -> list[np.random.Generator]:
+    """k independent generators of one seed, one per purpose (arrivals, lengths, picks,
+    tokens): from one generator, the arrivals' draws (none at rate 0, a burstiness-dependent
+    number per gap) shifted every later draw, and one seed gave other prompts at each rate."""
+    return [np.random.default_rng(child) for child in np.random.SeedSequence(seed).spawn(k)]
+
+
 def synthetic(
     seed: int, n: int, rate: float, burstiness: float, input_len: LengthDist, output_len: LengthDist
 ) -> list[RequestSpec]:
-    rng = np.random.default_rng(seed)
-    times = arrivals(rng, n, rate, burstiness)
-    ins, outs = input_len.sample(rng, n), output_len.sample(rng, n)
+    at, lengths, tokens = generators(seed, 3)
+    times = arrivals(at, n, rate, burstiness)
+    ins, outs = input_len.sample(lengths, n), output_len.sample(lengths, n)
     return [
-        RequestSpec(float(t), random_tokens(rng, int(i)), int(o), int(i))
+        RequestSpec(float(t), random_tokens(tokens, int(i)), int(o), int(i))
         for t, i, o in zip(times, ins, outs, strict=True)
     ]
 
@@ -97,12 +104,12 @@ def shared_prefix(
     suffix_len: int,
     output_len: int,
 ) -> list[RequestSpec]:
-    rng = np.random.default_rng(seed)
-    prefixes = [random_tokens(rng, prefix_len) for _ in range(groups)]
-    times = arrivals(rng, n, rate, burstiness)
+    at, picks, tokens = generators(seed, 3)
+    prefixes = [random_tokens(tokens, prefix_len) for _ in range(groups)]
+    times = arrivals(at, n, rate, burstiness)
     specs = []
-    for t in times:
-        prompt = prefixes[int(rng.integers(groups))] + random_tokens(rng, suffix_len)
+    for t, g in zip(times, picks.integers(groups, size=n), strict=True):
+        prompt = prefixes[int(g)] + random_tokens(tokens, suffix_len)
         specs.append(RequestSpec(float(t), prompt, output_len, len(prompt)))
     return specs
 
@@ -118,9 +125,9 @@ def sharegpt(
             pairs.append((turns[0]["value"], turns[1]["value"]))
     if not pairs:
         raise ValueError(f"{path}: no conversations with a prompt and a reply")
-    rng = np.random.default_rng(seed)
-    times = arrivals(rng, n, rate, burstiness)
-    picks = rng.integers(len(pairs), size=n)
+    at, pick = generators(seed, 2)
+    times = arrivals(at, n, rate, burstiness)
+    picks = pick.integers(len(pairs), size=n)
     specs = []
     for t, i in zip(times, picks, strict=True):
         prompt, reply = pairs[int(i)]

@@ -294,9 +294,9 @@ def test_a_one_token_request_ends_at_its_first_token_as_on_a_prefill_node():
 
 
 def test_plan_takes_bench_s_warmup_and_plans_the_requests_bench_measures():
-    """`bench --warmup W` draws the workload for N + W requests (the lengths come after all
-    the arrivals, so every measured request differs from a run without warm-ups) and
-    measures all but the first W: `plan` had no --warmup, and planned another mix."""
+    """`bench --warmup W` draws the workload for N + W requests (the warm-ups are its first
+    W, so every measured request differs from a run without warm-ups) and measures all but
+    the first W: `plan` had no --warmup, and planned another mix."""
     import argparse
 
     from pdserve.loadgen.bench import add_workload_flags, build_workload
