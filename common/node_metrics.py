@@ -166,6 +166,9 @@ class NodeMetrics:
             "pdserve:request_prefill_time_seconds", "Forward pass of the batch that held it"
         )
         self.step_time = histogram("pdserve:engine_step_seconds", "One engine step (decode: ITL)")
+        self.step_failures = counter(
+            "pdserve:engine_step_failures", "Engine steps that raised (their batch failed)"
+        )
         self._kv_bytes = counter(
             "pdserve:kv_transfer_bytes", "KV bytes sent or received", ("backend", "direction")
         )

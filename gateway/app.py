@@ -71,15 +71,14 @@ def error_response(err: ApiError, headers: dict[str, str] | None = None) -> web.
     return json_response(err.body(), err.status, headers)
 
 
+async def count_status(request: web.Request, response: web.StreamResponse) -> None:
+    # as its head leaves: refusals too, and a stream its client left (cancelled, no return)
+    if SERVICE in request.app:
+        request.app[SERVICE].metrics.http_response(response.status)
+
+
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    resp = await _answer(request, handler)
-    if SERVICE in request.app:  # every answer by status, refusals before placement too
-        request.app[SERVICE].metrics.http_response(resp.status)
-    return resp
-
-
-async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as err:
@@ -376,6 +375,7 @@ def create_app(cfg: GatewayConfig) -> web.Application:
     )
     app[CONFIG] = cfg
     app.cleanup_ctx.append(_gateway_ctx)
+    app.on_response_prepare.append(count_status)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/streams/{stream_id}", resume_stream, allow_head=False)  # it adopts

@@ -51,7 +51,7 @@ class Gateway:
         self.link = NodeLink(cfg)
         self.placer = _placer(
             cfg, self.cluster, self.table, self.policy, self.index, self.link,
-            lambda node, accepted: _count_answer(self.metrics, node, accepted),
+            lambda node, accepted: _count_answer(self.metrics, self.cluster, node, accepted),
         )  # fmt: skip
         self.metrics = GatewayMetrics(
             self.cluster, self.table, self.placer.waiting, lambda: self.pools.published_replicas()
@@ -122,8 +122,12 @@ def _placer(
     )  # fmt: skip
 
 
-def _count_answer(metrics: GatewayMetrics, node: NodeState, accepted: bool | None) -> None:
+def _count_answer(
+    metrics: GatewayMetrics, cluster: ClusterView, node: NodeState, accepted: bool | None
+) -> None:
     """A prefill node's answer to an offer, counted per node and on /metrics."""
+    if not cluster.holds(node):
+        return  # dropped meanwhile: a count now would bring its series back for good
     if accepted is None:
         metrics.offer_timeouts.labels(node.node_id).inc()
     elif accepted:

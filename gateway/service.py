@@ -101,7 +101,6 @@ class RequestService:
 
     async def run(self, req: GatewayRequest) -> None:
         """Admit and place the request; its tokens then arrive in req.events."""
-        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         self.sizing.arrived(len(req.prompt_ids), time.monotonic(), req.params.max_tokens)
         if len(self.placer.waiting) >= self.cfg.max_waiting:  # bounded, whatever the load
             waiting = len(self.placer.waiting)
@@ -115,6 +114,7 @@ class RequestService:
                                      f"exceeds {self.cfg.reject_ttft:g} s; retry later",
                                      "service_unavailable", retry_after=wait))  # fmt: skip
             return
+        self.metrics.prompt_tokens.inc(len(req.prompt_ids))  # admitted: a refusal is no work
         await self._place(req, req.prompt_ids, req.params)
 
     async def resume(self, public_id: str, have: int, include_usage: bool) -> GatewayRequest:
@@ -171,6 +171,9 @@ class RequestService:
             return
         if len(req.output_ids) == count:
             return  # held back behind a gap, or a duplicate
+        # as they stream (a gap filled adds several): a stream cancelled or failed midway
+        # counts what its client got
+        self.metrics.generation_tokens.inc(len(req.output_ids) - count)
         now = req.last_token_at or time.monotonic()
         if previous is None:
             self.metrics.ttft.observe(now - req.arrival)
@@ -348,7 +351,6 @@ class RequestService:
                   ) -> None:  # fmt: skip
         if not req.ended_before:  # a replay of a stream that had ended: counted where it did
             self.metrics.requests.labels("ok").inc()
-            self.metrics.generation_tokens.inc(len(req.output_ids))
             self.metrics.e2e.observe(time.monotonic() - req.arrival)
             self.metrics.observe_phases(req.phases())
         attempt = self.table.current(req)  # none: resumed after it ended (gateway/resume.py)

@@ -19,6 +19,13 @@ from pdserve.common.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.common.engine.sequence import Sequence
 from pdserve.common.node_metrics import NodeMetrics
 
+# A node whose role goes on after a failed step (prefill: its batch is re-placed) stops
+# after this many in a row: a lasting fault (a device error that sticks, memory that never
+# frees) fails every batch at once, so the node looks idle and gets every offer while it
+# fails them all; stopped, a supervisor restarts it. Above what one poison request can
+# fail alone (it is re-placed at most --max-replacements, 3, times before a 503).
+FAILED_IN_ROW = 8
+
 
 class StepHooks(Protocol):
     """The role's part of a step."""
@@ -48,6 +55,7 @@ class StepLoop:
         self.step_over: asyncio.Future[None] | None = None  # resolved when that step ends
         self.aborted: set[str] = set()  # ids to drop once the running step is over
         self.step_started: float | None = None  # when the engine's running step began
+        self.failed_in_row = 0  # steps that raised since the last that did not
 
     def hung(self, limit: float, now: float) -> str | None:
         """Why the engine counts as hung (its step has run past `limit` seconds), or None:
@@ -98,12 +106,19 @@ class StepLoop:
                         started = self.step_started = time.monotonic()
                         result = await self.run_engine(hooks.engine_step, out, loop)
                     except Exception as exc:
+                        self.metrics.step_failures.inc()
+                        self.failed_in_row += 1
                         await hooks.step_failed(out, exc)
                         self._drop_aborted(self._take_aborted())
+                        if self.failed_in_row >= FAILED_IN_ROW:
+                            raise RuntimeError(
+                                f"the engine failed {self.failed_in_row} steps in a row"
+                            ) from exc
                         continue
                 finally:
                     self.in_step, self.step_started = set(), None
                     self.step_over.set_result(None)
+                self.failed_in_row = 0
                 seconds = time.monotonic() - started
                 self.metrics.step_time.observe(seconds)
                 if out.prefills and not out.decodes:

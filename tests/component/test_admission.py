@@ -14,7 +14,7 @@ from pdserve.common.config import EngineConfig, GatewayConfig
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.wire.transport import free_port
 from pdserve.decode_node.server import DecodeRole
-from pdserve.gateway.app import CONFIG, SERVICE, completions, errors_middleware
+from pdserve.gateway.app import CONFIG, SERVICE, completions, count_status, errors_middleware
 from pdserve.gateway.requests import Done, Failed
 from pdserve.prefill_node.server import PrefillRole
 from tests.component.cluster import Cluster, outcome, prompt, until
@@ -112,8 +112,9 @@ async def test_a_long_prompt_behind_a_stream_of_short_ones_waits_at_most_its_bou
 async def _serve(gw) -> tuple[web.AppRunner, str]:
     app = web.Application(middlewares=[errors_middleware])
     app[CONFIG], app[SERVICE] = gw.cfg, gw.service
+    app.on_response_prepare.append(count_status)
     app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, handler_cancellation=True)  # as gateway/app.py serves
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -253,3 +254,42 @@ async def test_every_answer_is_counted_by_status_refusals_included(tokenizer):
         text = c.gw.metrics.render().decode()
         assert 'pdserve:http_responses_total{status="503"} 2.0' in text
         assert 'pdserve:http_responses_total{status="400"} 1.0' in text
+
+
+async def test_a_stream_its_client_leaves_counts_its_answer_and_the_tokens_it_got(tokenizer):
+    """/metrics counted an answer when its handler returned and generated tokens when a
+    request completed: a stream whose client left (its handler cancelled) showed neither,
+    and a refused prompt counted as prompt tokens served."""
+    async with Cluster(tokenizer, max_waiting=1, placement_timeout=30.0) as c:
+        prefill = await c.add(c.node(PrefillRole, "prefill-0"))
+        # decode steps of a few ms (not SIM's 0.01 scale): the stream runs while its client reads
+        slow = EngineConfig(engine="sim", sim_time_scale=0.5, num_kv_blocks=256, max_batch=8)
+        await c.add(c.node(DecodeRole, "decode-0", ecfg=slow))
+        runner, url = await _serve(c.gw)
+        body = {"prompt": prompt(20), "max_tokens": 500, "ignore_eos": True, "stream": True}
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with session.post(url, json=body) as resp:
+                    assert resp.status == 200
+                    chunks = 0
+                    async for line in resp.content:
+                        chunks += line.startswith(b"data: {")
+                        if chunks == 3:
+                            break  # and leave: the connection closes with the stream open
+            await until(lambda: not c.gw.table, 10, "the stream let go")
+            prefill.scheduler.can_take = lambda *a: "batch full"  # type: ignore[method-assign]
+            waits = c.request("w", prompt(30), SamplingParams(max_tokens=2))
+            c.gw.service.spawn(c.gw.service.run(waits))
+            await until(lambda: len(c.gw.placer.waiting) == 1, what="one waiting to be placed")
+            async with aiohttp.ClientSession() as session:  # past --max-waiting: a 429
+                async with session.post(url, json={**body, "stream": False}) as resp:
+                    assert resp.status == 429
+            c.gw.service.abort(waits)
+        finally:
+            await runner.cleanup()
+        m = c.gw.metrics
+        assert m.http.labels("200")._value.get() == 1
+        assert m.http.labels("429")._value.get() == 1
+        assert m.requests.labels("cancelled")._value.get() == 2  # the stream, the waiting one
+        assert m.generation_tokens._value.get() >= 3  # at least what its client read
+        assert m.prompt_tokens._value.get() == 20 + 30  # admitted ones: the refused one's not

@@ -239,6 +239,9 @@ def test_probes_health_for_readiness_never_for_liveness(objs):
         # but alive; a node's /live is 503 only while its engine is hung, the gateway's
         # /metrics answers as long as the process does
         assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+        # a loop busy for a second (2 cores, a burst) is not unready: 1 s, the default, took
+        # every gateway out of its Service at once under load
+        assert c["readinessProbe"].get("timeoutSeconds", 1) >= 5, role
         live = "/metrics" if role == "gateway" else "/live"
         assert c["livenessProbe"]["httpGet"]["path"] == live
     assert ports(container(objs, "gateway"))["http"] == 8000
@@ -384,3 +387,21 @@ def test_strategic_merge_by_patch_merge_keys():
     ]
     assert merged["containers"][0]["args"] == ["q"]  # no merge key: replaced
     assert merge({"a": 1, "b": 2}, {"a": None}) == {"b": 2}
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_every_port_a_node_listens_on_is_fixed(objs, role, monkeypatch):
+    """A NetworkPolicy names ports: a node port left at 0 binds any free one (the prefill
+    pods' tcp KV listener did, for the prefix fetches peers make there). The ports come
+    from what the node probes before it starts (pdserve/ports.py), each flag's variable."""
+    import pdserve.ports
+
+    bound: list[str] = []
+    monkeypatch.setattr(pdserve.ports, "_bindable", lambda host, port, name: bound.append(name))
+    fields = {f.name for f in dataclasses.fields(NodeConfig) if f.name.endswith("_port")}
+    pdserve.ports.node_ports_free(NodeConfig(**dict.fromkeys(fields, 1)), role)
+    values = env(container(objs, role))
+    assert bound
+    for flag in bound:
+        variable = "PDSERVE_" + flag.removeprefix("--").replace("-", "_").upper()
+        assert int(values.get(variable, "0")) > 0, (role, variable)

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.common.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.common.engine.sequence import Sequence
-from pdserve.common.node.steps import StepLoop
+from pdserve.common.node.steps import FAILED_IN_ROW, StepLoop
 from pdserve.common.node_metrics import NodeMetrics
 from pdserve.common.sampling import SamplingParams
 
@@ -63,3 +63,67 @@ async def test_an_abort_while_a_step_is_prepared_waits_for_that_step():
             await asyncio.sleep(0.01)
         task.cancel()
     assert events == ["step a", "after ", "drop a holding 1 blocks"]
+
+
+class _Failing(_Hooks):
+    """Steps raise but for the ones named in `ok`; a failed batch is dropped, as a prefill
+    node's (its requests re-placed) is."""
+
+    def __init__(self, scheduler: Scheduler, ok: set[str]) -> None:
+        super().__init__([])
+        self.go.set()
+        self.scheduler, self.ok = scheduler, ok
+
+    def engine_step(self, out, loop) -> list[int]:
+        if not set(out.seq_ids) & self.ok:
+            raise RuntimeError("device error")
+        return super().engine_step(out, loop)
+
+    async def step_failed(self, out, exc) -> None:
+        for seq, _ in out.prefills:
+            self.scheduler.finish(seq, "abort")
+
+    async def after_step(self, out, grew, result) -> None:
+        for seq, _ in out.prefills:  # one token each: done
+            self.scheduler.finish(seq, "length")
+
+
+async def _run_steps(ok: set[str], n: int) -> tuple[BaseException | None, float]:
+    """n one-token prompts, one a step: how the loop ended (None: still running once every
+    step ran) and the failures counted on /metrics."""
+    cfg = SchedulerConfig(max_num_seqs=1, max_batch_tokens=64, chunk_size=0, num_blocks=64,
+                          block_size=4)  # fmt: skip
+    scheduler = Scheduler(cfg)
+    for i in range(n):
+        scheduler.add(Sequence.new(f"r{i:02}", [1, 2], SamplingParams(max_tokens=1)))
+    metrics = NodeMetrics("n", "prefill", lambda: None, 64)  # type: ignore[arg-type,return-value]
+    with ThreadPoolExecutor(1) as pool:
+        loop = StepLoop(scheduler, pool, metrics, lambda rid: None, lambda t, s: None)
+        loop.hooks = _Failing(scheduler, ok)  # type: ignore[assignment]
+        task = asyncio.create_task(loop.run())
+        loop.wake()
+        for _ in range(1000):
+            if task.done() or not scheduler.has_work:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        ended = task.exception() if task.done() else None
+        task.cancel()
+    return ended, metrics.step_failures._value.get()
+
+
+async def test_a_node_whose_engine_fails_every_step_stops():
+    """A prefill node goes on after a failed step (its batch re-placed); one whose engine
+    fails every step (a device error that sticks) looked idle and healthy, took every offer
+    and failed each until the requests ran out of re-placements. It stops after
+    FAILED_IN_ROW in a row, for its supervisor to restart it."""
+    ended, failures = await _run_steps(set(), FAILED_IN_ROW)
+    assert isinstance(ended, RuntimeError) and "in a row" in str(ended), ended
+    assert failures == FAILED_IN_ROW
+
+
+async def test_a_step_that_runs_resets_the_count_of_failures():
+    ok = {f"r{FAILED_IN_ROW - 1:02}"}  # fails 7, runs one, fails 7 more: never 8 in a row
+    ended, failures = await _run_steps(ok, 2 * FAILED_IN_ROW - 1)
+    assert ended is None
+    assert failures == 2 * FAILED_IN_ROW - 2
