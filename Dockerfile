@@ -11,7 +11,9 @@
 ARG BASE_IMAGE=nvidia/cuda:12.8.1-base-ubuntu24.04
 FROM ${BASE_IMAGE}
 
-ARG TORCH_SPEC="torch>=2.4"
+ARG TORCH_SPEC="torch==2.13.0"  # the version the project is tested with (Makefile)
+# an index for torch alone (compose.cpu.yaml: PyTorch's CPU wheels); empty: PyPI's (CUDA)
+ARG TORCH_INDEX=""
 # the folder of offline wheels in the build context (docker/wheels.sh; the tests use their
 # own, so that the wheels they download never turn a later build offline by surprise)
 ARG WHEELS=docker/wheels
@@ -37,7 +39,7 @@ ENV PATH=/opt/pdserve/bin:$PATH
 # code rebuilds seconds, not the dependency layers.
 COPY ${WHEELS}/ /wheels/
 RUN if ls /wheels/*.whl >/dev/null 2>&1; then export PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheels; fi \
-    && pip install "$TORCH_SPEC"
+    && pip install ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "$TORCH_SPEC"
 
 COPY pyproject.toml /src/pyproject.toml
 RUN if ls /wheels/*.whl >/dev/null 2>&1; then export PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheels; fi \

@@ -56,8 +56,10 @@ def test_services_and_gpu_reservations(gpu, cpu):
         assert gpu["services"][name]["environment"]["PDSERVE_DEVICE"] == "cuda:auto"
         assert not _gpu_devices(cpu["services"][name])
         assert cpu["services"][name]["environment"]["PDSERVE_DEVICE"] == "cpu"
-    args = cpu["services"]["gateway"]["build"]["args"]
-    assert args["TORCH_SPEC"] == "torch==2.13.0"  # never the multi-GB CUDA build on CPU
+    for name in ("gateway", "shm", "prefill", "decode"):  # never the multi-GB CUDA build on CPU
+        args = cpu["services"][name]["build"]["args"]
+        assert args["TORCH_SPEC"] == "torch==2.13.0", name
+        assert args["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu", name
 
 
 def test_only_the_gateway_is_published_and_node_traffic_is_internal(gpu):
