@@ -3,8 +3,8 @@
 Unlike classic POSIX record locks they conflict between any two opens of a file, threads of
 one process included, and survive the closing of other descriptors of the same file; like
 them, the kernel drops a lock when its holder dies. Used to guard writes into shared KV
-caches (common/kv/grants.py) and to tell a live cache file from an orphan
-(common/engine/shared_kv.py)."""
+caches (common/kv/grants.py) and to tell a live cache file or shm segment from an orphan
+(common/engine/shared_kv.py, common/kv/shm.py)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,12 @@ KV_FILE_PREFIX = "pdserve-kv-"  # a node's KV cache in shared memory (common/eng
 # a decode node's write grants (common/kv/grants.py): one 8-byte slot per ticket, the byte
 # after the last slot its owner's lock (the slots' bytes are the writers')
 GRANT_FILE_PREFIX = "pdserve-grants-"
+# the shm backend's segments (common/kv/shm.py): POOL-N, and POOL + SEG_OWNER_SUFFIX, the
+# file whose byte 0 the pool's owner locks. A prefix no other kind's name can start with (a
+# node named "kv-1" had its live segments swept as dead KV cache files)
+SEG_FILE_PREFIX = "pdserve-seg-"
+SEG_OWNER_SUFFIX = "-owner"
+SWEPT = (KV_FILE_PREFIX, GRANT_FILE_PREFIX, SEG_FILE_PREFIX)
 
 
 def grant_owner_byte(size: int) -> int:
@@ -46,31 +52,50 @@ def grant_owner_byte(size: int) -> int:
 
 
 def sweep_dead_kv_files() -> int:
-    """Remove KV cache and grant files whose owner died (nobody holds its lock): how many.
-    Torch-free, for `pdserve up` after its children stop (a child killed before its finalizer
-    ran leaves a file of its whole KV cache, a GiB by default, and its grant file)."""
-    removed = 0
+    """Remove KV cache, grant and shm segment files whose owner died (nobody holds its
+    lock): how many. Torch-free, for `pdserve up` after its children stop (a child killed
+    before its finalizer ran leaves a file of its whole KV cache, a GiB by default, its grant
+    file and its segments)."""
     try:
-        names = [
-            n for n in os.listdir(SHM_DIR) if n.startswith((KV_FILE_PREFIX, GRANT_FILE_PREFIX))
-        ]
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(SWEPT)]
     except OSError:
         return 0
-    for name in names:
-        path = os.path.join(SHM_DIR, name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            owner = 0
-            if name.startswith(GRANT_FILE_PREFIX):
-                owner = grant_owner_byte(os.fstat(fd).st_size)
-            if lock_byte(fd, owner):  # its owner is gone
-                os.unlink(path)
+    dead: dict[str, bool] = {}  # lock file -> nobody holds it
+    removed = 0
+    # a pool's segments before its owner file: a segment whose owner file is gone is dead
+    for name in sorted(names, key=lambda n: n.endswith(SEG_OWNER_SUFFIX)):
+        owner = _owner_of(name)
+        if owner not in dead:
+            dead[owner] = _unowned(owner)
+        if dead[owner]:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
                 removed += 1
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+            except OSError:
+                pass
     return removed
+
+
+def _owner_of(name: str) -> str:
+    """The file whose lock says whether `name`'s owner lives."""
+    if not name.startswith(SEG_FILE_PREFIX) or name.endswith(SEG_OWNER_SUFFIX):
+        return name
+    return name.rsplit("-", 1)[0] + SEG_OWNER_SUFFIX
+
+
+def _unowned(name: str) -> bool:
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:  # a segment's pool is gone (its segments outlived it)
+        return True
+    except OSError:
+        return False
+    try:
+        owner = 0
+        if name.startswith(GRANT_FILE_PREFIX):
+            owner = grant_owner_byte(os.fstat(fd).st_size)
+        return lock_byte(fd, owner)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

@@ -75,6 +75,9 @@ class Transfer:
     layerwise: bool = False  # its layers went out during the pass (prefill_node/layerwise.py)
     staged: list[Any] = field(default_factory=list)  # host copies sent, returned at the end
     finished: float = 0.0  # KvAck received
+    # the decode node acknowledged or refused it: it reads none of its frames any more (an
+    # abort is not answered: shm destroys the segment rather than lend it again)
+    answered: bool = False
     # stages in flight off the event loop (a fetch, a resend: common/kv/sender.py), and
     # whether the transfer was released meanwhile: its backend state outlives those stages
     staging: int = 0
@@ -165,7 +168,8 @@ class SendConnector:
         transfer (None)."""
 
     def end(self, t: Transfer) -> None:
-        """The transfer is over (acknowledged, refused and redirected, or aborted)."""
+        """The transfer is over (acknowledged, refused and redirected, or aborted: then
+        `t.answered` is False, and the receiver may still read what was sent)."""
 
     async def close(self) -> None:
         """The node stops."""

@@ -68,6 +68,7 @@ class KvIntake:
         timeout: float = 10.0,
         on_fetch: Callable[[bytes, KvFetch], Awaitable[None]] | None = None,
         vocab_size: int = 1 << 32,
+        on_refused: Callable[[KvHeader, str, str], None] | None = None,
     ) -> None:
         self.sock = sock
         self.kv = kv
@@ -78,6 +79,9 @@ class KvIntake:
         self.timeout = timeout
         self.vocab_size = vocab_size  # a first token past it would fail the decode step
         self.on_fetch = on_fetch  # a peer asks for prefix blocks of ours (common/node/fetch.py)
+        # a transfer refused here (header, sender, why): a fetch of ours that waits for it
+        # falls back to computing at once, not at its deadline
+        self.on_refused = on_refused
         self.incoming: dict[str, Intake] = {}
         self.closed: OrderedDict[str, None] = OrderedDict()
         self.arrivals: dict[str, asyncio.Event] = {}  # stream frames waiting for their header
@@ -115,7 +119,9 @@ class KvIntake:
                     return
                 if not intake.header.fetch and not 0 <= token < self.vocab_size:
                     self.drop(rid)
-                    await self.refuse(peer, rid, f"first token {token} is not in the vocabulary")
+                    await self._refuse(
+                        intake.peer, intake.header, f"first token {token} is not in the vocabulary"
+                    )
                     return
                 intake.first_token = token
                 intake.progress = time.monotonic()  # from now on a stall is a failure
@@ -124,7 +130,7 @@ class KvIntake:
                 elif intake.header.backend not in STREAMED:  # its frames may still be coming
                     got = f"{len(intake.layers)}/{intake.header.num_layers}"
                     self.drop(rid)
-                    await self.refuse(peer, rid, f"got {got} layers")
+                    await self._refuse(intake.peer, intake.header, f"got {got} layers")
             case Abort(request_id=rid):
                 intake = self.incoming.get(rid)
                 if intake is not None and intake.peer == peer:
@@ -151,10 +157,10 @@ class KvIntake:
         rid = h.request_id
         receiver = self.receivers.get(h.backend)
         if rid in self.incoming:  # never replace a live transfer's state
-            return await self.refuse(peer, rid, "duplicate request id")
+            return await self._refuse(peer, h, "duplicate request id")
         if receiver is None:
             self.remember_closed(rid)
-            return await self.refuse(peer, rid, f"KV backend {h.backend!r} not offered here")
+            return await self._refuse(peer, h, f"KV backend {h.backend!r} not offered here")
         problem = self._malformed(peer, h)
         reserved = problem if problem is not None else self.reserve(h)  # nothing reserved then
         if isinstance(reserved, str):
@@ -162,14 +168,14 @@ class KvIntake:
                 self.incoming[rid] = Intake(h, peer, [], dropped=True)
             else:
                 self.remember_closed(rid)
-            return await self.refuse(peer, rid, reserved)
+            return await self._refuse(peer, h, reserved)
         intake = Intake(h, peer, reserved)
         self.incoming[rid] = intake
         self.closed.pop(rid, None)
         problem = receiver.open(intake)
         if problem is not None:
             self.drop(rid)
-            return await self.refuse(peer, rid, problem)
+            return await self._refuse(peer, h, problem)
         grant = receiver.grant(intake, self.frame_target(intake)[0])
         if grant is not None:  # the sender writes into our blocks itself (shm_direct)
             await self._send(peer, grant)
@@ -201,7 +207,7 @@ class KvIntake:
             (log.exception if bug else log.warning)("KV frame of %s from %s failed: %r", rid,
                                                     h.prefill_node, exc)  # fmt: skip
             if self.drop(rid):
-                await self.refuse(peer, rid, "KV stream failed")
+                await self._refuse(intake.peer, intake.header, "KV stream failed")
             return
         if frame is LANDED:  # the sender copied it into the blocks itself
             if not intake.dropped and 0 <= layer < h.num_layers:
@@ -244,6 +250,15 @@ class KvIntake:
 
     async def refuse(self, peer: bytes, rid: str, reason: str) -> None:
         await self._send(peer, KvRefuse(request_id=rid, reason=reason))
+
+    async def _refuse(self, peer: bytes, h: KvHeader, reason: str) -> None:
+        """Refuse a transfer whose header came, and say so here (`on_refused`)."""
+        await self.refuse(peer, h.request_id, reason)
+        if self.on_refused is not None:
+            try:  # called from the expiry loop too, whose end would stop the node
+                self.on_refused(h, peer.decode(errors="replace"), reason)
+            except Exception:
+                log.exception("handling the refusal of %s failed", h.request_id)
 
     async def _send(self, peer: bytes, msg: Any) -> None:
         """To the sending node, if it is still connected: one that went away (crashed, scaled
@@ -326,7 +341,7 @@ class KvIntake:
                     intake.header.num_layers,
                 )
                 self.drop(rid)
-                await self.refuse(intake.peer, rid, "KV transfer timed out")
+                await self._refuse(intake.peer, intake.header, "KV transfer timed out")
 
     def _served(self, task: asyncio.Task) -> None:
         self.serving.discard(task)

@@ -35,12 +35,7 @@ from pdserve.common.wire.kv_messages import (
     KvLayer,
     KvRefuse,
 )
-from pdserve.common.wire.protocol import (
-    Abort,
-    DecodeTarget,
-    Msg,
-    encode,
-)
+from pdserve.common.wire.protocol import Abort, DecodeTarget, Msg, encode
 from pdserve.common.wire.transport import decode_or_none, make_socket
 
 log = logging.getLogger(__name__)
@@ -95,6 +90,7 @@ class KvSender:
         self.connectors: dict[str, SendConnector] = {}
         self.peers: dict[str, Peer] = {}
         self.swept_at = time.monotonic()  # idle peers last let go
+        self.fell_back_at = -1e9  # a backend's begin last failed
         self.lock = threading.Lock()  # a transfer's stages in flight against its release
         self.transfers: dict[str, Transfer] = {}
 
@@ -134,7 +130,12 @@ class KvSender:
             kv.frame_bytes(n),
             self.num_layers,
         )
-        self.connector(name).begin(t)
+        try:
+            self.connector(name).begin(t)
+        except OSError as exc:  # shm: /dev/shm is full; every decode node offers zmq
+            self._warn_fallback(name, exc)
+            t.backend = "zmq"
+            self.connector("zmq").begin(t)
         self.transfers[request_id] = t
         header = KvHeader(
             request_id=request_id,
@@ -144,7 +145,7 @@ class KvSender:
             num_layers=self.num_layers,
             frame_bytes=t.frame_bytes,
             prefill_node=self.local.node_id,
-            backend=name,
+            backend=t.backend,
             location=t.location,
             skip_tokens=skip,
             fetch=fetch,
@@ -153,6 +154,12 @@ class KvSender:
         )
         self._post(target, _Item([encode(header)]))
         return t
+
+    def _warn_fallback(self, name: str, exc: OSError) -> None:
+        now = time.monotonic()
+        if now - self.fell_back_at >= 5.0:  # a full /dev/shm fails every transfer: 1 line
+            log.warning("KV backend %s failed (%s): sending by zmq", name, exc)
+            self.fell_back_at = now
 
     def stage(self, t: Transfer, layer: int) -> Any:
         """Engine thread: what the layer's descriptor and frame need (connector-specific).
@@ -347,6 +354,7 @@ class KvSender:
             case KvAck(request_id=rid):
                 t = self.transfers.get(rid)
                 if t is not None and t.target.node_id == peer.node_id:
+                    t.answered = True
                     self.release(rid)
                     t.finished = time.monotonic()
                     self.on_ack(t)
@@ -357,6 +365,7 @@ class KvSender:
             case KvRefuse(request_id=rid, reason=why):
                 t = self.transfers.get(rid)
                 if t is not None and t.target.node_id == peer.node_id:
+                    t.answered = True
                     self.connector(t.backend).on_grant(t, None)
                     await self.on_refuse(rid, peer.node_id, why)
                 elif t is None and self.on_stray_refuse is not None:

@@ -6,13 +6,22 @@ request, only a descriptor crosses ZeroMQ, and the decode node copies once into 
 
 The prefill node keeps a pool of segments and reuses them (fresh pages cost 3-7x a warm
 copy), so a steady stream of requests maps no new memory. A segment is lent to one request
-from its header until its KvAck (or abort) and then returned. The decode node keeps each
-segment it has seen mapped, keyed by name, for the same reason. Segment files are removed
-when the prefill node closes its pool; a crashed node leaves them to the OS's tmpfs cleanup.
+from its header until the decode node answers it (KvAck, KvRefuse) and then returned: the
+decode node reads a layer only when it handles its KvLayer, maybe long after it was sent. An
+aborted transfer's segment is destroyed instead (unlinked, never lent again), since the
+decode node may still read it and admit what it finds. The decode node keeps each segment it
+has seen mapped, keyed by name, for the same reason, and lets go of those whose file is gone.
+
+Segments are allocated whole when made (a tmpfs that runs out while pages are touched kills
+the process with SIGBUS; a full one is an OSError here, and the transfer goes by ZeroMQ). A
+pool's owner file is locked for the pool's life: the segments of a node that crashed are
+swept by the next node to start on the host (common/ofd.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import mmap
 import os
@@ -29,8 +38,15 @@ from pdserve.common.kv.base import (
     SendConnector,
     Transfer,
 )
+from pdserve.common.ofd import (
+    SEG_FILE_PREFIX,
+    SEG_OWNER_SUFFIX,
+    SHM_DIR,
+    lock_byte,
+    sweep_dead_kv_files,
+)
 
-SHM_DIR = "/dev/shm"
+PRUNE_S = 2.0  # the decode side lets go of destroyed segments' mappings this often
 
 
 @dataclass
@@ -38,27 +54,56 @@ class Segment:
     name: str
     size: int
     mem: mmap.mmap
+    users: int = 0  # decode side: intakes that read it (its mapping is kept while they do)
 
     def view(self, offset: int, length: int) -> memoryview:
         return memoryview(self.mem)[offset : offset + length]
 
 
-def _map(path: str, size: int, create: bool) -> mmap.mmap:
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
+def _create(path: str, size: int) -> mmap.mmap:
+    """A new segment, its pages reserved now (ENOSPC here, not SIGBUS in export_into)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        if create:
-            os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
         return mmap.mmap(fd, size)
+    except BaseException:
+        os.unlink(path)
+        raise
     finally:
         os.close(fd)
+
+
+def _open(path: str) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def _own(path: str) -> int:
+    """The pool's owner file, locked (byte 0) while the returned descriptor is open: made
+    and locked under another name, then renamed, so a sweep never sees it unlocked."""
+    draft = os.path.join(SHM_DIR, f"pdserve-segdraft-{secrets.token_hex(6)}")
+    fd = os.open(draft, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        if not lock_byte(fd, 0):
+            raise OSError(f"cannot lock {draft}")
+        os.rename(draft, path)
+    except BaseException:
+        os.close(fd)
+        os.unlink(draft)
+        raise
+    return fd
 
 
 class SegmentPool:
     """Prefill side: lend segments of at least `size` bytes, reuse returned ones."""
 
     def __init__(self, prefix: str, max_free: int = 8) -> None:
-        self.prefix = f"pdserve-{prefix}-{secrets.token_hex(3)}"
+        self.prefix = f"{SEG_FILE_PREFIX}{prefix}-{secrets.token_hex(3)}"
+        self.owner_path = os.path.join(SHM_DIR, self.prefix + SEG_OWNER_SUFFIX)
+        self.owner = -1  # the owner file's descriptor, from the first segment on
         self.free: list[Segment] = []
         self.all: list[Segment] = []
         self.max_free = max_free
@@ -67,14 +112,18 @@ class SegmentPool:
         self.serial = itertools.count()
 
     def take(self, size: int) -> Segment:
+        """A segment to lend; OSError where /dev/shm has no room for a new one."""
         fits = [s for s in self.free if s.size >= size]
         if fits:
             seg = min(fits, key=lambda s: s.size)
             self.free.remove(seg)
             return seg
+        if self.owner < 0:  # no file I/O before (a sender is made to ask `usable`)
+            sweep_dead_kv_files()  # segments of this host's crashed nodes
+            self.owner = _own(self.owner_path)
         name = f"{self.prefix}-{next(self.serial)}"
         size = max(1 << 20, 1 << (size - 1).bit_length())  # powers of two: reuse across sizes
-        seg = Segment(name, size, _map(os.path.join(SHM_DIR, name), size, create=True))
+        seg = Segment(name, size, _create(os.path.join(SHM_DIR, name), size))
         self.all.append(seg)
         return seg
 
@@ -83,52 +132,59 @@ class SegmentPool:
         if len(self.free) > self.max_free:  # keep the pool bounded: drop the smallest
             victim = min(self.free, key=lambda s: s.size)
             self.free.remove(victim)
-            self._destroy(victim)
+            self.destroy(victim)
 
-    def _destroy(self, seg: Segment) -> None:
+    def destroy(self, seg: Segment) -> None:
+        """Never lent again: its pages live on only while a reader keeps them mapped."""
         self.all.remove(seg)
         seg.mem.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(SHM_DIR, seg.name))
-        except FileNotFoundError:
-            pass
 
     def close(self) -> None:
         for seg in list(self.all):
-            self._destroy(seg)
+            self.destroy(seg)
         self.free.clear()
+        if self.owner >= 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.owner_path)
+            os.close(self.owner)  # the lock goes with it
+            self.owner = -1
 
 
 class SegmentMaps:
-    """Decode side: segments by name, mapped once and kept while their size fits, and while
-    their file exists: a sender's pool destroys segments (more than `max_free` free, its
-    restart), and a mapping kept would hold an unlinked file's memory in /dev/shm for good."""
+    """Decode side: segments by name, mapped once and kept while their file exists or an
+    intake reads them: a sender's pool destroys segments (more than `max_free` free, an
+    abort, its restart), and a mapping kept would hold an unlinked file's memory in
+    /dev/shm for good."""
 
     def __init__(self) -> None:
         self.maps: dict[str, Segment] = {}
 
     def get(self, name: str, size: int, sender: str) -> Segment:
+        """The segment for an intake to read (`done` when it ends)."""
         # only a segment of the sending node's pool (never a node's KV cache file, or
         # another sender's live segment)
-        if not re.fullmatch(rf"pdserve-{re.escape(sender)}-[0-9a-f]{{6}}-\d+", name):
+        pattern = rf"{SEG_FILE_PREFIX}{re.escape(sender)}-[0-9a-f]{{6}}-\d+"
+        if not re.fullmatch(pattern, name):
             raise ValueError(f"refusing shared-memory name {name!r} from {sender}")
         seg = self.maps.get(name)
         if seg is None:
-            self._forget_unlinked()
-        if seg is None or seg.size < size:
-            path = os.path.join(SHM_DIR, name)
-            real = os.path.getsize(path)
-            if real < size:
-                raise ValueError(f"segment {name} has {real} bytes, need {size}")
-            if seg is not None:
-                seg.mem.close()
-            seg = Segment(name, real, _map(path, real, create=False))
-            self.maps[name] = seg
+            self.prune()
+            mem = _open(os.path.join(SHM_DIR, name))
+            seg = self.maps[name] = Segment(name, len(mem), mem)
+        if seg.size < size:
+            raise ValueError(f"segment {name} has {seg.size} bytes, need {size}")
+        seg.users += 1
         return seg
 
-    def _forget_unlinked(self) -> None:
+    def done(self, seg: Segment) -> None:
+        seg.users -= 1
+
+    def prune(self) -> None:
+        """Let go of segments no intake reads whose file is gone."""
         for name, seg in list(self.maps.items()):
-            if not os.path.exists(os.path.join(SHM_DIR, name)):
+            if seg.users <= 0 and not os.path.exists(os.path.join(SHM_DIR, name)):
                 try:
                     seg.mem.close()
                 except BufferError:  # a frame still reads it: forgotten on a later call
@@ -159,9 +215,13 @@ class ShmSend(SendConnector):
         return None  # the frame is in the segment already
 
     def end(self, t: Transfer) -> None:
-        if t.state is not None:
+        if t.state is None:
+            return
+        if t.answered:  # the decode node reads it no more
             self.pool.give_back(t.state)
-            t.state = None
+        else:  # aborted: its KvLayers may still be on their way
+            self.pool.destroy(t.state)
+        t.state = None
 
     async def close(self) -> None:
         self.pool.close()
@@ -171,9 +231,18 @@ class ShmReceive(ReceiveConnector):
     def __init__(self, local: Local) -> None:
         super().__init__(local)
         self.maps = SegmentMaps()
+        self.pruning: asyncio.Task | None = None
 
     async def listen(self, sink: Any) -> str:
+        # after a burst no new name may come for long: the mappings of the segments its
+        # sender destroyed are let go on a timer
+        self.pruning = asyncio.create_task(self._prune_every(PRUNE_S))
         return self.local.host_id
+
+    async def _prune_every(self, seconds: float) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            self.maps.prune()
 
     def open(self, rec: Intake) -> str | None:
         h = rec.header
@@ -187,7 +256,14 @@ class ShmReceive(ReceiveConnector):
         size = rec.header.frame_bytes
         return rec.state.view(layer * size, size) if rec.state is not None else None
 
+    def close_intake(self, rec: Intake) -> None:
+        if rec.state is not None:
+            self.maps.done(rec.state)
+            rec.state = None
+
     async def close(self) -> None:
+        if self.pruning is not None:
+            self.pruning.cancel()
         self.maps.close()
 
 

@@ -297,9 +297,15 @@ class PrefixFetches:
         )
         sender = self.kv.sender
         prompt = msg.prompt_ids[:have]
-        t = sender.begin(
-            fid, msg.reply_to, prompt, have, SamplingParams(), hits, skip=skip, fetch=True
-        )
+        try:
+            t = sender.begin(
+                fid, msg.reply_to, prompt, have, SamplingParams(), hits, skip=skip, fetch=True
+            )
+        except Exception as exc:  # else pinned till _expire, and the fetcher waits as long
+            log.exception("sending fetch %s failed", fid)
+            self.served(fid, acked=False)  # unpinned; nothing of it went out
+            await self.kv.intake.refuse(peer, fid, f"cannot send: {exc!r}")
+            return
         try:
             payloads = await asyncio.to_thread(sender.stage_all, t)  # reads pinned blocks only
         except TransferEnded:  # refused or expired meanwhile: unpinned there

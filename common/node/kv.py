@@ -89,6 +89,7 @@ class NodeKv:
             timeout=cfg.kv_transfer_timeout,
             on_fetch=self.fetches.serve,
             vocab_size=node.engine.model_config.vocab_size,
+            on_refused=self._refused_here,
         )
         self.sender = KvSender(
             node.ctx,
@@ -136,6 +137,10 @@ class NodeKv:
     # -- dispatch: fetches here, the role's own transfers to the node ---------------------
     def _reserve(self, h: KvHeader) -> list[int] | str:
         return self.fetches.reserve(h) if h.fetch else self.hooks.reserve_kv(h)
+
+    def _refused_here(self, h: KvHeader, peer: str, why: str) -> None:
+        if h.fetch:  # ours: it computes its prefix now, not at its deadline
+            self.fetches.refused(h.request_id, peer, why)
 
     async def _admit(self, intake: Intake, first_token: int) -> None:
         if intake.header.fetch:

@@ -41,7 +41,9 @@ def test_the_decode_side_lets_go_of_segments_their_sender_destroyed():
     try:
         segs = [pool.take(1 << 20) for _ in range(4)]
         for seg in segs:
-            assert maps.get(seg.name, 1 << 20, "test-maps").size >= 1 << 20
+            got = maps.get(seg.name, 1 << 20, "test-maps")
+            assert got.size >= 1 << 20
+            maps.done(got)  # its intake ended
         for seg in segs:
             pool.give_back(seg)  # three destroyed, one kept free
         fresh = pool.take(4 << 20)  # a size the free one cannot hold: a new segment
