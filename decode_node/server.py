@@ -25,9 +25,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from typing import Any
 
-from pdserve.common.engine.scheduler import Mode, SchedulerConfig, SchedulerOutput
+from pdserve.common.engine.scheduler import Mode, SchedulerConfig, SchedulerOutput, step_work
 from pdserve.common.engine.sequence import SeqStatus, Sequence, check_stop
 from pdserve.common.kv.base import Intake, Transfer
 from pdserve.common.node.defaults import RoleDefaults
@@ -70,13 +71,19 @@ class DecodeRole(RoleDefaults):
 
     @staticmethod
     def scheduler_config(base: SchedulerConfig) -> SchedulerConfig:
-        # every sequence that arrived decodes at each step: the KV it holds is its admission
-        # (a chunk budget would decode only the oldest --chunk-size of them)
-        return dataclasses.replace(base, max_num_seqs=1 << 30, max_batch_tokens=1 << 30,
-                                   chunk_size=0)  # fmt: skip
+        # every sequence that arrived decodes at each step, whatever the budget (decode mode):
+        # the KV it holds is its admission. --chunk-size (chunked), else --max-batch-tokens,
+        # bounds the prompts it prefills itself in one step: the stall its streams see
+        return dataclasses.replace(base, max_num_seqs=1 << 30, mode="decode")
 
     def extra_held(self) -> list[str]:
         return self.node.intake.active  # reserved, KV on its way
+
+    def promised_blocks(self) -> int:
+        """Blocks the local prompts accepted and still waiting take at admission (prompt and
+        first token): kept from later offers and KV headers, and reported as in use."""
+        bm = self.node.blocks
+        return sum(bm.blocks_needed(s.num_tokens + 1) for s in self.node.scheduler.waiting)
 
     # -- gateway messages ------------------------------------------------------------------
     async def on_gateway_message(self, msg: Any) -> None:
@@ -158,9 +165,11 @@ class DecodeRole(RoleDefaults):
     async def _local_prefill(self, offer: PrefillOffer) -> None:
         """The gateway chose this node to prefill a request itself (`--local-prefill`,
         gateway/selective.py): accepted only if its blocks are free now, keeping the
-        watermark, so it never waits here behind running sequences' growth."""
+        watermark and what the local prompts accepted before it take (the scheduler
+        allocates at admission), so it never waits here behind running sequences' growth."""
         rid, n = offer.request_id, len(offer.prompt_ids)
-        bm, watermark = self.node.blocks, self.node.scheduler.cfg.watermark_blocks
+        bm = self.node.blocks
+        keep = self.node.scheduler.cfg.watermark_blocks + self.promised_blocks()
         reason = None
         if self.node.draining:
             reason = "draining"
@@ -168,7 +177,7 @@ class DecodeRole(RoleDefaults):
             reason = "duplicate request id"
         elif (reason := offer_refusal(offer, *self.node.engine_limits())) is not None:
             log.warning("refusing local prefill %s: %s", rid, reason)
-        elif not bm.can_allocate(bm.blocks_needed(n + 1), reserve=watermark):
+        elif not bm.can_allocate(bm.blocks_needed(n + 1), reserve=keep):
             reason = "KV cache full"
         if reason is not None:
             await self.node.send_gateway(Reject(request_id=rid, reason=reason, room=0))
@@ -176,16 +185,27 @@ class DecodeRole(RoleDefaults):
         seq = Sequence.new(rid, offer.prompt_ids, offer.params)
         self.node.scheduler.add(seq)
         self.node.requests[rid] = NodeRequest(seq, prompt_len=offer.prompt_len)
-        self.node.metrics.local_prefills.inc()
         await self.node.send_gateway(Accept(request_id=rid))
         self.node.steps.wake()
+
+    def _prefilled(self, req: NodeRequest, reason: str | None, ended: float) -> FirstToken:
+        """A local prompt's first token (KV that arrived came with its own), timed and
+        counted as a prefill node's, whatever its finish."""
+        seq, metrics = req.seq, self.node.metrics
+        queued, prefill = max(0.0, req.began - req.accepted_at), ended - req.began
+        metrics.local_prefills.inc()
+        metrics.queue_time.observe(queued)
+        metrics.prefill_time.observe(prefill)
+        metrics.prompt_tokens.inc(seq.num_prompt_tokens)
+        return FirstToken(request_id=seq.seq_id, token_id=seq.token_ids[-1], finish_reason=reason,
+                          prefill_ms=prefill * 1000, queue_ms=queued * 1000)  # fmt: skip
 
     # -- intake ----------------------------------------------------------------------------
     def reserve_kv(self, h: KvHeader) -> list[int] | str:
         """Blocks for the prompt and the first token, keeping the watermark free. With
         `skip_tokens`, the prefill node sends only the KV after a prefix the gateway saw in
         our cache: those blocks are taken from the cache (or, gone meanwhile, the header is
-        refused so that the whole prompt's KV comes)."""
+        refused so that the whole prompt's KV comes). Accepted local prompts keep theirs."""
         n, skip = len(h.prompt_ids), h.skip_tokens
         if self.node.draining:
             return "draining"
@@ -201,8 +221,8 @@ class DecodeRole(RoleDefaults):
             or h.frame_bytes != self.node.engine.kv_store.frame_bytes(n - skip)
         ):
             return "KV layout mismatch"
-        watermark = self.node.scheduler.cfg.watermark_blocks
-        return reserve_blocks(self.node.blocks, h.prompt_ids, skip, n + 1, watermark)
+        keep = self.node.scheduler.cfg.watermark_blocks + self.promised_blocks()
+        return reserve_blocks(self.node.blocks, h.prompt_ids, skip, n + 1, keep)
 
     async def admit_kv(self, intake: Intake, first_token: int) -> None:
         h = intake.header
@@ -229,20 +249,28 @@ class DecodeRole(RoleDefaults):
             req = self.node.requests.pop(seq.seq_id, None)
             await self.node.give_back(seq.seq_id, req, "out of KV blocks")
 
+    def engine_step(
+        self, out: SchedulerOutput, loop: asyncio.AbstractEventLoop
+    ) -> tuple[list[int], float, float]:
+        began = time.monotonic()  # a local prefill's queue and prefill times, as a prefill node's
+        sampled = self.node.engine.step(*step_work(out))
+        return sampled, began, time.monotonic()
+
     async def after_step(self, out: SchedulerOutput, grew: list[Sequence], result: Any) -> None:
+        _, began, ended = result
+        for seq, _ in out.prefills:  # a prompt in chunks: its prefill began at the first
+            if (req := self.node.requests.get(seq.seq_id)) is not None and not req.began:
+                req.began = began
         self.node.metrics.generation_tokens.inc(len(grew))
         batch = []  # output index 0 was the prefill node's first token: these are 1 on
         for seq in grew:
-            if seq.seq_id not in self.node.requests:  # aborted while this loop awaited a send
+            if (req := self.node.requests.get(seq.seq_id)) is None:  # aborted during a send
                 continue
             reason = check_stop(seq, self.node.engine.eos_token_ids, self.node.engine.max_model_len)
             if reason is not None:
                 self.node.finished(seq, reason)
             if seq.num_output_tokens == 1:  # prefilled here: its first token, as a prefill
-                first = FirstToken(  # node reports one (KV that arrived came with it)
-                    request_id=seq.seq_id, token_id=seq.token_ids[-1], finish_reason=reason
-                )
-                await self.node.send_gateway(first)
+                await self.node.send_gateway(self._prefilled(req, reason, ended))
                 if reason is None and self.node.draining and self.node.cfg.drain_migrate == "on":
                     self.to_park[seq.seq_id] = "draining"  # waiting when the drain began
                 continue

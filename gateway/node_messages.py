@@ -95,11 +95,8 @@ class NodeMessages:
             handler = CONTROL.get(type(msg))
             self._count(msg)
             if handler is None:
-                log.warning(
-                    "dropping malformed control message (%d frames) from %r",
-                    len(frames),
-                    frames[0][:64],
-                )
+                log.warning("dropping malformed control message (%d frames) from %r",
+                            len(frames), frames[0][:64])  # fmt: skip
                 continue
             try:
                 await handler(self, frames[0], msg)
@@ -230,11 +227,13 @@ class NodeMessages:
         req.timeline[f"queue_ms.{req.attempt}"] = round(msg.queue_ms, 3)
         if (node := self.cluster.nodes.get(attempt.prefill or "")) is not None:
             node.progress_at = now
+        local = node is not None and node.node_id == attempt.decode and node.info.role == "decode"
+        if local:  # a decode node prefilled it itself: counted whatever its finish, as there
+            self.service.prefilled_locally(req, now)
         if msg.finish_reason is not None:
             self.table.delivered(attempt, now)  # it ended here: the node kept no KV for it
-        elif attempt.prefill == attempt.decode and node is not None and node.info.role == "decode":
-            self.table.prefilled_in_place(attempt, now)  # a decode node prefilled it itself
-            self.metrics.local_prefills.inc()
+        elif local:
+            self.table.prefilled_in_place(attempt, now)
         self.service.on_token(req, msg.index, msg.token_id, msg.finish_reason, prefill)
         self.service.settle(req)  # its client left: let go now its KV is where it decodes
 

@@ -39,7 +39,8 @@ class OtherGateways:
             if old is not None:  # what grew since (the first report only sets the base)
                 self.sizing.add(max(0, load.prompt_tokens - old.prompt_tokens),
                                 load.requests - old.requests,
-                                max(0, load.output_tokens - old.output_tokens), now)  # fmt: skip
+                                max(0, load.output_tokens - old.output_tokens), now,
+                                max(0, load.local_tokens - old.local_tokens))  # fmt: skip
             self.seen[load.gateway] = (load, now)
 
     def waiting_tokens(self, now: float) -> int:

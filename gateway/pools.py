@@ -58,10 +58,10 @@ class PoolCare:
         the waiting queue for each would cost most when the queue is longest)."""
         now = time.monotonic()
         if now - self.said_at >= 0.25:
-            tokens, requests, outputs = self.sizing.own
+            tokens, requests, outputs, local = self.sizing.own
             waiting, seq = self._waiting(), self.said.seq + 1
             self.said = GatewayLoad(gateway=self.link.gateway_id, seq=seq, prompt_tokens=tokens,
-                                    requests=requests, output_tokens=outputs,
+                                    requests=requests, output_tokens=outputs, local_tokens=local,
                                     waiting_tokens=waiting)  # fmt: skip
             self.said_at = now
         return self.said

@@ -4,10 +4,16 @@ itself, with no prefill node and no KV transfer. Pure: the placer passes what it
 Disaggregating a request buys decode streams freedom from its prefill, and costs a hop and
 a KV transfer; when the prefill pool is backed up it also costs the wait there. A decode
 node prefilling a prompt itself stalls its running streams for as long as that prefill
-takes. So, with P the prompt's prefill time (the prefill nodes' measured cost per token,
-else the cost model), the adaptive rule prefills locally when
+takes, and for as long as the prompts queued there before it take. So, with P the prompt's
+prefill time (the prefill nodes' measured cost per token, else the cost model) and Q that of
+the local prefills the node has not done yet (every gateway's, at the same cost per token),
+the adaptive rule prefills locally when
 
-    P <= min(stall budget, max(one decode step, prefill-pool wait + KV transfer))
+    Q + P <= min(stall budget, max(one decode step, prefill-pool wait + KV transfer))
+
+Q is what keeps one placement round (or several gateways) from piling prompts that each
+fit alone onto one node: the node prefills its waiting prompts together, up to its step
+budget (common/engine/scheduler.py, decode mode).
 
   one decode step    S, that node's step time now (the cost model at its running batch and
                      their mean context): a prefill no longer than a step costs its streams
@@ -53,9 +59,10 @@ def parse_mode(text: str) -> str | int:
 class Decision:
     local: bool
     prefill_s: float  # P
-    threshold_s: float  # what P was held against (adaptive), else 0
+    threshold_s: float  # what Q + P was held against (adaptive), else 0
     wait_s: float  # W
     step_s: float  # S
+    queued_s: float = 0.0  # Q
 
     def fields(self) -> dict[str, float | bool]:
         ms = 1000.0
@@ -65,6 +72,7 @@ class Decision:
             "threshold_ms": round(self.threshold_s * ms, 3),
             "wait_ms": round(self.wait_s * ms, 3),
             "step_ms": round(self.step_s * ms, 3),
+            "queued_ms": round(self.queued_s * ms, 3),
         }
 
 
@@ -84,7 +92,8 @@ class LocalPrefill:
     ) -> Decision:
         """`tokens`: the prompt's tokens the decode node lacks in its own cache, `prefill_s`
         their prefill time (measured or modelled); `queued_s`: prefill work waiting at the
-        gateway, per prefill node."""
+        gateway, per prefill node. `decode.in_prefill`: the prompts that node has to prefill
+        itself still (gateway/plan.py)."""
         p = prefill_s
         if self.mode in ("off", "always") or isinstance(self.mode, int):
             local = self.mode == "always" or (isinstance(self.mode, int) and tokens <= self.mode)
@@ -98,4 +107,5 @@ class LocalPrefill:
         wait = queued_s + (busy or 0) * unit if busy is not None else float("inf")
         budget = STALL_SLOS * self.tpot_slo if self.tpot_slo > 0 else STALL_STEPS * step
         threshold = min(budget, max(step, wait + self.cost.transfer_seconds(tokens)))
-        return Decision(p <= threshold, p, threshold, wait, step)
+        queued = sum(decode.in_prefill) * unit
+        return Decision(queued + p <= threshold, p, threshold, wait, step, queued)

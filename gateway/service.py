@@ -159,6 +159,12 @@ class RequestService:
         self._release(req, notify=True)
 
     # -- for the node messages and the liveness loop ---------------------------------------
+    def prefilled_locally(self, req: GatewayRequest, now: float) -> None:
+        """Its decode node prefilled it itself (--local-prefill): work the prefill pool was
+        not asked for, so not its demand (gateway/sizing.py)."""
+        self.metrics.local_prefills.inc()
+        self.sizing.prefilled_locally(len(req.prompt_ids), now)
+
     def on_token(self, req: GatewayRequest, index: int, token: int, reason: str | None,
                  node_id: str | None = None) -> None:  # fmt: skip
         """A token of `req` from `node_id` (None: its attempt's decode node)."""

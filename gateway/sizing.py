@@ -6,7 +6,9 @@ The rule is the planner's capacity model in closed form (the cost model of
 common/costmodel.py, the nodes' own measurements where they have them):
 
     prefill = ceil((lambda x s + backlog x s / W) / U)
-        lambda   prompt tokens arriving per second, exponentially weighted over the window W
+        lambda   prompt tokens arriving per second, exponentially weighted over the window W,
+                 less those their decode nodes prefilled themselves (--local-prefill: the
+                 decode pool's work, whose KV its sizing counts)
         s        prefill seconds per token: the prefill nodes' measured median (their
                  `token_cost`), else the cost model's at the mean prompt length
         backlog  prompt tokens waiting at the gateway, to be drained within one window
@@ -60,13 +62,15 @@ class Sizing:
     tokens: Ewma = field(init=False)
     requests: Ewma = field(init=False)
     outputs: Ewma = field(init=False)
-    # this gateway's own arrivals since it started (prompt tokens, requests, output tokens),
-    # told to the other gateways through the nodes (gateway/others.py)
-    own: list[int] = field(default_factory=lambda: [0, 0, 0])
+    local: Ewma = field(init=False)  # of `tokens`, prefilled by their decode nodes
+    # this gateway's own arrivals since it started (prompt tokens, requests, output tokens,
+    # and of the prompt tokens, those prefilled locally), told to the other gateways through
+    # the nodes (gateway/others.py)
+    own: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
 
     def __post_init__(self) -> None:
         self.tokens, self.requests = Ewma(self.window), Ewma(self.window)
-        self.outputs = Ewma(self.window)
+        self.outputs, self.local = Ewma(self.window), Ewma(self.window)
 
     def arrived(self, prompt_tokens: int, now: float, output_tokens: int = 0) -> None:
         """A request arrived here."""
@@ -74,14 +78,23 @@ class Sizing:
             self.own[i] += amount
         self.add(prompt_tokens, 1, output_tokens, now)
 
-    def add(self, prompt_tokens: int, requests: int, output_tokens: int, now: float) -> None:
+    def prefilled_locally(self, prompt_tokens: int, now: float) -> None:
+        """A request that arrived here was prefilled by its decode node (--local-prefill)."""
+        self.own[3] += prompt_tokens
+        self.local.add(prompt_tokens, now)
+
+    def add(
+        self, prompt_tokens: int, requests: int, output_tokens: int, now: float, local: int = 0
+    ) -> None:
         """Arrivals to size for: here, or at another gateway of the cluster."""
         self.tokens.add(prompt_tokens, now)
         self.requests.add(requests, now)
         self.outputs.add(output_tokens, now)
+        if local:
+            self.local.add(local, now)
 
     def prefill(self, cluster: ClusterView, backlog_tokens: int, now: float) -> int:
-        rate = self.tokens.rate(now)
+        rate = max(0.0, self.tokens.rate(now) - self.local.rate(now))  # the prefill pool's
         if rate <= 0 and backlog_tokens <= 0:
             return 1
         measured = sorted(
@@ -96,7 +109,8 @@ class Sizing:
             # the cost of every token (~280x: decode nodes switched away one by one)
             passes = [n.info.max_batch_tokens for n in cluster.alive("prefill")]
             passes = [p for p in passes if p > 0] or [PASS_TOKENS]
-            mean = round(rate / requests) if requests > 0 else min(backlog_tokens, min(passes))
+            tokens = self.tokens.rate(now)  # every prompt's: their mean length
+            mean = round(tokens / requests) if requests > 0 else min(backlog_tokens, min(passes))
             per_token = self.cost.prefill_seconds(max(1, mean)) / max(1, mean)
         busy = (rate + backlog_tokens / self.window) * per_token  # node-seconds per second
         return max(1, math.ceil(busy / self.utilization - 1e-9))

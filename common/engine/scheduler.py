@@ -27,8 +27,11 @@ Modes (one scheduler for every role, so a node could serve either):
                and the free KV; with `ahead` (--prefill-ahead), while the next batch
                (waiting) is, so it forms during the running pass; queueing (the baseline
                policies), whenever it could ever fit.
-    decode     sequences arrive prefilled (`admit_prefilled`); a preempted one is handed
-               back (out.preempted, not requeued): the gateway re-places it elsewhere.
+    decode     sequences arrive prefilled (`admit_prefilled`) and every running one decodes at
+               each step: its KV is its admission. The budget bounds only the prompts the
+               node prefills itself (--local-prefill), so a burst of them stalls the streams
+               by one budget a step. A preempted one is handed back (out.preempted, not
+               requeued): the gateway re-places it elsewhere.
 """
 
 from __future__ import annotations
@@ -225,7 +228,7 @@ class Scheduler(PrefixCaching):
     def park(self, seq: Sequence) -> bool:
         """Decode mode: take a running sequence off the batch, its blocks held, to hand its
         KV to another decode node (live migration; `release` once it is acknowledged)."""
-        if seq not in self.running:
+        if seq not in self.running or seq.is_prefilling:  # a prompt in chunks: no KV to move
             return False
         self.running.remove(seq)
         self.parked[seq.seq_id] = seq
@@ -250,14 +253,15 @@ class Scheduler(PrefixCaching):
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.cfg.chunk_size or self.cfg.max_batch_tokens
+        charged = self.cfg.mode != "decode"  # a decode node's decodes take no budget
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or seq.is_prefilling:
                 continue
-            if budget < 1:
+            if budget < 1 and charged:
                 break
             if self._make_room(seq, out):
                 out.decodes.append(seq)
-                budget -= 1
+                budget -= int(charged)
         arrived = list(self.waiting)
         queue = shortest_first(arrived) if self.cfg.pass_tokens else arrived
         candidates = [s for s in self.running if s.is_prefilling] + queue

@@ -69,6 +69,9 @@ class RoleDefaults:
     def extra_held(self) -> list[str]:
         return []
 
+    def promised_blocks(self) -> int:
+        return 0
+
     def room(self) -> Room | None:
         return None  # takes whatever could ever fit (queueing), or offers are not its work
 

@@ -38,6 +38,7 @@ class NodeRequest:
     target: DecodeTarget | None = None  # prefill: the decode node its KV goes to
     skip: int = 0  # prefill: leading tokens whose KV that node holds (not sent)
     prompt_len: int = 0  # the client's prompt within seq's prompt (0: all of it): Adopted
+    began: float = 0.0  # decode: when the first step of its own prefill began (--local-prefill)
 
 
 class Role(Protocol):
@@ -93,6 +94,10 @@ class Role(Protocol):
 
     def extra_held(self) -> list[str]:
         """Ids the role holds outside the request table (a decode node's incoming KV)."""
+
+    def promised_blocks(self) -> int:
+        """KV blocks accepted work will take that are not allocated yet (a decode node's
+        waiting local prompts): reported as in use."""
 
     def room(self) -> Room | None:
         """What an offer may take now (prefill on demand); None: no such limit."""

@@ -166,7 +166,8 @@ class NodeRuntime:
         sched, bm = self.scheduler, self.blocks
         # an allocation takes free blocks, then cached ones, short of the watermark: both
         # offered only up to it (gateways add them up as a node's room)
-        offered = max(0, bm.num_free_blocks - sched.cfg.watermark_blocks)
+        promised = self.role.promised_blocks()  # accepted, allocated at admission: not free
+        offered = max(0, bm.num_free_blocks - sched.cfg.watermark_blocks - promised)
         free = min(bm.num_free_blocks - bm.num_cached_blocks, offered)  # taken first
         extra = self.role.extra_held()
         fetches = self.kv.fetches if self.kv is not None else None
@@ -176,7 +177,7 @@ class NodeRuntime:
             # blocks held back by the watermark are not offered: work needing them waits
             blocks_free=free,
             blocks_cached=offered - free,
-            blocks_in_use=bm.num_in_use_blocks,
+            blocks_in_use=bm.num_in_use_blocks + promised,
             held=(*self.requests, *extra),
             draining=self.control.draining,
             prefix_queries=sched.prefix_queries,

@@ -68,15 +68,15 @@ class Foreign(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class GatewayLoad(msgspec.Struct, kw_only=True, frozen=True):
-    """A gateway's arrivals since it started (prompt tokens, requests, output tokens asked
-    for) and the prompt tokens waiting there: the gateway leading pool care sizes the pools
-    for every gateway's load (gateway/others.py). Gateways tell the nodes; nodes relay."""
+    """A gateway's arrivals since it started and the prompt tokens waiting there, for the
+    gateway sizing the pools for every gateway (gateway/others.py). Nodes relay it."""
 
     gateway: str
     seq: int = 0  # counts the gateway's reports: a node relaying older news is told apart
     prompt_tokens: int = 0
     requests: int = 0
-    output_tokens: int = 0
+    output_tokens: int = 0  # asked for
+    local_tokens: int = 0  # of prompt_tokens, prefilled by their decode nodes (not the pool's)
     waiting_tokens: int = 0
 
 

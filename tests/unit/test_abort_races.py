@@ -11,11 +11,22 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+from pdserve.common.engine.scheduler import SchedulerOutput
 from pdserve.common.engine.sequence import SeqStatus, Sequence
+from pdserve.common.node.role import NodeRequest
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.wire.protocol import Accept, DecodeTarget, PrefillOffer
 from pdserve.decode_node.server import DecodeRole
 from pdserve.prefill_node.server import PrefillRole
+
+STEP = ([], 0.0, 0.0)  # a decode node's engine_step result: its tokens, when it began, ended
+
+
+def _decode_metrics() -> SimpleNamespace:
+    """What a decode node's after_step counts: tokens, and a local prompt's prefill."""
+    count = SimpleNamespace(inc=lambda n=1: None, observe=lambda seconds: None)
+    return SimpleNamespace(generation_tokens=count, local_prefills=count, queue_time=count,
+                           prefill_time=count, prompt_tokens=count)  # fmt: skip
 
 
 def test_a_request_aborted_while_its_accept_goes_out_is_never_scheduled():
@@ -68,9 +79,9 @@ def test_a_sequence_aborted_during_after_step_s_sends_gets_no_token_sent():
         pushed.extend(batch)
 
     node = SimpleNamespace(
-        requests={"local.0": object(), "other.0": object()},
+        requests={"local.0": NodeRequest(local), "other.0": NodeRequest(other)},
         draining=False,
-        metrics=SimpleNamespace(generation_tokens=SimpleNamespace(inc=lambda n: None)),
+        metrics=_decode_metrics(),
         engine=SimpleNamespace(eos_token_ids=(), max_model_len=4096),
         finished=lambda seq, reason: pushed.append(("finished", seq.seq_id)),
         send_gateway=send_gateway,
@@ -79,7 +90,7 @@ def test_a_sequence_aborted_during_after_step_s_sends_gets_no_token_sent():
     role = DecodeRole.__new__(DecodeRole)
     role.node = node  # type: ignore[assignment]
     role.to_park = {}
-    asyncio.run(role.after_step(None, [local, other], None))  # type: ignore[arg-type]
+    asyncio.run(role.after_step(SchedulerOutput(), [local, other], STEP))
     assert pushed == []
 
 
@@ -98,10 +109,10 @@ def test_a_sequence_prefilled_here_during_a_drain_is_migrated_too():
         pass
 
     node = SimpleNamespace(
-        requests={"local.0": object()},
+        requests={"local.0": NodeRequest(seq)},
         draining=True,
         cfg=SimpleNamespace(drain_migrate="on"),
-        metrics=SimpleNamespace(generation_tokens=SimpleNamespace(inc=lambda n: None)),
+        metrics=_decode_metrics(),
         engine=SimpleNamespace(eos_token_ids=(), max_model_len=4096),
         finished=lambda seq, reason: None,
         send_gateway=send_gateway,
@@ -111,5 +122,5 @@ def test_a_sequence_prefilled_here_during_a_drain_is_migrated_too():
     role.node = node  # type: ignore[assignment]
     role.to_park = {}
     role._park = lambda rid, why: parked.append(rid)  # type: ignore[method-assign]
-    asyncio.run(role.after_step(None, [seq], None))  # type: ignore[arg-type]
+    asyncio.run(role.after_step(SchedulerOutput(), [seq], STEP))
     assert parked == ["local.0"]

@@ -26,7 +26,8 @@ def test_the_room_reported_is_the_room_an_allocation_has():
     assert (bm.num_in_use_blocks, bm.num_cached_blocks, bm.num_free_blocks) == (85, 10, 15)
     node = SimpleNamespace(
         scheduler=sched, blocks=bm, requests={}, kv=None, token_cost=0.0,
-        role=SimpleNamespace(extra_held=list), control=SimpleNamespace(draining=False),
+        role=SimpleNamespace(extra_held=list, promised_blocks=int),
+        control=SimpleNamespace(draining=False),
     )  # fmt: skip
     load = NodeRuntime.load(node)  # type: ignore[arg-type]
     assert load.blocks_free + load.blocks_cached == bm.num_free_blocks - 10 == 5

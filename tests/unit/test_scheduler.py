@@ -1,3 +1,4 @@
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -361,7 +362,62 @@ def test_a_decode_node_decodes_every_sequence_it_holds_at_each_step_whatever_the
     sched = Scheduler(DecodeRole.scheduler_config(base))
     for i in range(6):
         sched.add(make_request(f"s{i}", 3))
-    run_step(sched)  # the six prompts (a decode node's own prefills), then only decodes
+    while sched.waiting or any(s.is_prefilling for s in sched.running):
+        run_step(sched)  # the six prompts (a decode node's own prefills), then only decodes
     for _ in range(3):
         out = run_step(sched)
         assert sorted(s.seq_id for s in out.decodes) == [f"s{i}" for i in range(6)]
+
+
+def _decoding(sched: Scheduler, n: int, prompt: int = 7) -> list[Sequence]:
+    """`n` sequences whose KV arrived (their first token from a prefill node)."""
+    seqs = []
+    for i in range(n):
+        seq = make_request(f"d{i}", prompt)
+        seq.block_table = sched.block_manager.allocate(sched.block_manager.blocks_needed(prompt))
+        seq.token_ids.append(9)
+        seq.num_computed_tokens = prompt
+        sched.admit_prefilled(seq)
+        seqs.append(seq)
+    return seqs
+
+
+@pytest.mark.parametrize("chunk_size", [16, 0])
+def test_a_decode_node_bounds_the_prompts_it_prefills_itself_in_one_step(chunk_size):
+    """A decode node's own prefills (--local-prefill) took no budget: a burst of 12 waiting
+    prompts ran in one step beside the decodes, stalling every stream by all 12 (~143 ms
+    measured where a budget of 36 was asked). Now --chunk-size (in chunks), else
+    --max-batch-tokens (whole prompts), bounds their tokens in a step; every running
+    sequence still decodes at each step."""
+    from pdserve.decode_node.server import DecodeRole
+
+    base = make_scheduler(chunk_size=chunk_size, max_batch_tokens=24, num_blocks=256).cfg
+    sched = Scheduler(DecodeRole.scheduler_config(base))
+    streams = _decoding(sched, 10)  # more streams than either budget
+    for i in range(12):
+        sched.add(make_request(f"p{i}", 12))
+    budget = chunk_size or 24
+    steps = 0
+    while sched.waiting or any(s.is_prefilling for s in sched.running):
+        out = run_step(sched)
+        steps += 1
+        assert sum(n for _, n in out.prefills) <= budget
+        decoding = {s.seq_id for s in out.decodes}
+        assert {s.seq_id for s in streams} <= decoding  # every stream, every step
+    assert steps >= 12 * 12 // budget
+    assert len(sched.running) == 22  # every prompt prefilled, no stream preempted
+
+
+def test_a_prompt_half_prefilled_in_chunks_is_not_parked_to_migrate():
+    """A local prompt in chunks has no first token and only part of its KV: a drain (or a
+    rebalance) moving it would send half a prompt as a decoding sequence's KV. It stays;
+    the decode role parks it once its first token is out."""
+    from pdserve.decode_node.server import DecodeRole
+
+    sched = Scheduler(DecodeRole.scheduler_config(make_scheduler(chunk_size=8).cfg))
+    seq = make_request("p", 12)
+    sched.add(seq)
+    run_step(sched)
+    assert seq.is_prefilling and not sched.park(seq)
+    run_step(sched)
+    assert not seq.is_prefilling and sched.park(seq)

@@ -15,11 +15,15 @@ from tests.unit.test_policies import cluster_with
 COST = CostModel.named("h100-llama3.1-8b")
 
 
-def _pools(running: int = 8, in_use: int = 40):
+def _cluster(running: int = 8, in_use: int = 40):
     cluster = cluster_with({"p0": (0, 0)}, {"d0": 60})
     node = cluster.nodes["d0"]
     node.load = replace(node.load, running=running, blocks_in_use=in_use)
-    table = RequestTable()
+    return cluster
+
+
+def _pools(running: int = 8, in_use: int = 40):
+    cluster, table = _cluster(running, in_use), RequestTable()
     return views(cluster, table, "decode")[0], views(cluster, table, "prefill")
 
 
@@ -87,3 +91,26 @@ def test_the_local_rule_counts_what_the_decode_node_itself_lacks():
     index.apply(KvEvents(node_id="d0", seq=0, stored=list(hashes[:60]), snapshot=True))
     pairs = placer._local_first(waiting, [], Snapshot(cluster, table, index))  # type: ignore[arg-type]
     assert [(p.node_id, d.node_id) for p, d in pairs] == [("d0", "d0")]  # its own 40 tokens
+
+
+def test_a_round_of_short_prompts_is_not_piled_onto_one_decode_node_past_the_budget():
+    """Each prompt was judged alone on the node's last report: 12 waiting 300-token prompts
+    of one placement round all went to one decode node (each under the 36 ms stall budget),
+    which prefilled them in one step (~143 ms). Now the local prefills already placed there
+    count: as many as the budget holds go local, the rest to the backed-up prefill pool."""
+    from tests.unit.test_policies import Placed
+
+    rule = LocalPrefill("adaptive", COST)
+    placed = Placed(_cluster())  # 8 streams on d0: a 9 ms step, a budget of 4 steps
+    p = COST.prefill_seconds(300)
+    local = []
+    for _ in range(12):
+        decode = placed.nodes("decode")[0]  # from the table, as a round's snapshot derives it
+        made = rule.decide(300, p, decode, placed.nodes("prefill"), queued_s=1.0)  # backed up
+        if made.local:
+            placed.in_prefill("d0", 300)  # accepted: in prefill on its decode node
+            local.append(made)
+    budget = 4 * local[0].step_s
+    assert 1 < len(local) == int(budget // p) < 12
+    assert all(m.queued_s + m.prefill_s <= m.threshold_s == budget for m in local)
+    assert local[-1].queued_s == pytest.approx((len(local) - 1) * p)

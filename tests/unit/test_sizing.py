@@ -126,7 +126,7 @@ def test_the_leader_sizes_for_every_gateway_s_arrivals_as_the_nodes_relay_them()
         whole.arrived(prompt, t)
         (leader if i % 2 == 0 else other).arrived(prompt, t)
         if i % 20 == 0:  # a node relays the other gateway's count now and then
-            tokens, requests, outputs = other.own
+            tokens, requests, outputs, _ = other.own
             reports.append(GatewayLoad(gateway="b", seq=len(reports) + 1, prompt_tokens=tokens,
                                        requests=requests, output_tokens=outputs,
                                        waiting_tokens=8000))  # fmt: skip
@@ -143,3 +143,42 @@ def test_the_leader_sizes_for_every_gateway_s_arrivals_as_the_nodes_relay_them()
     assert others.waiting_tokens(t) == 8000
     others.relayed((reports[-1],), t + FORGET_S)  # relayed again, but no newer report
     assert others.waiting_tokens(t + FORGET_S + 1) == 0  # gone: its backlog with it
+
+
+def test_prompts_their_decode_nodes_prefill_are_no_demand_on_the_prefill_pool():
+    """Selective disaggregation: every prompt counted as prefill-pool demand at arrival, so
+    under `--local-prefill always` (the prefill pool idle) it was sized for all the work,
+    and with --role-switching decode nodes were switched into that idle pool. Now what
+    decode nodes prefilled themselves is theirs: here or relayed from another gateway."""
+    from pdserve.common.wire.protocol import GatewayLoad
+    from pdserve.gateway.others import OtherGateways
+    from pdserve.gateway.roles import RoleSwitcher
+
+    prompt = 2000
+    rate = 3.0 / COST.prefill_seconds(prompt)  # three prefill nodes' worth of prompts
+    cluster = cluster_with({"p0": (0, 0)}, {"d0": 100, "d1": 100, "d2": 100})
+    sizes = {}
+    for share in (0.0, 0.5, 1.0):  # of the prompts prefilled locally
+        sizing, t, i = Sizing(COST, window=10.0), 0.0, 0
+        while t < 200.0:
+            sizing.arrived(prompt, t)
+            if i % 10 < share * 10:
+                sizing.prefilled_locally(prompt, t)
+            t, i = t + 1 / rate, i + 1
+        sizes[share] = sizing.prefill(cluster, backlog_tokens=0, now=t)
+    assert sizes == {0.0: 4, 0.5: 2, 1.0: 1}  # 3, 1.5, 0 node-seconds a second / 0.8
+    # `always` with role switching: the decode pool keeps its nodes
+    switcher = RoleSwitcher(hold=5.0, dwell=0.0, cooldown=0.0)
+    desired = {"prefill": sizes[1.0], "decode": 1}
+    assert all(switcher.decide(cluster, desired, {}, False, 300.0 + k) is None for k in range(20))
+    # another gateway's local prefills, relayed by the nodes
+    leader = Sizing(COST, window=10.0)
+    others = OtherGateways(lambda: "a", leader)
+    t, i = 0.0, 0
+    while t < 200.0:
+        i += 1
+        said = GatewayLoad(gateway="b", seq=i, prompt_tokens=i * prompt, requests=i,
+                           local_tokens=i * prompt)  # fmt: skip
+        others.relayed((said,), t)
+        t += 1 / rate
+    assert leader.prefill(cluster, 0, now=t) == 1
