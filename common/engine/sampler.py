@@ -33,7 +33,7 @@ def sample(
 def _sample_row(logits: torch.Tensor, p: SamplingParams, u: float) -> int:
     scaled = logits / p.temperature
     if p.top_k > 0 and p.top_k < scaled.numel():
-        values, ids = torch.topk(scaled, p.top_k)  # sorted, descending
+        values, ids = _top_k(scaled, p.top_k)
     else:
         values, ids = torch.sort(scaled, descending=True, stable=True)
     probs = torch.softmax(values, dim=-1)
@@ -53,3 +53,17 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, u: float) -> int:
         # first token that reaches it, not the last one (of no mass: the least likely of all)
         index = int(torch.searchsorted(cdf, cdf[-1:], right=False).item())
     return int(ids[index])
+
+
+def _top_k(scaled: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first k of the stable descending sort (ties by token id), without sorting the
+    vocabulary: torch.topk leaves the order of equal values, and which of them make the
+    cut, to the build (bf16 logits tie often: 24 distinct values among a top 50 seen), so a
+    seeded draw could differ between nodes on other torch builds."""
+    threshold = torch.topk(scaled, k).values[-1]
+    above = (scaled > threshold).nonzero().squeeze(1)  # ascending ids
+    at = (scaled == threshold).nonzero().squeeze(1)[: k - above.numel()]
+    ids = torch.cat([above, at])
+    values = scaled[ids]
+    order = torch.sort(values, descending=True, stable=True).indices
+    return values[order], ids[order]

@@ -117,3 +117,26 @@ def test_a_draw_next_to_one_never_picks_a_token_of_no_mass():
     logits = torch.tensor([5.0, 5.0, -200.0, -300.0])
     for u in (1 - 2**-53, 1 - 2**-30, 1 - 2**-26):
         assert _sample_row(logits, SamplingParams(temperature=1.0, seed=1), u) in (0, 1)
+
+
+def test_top_k_breaks_ties_by_token_id_as_the_full_sort_does():
+    """torch.topk leaves the order of equal logits (and which of them make the cut) to the
+    build; top-k must take the first k of the stable sort, as the unfiltered path orders."""
+    from pdserve.common.engine.sampler import _top_k
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        # bf16-rounded logits, as a bf16 model's: many ties in the head
+        logits = torch.randn(4096, generator=gen).to(torch.bfloat16).float()
+        for k in (1, 7, 50, 333):
+            values, ids = _top_k(logits, k)
+            ref_values, ref_ids = torch.sort(logits, descending=True, stable=True)
+            assert torch.equal(ids, ref_ids[:k]), (trial, k)
+            assert torch.equal(values, ref_values[:k])
+    tied = torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0, 3.0])  # the cut falls among equal values
+    assert _top_k(tied, 3)[1].tolist() == [1, 2, 4]
+    # through sample(): three equal tokens under top_k=3, a draw in the middle third takes
+    # the second by id (torch.topk ordered them 1, 5, 4 on the CPU build: it took 5)
+    seed = next(s for s in range(1000) if 1 / 3 < counter_uniform(s, 0) < 2 / 3)
+    p = SamplingParams(temperature=1.0, top_k=3, seed=seed)
+    assert sample(tied[None], [p], [0]) == [2]
