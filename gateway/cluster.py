@@ -32,7 +32,8 @@ class NodeState:
     # what it holds for other gateways (several gateways): from its load reports and answers
     foreign: Foreign = field(default_factory=Foreign)
     leader: str = ""  # the gateway it takes pool care from (Heartbeat.leader)
-    accepts: int = 0  # offers accepted so far (on-demand spreads ties by it)
+    accepts: int = 0  # offers accepted so far
+    accepted_turn: int = 0  # `ClusterView.accepted`'s count at its last acceptance (0: none)
     rejects: int = 0
 
     @property
@@ -85,6 +86,7 @@ class ClusterView:
         self.reference: NodeInfo | None = None  # the first node fixes model/dtype/layout
         self.stalled_s = 0.0  # stalls excused so far (past a tick): detection is that late
         self.prefix_totals = PrefixTotals()
+        self.acceptances = 0  # offers any node accepted: `NodeState.accepted_turn`'s clock
 
     def register(
         self, info: NodeInfo, identity: bytes, now: float, gateway_tokenizer: str
@@ -150,6 +152,12 @@ class ClusterView:
         self.prefix_totals.report(identity, load)
         node.foreign, node.leader = load.foreign, leader
         return True
+
+    def accepted(self, node: NodeState) -> None:
+        """`node` accepted an offer: it goes last among nodes otherwise equal (on-demand)."""
+        self.acceptances += 1
+        node.accepts += 1
+        node.accepted_turn = self.acceptances
 
     def leads(self, gateway_id: str) -> bool:
         """Pool care is this gateway's to decide: no node takes it from another gateway

@@ -131,7 +131,7 @@ def _count_answer(
     if accepted is None:
         metrics.offer_timeouts.labels(node.node_id).inc()
     elif accepted:
-        node.accepts += 1
+        cluster.accepted(node)
         metrics.accepts.labels(node.node_id).inc()
     else:
         node.rejects += 1

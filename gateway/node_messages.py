@@ -294,21 +294,19 @@ class NodeMessages:
         )
 
     async def _on_migrate(self, identity: bytes, msg: Migrate) -> None:
-        """A draining decode node moves a running sequence: pick another decode node for
-        its KV (as for a refused transfer), or re-place the request by recompute."""
+        """A draining or rebalanced decode node moves a running sequence: to the node the
+        rebalance chose while it fits there, else another decode node for its KV (as for a
+        refused transfer); none: the node keeps it."""
         attempt = self._held_by(identity, msg.request_id, "decode")
         if attempt is None or attempt.req.finished:
             await self.link.reply(identity, Redirect(request_id=msg.request_id, decode=None))
             return
         req = attempt.req
         tokens = attempt.prompt_len + max(0, len(req.output_ids) - req.base - 1)
-        need = Need(
-            tokens,
-            frozenset({attempt.decode or ""}),
-            attempt.hashes,
-            max(0, attempt.final_len - tokens),
-        )
-        target = redirect(self.policy, self.cluster, self.table, need, self.index)
+        need = Need(tokens, frozenset({attempt.decode or ""}), attempt.hashes,
+                    max(0, attempt.final_len - tokens))  # fmt: skip
+        planned = self.pools.planned.take(msg.request_id, now := time.monotonic())
+        target = redirect(self.policy, self.cluster, self.table, need, self.index, planned)
         if target is None:  # nowhere to go: the draining node finishes it itself
             self.metrics.migrations.labels("stayed").inc()
             await self.link.reply(identity, Redirect(request_id=msg.request_id, decode=None))
@@ -316,7 +314,7 @@ class NodeMessages:
         self.metrics.migrations.labels("moved").inc()
         log.info("migrating %s: %s -> %s", msg.request_id, attempt.decode, target.node_id)
         blocks = target.blocks_for(tokens + 1)
-        self.table.migrate(attempt, target.node_id, blocks, time.monotonic())
+        self.table.migrate(attempt, target.node_id, blocks, now)
         req.ran_on["decode"] = target.node_id
         await self.link.reply(
             identity, Redirect(request_id=msg.request_id, decode=target.node.target())

@@ -357,7 +357,7 @@ class Placer:
                 decode_cached=skip * decode.block_size,
                 # another node's cache holds more of the prompt: the node may fetch it
                 fetch_from=holder.target() if holder is not None else None,
-                fetch_tokens=node.holder_blocks * node.block_size,
+                fetch_tokens=node.holder_tokens,
                 waited_ms=(time.monotonic() - req.arrival) * 1000,
                 prompt_len=len(req.prompt_ids),
                 foreign_prefill=sum(node.node.foreign.prefill),

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pdserve.common.prefix import hash_salt, prefix_hashes
 from pdserve.gateway.cluster import ClusterView, NodeState
 from pdserve.gateway.policies import Need, NodeView, Policy
-from pdserve.gateway.policies.base import LONG_SHARE
+from pdserve.gateway.policies.base import LONG_SHARE, fits
 from pdserve.gateway.prefix_index import PrefixIndex
 from pdserve.gateway.table import RequestTable
 
@@ -170,9 +170,14 @@ def redirect(
     table: RequestTable,
     need: Need,
     index: PrefixIndex | None = None,
+    planned: str | None = None,
 ) -> NodeView | None:
-    """Another decode node for KV its decode node refused (the prefill node stays)."""
-    return policy.pick_decode(views(cluster, table, "decode", index, need), need)
+    """Another decode node for KV its decode node refused (the prefill node stays), or for a
+    sequence leaving its decode node: `planned`, the target a rebalance chose for it, while
+    it still fits there, else the policy's choice."""
+    nodes = views(cluster, table, "decode", index, need)
+    there = next((n for n in fits(nodes, need) if n.node_id == planned), None)
+    return there or policy.pick_decode(nodes, need)
 
 
 def request_hashes(cluster: ClusterView, prompt_ids: list[int]) -> tuple[bytes, ...]:

@@ -48,6 +48,7 @@ class PoolCare:
         self.switched_from: dict[str, bytes] = {}  # node id -> the process asked to switch
         self.gone_since: dict[str, float] = {}  # switching nodes not registered, since when
         self.rebalanced_at: dict[str, float] = {}  # decode node id -> its last rebalance
+        self.planned = rebalance.Planned()  # where the moves go (NodeMessages asks)
         self.others = OtherGateways(lambda: link.gateway_id, sizing)
         self.said = GatewayLoad(gateway="")  # own_load's last, and when
         self.said_at = -1.0
@@ -174,6 +175,7 @@ class PoolCare:
         if move is None or node is None:
             return
         self.rebalanced_at[move.source] = now
+        self.planned.remember(move, now)
         self.metrics.rebalances.inc(len(move.request_ids))
         log.info(
             "rebalancing: %d sequences %s -> %s", len(move.request_ids), move.source, move.target

@@ -18,6 +18,12 @@ rebalanced less than `COOLDOWN` seconds ago is left alone: its load reports must
 moves before the rule looks again, or it would move twice as much (hysteresis); and what is
 still on its way off it (its blocks in the source's reports until the target acknowledges
 the KV: longer than the cooldown for a large sequence) counts as gone already.
+
+`Rebalance` names only the sequences; each comes back as the node's `Migrate`, and the
+gateway sends it to the target chosen here while it fits there (`Planned`). Left to the
+placement policy, which prefers the node caching most of a prefix, the moves went to another
+full node holding a shared system prompt, and the next round moved them back, the empty
+node getting nothing.
 """
 
 from __future__ import annotations
@@ -30,12 +36,13 @@ from pdserve.gateway.table import Phase, RequestTable
 GAP = 0.25  # usage difference (share of blocks) worth moving KV across
 MOST = 4  # sequences moved per round
 COOLDOWN = 2.0  # seconds between rounds on one source node
+PLANNED_S = 10.0  # how long a move's target waits for its Migrate (it comes within a step)
 
 
 @dataclass(frozen=True)
 class Move:
     source: str  # node id
-    target: str  # the emptiest node (the gateway's redirect makes the final choice)
+    target: str  # the emptiest node: where each goes while it fits there (`Planned`)
     request_ids: tuple[str, ...]  # wire ids
 
 
@@ -105,3 +112,20 @@ def _leaving(table: RequestTable, node_id: str, block: int) -> int:
             size = a.prompt_len + max(0, len(a.req.output_ids) - a.req.base - 1) + 1
             total += -(-size // block)
     return total
+
+
+class Planned:
+    """The targets of this gateway's moves, by wire id, until each sequence's `Migrate`
+    asks where it goes or `PLANNED_S` passes. Pure: `now` passed in."""
+
+    def __init__(self) -> None:
+        self._to: dict[str, tuple[str, float]] = {}  # wire id -> (target, until)
+
+    def remember(self, move: Move, now: float) -> None:
+        self._to = {rid: got for rid, got in self._to.items() if got[1] > now}
+        for rid in move.request_ids:
+            self._to[rid] = (move.target, now + PLANNED_S)
+
+    def take(self, wire_id: str, now: float) -> str | None:
+        got = self._to.pop(wire_id, None)
+        return got[0] if got is not None and got[1] > now else None

@@ -50,9 +50,15 @@ class NodeView:
         return self.cached * self.block_size
 
     @property
+    def holder_tokens(self) -> int:
+        """The prompt's tokens `holder` caches. The index counts blocks of the hashes' block
+        size (the cluster's reference, the holder's own): not this node's, if it differs."""
+        return self.holder_blocks * self.holder.info.block_size if self.holder else 0
+
+    @property
     def fetchable_tokens(self) -> int:
         """Tokens beyond its own cached prefix this node could fetch from `holder`."""
-        return max(0, self.holder_blocks - self.cached) * self.block_size
+        return max(0, self.holder_tokens - self.cached_tokens)
 
     @property
     def queued(self) -> int:
@@ -110,14 +116,18 @@ class Policy:
         raise NotImplementedError
 
     def pick_decode(self, nodes: Sequence[NodeView], need: Need) -> NodeView | None:
-        """Default: among nodes that can hold the request, the one whose cache holds the most
-        of its prefix (a conversation's earlier turns: their KV need not travel again), then
-        by `decode_fit` (`decode_key`)."""
-        return max(
-            fits(nodes, need),
-            key=lambda n: (n.cached, *decode_key(self.decode_fit, n, need), n.node_id),
-            default=None,
-        )
+        """Default: among nodes that can hold the request, those with room for its final KV
+        first (`holds_whole`), then the one whose cache holds the most of its prefix (a
+        conversation's earlier turns: their KV need not travel again), then by `decode_fit`.
+        Room first: else a nearly full node holding one shared block (a system prompt) takes
+        every request sharing it, to preempt them as they grow, while an empty node waits."""
+        return max(fits(nodes, need), key=lambda n: self._decode_rank(n, need), default=None)
+
+    def _decode_rank(self, n: NodeView, need: Need) -> tuple[int | str, ...]:
+        # no node with room for it all (a chat request's max_tokens left at the context's
+        # rest): the cache still leads, as it always did
+        whole = holds_whole(n, need)
+        return (int(whole), n.cached, *decode_key(self.decode_fit, n, need), n.node_id)
 
 
 def decode_key(fit: str, n: NodeView, need: Need) -> tuple[int, ...]:
@@ -131,12 +141,18 @@ def decode_key(fit: str, n: NodeView, need: Need) -> tuple[int, ...]:
     spread = (n.free_blocks, -n.decoding)
     if fit == "spread":
         return spread
-    whole = n.free_blocks >= n.blocks_for(need.final_len)
+    whole = holds_whole(n, need)
     tight = (int(whole), -n.free_blocks if whole else n.free_blocks, -n.decoding)
     if fit == "best_fit":
         return tight
     together = n.long_decoding if n.is_long(need.final_len) else -n.long_decoding
     return (int(whole), together, *tight[1:])
+
+
+def holds_whole(n: NodeView, need: Need) -> bool:
+    """Room for the request's final KV (prompt + its remaining max_tokens) in the node's free
+    blocks, its cached ones included (the request's own prefix may be among them)."""
+    return n.free_blocks >= n.blocks_for(need.final_len)
 
 
 def fits(nodes: Iterable[NodeView], need: Need) -> list[NodeView]:

@@ -6,8 +6,9 @@
          + prefill time  of this prompt's tokens neither cached there nor fetched
          + KV transfer   time of the prompt's KV
 
-with the cost model of `--cost-profile`. Decode: the node holding most of the prefix, then
-the most free KV blocks. Every decision is logged at DEBUG with its numbers.
+with the cost model of `--cost-profile`. Decode: the node holding most of the prefix among
+those with room for its final KV, then the most free KV blocks. Every decision is logged at
+DEBUG with its numbers.
 
 Prefill nodes do not queue (they answer offers by batch room, as on-demand's do): a request
 is offered only to the nodes whose estimate is within `SLACK` of the best one. When the best

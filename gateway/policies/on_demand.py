@@ -8,9 +8,12 @@ a node busy with one 6,000-token prompt came before one with two short ones; mea
 the sim 4P4D study at 8 req/s, TTFT p50 399 vs 461 ms over three runs each). Each node
 accepts only while its batch has room, so the request goes where its prefix is unless that
 node is saturated, and no queue forms anywhere.
-Ties (every node idle, nothing cached) go to the node that accepted least so far, so a
-trickle of requests still spreads over the pool instead of always hitting one. Decode: the
-node holding most of the prefix, then the most free KV blocks, that can hold the request.
+Ties (every node idle, nothing cached) go to the node whose last acceptance is oldest (one
+that never accepted first), so a trickle of requests takes the nodes in turn instead of
+always hitting one (by count of acceptances, a new or restarted node won every tie until it
+caught up with the others' totals). Decode: of the nodes that can hold the request, the one
+holding most of the prefix among those with room for its final KV, then the most free KV
+blocks.
 """
 
 from __future__ import annotations
@@ -28,5 +31,5 @@ class OnDemand(Policy):
 
     def prefill_order(self, nodes: Sequence[NodeView], need: Need) -> list[NodeView]:
         return sorted(
-            nodes, key=lambda n: (-n.cached, sum(n.in_prefill), n.node.accepts, n.node_id)
+            nodes, key=lambda n: (-n.cached, sum(n.in_prefill), n.node.accepted_turn, n.node_id)
         )

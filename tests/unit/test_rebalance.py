@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+from typing import Any
+
 from msgspec.structs import replace
 
 from pdserve.gateway.cluster import ClusterView
@@ -118,3 +122,72 @@ def test_sequences_still_moving_off_the_source_count_as_gone():
         table.migrate(attempt, "d1", 3, 10.0)  # on their way, 12 blocks: 95 % -> 83 %
     pool = views(_reported({"d0": 5, "d1": 95}, table), table, "decode")  # reports as before
     assert choose(pool, table, 0.9, {"d0": 10.0}, now=10.0 + 2 * COOLDOWN) is None
+
+
+class _Link:
+    gateway_id = "g"
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, object]] = []
+
+    async def reply(self, identity: bytes, msg: object) -> None:
+        self.sent.append((identity, msg))
+
+
+def test_moved_sequences_go_to_the_target_the_rebalance_chose():
+    """A 90 % full, B 78 % caching the sequences' 4-block system prompt, C empty. The round
+    chose A -> C, but `Rebalance` names no target and each `Migrate` was placed by the
+    policy, which prefers the node caching the prefix: all went to B (90 % full then), the
+    next round moved them from B back to A, and C never got one."""
+    from pdserve.common.config import GatewayConfig
+    from pdserve.common.wire.protocol import KvEvents, Migrate, Rebalance, Redirect
+    from pdserve.gateway.metrics import GatewayMetrics
+    from pdserve.gateway.node_messages import NodeMessages
+    from pdserve.gateway.policies import make_policy
+    from pdserve.gateway.pools import PoolCare
+    from pdserve.gateway.prefix_index import PrefixIndex
+
+    table, index = RequestTable(), PrefixIndex()
+    system = tuple(i.to_bytes(16, "big") for i in range(4))
+    for i in range(6):  # 70 tokens each (5 blocks), 30 more to come: 7 blocks in the end
+        _running(table, "A", f"r{i}", 70, 30)
+        attempt = table.get(f"r{i}.0")
+        assert attempt is not None
+        attempt.hashes = system
+    cluster = _reported({"A": 10, "B": 22, "C": 100}, table)
+    index.apply(KvEvents(node_id="B", seq=0, stored=list(system), snapshot=True))
+    link, metrics = _Link(), GatewayMetrics(cluster, table, {})
+    fake: Any = link  # replies only: no placer, sizing, service or drop are needed
+    unused: Any = None
+    pools = PoolCare(GatewayConfig(rebalance=0.75), cluster, table, unused, unused, metrics, fake)
+    policy = make_policy("on_demand")
+    messages = NodeMessages(cluster, table, index, policy, unused, metrics, fake, unused, pools,
+                            unused, "t")  # fmt: skip
+
+    async def round_() -> list[str]:
+        await pools.tick(time.monotonic())
+        ((_, order),) = link.sent
+        assert isinstance(order, Rebalance)
+        link.sent.clear()
+        for rid in order.request_ids:
+            await messages._on_migrate(b"A", Migrate(request_id=rid, reason="rebalance"))
+        return [m.decode.node_id if m.decode else "" for _, m in link.sent
+                if isinstance(m, Redirect)]  # fmt: skip
+
+    assert asyncio.run(round_()) == ["C"] * MOST
+
+
+def test_a_planned_target_expired_or_full_leaves_the_choice_to_the_policy():
+    from pdserve.gateway.plan import redirect
+    from pdserve.gateway.policies import Need, make_policy
+    from pdserve.gateway.rebalance import PLANNED_S, Move, Planned
+
+    planned = Planned()
+    planned.remember(Move("A", "C", ("r0.0", "r1.0")), now=10.0)
+    assert planned.take("r0.0", 10.0 + PLANNED_S) is None  # its Migrate never came in time
+    assert planned.take("r1.0", 11.0) == "C" and planned.take("r1.0", 11.0) is None
+    policy, need = make_policy("on_demand"), Need(70, frozenset({"A"}))  # 5 blocks with its next
+    for c_free, went in ((3, "B"), (50, "C")):
+        cluster = cluster_with({}, {"B": 60, "C": c_free})
+        target = redirect(policy, cluster, RequestTable(), need, None, "C")
+        assert target is not None and target.node_id == went
