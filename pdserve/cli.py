@@ -139,6 +139,12 @@ def _add_serving(sub: argparse._SubParsersAction) -> None:
         "--engine-priority idle), on the CPU time decode nodes leave: on one host, a prompt "
         "never slows the streams decoding (TTFT pays instead)",
     )  # fmt: skip
+    up.add_argument(
+        "--node-metrics-port", type=int, default=0,
+        help="the nodes serve /metrics, /health and /live on consecutive ports from this one "
+        "(prefill nodes first, then decode, then colocated: node k on this + k), on "
+        "--metrics-host; 0 = off",
+    )  # fmt: skip
     up.add_argument("--startup-timeout", type=float, default=300.0)
     up.add_argument(
         "--heartbeat-timeout", type=float, default=None,

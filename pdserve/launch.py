@@ -21,7 +21,7 @@ from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig
 from pdserve.common.errors import ConfigError
 from pdserve.common.flags import from_args
 from pdserve.common.ofd import sweep_dead_kv_files
-from pdserve.ports import node_ports_free, ports_free
+from pdserve.ports import metrics_ports_free, node_ports_free, ports_free
 from pdserve.spawn import cores, node_spawn_options
 from pdserve.spawn import spawn as _spawn
 from pdserve.supervisor import Child, Supervisor
@@ -228,15 +228,15 @@ def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
     if getattr(args, "gateways", 1) < 1:
         raise ConfigError("--gateways must be at least 1")
     cmds = []
-    for g in gateway_configs(gcfg, getattr(args, "gateways", 1)):
+    gateways = gateway_configs(gcfg, getattr(args, "gateways", 1))
+    for g in gateways:
         gateway = [*base, "gateway", *to_flags(g, skip=("scheduler", *SECRETS)), "--scheduler",
                    g.scheduler]  # fmt: skip
         cmds.append([*gateway, "--model", ecfg.model] if ecfg.model else gateway)
     # nodes reach the gateways where they listen: a given --host unless it is a wildcard
     wildcard = gcfg.host in ("", "0.0.0.0", "::")
     host = gcfg.advertise_host or ("127.0.0.1" if wildcard else gcfg.host)
-    address = ",".join(f"tcp://{host}:{g.control_port}"
-                       for g in gateway_configs(gcfg, getattr(args, "gateways", 1)))  # fmt: skip
+    address = ",".join(f"tcp://{host}:{g.control_port}" for g in gateways)
     roles = (("prefill", args.prefill), ("decode", args.decode), ("colocated", args.colocated))
     gpu = ecfg.gpu_offset  # cuda:auto: a GPU each, in turn (no replica number tells them)
     for role, count in roles:
@@ -248,6 +248,8 @@ def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
             role_cfg = dataclasses.replace(role_cfg, engine_priority="idle")
         for i in range(count):
             node = [*base, role, "--gateway", address, "--node-id", f"{role}-{i}"]
+            if metrics := getattr(args, "node_metrics_port", 0):  # node k on metrics + k
+                node += ["--metrics-port", str(metrics + len(cmds) - len(gateways))]
             if ecfg.device == "cuda:auto":
                 role_cfg, gpu = dataclasses.replace(role_cfg, gpu_offset=gpu), gpu + 1
             cmds.append([*node, *to_flags(role_cfg), *node_flags])
@@ -293,6 +295,8 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     ports_free(gateway_configs(gcfg, gateways))  # before the kernels' build and measurement
+    nodes = args.prefill + args.decode + args.colocated
+    metrics_ports_free(ncfg.metrics_host, getattr(args, "node_metrics_port", 0), nodes)
     commands = cluster_commands(args)
     names = [f"gateway-{i}" if gateways > 1 else "gateway" for i in range(gateways)]
     children = [Child(names[i], cmd) for i, cmd in enumerate(commands[:gateways])]

@@ -34,6 +34,12 @@ def node_ports_free(cfg: NodeConfig, role: str) -> None:
             _bindable(host, port, name)
 
 
+def metrics_ports_free(host: str, first: int, count: int) -> None:
+    """`up --node-metrics-port`: the nodes' consecutive ports (0: none)."""
+    for port in range(first, first + count) if first else ():
+        _bindable(host, port, "--node-metrics-port")
+
+
 def _bindable(host: str, port: int, name: str) -> None:
     if not 0 <= port <= 65535:
         raise ConfigError(f"{name}: port {port} is not a TCP port (0 to 65535)")

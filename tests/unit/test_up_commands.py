@@ -296,3 +296,26 @@ def test_readiness_reads_the_gateways_and_trusts_no_listing_of_a_dead_node(monke
     finally:
         server.shutdown()
         garbage.close()
+
+
+def test_nodes_serve_metrics_and_health_on_consecutive_ports_when_asked():
+    """Under `up` no node served /metrics, /health or /live (a node's --metrics-port is a
+    per-node setting `up` left at 0): --node-metrics-port gives node k its port + k."""
+    ports = {
+        cmd[cmd.index("--node-id") + 1]: int(cmd[cmd.index("--metrics-port") + 1])
+        for cmd in commands("--prefill", "2", "--decode", "1", "--node-metrics-port", "9300")
+    }
+    assert ports == {"prefill-0": 9300, "prefill-1": 9301, "decode-0": 9302}
+    two = build_parser().parse_args(["up", "--engine", "sim", "--gateways", "2",
+                                     "--node-metrics-port", "9300"])  # fmt: skip
+    nodes = launch.cluster_commands(two)[2:]  # after both gateways' commands
+    assert [c[c.index("--metrics-port") + 1] for c in nodes] == ["9300", "9301"]
+    assert all("--metrics-port" not in c for c in commands())  # off by default
+    import socket
+
+    with socket.socket() as taken:  # a taken one is refused before anything starts
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"--node-metrics-port: port {port} is in use"):
+            launch.metrics_ports_free("127.0.0.1", port, 1)
