@@ -51,8 +51,8 @@ class EngineConfig:
     )
     chunk_size: int = flag(0, "chunked prefill: token budget per step; 0 = off")
     max_model_len: int = flag(0, "context limit; 0 = the model's own")
-    num_threads: int = flag(0, "torch CPU threads; 0 = torch's default")
-    gpu_offset: int = flag(0, "--device cuda:auto: GPU index of this role's first replica")
+    num_threads: int = flag(0, "torch CPU threads; 0 = torch's default (up: usable cores / nodes)")
+    gpu_offset: int = flag(0, "cuda:auto: first GPU, +1 per replica (up: per node, all roles)")
     watermark: float = flag(0.01, "fraction of KV blocks kept free for running sequences to grow")
     prefix_caching: Literal["on", "off"] = flag(
         "on", "reuse the KV of cached prompt prefixes (full blocks, LRU among unused ones)"

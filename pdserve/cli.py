@@ -143,7 +143,7 @@ def _add_serving(sub: argparse._SubParsersAction) -> None:
         "--node-metrics-port", type=int, default=0,
         help="the nodes serve /metrics, /health and /live on consecutive ports from this one "
         "(prefill nodes first, then decode, then colocated: node k on this + k), on "
-        "--metrics-host; 0 = off",
+        "PDSERVE_METRICS_HOST (default 127.0.0.1); 0 = off",
     )  # fmt: skip
     up.add_argument("--startup-timeout", type=float, default=300.0)
     up.add_argument(

@@ -249,7 +249,8 @@ def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
         for i in range(count):
             node = [*base, role, "--gateway", address, "--node-id", f"{role}-{i}"]
             if metrics := getattr(args, "node_metrics_port", 0):  # node k on metrics + k
-                node += ["--metrics-port", str(metrics + len(cmds) - len(gateways))]
+                node += ["--metrics-port", str(metrics + len(cmds) - len(gateways)),
+                         "--metrics-host", ncfg.metrics_host]  # fmt: skip
             if ecfg.device == "cuda:auto":
                 role_cfg, gpu = dataclasses.replace(role_cfg, gpu_offset=gpu), gpu + 1
             cmds.append([*node, *to_flags(role_cfg), *node_flags])

@@ -306,6 +306,10 @@ def test_nodes_serve_metrics_and_health_on_consecutive_ports_when_asked():
         for cmd in commands("--prefill", "2", "--decode", "1", "--node-metrics-port", "9300")
     }
     assert ports == {"prefill-0": 9300, "prefill-1": 9301, "decode-0": 9302}
+    assert all(
+        c[c.index("--metrics-host") + 1] == "127.0.0.1"
+        for c in commands("--node-metrics-port", "9300")
+    )  # the host its ports were probed on
     two = build_parser().parse_args(["up", "--engine", "sim", "--gateways", "2",
                                      "--node-metrics-port", "9300"])  # fmt: skip
     nodes = launch.cluster_commands(two)[2:]  # after both gateways' commands
