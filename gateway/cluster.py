@@ -163,7 +163,9 @@ class ClusterView:
         """Pool care is this gateway's to decide: no node takes it from another gateway
         (each names the lowest-id gateway it is registered with; docs/architecture.md,
         "Several gateways")."""
-        return all(n.leader in ("", gateway_id) for n in self.nodes.values())
+        # none: nothing to care for (a gateway cut off from every node exported its own
+        # desired replicas beside the leader's)
+        return bool(self.nodes) and all(n.leader in ("", gateway_id) for n in self.nodes.values())
 
     def holds(self, node: NodeState) -> bool:
         """`node` is still the registered process of its id (not dropped, not restarted)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from typing import Any
 
 import zmq
@@ -17,6 +18,14 @@ from pdserve.common.wire.transport import CONTROL_MAX_MSG, TOKENS_MAX_MSG, make_
 from pdserve.gateway.cluster import NodeState
 
 log = logging.getLogger("pdserve.gateway.core")
+
+
+def new_gateway_id() -> str:
+    """This process among several gateways (RegisterAck.gateway_id): new at every start, so a
+    node tells a restarted gateway, which has lost its requests, from the one before; its
+    start time first, so the lowest id, which leads the pool care, is the oldest gateway's
+    (one just started knows no load yet: its rates start from nothing)."""
+    return f"{time.time_ns():016x}{secrets.token_hex(3)}"
 
 
 class NodeLink:
@@ -35,9 +44,7 @@ class NodeLink:
         ))  # fmt: skip
         # an empty host tells each node to use the host it registered through (common/node/host.py)
         self.tokens_address = f"tcp://{cfg.advertise_host}:{cfg.tokens_port}"
-        # this process among several gateways (RegisterAck.gateway_id): new at every start, so
-        # a node tells a restarted gateway, which has lost its requests, from the one before
-        self.gateway_id = secrets.token_hex(6)
+        self.gateway_id = new_gateway_id()
 
     async def send(self, node: NodeState, msg: Msg) -> None:
         try:

@@ -372,9 +372,10 @@ class ControlPlane:
         beat = self.gateways.heartbeat(link, load, events, self.events.seq(), due)
         await link.send(beat)
         silent = time.monotonic() - link.last_reply
-        if silent > self.cfg.heartbeat_timeout and not self.draining and not link.replies_waiting():
+        if silent > self.cfg.heartbeat_timeout and not link.replies_waiting():
             # the gateway is gone or restarted: its requests are orphans (kept for another
-            # gateway to adopt, --orphan-grace), and we knock until it answers
+            # gateway to adopt, --orphan-grace), and we knock until it answers; draining too
+            # (a gateway dead during a drain held its streams from any resume, and the lead)
             if link.registered:
                 log.warning("the gateway at %s is silent (%.1f s): its %d requests are "
                             "orphans for %.1f s", link.address, silent,
@@ -384,5 +385,6 @@ class ControlPlane:
                 self.adoption.silenced(link)
                 self.fairness.forget(link)
             link.registered = False
-            await link.send(Register(info=self.node.info()))
+            if not self.draining:  # a draining node joins no gateway again
+                await link.send(Register(info=self.node.info()))
             link.last_reply = time.monotonic()

@@ -118,3 +118,32 @@ async def test_a_running_orphan_adopted_while_its_node_drains_moves_on(tokenizer
         assert next(m for m in b.inbox if isinstance(m, Adopted)).found
         await until(lambda: [m for m in b.inbox if isinstance(m, Migrate)], what="a move")
         assert "r.0" in d.scheduler.parked
+
+
+async def test_a_gateway_dead_during_a_drain_leaves_its_streams_adoptable_and_the_lead(
+    tokenizer,
+):
+    """The leader A orders a drain and dies during it: a draining node never took A for
+    silent, so A's streams could be adopted nowhere (Adopt answered "live gateway") and the
+    node named A its leader until the drain's end, so no gateway led the pool care."""
+    async with _streaming_for_a(tokenizer) as (a, b, d):
+        d.cfg = d.control.cfg = dataclasses.replace(d.cfg, drain_migrate="off",
+                                                    drain_timeout=30.0)  # fmt: skip
+        assert d.control.gateways.leader() == "gw-a"
+        await a.tell(d, Drain())
+        await until(lambda: d.control.draining, what="draining")
+        a.muted = True
+        await until(lambda: d.control.links[0].silent_since is not None, what="A silent")
+        assert d.control.gateways.leader() == "gw-b"
+        await b.tell(d, Adopt(streams=[("r", 0)]))
+        await until(lambda: [m for m in b.inbox if isinstance(m, Adopted)], what="an answer")
+        adopted = next(m for m in b.inbox if isinstance(m, Adopted))
+        assert adopted.found and adopted.request_id == "r.0", adopted
+        made = len(adopted.output_ids)
+        await until(lambda: len(b.streamed["r.0"]) >= 3, what="tokens to B")
+        assert min(b.streamed["r.0"]) == made
+        a.nodes.clear()  # A answers again: a draining node joins no gateway again
+        a.muted = False
+        beats = len(a.beats)
+        await until(lambda: len(a.beats) >= beats + 4, what="beats to A")
+        assert "decode-0" not in a.nodes

@@ -124,6 +124,9 @@ def _info(node_id: str) -> NodeInfo:
 def test_a_gateway_leads_while_no_node_names_another():
     cluster = ClusterView(heartbeat_timeout=2.0)
     load = Load(running=0, waiting=0, blocks_free=64, blocks_cached=0, blocks_in_use=0)
+    # no node: nothing to lead (cut off from every node, it exported desired replicas of
+    # its own beside the leader's)
+    assert not cluster.leads("gw-a")
     for n in ("d0", "d1"):
         assert cluster.register(_info(n), n.encode(), 0.0, "t") is None
     assert cluster.leads("gw-a") and cluster.leads("gw-b")  # nobody named yet: either may
@@ -314,3 +317,17 @@ def test_an_orphan_freed_at_the_grace_is_no_orphan_while_its_step_ends():
         own.close()
         other.close()
         ctx.term()
+
+
+def test_the_oldest_gateway_has_the_lowest_id():
+    """Nodes take pool care from the lowest id they know: a gateway that starts later (a
+    rolling update, a restart) must not take the lead with rates that start from nothing."""
+    import time
+
+    from pdserve.gateway.link import new_gateway_id
+
+    ids = []
+    for _ in range(3):
+        ids.append(new_gateway_id())
+        time.sleep(0.001)
+    assert ids == sorted(ids) and len(set(ids)) == 3
