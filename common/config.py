@@ -18,6 +18,7 @@ from pdserve.common.costmodel import DEFAULT_PROFILE
 from pdserve.common.errors import ConfigError
 from pdserve.common.flags import flag
 from pdserve.common.kv_backends import CHOICES as KV_BACKENDS
+from pdserve.common.node_id import id_problem
 from pdserve.common.numerics import choose_dtype
 from pdserve.common.quant_choice import auto_quantization
 
@@ -297,13 +298,8 @@ class GatewayConfig:
             raise ConfigError("--cost-time-scale must be positive")
         if self.sizing_window <= 0:
             raise ConfigError("--sizing-window must be positive")
-        for name in (
-            "admission_max_wait",
-            "admission_aging",
-            "ttft_slo",
-            "tpot_slo",
-            "reject_ttft",
-        ):
+        slos = ("admission_max_wait", "admission_aging", "ttft_slo", "tpot_slo", "reject_ttft")
+        for name in slos:
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
         if len({self.port, self.control_port, self.tokens_port}) != 3:
@@ -320,7 +316,7 @@ class NodeConfig:
         "commas (a host name resolving to several addresses is one gateway each)",
         repeat=True,
     )
-    node_id: str = flag("", "unique node id; default ROLE-HOSTNAME-PID")
+    node_id: str = flag("", "unique node id, at most 64 of A-Za-z0-9._-; default ROLE-HOST-PID")
     advertise_host: str = flag(
         "", "host name peers use to reach this node; empty = the address facing the gateway"
     )
@@ -386,6 +382,8 @@ class NodeConfig:
             raise ConfigError("--heartbeat-timeout must exceed --heartbeat-interval (> 0)")
         if self.step_timeout <= 0:
             raise ConfigError("--step-timeout must be > 0")
+        if self.node_id and (problem := id_problem(self.node_id)) is not None:
+            raise ConfigError(f"--node-id {self.node_id[:80]!r}: {problem}")
         if self.kv_backend not in KV_BACKENDS:
             raise ConfigError(
                 f"--kv-backend {self.kv_backend!r}: choose one of {list(KV_BACKENDS)}"

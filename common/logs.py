@@ -9,6 +9,7 @@ appends them as JSON after the message, so both stay greppable by request id.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -52,3 +53,25 @@ def setup_logging(level: str, fmt: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+class Every:
+    """Says when a warning is due: at most once per `seconds` (a flood of garbage on a
+    socket must not flood the log too, nor hold its loop formatting lines)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.last = -math.inf
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self.last < self.seconds:
+            return False
+        self.last = now
+        return True
+
+
+def cut(text: str, most: int = 64) -> str:
+    """A peer's string as a log line shows it: its first `most` characters, marked if cut
+    (a node id of 64 MB made a log line of as much)."""
+    return text if len(text) <= most else f"{text[:most]}...({len(text)} chars)"

@@ -4,8 +4,8 @@ one table per socket (`CONTROL`, `TOKENS`), one dispatch.
 Every handler checks that the message comes from the node that holds the attempt it names
 (the request table says which): a late or stray message for an attempt that moved on, or from
 another node, changes nothing. Anyone who reaches the control port can send anything: a
-message that is not one identity frame plus one well-formed payload is logged and dropped,
-and no message, however handled, ends a loop.
+message that is not one identity frame plus one well-formed payload is dropped, said in the
+log at most every 10 s (node_input.py), and no message, however handled, ends a loop.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from pdserve.common.kv_backends import BACKENDS
+from pdserve.common.logs import cut
 from pdserve.common.wire.protocol import (
     FREED,
-    NODE_DECODER,
-    TOKENS_DECODER,
     Abort,
     Accept,
     Adopted,
@@ -43,10 +42,10 @@ from pdserve.common.wire.protocol import (
     TokenBatch,
     Wanted,
 )
-from pdserve.common.wire.transport import decode_or_none
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.link import NodeLink
 from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.node_input import TOKEN_ID_LIMIT, NodeInput
 from pdserve.gateway.placement import Placer
 from pdserve.gateway.plan import redirect
 from pdserve.gateway.policies import Need, Policy
@@ -58,9 +57,6 @@ from pdserve.gateway.table import Attempt, RequestTable
 
 log = logging.getLogger(__name__)
 JOIN = Verdict.JOIN
-# token ids the detokenizer takes (u32: past it, it raised for good); not the tokenizer's
-# vocabulary: a model may pad its own past it, and sample an id there
-TOKEN_ID_LIMIT = 1 << 32
 Handler = Callable[[Any, bytes, Any], Coroutine[Any, Any, None]]
 
 
@@ -84,19 +80,15 @@ class NodeMessages:
         self.service, self.pools = service, pools
         self.drop = drop  # a node gone: its requests are re-placed (gateway/liveness.py)
         self.tokenizer_fingerprint = tokenizer_fingerprint
-        self._counted: dict[str, Any] = {}  # node_messages' child per message type
+        self.input = NodeInput(metrics)  # decoded, counted, the malformed said and dropped
         self.succession = Succession(cluster)  # a node restarted under its id
 
     # -- loops -----------------------------------------------------------------------------
     async def control_loop(self) -> None:
         while True:
             frames = await self.link.control.recv_multipart()
-            msg = decode_or_none(NODE_DECODER, frames[1]) if len(frames) == 2 else None
-            handler = CONTROL.get(type(msg))
-            self._count(msg)
-            if handler is None:
-                log.warning("dropping malformed control message (%d frames) from %r",
-                            len(frames), frames[0][:64])  # fmt: skip
+            msg = self.input.control(frames)
+            if (handler := CONTROL.get(type(msg))) is None:
                 continue
             try:
                 await handler(self, frames[0], msg)
@@ -105,22 +97,13 @@ class NodeMessages:
 
     async def tokens_loop(self) -> None:
         while True:
-            msg = decode_or_none(TOKENS_DECODER, await self.link.tokens.recv())
-            handler = TOKENS.get(type(msg))
-            self._count(msg)
-            if handler is None:
-                log.warning("dropping malformed token message")
+            msg = self.input.tokens(await self.link.tokens.recv())
+            if (handler := TOKENS.get(type(msg))) is None:
                 continue
             try:
                 await handler(self, b"", msg)
             except Exception:
                 log.exception("handling %s failed", type(msg).__name__)
-
-    def _count(self, msg: object) -> None:
-        kind = type(msg).__name__ if msg is not None else "malformed"
-        if (child := self._counted.get(kind)) is None:
-            child = self._counted[kind] = self.metrics.node_messages.labels(kind)
-        child.inc()
 
     def _held_by(self, identity: bytes, rid: str, role: str) -> Attempt | None:
         """The attempt `rid` if the node speaking (by socket identity) holds it in `role`."""
@@ -143,7 +126,8 @@ class NodeMessages:
             await self.drop(info.node_id, "restarted (a new process under its id)")
         reason = self.cluster.register(info, identity, now, self.tokenizer_fingerprint)
         if reason is not None:
-            log.warning("refused node %s: %s", info.node_id, reason)
+            reason = cut(reason, 512)  # it repeats the node's strings (its id, its model id)
+            log.warning("refused node %s: %s", cut(info.node_id), reason)
             await self.link.reply(identity, RegisterRefuse(node_id=info.node_id, reason=reason))
             return
         log.info("registered %s node %s (%s)", info.role, info.node_id, info.model_id)
@@ -163,7 +147,8 @@ class NodeMessages:
         """A node asks before loading its weights; nothing is registered or kept."""
         reason = self.cluster.refusal(msg, self.tokenizer_fingerprint, time.monotonic())
         if reason is not None:
-            log.warning("refused node %s before it loaded: %s", msg.node_id, reason)
+            reason = cut(reason, 512)
+            log.warning("refused node %s before it loaded: %s", cut(msg.node_id), reason)
             await self.link.reply(identity, RegisterRefuse(node_id=msg.node_id, reason=reason))
             return
         await self.link.reply(identity, Fits(node_id=msg.node_id))
@@ -238,23 +223,22 @@ class NodeMessages:
         self.service.settle(req)  # its client left: let go now its KV is where it decodes
 
     async def _on_kv_transferred(self, identity: bytes, msg: KvTransferred) -> None:
+        if (attempt := self._held_by(identity, msg.request_id, "prefill")) is not None:
+            self.table.delivered(attempt, time.monotonic())  # first: metrics below may raise
+            req = attempt.req
+            self.service.settle(req)  # its client left: let go now its KV is where it decodes
+            fields = ("backend", "bytes", "layerwise", "start_ms", "end_ms", "overlap_ms")
+            req.timeline[f"kv_transfer.{req.attempt}"] = {  # type: ignore[assignment]
+                f: round(v, 3) if isinstance(v := getattr(msg, f), float) else v for f in fields
+            }
         node = self.cluster.by_identity(identity)
-        if node is not None and msg.backend in BACKENDS:  # labels from registered nodes only:
-            # a series per string sent would grow /metrics without bound
+        # labels from registered nodes only (a series per string sent would grow /metrics
+        # without bound); a negative count fails Counter.inc
+        if node is not None and msg.backend in BACKENDS and msg.bytes >= 0:
             self.metrics.kv_bytes.labels(node.node_id, msg.backend).inc(msg.bytes)
             seconds = (msg.end_ms - msg.start_ms) / 1000
             self.metrics.kv_seconds.labels(msg.backend).observe(seconds)
             self.metrics.kv_overlap.labels(msg.backend).observe(msg.overlap_ms / 1000)
-        attempt = self._held_by(identity, msg.request_id, "prefill")
-        if attempt is None:
-            return
-        self.table.delivered(attempt, time.monotonic())
-        req = attempt.req
-        self.service.settle(req)  # its client left: let go now its KV is where it decodes
-        fields = ("backend", "bytes", "layerwise", "start_ms", "end_ms", "overlap_ms")
-        req.timeline[f"kv_transfer.{req.attempt}"] = {  # type: ignore[assignment]
-            f: round(v, 3) if isinstance(v := getattr(msg, f), float) else v for f in fields
-        }
 
     async def _on_need_decode(self, identity: bytes, msg: NeedDecode) -> None:
         attempt = self._held_by(identity, msg.request_id, "prefill")
@@ -344,18 +328,12 @@ class NodeMessages:
 
     # -- tokens socket ---------------------------------------------------------------------
     async def _on_token_batch(self, _: bytes, msg: TokenBatch) -> None:
-        if not msg.well_formed():
-            log.warning("dropping a token batch of unequal lists from %s", msg.node_id)
+        if (entries := self.input.entries(msg)) is None:  # the bad ones said, at most every 10 s
             return
         node = self.cluster.nodes.get(msg.node_id)
         if node is not None:
             node.progress_at = time.monotonic()
-        for rid, token, index, reason in zip(
-            msg.request_ids, msg.token_ids, msg.indices, msg.finish_reasons, strict=True
-        ):
-            if not 0 <= token < TOKEN_ID_LIMIT:
-                log.warning("dropping token id %d from %s", token, msg.node_id)
-                continue
+        for rid, token, index, reason in entries:
             attempt = self.table.get(rid)
             # only from the node the KV went to (None: not placed yet as far as this side
             # knows; the wire id alone is this attempt's), or the decode node it migrates

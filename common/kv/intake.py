@@ -181,15 +181,19 @@ class KvIntake:
             await self._send(peer, grant)
 
     def _malformed(self, peer: bytes, h: KvHeader) -> str | None:
-        """What no reservation may take: a header from another node than its sender, or one
+        """What no reservation may take: a header from another node than its sender, one
         whose layers or skipped prefix this cache cannot hold (fewer layers would complete a
-        request with the others' blocks holding whatever they held before)."""
+        request with the others' blocks holding whatever they held before), or whose prompt
+        this model cannot read."""
         if peer != h.prefill_node.encode():
             return "header names another node as its sender"
         if h.num_layers != self.kv.num_layers:
             return f"KV layout mismatch: {h.num_layers} layers, this cache has {self.kv.num_layers}"
         if not 0 <= h.skip_tokens < len(h.prompt_ids):
             return "KV layout mismatch: skip_tokens outside the prompt"
+        # before any hash of them: one past 2**63 failed its packing in admit, every step after
+        if min(h.prompt_ids) < 0 or max(h.prompt_ids) >= self.vocab_size:
+            return f"a token id outside the vocabulary (0 to {self.vocab_size - 1})"
         ours = self.kv.frame_bytes(len(h.prompt_ids) - h.skip_tokens)
         if h.frame_bytes != ours:  # another dtype or head layout: no frame could land
             return f"KV layout mismatch: frames of {h.frame_bytes} bytes, this cache's {ours}"

@@ -57,6 +57,10 @@ class FrameSink(Protocol):
         """Reader thread: the frame claimed last is in place; what is left for the loop."""
         ...
 
+    async def frame_lost(self, peer: str, request_id: str) -> None:
+        """A head of this transfer's frame was read off a stream being shut, nothing claimed."""
+        ...
+
 
 class StreamLanding:
     def __init__(self, intake: KvIntake) -> None:
@@ -144,6 +148,14 @@ class StreamLanding:
         if intake.state is None or len(intake.state) < nbytes:
             intake.state = bytearray(nbytes)  # a cache that cannot be written in place
         return [memoryview(intake.state)[:nbytes]]
+
+    async def frame_lost(self, peer: str, request_id: str) -> None:
+        """Its frame will never land (the listener shut the stream to make room): refused
+        now, not at its stall timeout."""
+        owner = self.intake
+        intake = owner.incoming.get(request_id)
+        if intake is not None and intake.header.prefill_node == peer and owner.drop(request_id):
+            await owner.refuse(intake.peer, request_id, "KV stream failed")
 
     async def frame_landed(self, peer: str, request_id: str, layer: int, ok: bool) -> None:
         """The frame opened by `open_frame` (or, with ok False, by either) has landed, or

@@ -17,7 +17,8 @@ the stream never falls out of step with the transfers, and one stalled or broken
 up no other. A frame stalled for `timeout`, a bad head or a closed connection ends the
 stream; the transfer whose frame was landing fails, and the peer reconnects for its next
 frame. A full listener (MAX_READERS) shuts one in its handshake, else the stream idle
-longest (never one mid-frame); a sender finds it closed and reconnects."""
+longest (never one mid-frame: a head read as it is picked is claimed nowhere, its transfer
+refused); a sender finds it closed and reconnects."""
 
 from __future__ import annotations
 
@@ -36,7 +37,6 @@ from pdserve.common.kv.landing import ASK_LOOP, FrameSink
 from pdserve.common.kv.tcp_send import TcpStream, frame_head
 from pdserve.common.kv.tcp_wire import (
     HEAD,
-    ID_BYTES,
     MAGIC,
     Closed,
     WireStats,
@@ -44,6 +44,8 @@ from pdserve.common.kv.tcp_wire import (
     set_timeout,
     shut,
 )
+from pdserve.common.logs import Every
+from pdserve.common.node_id import ID_BYTES  # a stream opens with its sender's id, padded
 from pdserve.common.wire.security import MAC_BYTES, REFUSALS, ClusterKey, new_nonce
 
 __all__ = ["ID_BYTES", "TcpListener", "TcpStream", "frame_head"]
@@ -87,7 +89,7 @@ class TcpListener:
         self.lock = threading.Lock()  # conns, idle: reader threads and close()
         self.stats = WireStats()
         self.readers = 0  # reader threads alive (counted on the event loop)
-        self.warned = -1e9
+        self.full_said, self.accept_said = Every(10.0), Every(10.0)  # a flood: one line each
         self.closing = False
         self.accepting: asyncio.Task | None = None
 
@@ -102,14 +104,13 @@ class TcpListener:
             try:
                 conn, addr = await loop.sock_accept(self.sock)
             except OSError as exc:  # out of file descriptors, say: try again shortly
-                log.warning("KV listener cannot accept: %s", exc)
+                if self.accept_said.due():
+                    log.warning("KV listener cannot accept: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
             if self.readers >= MAX_READERS and not self._shut_idlest():
                 conn.close()
-                now = time.monotonic()
-                if now - self.warned >= 10.0:  # a flood must not flood the log too
-                    self.warned = now
+                if self.full_said.due():
                     log.warning("KV listener full (%d streams): refused %s", MAX_READERS, addr)
                 continue
             name = f"kv-tcp-in-{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "kv-tcp-in"
@@ -233,14 +234,17 @@ class TcpListener:
                 recv_views(conn, [memoryview(head)], self.stats, idle_ok=True)  # no deadline
             except Closed:
                 return  # between frames: the sender ended its stream (idle, or going)
-            with self.lock:
-                self.idle.pop(conn, None)
+            with self.lock:  # out of `idle` before claiming: else taken to be shut (_shut_idlest)
+                evicted = self.idle.pop(conn, None) is None
             magic, layer, nbytes, id_len = HEAD.unpack(head)
             if magic != MAGIC or id_len > MAX_ID or nbytes > self.max_frame:
                 raise ValueError(f"not a KV frame head: {bytes(head)!r}")
             rid_bytes = bytearray(id_len)
             recv_views(conn, [memoryview(rid_bytes)], self.stats)
             rid = rid_bytes.decode(errors="replace")
+            if evicted:  # shut any moment now: nothing claimed, and its transfer told at once
+                self._post(self.sink.frame_lost(peer, rid))
+                return
             views = self.sink.claim_frame(peer, rid, layer, nbytes)
             claimed = views is not ASK_LOOP  # then landed here too, no round trip to the loop
             if not claimed:

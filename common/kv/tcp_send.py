@@ -29,7 +29,6 @@ from typing import Any
 
 from pdserve.common.kv.tcp_wire import (
     HEAD,
-    ID_BYTES,
     MAGIC,
     WireStats,
     closed_by_peer,
@@ -37,6 +36,7 @@ from pdserve.common.kv.tcp_wire import (
     send_views,
     set_timeout,
 )
+from pdserve.common.node_id import ID_BYTES  # a stream opens with its sender's id, padded
 from pdserve.common.wire.security import NONCE_BYTES, ClusterKey
 
 DEPTH = 2  # frames queued or being written per stream: one written, the next one ready

@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 IOV_MAX = 1024  # Linux's limit on the buffers of one recvmsg or sendmsg
-ID_BYTES = 64  # a stream opens with its sender's node id, space padded
 MAGIC = b"PDKV"
 HEAD = struct.Struct("<4sIQH")  # a frame's head: magic, layer, payload bytes, request id bytes
 

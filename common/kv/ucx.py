@@ -29,8 +29,8 @@ from pdserve.common.kv.base import (
     SendConnector,
     Transfer,
 )
+from pdserve.common.node_id import ID_BYTES  # the id field opening an endpoint
 
-ID_BYTES = 64
 HELLO_S = 10.0  # for a new endpoint's node id
 log = logging.getLogger(__name__)
 

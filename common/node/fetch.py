@@ -281,6 +281,8 @@ class PrefixFetches:
             problem = "duplicate fetch id"
         elif n % bs or skip % bs or not 0 <= skip < n or n > node.engine.max_model_len:
             problem = "malformed fetch"
+        elif min(msg.prompt_ids) < 0 or max(msg.prompt_ids) >= self.kv.intake.vocab_size:
+            problem = "malformed fetch: a token id outside the vocabulary"  # else unhashable
         else:
             hits = bm.match(bm.hashes(msg.prompt_ids)) if node.scheduler.cfg.prefix_caching else []
             if len(hits) * bs <= skip:

@@ -6,12 +6,18 @@ from __future__ import annotations
 import os
 import socket
 
+from pdserve.common.node_id import default_id, id_problem
+
 
 def default_node_id(role: str) -> str:
-    """The compose container name (`pdserve-prefill-2`) in Docker, else ROLE-HOSTNAME-PID."""
+    """The compose container name (`pdserve-prefill-2`) in Docker, else ROLE-HOSTNAME-PID,
+    the host name cut to fit (common/node_id.py)."""
     from pdserve.common.container import container_name
 
-    return container_name() or f"{role}-{socket.gethostname()}-{os.getpid()}"
+    name = container_name()
+    if name and id_problem(name) is None:
+        return name
+    return default_id(role, socket.gethostname(), os.getpid())
 
 
 def _host_of(address: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pdserve.common.node_id import WireNodeId
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.wire.protocol import Abort, DecodeTarget, Msg
 
@@ -20,7 +21,7 @@ class KvHeader(Msg):
     params: SamplingParams
     num_layers: int
     frame_bytes: int  # bytes of each layer's frame
-    prefill_node: str
+    prefill_node: WireNodeId
     backend: str = "zmq"  # the connector carrying the frames (common/kv)
     location: str = ""  # connector-specific (shm: the segment with layer i at i * frame_bytes)
     # whole blocks of the prompt whose KV the decode node holds already (its prefix cache):

@@ -22,6 +22,7 @@ from typing import Literal
 
 import msgspec
 
+from pdserve.common.node_id import WireNodeId
 from pdserve.common.sampling import SamplingParams
 
 Role = Literal["prefill", "decode", "colocated"]
@@ -33,7 +34,7 @@ class Msg(msgspec.Struct, tag=True, kw_only=True):
 
 # -- node -> gateway ----------------------------------------------------------------------
 class NodeInfo(msgspec.Struct, kw_only=True, frozen=True):
-    node_id: str
+    node_id: WireNodeId
     role: Role
     data_address: str  # where peers reach this node's data socket ("" if none)
     host_id: str  # same value = same host / IPC namespace (for the shared-memory path)
@@ -103,7 +104,7 @@ class Register(Msg):
 class Probe(Msg):
     """Would the cluster take a node of these? Asked before the weights load (precheck.py)."""
 
-    node_id: str
+    node_id: WireNodeId
     model_id: str
     dtype: str
     tokenizer_fingerprint: str
@@ -116,7 +117,7 @@ class KvEvents(Msg):
     gap tells the gateway one was lost (it asks for a snapshot). With `snapshot`, `stored`
     is everything the node holds and replaces what the gateway knew of it."""
 
-    node_id: str
+    node_id: WireNodeId
     seq: int
     stored: list[bytes] = msgspec.field(default_factory=list)
     evicted: list[bytes] = msgspec.field(default_factory=list)
@@ -124,7 +125,7 @@ class KvEvents(Msg):
 
 
 class Heartbeat(Msg):
-    node_id: str
+    node_id: WireNodeId
     load: Load
     kv_seq: int = -1  # the last KvEvents sent (-1: none): the gateway sees a lost last one
     # the gateway this node takes pool care from (the lowest id among those it is registered
@@ -166,7 +167,7 @@ class NeedDecode(Msg):
     """The chosen decode node refused the KV: give me another one."""
 
     request_id: str
-    refused_by: str
+    refused_by: WireNodeId
     reason: str
 
 
@@ -186,7 +187,7 @@ class PrefillFailed(Msg):
 
 
 class Deregister(Msg):
-    node_id: str
+    node_id: WireNodeId
 
 
 class KvTransferred(Msg):
@@ -246,7 +247,7 @@ NodeToGateway = (Adopted | Wanted | KvTransferred | KvEvents | Register | Probe 
 
 # -- gateway -> node ----------------------------------------------------------------------
 class RegisterAck(Msg):
-    node_id: str
+    node_id: WireNodeId
     tokens_address: str  # where decode nodes push TokenBatch messages
     # prefill nodes: accept every offer and queue locally (the baseline policies), or answer
     # by batch room (on-demand); the gateway's policy decides, for every node alike
@@ -257,12 +258,12 @@ class RegisterAck(Msg):
 
 
 class RegisterRefuse(Msg):
-    node_id: str
+    node_id: WireNodeId
     reason: str
 
 
 class Fits(Msg):  # the answer to a `Probe` the cluster would take
-    node_id: str
+    node_id: WireNodeId
 
 
 class HeartbeatReply(Msg):
@@ -273,7 +274,7 @@ class HeartbeatReply(Msg):
 
 
 class DecodeTarget(msgspec.Struct, kw_only=True, frozen=True):
-    node_id: str
+    node_id: WireNodeId
     data_address: str  # the ZeroMQ data socket: headers, descriptors, acks
     host_id: str
     kv_endpoints: dict[str, str] = msgspec.field(default_factory=dict)  # as in NodeInfo
@@ -333,8 +334,7 @@ class Abort(Msg):
     request_id: str
 
 
-class Drain(Msg):
-    pass
+class Drain(Msg): ...
 
 
 class Rebalance(Msg):
@@ -366,7 +366,7 @@ class TokenBatch(Msg):
     places tokens by index, so the order in which the two sockets are read never matters.
     The four lists have one entry per sequence; a batch whose lists differ is malformed."""
 
-    node_id: str
+    node_id: WireNodeId
     request_ids: list[str]
     token_ids: list[int]
     indices: list[int]
@@ -381,7 +381,7 @@ class Preempted(Msg):
     """The decode node ran out of KV blocks (or is draining) and dropped this request; the
     gateway re-places it as a prefill of prompt + generated tokens."""
 
-    node_id: str
+    node_id: WireNodeId
     request_id: str
     reason: str
 
