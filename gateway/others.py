@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
+
 from pdserve.common.wire.protocol import GatewayLoad
 from pdserve.gateway.sizing import Sizing
 
@@ -41,6 +43,11 @@ class OtherGateways:
                                 load.requests - old.requests,
                                 max(0, load.output_tokens - old.output_tokens), now,
                                 max(0, load.local_tokens - old.local_tokens))  # fmt: skip
+                # a node of an older version relays it without local_tokens (0): the base
+                # must not go back, or the next report adds the whole total again
+                load = msgspec.structs.replace(
+                    load, local_tokens=max(load.local_tokens, old.local_tokens)
+                )
             self.seen[load.gateway] = (load, now)
 
     def waiting_tokens(self, now: float) -> int:

@@ -17,7 +17,13 @@ import aiohttp
 import orjson
 
 from pdserve.loadgen.metrics import RequestRecord
-from pdserve.loadgen.resumable import StreamLost, parse_event, resumable_chunks, split_events
+from pdserve.loadgen.resumable import (
+    StreamLost,
+    last_events,
+    parse_event,
+    resumable_chunks,
+    split_events,
+)
 from pdserve.loadgen.workloads import RequestSpec
 
 
@@ -78,6 +84,8 @@ async def send(
                 events, buffer = split_events(buffer + data)
                 for event in events:
                     finished = _on_event(record, event, now) or finished
+            for event in last_events(buffer):
+                finished = _on_event(record, event, time.monotonic()) or finished
             # a server that closed mid-stream (its process gone) is a failure, as the
             # resumable path takes it for a drop, not a short answer
             if not finished and not record.error:

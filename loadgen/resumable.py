@@ -67,6 +67,16 @@ async def sse_events(content: aiohttp.StreamReader) -> AsyncIterator[tuple[str |
             event_id, payload = parse_event(raw)
             if payload is not None:
                 yield event_id, payload
+    for raw in last_events(buffer):
+        event_id, payload = parse_event(raw)
+        if payload is not None:
+            yield event_id, payload
+
+
+def last_events(rest: bytes) -> list[bytes]:
+    """At the body's end: the event a held \r ended (a CR-only stream's last one; no read
+    follows to bring a \n), else none (a partial event is no event)."""
+    return split_events(rest[:-1] + b"\n")[0] if rest.endswith(b"\r") else []
 
 
 async def resumable_chunks(

@@ -12,8 +12,9 @@ aborted transfer's segment is destroyed instead (unlinked, never lent again), si
 decode node may still read it and admit what it finds. The decode node keeps each segment it
 has seen mapped, keyed by name, for the same reason, and lets go of those whose file is gone.
 
-Segments are allocated whole when made (a tmpfs that runs out while pages are touched kills
-the process with SIGBUS; a full one is an OSError here, and the transfer goes by ZeroMQ). A
+A segment is made only where /dev/shm has room for it (else the transfer goes by ZeroMQ),
+and allocated whole on the engine thread before its first write (a tmpfs that runs out
+while pages are touched kills the process with SIGBUS; this way it fails the transfer). A
 pool's owner file is locked for the pool's life: the segments of a node that crashed are
 swept by the next node to start on the host (common/ofd.py).
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import mmap
 import os
@@ -55,16 +57,37 @@ class Segment:
     size: int
     mem: mmap.mmap
     users: int = 0  # decode side: intakes that read it (its mapping is kept while they do)
+    reserved: bool = False  # prefill side: its pages allocated (`reserve`)
 
     def view(self, offset: int, length: int) -> memoryview:
         return memoryview(self.mem)[offset : offset + length]
 
+    def reserve(self) -> None:
+        """Allocate its pages before the first write: a tmpfs that runs out while pages are
+        touched kills the process with SIGBUS; here it is an OSError (the transfer fails)."""
+        if not self.reserved:
+            fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR | os.O_NOFOLLOW)
+            try:
+                os.posix_fallocate(fd, 0, self.size)
+            finally:
+                os.close(fd)
+            self.reserved = True
+
+
+def _free_bytes() -> int:
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
 
 def _create(path: str, size: int) -> mmap.mmap:
-    """A new segment, its pages reserved now (ENOSPC here, not SIGBUS in export_into)."""
+    """A new segment, sparse: its pages are reserved by `Segment.reserve` on the engine
+    thread (posix_fallocate writes every page: ~80 ms for 256 MiB, not on the event loop).
+    A /dev/shm without room for it now is an OSError here (the transfer goes by zmq)."""
+    if _free_bytes() < size:
+        raise OSError(errno.ENOSPC, f"{SHM_DIR} has no room for {size} bytes")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.posix_fallocate(fd, 0, size)
+        os.ftruncate(fd, size)
         return mmap.mmap(fd, size)
     except BaseException:
         os.unlink(path)
@@ -106,6 +129,7 @@ class SegmentPool:
         self.owner = -1  # the owner file's descriptor, from the first segment on
         self.free: list[Segment] = []
         self.all: list[Segment] = []
+        self.unclosed: list[Segment] = []  # destroyed, its mapping still exported
         self.max_free = max_free
         # a name is never reused: destroying a segment must not free a name that a live one
         # has (a count of live segments would hand it out again)
@@ -137,14 +161,26 @@ class SegmentPool:
     def destroy(self, seg: Segment) -> None:
         """Never lent again: its pages live on only while a reader keeps them mapped."""
         self.all.remove(seg)
-        seg.mem.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(SHM_DIR, seg.name))
+        self.unclosed.append(seg)
+        self._close_unclosed()
+
+    def _close_unclosed(self) -> None:
+        # a view may outlive its stage (a failed stage's traceback holds it while the step's
+        # failure drops the request): closed on a later call, not a BufferError out of here
+        for seg in list(self.unclosed):
+            try:
+                seg.mem.close()
+            except BufferError:
+                continue
+            self.unclosed.remove(seg)
 
     def close(self) -> None:
         for seg in list(self.all):
             self.destroy(seg)
         self.free.clear()
+        self._close_unclosed()
         if self.owner >= 0:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.owner_path)
@@ -210,6 +246,7 @@ class ShmSend(SendConnector):
         t.state, t.location = seg, seg.name
 
     def stage(self, t: Transfer, layer: int) -> Any:
+        t.state.reserve()  # engine thread: once a segment
         view = t.state.view(layer * t.frame_bytes, t.frame_bytes)
         self.local.kv.export_into(layer, t.block_table, t.num_tokens, view)
         return None  # the frame is in the segment already

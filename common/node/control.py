@@ -5,7 +5,7 @@ ROUTER (common/node/links.py: one link per gateway, and which gateway each reque
 to), registers, and sends a heartbeat with its load every `heartbeat_interval`. The reply
 names request ids that gateway no longer knows (the node frees them: leases) or says the
 gateway does not know the node (it restarted): the node registers again. A gateway silent
-for `heartbeat_timeout` has its requests freed (its clients are gone with it). SIGTERM drains:
+for `heartbeat_timeout` leaves orphans (common/node/adoption.py), draining or not. SIGTERM drains:
 stop taking work, finish what is held (or hand it back after `drain_timeout`), exit. A loop
 that dies takes the node down, so that a supervisor restarts it rather than the gateway
 offering work to a node that cannot do it.
@@ -225,6 +225,8 @@ class ControlPlane:
                 link.load = msg.load or link.load  # relayed to the other gateways
                 if msg.kv_resync:
                     self.events.resync()
+                if link.silent_since is not None and not unknown:  # paused, not gone
+                    await self._back(link)
                 # dropped (a hung engine, say): back when the engine steps again
                 if unknown and not self.draining and not self.node.hung():
                     link.registered = False
@@ -312,6 +314,16 @@ class ControlPlane:
         self.registered.set()
         log.info("%s registered with the gateway at %s", self.node_id, link.address)
 
+    async def _back(self, link: GatewayLink) -> None:
+        """A gateway taken for silent answers again as the same process, knowing us: back
+        with it, told what was taken meanwhile, as at a RegisterAck (the knock's may not come)."""
+        self.adoption.registered(link, link.gateway_id, time.monotonic())
+        link.silent_since = None
+        self.events.resync()  # its events went nowhere meanwhile
+        link.registered_as(link.gateway_id)
+        self.registered.set()
+        await tell_returned(self.adoption, link, self.role.pushes_tokens)
+
     async def _discovery_loop(self) -> None:
         """Gateways named by a host name come and go (pods of a headless Service): resolve
         the names again, link to new gateways, and let a vanished one go once its requests
@@ -373,9 +385,8 @@ class ControlPlane:
         await link.send(beat)
         silent = time.monotonic() - link.last_reply
         if silent > self.cfg.heartbeat_timeout and not link.replies_waiting():
-            # the gateway is gone or restarted: its requests are orphans (kept for another
-            # gateway to adopt, --orphan-grace), and we knock until it answers; draining too
-            # (a gateway dead during a drain held its streams from any resume, and the lead)
+            # gone or restarted (or paused): its requests are orphans for another gateway to
+            # adopt (--orphan-grace), and we knock until it answers; while draining too
             if link.registered:
                 log.warning("the gateway at %s is silent (%.1f s): its %d requests are "
                             "orphans for %.1f s", link.address, silent,
@@ -385,6 +396,5 @@ class ControlPlane:
                 self.adoption.silenced(link)
                 self.fairness.forget(link)
             link.registered = False
-            if not self.draining:  # a draining node joins no gateway again
-                await link.send(Register(info=self.node.info()))
+            await link.send(Register(info=self.node.info()))
             link.last_reply = time.monotonic()

@@ -123,9 +123,9 @@ async def test_a_running_orphan_adopted_while_its_node_drains_moves_on(tokenizer
 async def test_a_gateway_dead_during_a_drain_leaves_its_streams_adoptable_and_the_lead(
     tokenizer,
 ):
-    """The leader A orders a drain and dies during it: a draining node never took A for
-    silent, so A's streams could be adopted nowhere (Adopt answered "live gateway") and the
-    node named A its leader until the drain's end, so no gateway led the pool care."""
+    """The leader A orders a drain and goes silent during it: a draining node never took A
+    for silent, so A's streams could be adopted nowhere (Adopt answered "live gateway") and
+    the node named A its leader until the drain's end, so no gateway led the pool care."""
     async with _streaming_for_a(tokenizer) as (a, b, d):
         d.cfg = d.control.cfg = dataclasses.replace(d.cfg, drain_migrate="off",
                                                     drain_timeout=30.0)  # fmt: skip
@@ -142,8 +142,22 @@ async def test_a_gateway_dead_during_a_drain_leaves_its_streams_adoptable_and_th
         made = len(adopted.output_ids)
         await until(lambda: len(b.streamed["r.0"]) >= 3, what="tokens to B")
         assert min(b.streamed["r.0"]) == made
-        a.nodes.clear()  # A answers again: a draining node joins no gateway again
+
+
+async def test_a_gateway_paused_during_a_drain_gets_its_node_and_streams_back(tokenizer):
+    """Silent past the node's heartbeat timeout while the node drains, then answering as
+    the same process: the node knocks (Register) as when serving, so A has its node and its
+    stream back; not knocking, its streams stayed orphans and were freed at the grace."""
+    async with _streaming_for_a(tokenizer) as (a, _, d):
+        d.cfg = d.control.cfg = dataclasses.replace(d.cfg, drain_migrate="off",
+                                                    drain_timeout=30.0)  # fmt: skip
+        await a.tell(d, Drain())
+        await until(lambda: d.control.draining, what="draining")
+        a.muted = True
+        await until(lambda: d.control.links[0].silent_since is not None, what="A silent")
         a.muted = False
-        beats = len(a.beats)
-        await until(lambda: len(a.beats) >= beats + 4, what="beats to A")
-        assert "decode-0" not in a.nodes
+        await until(lambda: d.control.links[0].silent_since is None, what="A back")
+        assert d.control.links[0].registered and d.control.gateways.leader() == "gw-a"
+        held = len(a.streamed["r.0"])
+        await until(lambda: len(a.streamed["r.0"]) >= held + 3, what="r.0 on, to A")
+        assert d.control.draining and "r.0" in d.requests

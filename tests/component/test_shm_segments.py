@@ -79,7 +79,8 @@ def test_segments_are_allocated_whole_when_made():
     (Docker's 64 MiB, a burst) killed the prefill node with SIGBUS in export_into."""
     pool = SegmentPool("test-whole")
     try:
-        seg = pool.take(3 << 20)
+        seg = pool.take(3 << 20)  # on the event loop: made sparse (no page written there)
+        seg.reserve()  # the engine thread, before its first write (ShmSend.stage)
         st = os.stat(os.path.join(SHM_DIR, seg.name))
         assert st.st_size == seg.size == 4 << 20 and st.st_blocks * 512 >= seg.size
     finally:
@@ -88,10 +89,7 @@ def test_segments_are_allocated_whole_when_made():
 
 
 async def test_a_full_dev_shm_sends_by_zmq_instead(monkeypatch):
-    def no_room(fd: int, offset: int, length: int) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    monkeypatch.setattr(shm, "_free_bytes", lambda: 0)
     pair = await Pair("shm", 600).start()
     try:
         landed = await pair.send("r", 40, [0, 1, 2], layerwise=True)
@@ -167,3 +165,35 @@ async def test_the_decode_side_lets_go_of_destroyed_segments_with_no_new_name(mo
         await until(lambda: seg.name not in maps.maps, 5.0, "the mapping let go")
     finally:
         await pair.close()
+
+
+def test_a_segment_whose_view_outlives_its_stage_is_destroyed_without_raising():
+    """A failed stage's traceback holds a view into its segment while the step's failure
+    drops the request: closing the mapping then raised BufferError out of the step loop,
+    which stopped the node. It is unlinked now and closed once the view is gone."""
+    pool = SegmentPool("test-held")
+    try:
+        seg = pool.take(1 << 20)
+        held = seg.view(0, 16)
+        pool.destroy(seg)  # no BufferError
+        assert not os.path.exists(os.path.join(SHM_DIR, seg.name)) and pool.unclosed == [seg]
+        held.release()
+        pool.close()
+        assert not pool.unclosed and seg.mem.closed
+    finally:
+        pool.close()
+
+
+def test_reserving_a_segment_tmpfs_cannot_back_fails_the_transfer_not_the_process(monkeypatch):
+    def no_room(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    pool = SegmentPool("test-noroom")
+    try:
+        seg = pool.take(1 << 20)
+        monkeypatch.setattr(os, "posix_fallocate", no_room)
+        with pytest.raises(OSError):
+            seg.reserve()
+        assert not seg.reserved
+    finally:
+        pool.close()

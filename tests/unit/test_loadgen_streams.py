@@ -185,3 +185,11 @@ async def test_a_resume_refused_to_the_end_keeps_the_last_status():
             async for _ in resumable_chunks(session, [live], "/v1/completions", {}, 10.0, 2):
                 pass
     assert lost.value.status == 409
+
+
+async def test_a_cr_only_stream_s_last_event_is_read():
+    """Its last line's \\r was held for a \\n that no read brings: [DONE] was never seen,
+    and every such stream counted as dropped (resumable) or unfinished (plain)."""
+    body = b'data: {"choices": [{"text": "a"}]}\r\rdata: [DONE]\r\r'
+    assert await _events([body]) == [(None, b'{"choices": [{"text": "a"}]}'), (None, b"[DONE]")]
+    assert (await _send(body)).ok

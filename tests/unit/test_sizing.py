@@ -182,3 +182,22 @@ def test_prompts_their_decode_nodes_prefill_are_no_demand_on_the_prefill_pool():
         others.relayed((said,), t)
         t += 1 / rate
     assert leader.prefill(cluster, 0, now=t) == 1
+
+
+def test_a_relayed_load_without_local_tokens_does_not_count_them_again():
+    """A node of an older version relays a gateway's load without local_tokens (0): the next
+    report of a newer node added that gateway's whole total of local tokens again."""
+    from pdserve.common.wire.protocol import GatewayLoad
+    from pdserve.gateway.others import OtherGateways
+
+    got: list[int] = []
+
+    class _Sizing:
+        def add(self, tokens, requests, outputs, now, local=0) -> None:
+            got.append(local)
+
+    others = OtherGateways(lambda: "a", _Sizing())  # type: ignore[arg-type]
+    for seq, local in ((1, 500), (2, 0), (3, 1000), (4, 0), (5, 1200)):  # new, old, new...
+        load = GatewayLoad(gateway="b", seq=seq, prompt_tokens=100 * seq, local_tokens=local)
+        others.relayed((load,), float(seq))
+    assert sum(got) == 1200 - 500  # what grew since the first report, once
