@@ -129,8 +129,8 @@ class RequestService:
             self.metrics.resumes.labels("refused").inc()
             raise
         self.metrics.resumes.labels("adopted").inc()
-        # made while orphaned, streamed from here (those its dead gateway got but the client
-        # did not are counted twice: that gateway's count died with it, or is gone anyway)
+        # made while orphaned, streamed from here; those a gateway streamed before but the
+        # client did not read count twice (there, or here when it resumes at the same one)
         self.metrics.generation_tokens.inc(max(0, len(req.output_ids) - have))
         if req.finished:  # every token is in its events: it ended while orphaned, or
             # (decoding on past it) at a stop string the replay matched: ended on its node

@@ -12,9 +12,8 @@ aborted transfer's segment is destroyed instead (unlinked, never lent again), si
 decode node may still read it and admit what it finds. The decode node keeps each segment it
 has seen mapped, keyed by name, for the same reason, and lets go of those whose file is gone.
 
-A segment is made only where /dev/shm has room for it (else the transfer goes by ZeroMQ),
-and allocated whole on the engine thread before its first write (a tmpfs that runs out
-while pages are touched kills the process with SIGBUS; this way it fails the transfer). A
+Segments are allocated whole when made (a tmpfs that runs out while pages are touched kills
+the process with SIGBUS; a full one is an OSError here, and the transfer goes by ZeroMQ). A
 pool's owner file is locked for the pool's life: the segments of a node that crashed are
 swept by the next node to start on the host (common/ofd.py).
 """
@@ -23,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import itertools
 import mmap
 import os
@@ -57,37 +55,18 @@ class Segment:
     size: int
     mem: mmap.mmap
     users: int = 0  # decode side: intakes that read it (its mapping is kept while they do)
-    reserved: bool = False  # prefill side: its pages allocated (`reserve`)
 
     def view(self, offset: int, length: int) -> memoryview:
         return memoryview(self.mem)[offset : offset + length]
 
-    def reserve(self) -> None:
-        """Allocate its pages before the first write: a tmpfs that runs out while pages are
-        touched kills the process with SIGBUS; here it is an OSError (the transfer fails)."""
-        if not self.reserved:
-            fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR | os.O_NOFOLLOW)
-            try:
-                os.posix_fallocate(fd, 0, self.size)
-            finally:
-                os.close(fd)
-            self.reserved = True
-
-
-def _free_bytes() -> int:
-    st = os.statvfs(SHM_DIR)
-    return st.f_bavail * st.f_frsize
-
 
 def _create(path: str, size: int) -> mmap.mmap:
-    """A new segment, sparse: its pages are reserved by `Segment.reserve` on the engine
-    thread (posix_fallocate writes every page: ~80 ms for 256 MiB, not on the event loop).
-    A /dev/shm without room for it now is an OSError here (the transfer goes by zmq)."""
-    if _free_bytes() < size:
-        raise OSError(errno.ENOSPC, f"{SHM_DIR} has no room for {size} bytes")
+    """A new segment, its pages allocated now: a full /dev/shm is an OSError here (the
+    transfer goes by zmq), not SIGBUS at a write, nor a failed batch. On the event loop
+    (~80 ms for 256 MiB), paid only when the pool grows: segments are reused."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
         return mmap.mmap(fd, size)
     except BaseException:
         os.unlink(path)
@@ -152,6 +131,7 @@ class SegmentPool:
         return seg
 
     def give_back(self, seg: Segment) -> None:
+        self._close_unclosed()  # a destroyed one's pages stay in /dev/shm until then
         self.free.append(seg)
         if len(self.free) > self.max_free:  # keep the pool bounded: drop the smallest
             victim = min(self.free, key=lambda s: s.size)
@@ -246,7 +226,6 @@ class ShmSend(SendConnector):
         t.state, t.location = seg, seg.name
 
     def stage(self, t: Transfer, layer: int) -> Any:
-        t.state.reserve()  # engine thread: once a segment
         view = t.state.view(layer * t.frame_bytes, t.frame_bytes)
         self.local.kv.export_into(layer, t.block_table, t.num_tokens, view)
         return None  # the frame is in the segment already

@@ -5,10 +5,9 @@ ROUTER (common/node/links.py: one link per gateway, and which gateway each reque
 to), registers, and sends a heartbeat with its load every `heartbeat_interval`. The reply
 names request ids that gateway no longer knows (the node frees them: leases) or says the
 gateway does not know the node (it restarted): the node registers again. A gateway silent
-for `heartbeat_timeout` leaves orphans (common/node/adoption.py), draining or not. SIGTERM drains:
-stop taking work, finish what is held (or hand it back after `drain_timeout`), exit. A loop
-that dies takes the node down, so that a supervisor restarts it rather than the gateway
-offering work to a node that cannot do it.
+for `heartbeat_timeout` leaves orphans (common/node/adoption.py). SIGTERM drains: stop taking
+work, finish what is held (or hand it back after `drain_timeout`), exit. A loop that dies
+takes the node down: a supervisor restarts it, rather than the gateway offering it work.
 """
 
 from __future__ import annotations
@@ -225,7 +224,9 @@ class ControlPlane:
                 link.load = msg.load or link.load  # relayed to the other gateways
                 if msg.kv_resync:
                     self.events.resync()
-                if link.silent_since is not None and not unknown:  # paused, not gone
+                # paused, not gone: it answered a beat sent since (a dead one's last word
+                # may be read late, but not an interval late)
+                if not unknown and link.silent_for() >= self.cfg.heartbeat_interval:
                     await self._back(link)
                 # dropped (a hung engine, say): back when the engine steps again
                 if unknown and not self.draining and not self.node.hung():
@@ -382,11 +383,9 @@ class ControlPlane:
     async def _heartbeat(self, link: GatewayLink, load: Load, events: KvEvents | None) -> None:
         due = link.reply_due(self.cfg.heartbeat_timeout, self.cfg.heartbeat_interval)
         beat = self.gateways.heartbeat(link, load, events, self.events.seq(), due)
-        await link.send(beat)
         silent = time.monotonic() - link.last_reply
         if silent > self.cfg.heartbeat_timeout and not link.replies_waiting():
-            # gone or restarted (or paused): its requests are orphans for another gateway to
-            # adopt (--orphan-grace), and we knock until it answers; while draining too
+            # gone, restarted or paused: its requests orphans (--orphan-grace); knocked on
             if link.registered:
                 log.warning("the gateway at %s is silent (%.1f s): its %d requests are "
                             "orphans for %.1f s", link.address, silent,
@@ -396,5 +395,6 @@ class ControlPlane:
                 self.adoption.silenced(link)
                 self.fairness.forget(link)
             link.registered = False
-            await link.send(Register(info=self.node.info()))
-            link.last_reply = time.monotonic()
+            await link.send(Register(info=self.node.info()))  # before the beat: a gateway
+            link.last_reply = time.monotonic()  # that takes it then reads that we drain
+        await link.send(beat)

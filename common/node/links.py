@@ -75,6 +75,10 @@ class GatewayLink:
         quiet = time.monotonic() - self.last_reply
         return not self.registered or quiet > min(1.5 * interval, timeout - 2 * interval)
 
+    def silent_for(self) -> float:
+        """Seconds since it was taken for silent; -1 while it is not."""
+        return -1.0 if self.silent_since is None else time.monotonic() - self.silent_since
+
     def replies_waiting(self) -> bool:
         """Replies queued unread (this node's loop was late, not the gateway silent)."""
         events = self.control.getsockopt(zmq.EVENTS)

@@ -79,8 +79,7 @@ def test_segments_are_allocated_whole_when_made():
     (Docker's 64 MiB, a burst) killed the prefill node with SIGBUS in export_into."""
     pool = SegmentPool("test-whole")
     try:
-        seg = pool.take(3 << 20)  # on the event loop: made sparse (no page written there)
-        seg.reserve()  # the engine thread, before its first write (ShmSend.stage)
+        seg = pool.take(3 << 20)
         st = os.stat(os.path.join(SHM_DIR, seg.name))
         assert st.st_size == seg.size == 4 << 20 and st.st_blocks * 512 >= seg.size
     finally:
@@ -89,7 +88,10 @@ def test_segments_are_allocated_whole_when_made():
 
 
 async def test_a_full_dev_shm_sends_by_zmq_instead(monkeypatch):
-    monkeypatch.setattr(shm, "_free_bytes", lambda: 0)
+    def no_room(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
     pair = await Pair("shm", 600).start()
     try:
         landed = await pair.send("r", 40, [0, 1, 2], layerwise=True)
@@ -180,20 +182,5 @@ def test_a_segment_whose_view_outlives_its_stage_is_destroyed_without_raising():
         held.release()
         pool.close()
         assert not pool.unclosed and seg.mem.closed
-    finally:
-        pool.close()
-
-
-def test_reserving_a_segment_tmpfs_cannot_back_fails_the_transfer_not_the_process(monkeypatch):
-    def no_room(fd: int, offset: int, length: int) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    pool = SegmentPool("test-noroom")
-    try:
-        seg = pool.take(1 << 20)
-        monkeypatch.setattr(os, "posix_fallocate", no_room)
-        with pytest.raises(OSError):
-            seg.reserve()
-        assert not seg.reserved
     finally:
         pool.close()
