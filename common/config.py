@@ -18,6 +18,7 @@ from pdserve.common.costmodel import DEFAULT_PROFILE
 from pdserve.common.errors import ConfigError
 from pdserve.common.flags import flag
 from pdserve.common.kv_backends import CHOICES as KV_BACKENDS
+from pdserve.common.logs import cut
 from pdserve.common.node_id import id_problem
 from pdserve.common.numerics import choose_dtype
 from pdserve.common.quant_choice import auto_quantization
@@ -383,7 +384,7 @@ class NodeConfig:
         if self.step_timeout <= 0:
             raise ConfigError("--step-timeout must be > 0")
         if self.node_id and (problem := id_problem(self.node_id)) is not None:
-            raise ConfigError(f"--node-id {self.node_id[:80]!r}: {problem}")
+            raise ConfigError(f"--node-id {cut(self.node_id)!r}: {problem}")
         if self.kv_backend not in KV_BACKENDS:
             raise ConfigError(
                 f"--kv-backend {self.kv_backend!r}: choose one of {list(KV_BACKENDS)}"

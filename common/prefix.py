@@ -37,3 +37,11 @@ def prefix_hashes(
         parent = block_hash(parent, token_ids[begin : begin + block_size])
         hashes.append(parent)
     return hashes
+
+
+def token_ids_problem(ids: list[int], vocab_size: int) -> str | None:
+    """A token id outside the vocabulary, said (an offer, a KV header, a fetch): one past
+    2**63 fails its packing in the prefix hashes, the engine's embedding on any other."""
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        return f"a token id outside the vocabulary (0 to {vocab_size - 1})"
+    return None

@@ -34,6 +34,7 @@ import zmq.asyncio
 from pdserve.common.engine.interface import KvStore
 from pdserve.common.kv.base import LANDED, Intake, ReceiveConnector
 from pdserve.common.kv.landing import StreamLanding
+from pdserve.common.prefix import token_ids_problem
 from pdserve.common.wire.kv_messages import (
     TO_DECODE_DECODER,
     KvAck,
@@ -191,9 +192,8 @@ class KvIntake:
             return f"KV layout mismatch: {h.num_layers} layers, this cache has {self.kv.num_layers}"
         if not 0 <= h.skip_tokens < len(h.prompt_ids):
             return "KV layout mismatch: skip_tokens outside the prompt"
-        # before any hash of them: one past 2**63 failed its packing in admit, every step after
-        if min(h.prompt_ids) < 0 or max(h.prompt_ids) >= self.vocab_size:
-            return f"a token id outside the vocabulary (0 to {self.vocab_size - 1})"
+        if (bad := token_ids_problem(h.prompt_ids, self.vocab_size)) is not None:
+            return bad  # before any hash of them
         ours = self.kv.frame_bytes(len(h.prompt_ids) - h.skip_tokens)
         if h.frame_bytes != ours:  # another dtype or head layout: no frame could land
             return f"KV layout mismatch: frames of {h.frame_bytes} bytes, this cache's {ours}"

@@ -25,6 +25,7 @@ import zmq.asyncio
 from pdserve.common.engine.staged import Staged
 from pdserve.common.kv import backend, choose
 from pdserve.common.kv.base import Local, SendConnector, Transfer
+from pdserve.common.logs import Every
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.wire.kv_messages import (
     TO_PREFILL_DECODER,
@@ -90,7 +91,7 @@ class KvSender:
         self.connectors: dict[str, SendConnector] = {}
         self.peers: dict[str, Peer] = {}
         self.swept_at = time.monotonic()  # idle peers last let go
-        self.fell_back_at = -1e9  # a backend's begin last failed
+        self.fallbacks = Every(5.0)  # a full /dev/shm fails every transfer: a line in 5 s
         self.lock = threading.Lock()  # a transfer's stages in flight against its release
         self.transfers: dict[str, Transfer] = {}
 
@@ -133,7 +134,8 @@ class KvSender:
         try:
             self.connector(name).begin(t)
         except OSError as exc:  # shm: /dev/shm is full; every decode node offers zmq
-            self._warn_fallback(name, exc)
+            if self.fallbacks.due():
+                log.warning("KV backend %s failed (%s): sending by zmq", name, exc)
             t.backend = "zmq"
             self.connector("zmq").begin(t)
         self.transfers[request_id] = t
@@ -154,12 +156,6 @@ class KvSender:
         )
         self._post(target, _Item([encode(header)]))
         return t
-
-    def _warn_fallback(self, name: str, exc: OSError) -> None:
-        now = time.monotonic()
-        if now - self.fell_back_at >= 5.0:  # a full /dev/shm fails every transfer: 1 line
-            log.warning("KV backend %s failed (%s): sending by zmq", name, exc)
-            self.fell_back_at = now
 
     def stage(self, t: Transfer, layer: int) -> Any:
         """Engine thread: what the layer's descriptor and frame need (connector-specific).

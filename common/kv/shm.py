@@ -108,7 +108,6 @@ class SegmentPool:
         self.owner = -1  # the owner file's descriptor, from the first segment on
         self.free: list[Segment] = []
         self.all: list[Segment] = []
-        self.unclosed: list[Segment] = []  # destroyed, its mapping still exported
         self.max_free = max_free
         # a name is never reused: destroying a segment must not free a name that a live one
         # has (a count of live segments would hand it out again)
@@ -131,7 +130,6 @@ class SegmentPool:
         return seg
 
     def give_back(self, seg: Segment) -> None:
-        self._close_unclosed()  # a destroyed one's pages stay in /dev/shm until then
         self.free.append(seg)
         if len(self.free) > self.max_free:  # keep the pool bounded: drop the smallest
             victim = min(self.free, key=lambda s: s.size)
@@ -143,24 +141,15 @@ class SegmentPool:
         self.all.remove(seg)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(SHM_DIR, seg.name))
-        self.unclosed.append(seg)
-        self._close_unclosed()
-
-    def _close_unclosed(self) -> None:
         # a view may outlive its stage (a failed stage's traceback holds it while the step's
-        # failure drops the request): closed on a later call, not a BufferError out of here
-        for seg in list(self.unclosed):
-            try:
-                seg.mem.close()
-            except BufferError:
-                continue
-            self.unclosed.remove(seg)
+        # failure drops the request): then it is unmapped with the last view, not raised here
+        with contextlib.suppress(BufferError):
+            seg.mem.close()
 
     def close(self) -> None:
         for seg in list(self.all):
             self.destroy(seg)
         self.free.clear()
-        self._close_unclosed()
         if self.owner >= 0:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.owner_path)

@@ -39,6 +39,7 @@ from pdserve.common.kv.intake import KvIntake
 from pdserve.common.kv.sender import KvSender, TransferEnded
 from pdserve.common.node.reserve import reserve_blocks
 from pdserve.common.node_metrics import NodeMetrics
+from pdserve.common.prefix import token_ids_problem
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.wire.kv_messages import (
     PREFIX_GONE,
@@ -281,8 +282,8 @@ class PrefixFetches:
             problem = "duplicate fetch id"
         elif n % bs or skip % bs or not 0 <= skip < n or n > node.engine.max_model_len:
             problem = "malformed fetch"
-        elif min(msg.prompt_ids) < 0 or max(msg.prompt_ids) >= self.kv.intake.vocab_size:
-            problem = "malformed fetch: a token id outside the vocabulary"  # else unhashable
+        elif (bad := token_ids_problem(msg.prompt_ids, self.kv.intake.vocab_size)) is not None:
+            problem = f"malformed fetch: {bad}"  # else unhashable
         else:
             hits = bm.match(bm.hashes(msg.prompt_ids)) if node.scheduler.cfg.prefix_caching else []
             if len(hits) * bs <= skip:

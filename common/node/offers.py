@@ -4,6 +4,7 @@ step after it), or the node itself (a KV transfer asked to skip a part of a bloc
 
 from __future__ import annotations
 
+from pdserve.common.prefix import token_ids_problem
 from pdserve.common.wire.protocol import PrefillOffer
 
 
@@ -14,8 +15,8 @@ def offer_refusal(offer: PrefillOffer, max_model_len: int, vocab_size: int) -> s
         return "an empty prompt"
     if n >= max_model_len:  # the rotary table has max_model_len rows: one more token at least
         return f"prompt has {n} tokens; the context limit is {max_model_len}"
-    if min(offer.prompt_ids) < 0 or max(offer.prompt_ids) >= vocab_size:
-        return f"a token id outside the vocabulary (0 to {vocab_size - 1})"
+    if (bad := token_ids_problem(offer.prompt_ids, vocab_size)) is not None:
+        return bad
     if not 0 <= offer.prompt_len <= n:
         return f"prompt_len {offer.prompt_len} is not a length of its {n} tokens"
     if not 0 <= offer.decode_cached < n:
