@@ -74,7 +74,7 @@ class DecodeRole(RoleDefaults):
         # every sequence that arrived decodes at each step, whatever the budget (decode mode):
         # the KV it holds is its admission. --chunk-size (chunked), else --max-batch-tokens,
         # bounds the prompts it prefills itself in one step: the stall its streams see
-        return dataclasses.replace(base, max_num_seqs=1 << 30)
+        return dataclasses.replace(base, max_num_seqs=1 << 30, mode="decode")
 
     def extra_held(self) -> list[str]:
         return self.node.intake.active  # reserved, KV on its way
