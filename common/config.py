@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -114,11 +115,13 @@ class EngineConfig:
         if self.max_batch < 1:
             raise ConfigError(f"--max-batch must be at least 1, got {self.max_batch}")
         if self.max_batch_tokens < self.block_size:
-            raise ConfigError(
-                f"--max-batch-tokens must be at least --block-size ({self.block_size})"
-            )
-        if self.chunk_size < 0 or self.num_kv_blocks < 0 or self.max_model_len < 0:
-            raise ConfigError("--chunk-size, --num-kv-blocks and --max-model-len must be >= 0")
+            raise ConfigError(f"--max-batch-tokens must be >= --block-size ({self.block_size})")
+        counts = ("chunk_size", "num_kv_blocks", "max_model_len", "num_threads", "gpu_offset",
+                  "prefill_pass_tokens", "kv_host_cache_gb", "kv_disk_cache_gb")  # fmt: skip
+        for name in (n for n in counts if getattr(self, n) < 0):  # 0: off, or the default rule
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, not {getattr(self, name)}")
+        if not re.fullmatch(r"cpu|cuda(:\d+|:auto)?", self.device):  # torch's error: a traceback
+            raise ConfigError(f"--device: cpu, cuda, cuda:N or cuda:auto, not {self.device!r}")
         if 0 < self.chunk_size < self.max_batch:  # as vLLM: decodes take a step's budget first
             raise ConfigError(
                 f"--chunk-size must be at least --max-batch ({self.max_batch}): "
@@ -129,8 +132,6 @@ class EngineConfig:
                 f"--max-batch-tokens must be at least --max-batch ({self.max_batch}) without "
                 "--chunk-size: a smaller budget leaves running streams without a token"
             )
-        if self.kv_host_cache_gb < 0 or self.kv_disk_cache_gb < 0:
-            raise ConfigError("--kv-host-cache-gb and --kv-disk-cache-gb must be >= 0")
         if self.kv_cache_gb <= 0:
             raise ConfigError(f"--kv-cache-gb must be positive, got {self.kv_cache_gb}")
         if not 0 <= self.watermark < 0.5:

@@ -6,6 +6,7 @@ Sub-commands import their modules lazily, so `pdserve gateway` never loads torch
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import typing
@@ -24,10 +25,12 @@ Command = Callable[[argparse.Namespace], int]
 
 def _generate(args: argparse.Namespace) -> int:
     from pdserve.common.engine.llm_engine import LLMEngine
+    from pdserve.common.model.tokenizer import Tokenizer
     from pdserve.common.sampling import SamplingParams
+    from pdserve.up_commands import tokenizer_model
 
     cfg = from_args(EngineConfig, args)
-    engine = LLMEngine(cfg)
+    engine = LLMEngine(cfg, tokenizer=Tokenizer.load(tokenizer_model(cfg)))  # as a node's
     tok = engine.tokenizer
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
@@ -59,19 +62,22 @@ def _add_sampling_flags(p: argparse.ArgumentParser, **defaults: Any) -> None:
     for f in msgspec.structs.fields(SamplingParams):
         flag = "--" + f.name.replace("_", "-")
         default = defaults.get(f.name, f.default)
-        origin, args = typing.get_origin(f.type), typing.get_args(f.type)
-        if origin is typing.Annotated:  # a range (Meta): msgspec.convert checks it below
-            origin, args = typing.get_origin(args[0]), (args[0],)
-        args = tuple(
-            typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a for a in args
-        )
+        bare = _bare(f.type)  # a range (Meta): msgspec.convert checks it below
+        origin, args = typing.get_origin(bare), tuple(_bare(a) for a in typing.get_args(bare))
         if f.type is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        elif origin is tuple:  # stop, stop_token_ids: repeatable
+        elif origin is tuple:  # stop, stop_token_ids: each use adds one item
             p.add_argument(flag, action="append", type=args[0], help="repeatable")
         else:
-            kind = next((a for a in args if a is not type(None)), f.type)  # int | None -> int
+            kind = next((a for a in args if a is not type(None)), bare)  # int | None -> int
             p.add_argument(flag, type=kind, default=default)
+
+
+def _bare(annotation: Any) -> Any:
+    """`Annotated[T, Meta]` -> T; anything else as it is."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return typing.get_args(annotation)[0]
+    return annotation
 
 
 def _keygen(args: argparse.Namespace) -> int:
@@ -85,6 +91,7 @@ def _keygen(args: argparse.Namespace) -> int:
 
 def _add_serving(sub: argparse._SubParsersAction) -> None:
     from pdserve import launch
+    from pdserve.up_commands import PER_NODE
 
     g = sub.add_parser("gateway", help="the HTTP gateway (one process)")
     add_config_flag(g)
@@ -162,7 +169,7 @@ def _add_serving(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     add_flags(up, GatewayConfig, skip=("model",))
     add_flags(up, EngineConfig)
-    add_flags(up, NodeConfig, skip=launch.PER_NODE)
+    add_flags(up, NodeConfig, skip=PER_NODE)
     up.set_defaults(func=launch.run_up)
     if "PDSERVE_DTYPE" not in os.environ:  # a local cluster runs what this machine runs best
         up.set_defaults(dtype="auto")
@@ -256,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     except (PdserveError, ValueError) as exc:
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a file or socket the system refused: said, not a traceback
+        logging.getLogger("pdserve").debug("pdserve %s failed", args.command, exc_info=True)
+        print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -18,27 +18,24 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig
-from pdserve.common.errors import ConfigError
 from pdserve.common.flags import from_args
 from pdserve.common.ofd import sweep_dead_kv_files
 from pdserve.ports import metrics_ports_free, node_ports_free, ports_free
-from pdserve.spawn import cores, node_spawn_options
+from pdserve.spawn import node_spawn_options
 from pdserve.spawn import spawn as _spawn
 from pdserve.supervisor import Child, Supervisor
+from pdserve.up_commands import GATEWAY_PORT_STRIDE as GATEWAY_PORT_STRIDE  # benchmarks'
+from pdserve.up_commands import (
+    cluster_commands,
+    gateway_configs,
+    gateway_secrets,
+    gateway_urls,
+    tokenizer_model,
+    up_configs,
+)
 
 if TYPE_CHECKING:
     from pdserve.common.node import NodeRuntime, RoleDefaults
-
-# node settings `pdserve up` decides per node itself (addresses, ports, ids)
-PER_NODE = (
-    "gateway",
-    "node_id",
-    "advertise_host",
-    "metrics_port",
-    "metrics_host",
-    "data_port",
-    "kv_tcp_port",
-)
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +73,7 @@ def run_node(args: argparse.Namespace, role: str) -> int:
         ecfg = dataclasses.replace(ecfg, device=resolve_device(ecfg.device, ecfg.gpu_offset))
     ncfg = from_args(NodeConfig, args)
     node_ports_free(ncfg, role)  # before the model loads (minutes), not after
-    tokenizer = Tokenizer.load(ecfg.model if ecfg.engine == "torch" else None)
+    tokenizer = Tokenizer.load(tokenizer_model(ecfg))
     executor, helpers = None, None
     if ecfg.engine == "torch":  # all torch work on one engine thread (common/engine/threads.py)
         from pdserve.common.engine import threads
@@ -139,21 +136,6 @@ def role_class(role: str) -> type[RoleDefaults]:
     return ColocatedRole
 
 
-def to_flags(cfg: Any, skip: tuple[str, ...] = ()) -> list[str]:
-    """Flags that reproduce the non-default fields of a config dataclass."""
-    flags: list[str] = []
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if f.name in skip or value == f.default:
-            continue
-        name = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            flags.append(name if value else f"--no-{f.name.replace('_', '-')}")
-        else:
-            flags += [name, str(value)]
-    return flags
-
-
 def wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float, nodes: int = 0,
                  stop: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
     """Wait for /health to answer 200 with at least `nodes` nodes registered: health turns
@@ -193,100 +175,13 @@ def read_health(url: str, timeout: float) -> tuple[int, dict[str, Any]] | None:
     return status, parsed if isinstance(parsed, dict) else {}
 
 
-def up_configs(args: argparse.Namespace) -> tuple[GatewayConfig, NodeConfig]:
-    """`pdserve up`'s gateway and node settings. They share every flag but the heartbeat
-    timeouts: --gateway-heartbeat-timeout / --node-heartbeat-timeout set one side each,
-    --heartbeat-timeout both."""
-    gateway_side = getattr(args, "gateway_heartbeat_timeout", None)
-    node_side = getattr(args, "node_heartbeat_timeout", None)
-    gcfg = from_args(GatewayConfig, args, **_given(heartbeat_timeout=gateway_side))
-    ncfg = from_args(NodeConfig, args, **_given(heartbeat_timeout=node_side))
-    if gcfg.heartbeat_timeout <= ncfg.heartbeat_interval:  # live nodes dropped between beats
-        raise ConfigError("the gateways' --heartbeat-timeout must exceed --heartbeat-interval")
-    counts = [getattr(args, r, 0) for r in ("prefill", "decode", "colocated")]
-    if min(counts) < 0 or not sum(counts):
-        raise ConfigError("--prefill, --decode and --colocated count nodes: >= 0, one at least")
-    return gcfg, ncfg
-
-
-def _given(**values: Any) -> dict[str, Any]:
-    return {k: v for k, v in values.items() if v is not None}
-
-
-def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
-    gcfg, ncfg = up_configs(args)
-    ecfg = from_args(EngineConfig, args)
-    node_flags = to_flags(ncfg, skip=PER_NODE)
-    nodes = args.prefill + args.decode + args.colocated
-    if ecfg.engine == "torch" and not ecfg.num_threads:
-        ecfg = dataclasses.replace(ecfg, num_threads=max(1, cores() // nodes))
-    base = [sys.executable, "-m", "pdserve.cli", "--log-level", args.log_level]
-    base += ["--log-format", getattr(args, "log_format", "text")]
-    if ecfg.engine == "sim" and gcfg.cost_time_scale == 1.0:
-        # the gateway's cost rules speak the sim engines' clock
-        gcfg = dataclasses.replace(gcfg, cost_time_scale=ecfg.sim_time_scale)
-    if getattr(args, "gateways", 1) < 1:
-        raise ConfigError("--gateways must be at least 1")
-    cmds = []
-    gateways = gateway_configs(gcfg, getattr(args, "gateways", 1))
-    for g in gateways:
-        gateway = [*base, "gateway", *to_flags(g, skip=("scheduler", *SECRETS)), "--scheduler",
-                   g.scheduler]  # fmt: skip
-        cmds.append([*gateway, "--model", ecfg.model] if ecfg.model else gateway)
-    # nodes reach the gateways where they listen: a given --host unless it is a wildcard
-    wildcard = gcfg.host in ("", "0.0.0.0", "::")
-    host = gcfg.advertise_host or ("127.0.0.1" if wildcard else gcfg.host)
-    address = ",".join(f"tcp://{host}:{g.control_port}" for g in gateways)
-    roles = (("prefill", args.prefill), ("decode", args.decode), ("colocated", args.colocated))
-    gpu = ecfg.gpu_offset  # cuda:auto: a GPU each, in turn (no replica number tells them)
-    for role, count in roles:
-        threads = getattr(args, f"{role}_threads", 0)  # --prefill-threads, --decode-threads
-        if threads < 0:
-            raise ConfigError(f"--{role}-threads: 0 (the rule) or more")
-        role_cfg = dataclasses.replace(ecfg, num_threads=threads) if threads else ecfg
-        if role == "prefill" and getattr(args, "prefill_priority", "normal") == "idle":
-            role_cfg = dataclasses.replace(role_cfg, engine_priority="idle")
-        for i in range(count):
-            node = [*base, role, "--gateway", address, "--node-id", f"{role}-{i}"]
-            if metrics := getattr(args, "node_metrics_port", 0):  # node k on metrics + k
-                node += ["--metrics-port", str(metrics + len(cmds) - len(gateways)),
-                         "--metrics-host", ncfg.metrics_host]  # fmt: skip
-            if ecfg.device == "cuda:auto":
-                role_cfg, gpu = dataclasses.replace(role_cfg, gpu_offset=gpu), gpu + 1
-            cmds.append([*node, *to_flags(role_cfg), *node_flags])
-    return cmds
-
-
-GATEWAY_PORT_STRIDE = 10  # `pdserve up --gateways N`: gateway i's ports are the first's + 10 i
-
-
-def gateway_configs(gcfg: GatewayConfig, count: int) -> list[GatewayConfig]:
-    """The gateways of `pdserve up --gateways N`: the same settings, each on its own ports."""
-    step = GATEWAY_PORT_STRIDE
-    ports = [(gcfg.port + step * i, gcfg.control_port + step * i, gcfg.tokens_port + step * i)
-             for i in range(count)]  # fmt: skip
-    every = [p for trio in ports for p in trio]
-    if len(set(every)) < len(every) or not all(0 < p < 65536 for p in every):
-        raise ConfigError(f"the {count} gateways' ports collide or leave 1-65535: {ports} "
-                          f"(gateway i: each port + {step} i)")  # fmt: skip
-    return [dataclasses.replace(gcfg, port=p, control_port=c, tokens_port=t) for p, c, t in ports]
-
-
-SECRETS = ("api_key",)  # passed in the environment: a command line is anyone's to read (ps)
-
-
-def gateway_secrets(gcfg: GatewayConfig) -> dict[str, str]:
-    """What a gateway child gets in its environment instead of its command line."""
-    return {f"PDSERVE_{k.upper()}": getattr(gcfg, k) for k in SECRETS if getattr(gcfg, k)}
-
-
 def run_up(args: argparse.Namespace) -> int:
     """Start the cluster, wait until every node registered, then supervise it: a child that
     dies is restarted and the others keep serving (pdserve/supervisor.py). A child that fails
     before the cluster is up is a configuration error and stops everything."""
     gcfg, ncfg = up_configs(args)
     gateways = getattr(args, "gateways", 1)
-    urls = [f"http://{g.host}:{g.port}" for g in gateway_configs(gcfg, gateways)]
+    urls = gateway_urls(gcfg, gateways)
     stop = 0  # signals received: the first drains the cluster, a second stops it now
 
     def on_signal(signum: int, frame: object) -> None:

@@ -84,6 +84,7 @@ def main(args: argparse.Namespace) -> int:
         prefix_caching=args.prefix_caching == "on",
         policy=args.scheduler,
         admission=args.admission,
+        ttft_slo=slo.get("ttft", math.inf),  # deadline order: as a gateway's --ttft-slo
     )
     batches = tuple(int(b) for b in args.try_max_batch.split(",") if b.strip())
     if any(b < 1 for b in batches):

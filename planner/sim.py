@@ -24,6 +24,7 @@ summary uses the load generator's definitions of TTFT, TPOT, ITL and goodput.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -176,7 +177,10 @@ class ClusterSim:
             tokenizer=cast(Any, None),  # no text is made here: token ids only
         )
         entry = Waiting(
-            key=index, arrived=self.now, prefill_s=self.cost.prefill_seconds(len(prompt))
+            key=index,
+            arrived=self.now,
+            prefill_s=self.cost.prefill_seconds(len(prompt)),
+            deadline=self.now + self.cfg.ttft_slo,  # as the gateway's placer sets it
         )
         r = SimRequest(spec, index, req, RequestRecord(index, sent=self.now), entry)
         r.record.prompt_tokens = len(prompt)
@@ -350,9 +354,8 @@ class ClusterSim:
         r.req.attempt += 1
         r.req.base = len(r.req.output_ids)
         self.table.open(r.req, len(r.req.prompt_ids) + len(r.req.output_ids))
-        r.entry = Waiting(
-            key=r.entry.key, arrived=r.entry.arrived, prefill_s=r.entry.prefill_s, resumed=True
-        )
+        r.entry = dataclasses.replace(r.entry, resumed=True)
+        r.kept = None  # a new placement, as the gateway's
         self.waiting[r.req.request_id] = r
         self.rounds.add(r)
         self._changed = True

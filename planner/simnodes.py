@@ -4,6 +4,7 @@ engine sizes its cache)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -38,6 +39,7 @@ class SimConfig:
     admission: str = "spf"
     admission_max_wait: float = 3.0
     admission_aging: float = 0.5
+    ttft_slo: float = math.inf  # deadline order: arrival + this (the gateway's --ttft-slo)
     step_overhead_s: float = 0.0  # added to every step (the real nodes' loop, if measured)
     decode_runs: bool = True  # step decode nodes in runs between events (same results)
 
@@ -64,6 +66,7 @@ class SimRequest:
     prefill: str = ""  # node ids of its current attempt
     decode: str = ""
     reserved: list[int] = field(default_factory=list)  # decode blocks held for its KV
+    kept: str | None = None  # the prefill node kept free for it (gateway/placement.py)
     seq: Sequence | None = None
 
 

@@ -12,6 +12,7 @@ Never imports torch.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -20,8 +21,9 @@ import numpy as np
 from pdserve.common.config import EngineConfig
 from pdserve.common.costmodel import CostModel
 from pdserve.common.engine.interface import DecodeWork, LayerHook, PrefillWork
-from pdserve.common.sampling import counter_int
+from pdserve.common.sampling import SamplingParams, counter_int
 
+DEFAULT_KV_SCALE = EngineConfig.sim_kv_scale
 FIRST_ORDINARY_TOKEN = 1000  # avoid special and control tokens of the embedded tokenizer
 ORDINARY_TOKEN_SPAN = 20000
 
@@ -32,7 +34,12 @@ class SimEngine:
         self.cost = CostModel.named(cfg.sim_profile)
         m = self.cost.model
         self.model_id = f"sim-{cfg.sim_profile}"
-        self.model_config = m.layout()
+        # the frames' size is part of the layout: nodes of other --sim-kv-scale values, whose
+        # frames every transfer between them would refuse, are refused at registration (the
+        # default scale keeps the layout older nodes state)
+        scale = cfg.sim_kv_scale
+        weights = m.layout().weights if scale == DEFAULT_KV_SCALE else f"sim{scale!r}"
+        self.model_config = dataclasses.replace(m.layout(), weights=weights)
         self.eos_token_ids: tuple[int, ...] = ()
         self.block_size = cfg.block_size
         self.max_model_len = cfg.max_model_len or m.max_context
@@ -70,13 +77,15 @@ class SimEngine:
                     time.sleep(delay)
             if on_layer is not None:
                 on_layer(i)
-        tokens = [self._token(p.params.seed, p.end_pos) for p in prefills if p.params is not None]
-        tokens += [self._token(d.params.seed, d.position + 1) for d in decodes]
+        tokens = [self._token(p.params, p.end_pos) for p in prefills if p.params is not None]
+        tokens += [self._token(d.params, d.position + 1) for d in decodes]
         return tokens
 
     @staticmethod
-    def _token(seed: int | None, position: int) -> int:
-        return FIRST_ORDINARY_TOKEN + counter_int(seed or 0, position, ORDINARY_TOKEN_SPAN)
+    def _token(params: SamplingParams, position: int) -> int:
+        # greedy text depends on no seed, as a real engine's argmax does not
+        seed = 0 if params.greedy else params.seed or 0
+        return FIRST_ORDINARY_TOKEN + counter_int(seed, position, ORDINARY_TOKEN_SPAN)
 
 
 class SimKvStore:

@@ -77,3 +77,18 @@ def test_an_empty_model_resolves_quantization_as_the_embedded_gguf_does():
         EngineConfig(model="", device="cpu", dtype="bfloat16", quantization="auto").quantization
         == "int4"
     )
+
+
+def test_negative_counts_and_unknown_devices_are_refused_naming_the_flag():
+    """--num-threads -1 and --device foo were torch's RuntimeError (a traceback) when the
+    engine loaded; a negative --gpu-offset or --prefill-pass-tokens passed unchecked."""
+    for field in ("num_threads", "gpu_offset", "prefill_pass_tokens", "chunk_size",
+                  "kv_host_cache_gb"):  # fmt: skip
+        flag = "--" + field.replace("_", "-")
+        with pytest.raises(ConfigError, match=f"{flag} must be >= 0, not -1"):
+            EngineConfig(engine="sim", **{field: -1})
+    for device in ("foo", "gpu", "cuda:", "cuda:x", " cpu"):
+        with pytest.raises(ConfigError, match="--device: cpu, cuda, cuda:N or cuda:auto"):
+            EngineConfig(engine="sim", device=device)
+    for device in ("cpu", "cuda", "cuda:1", "cuda:auto"):
+        assert EngineConfig(engine="sim", device=device).device == device

@@ -313,3 +313,56 @@ def test_plan_takes_bench_s_warmup_and_plans_the_requests_bench_measures():
         [s.arrival - bench[0].arrival for s in bench])  # fmt: skip
     cold = build_workload(p.parse_args(argv))
     assert [s.prompt_len for s in cold] != [s.prompt_len for s in plan]  # why it matters
+
+
+def test_deadline_order_serves_first_the_requests_that_can_still_meet_the_ttft_slo():
+    """The simulation's requests had no deadline (the gateway's is arrival + --ttft-slo):
+    `plan --admission deadline` simulated FIFO. Overloaded, FIFO makes every request late;
+    deadline order serves those that can still make it."""
+    cost = CostModel.named(PROFILE)
+    service = cost.prefill_seconds(2000)
+    specs = _specs(np.arange(60) * service / 1.5, 2000, 1)  # 1.5x what one node serves
+    slo = 3 * service
+    met = {}
+    for admission in ("fifo", "deadline"):
+        cfg = SimConfig(1, 1, PROFILE, prefill_max_batch=1, admission=admission,
+                        prefix_caching=False, ttft_slo=slo)  # fmt: skip
+        sim = ClusterSim(cfg)
+        met[admission] = sum(r.ttft <= slo for r in sim.run(specs))
+        assert [r.entry.deadline for r in sim.arrived.values()] == pytest.approx(
+            [s.arrival + slo for s in specs])  # fmt: skip
+    assert met["deadline"] > 3 * met["fifo"], met
+
+
+def test_plan_gives_the_simulated_gateway_the_slo_s_ttft_as_its_deadline(monkeypatch):
+    from pdserve.cli import build_parser
+    from pdserve.planner import cli
+
+    real, seen = cli.plan_splits, []
+
+    def plan_splits(specs, slo, budget, base, *args, **kwargs):
+        seen.append(base)  # the configuration every split is simulated with
+        return real(specs, slo, budget, base, *args, **kwargs)
+
+    monkeypatch.setattr(cli, "plan_splits", plan_splits)
+    argv = ["plan", "--slo", "ttft=800,tpot=50", "--admission", "deadline", "--budget", "2",
+            "--num-requests", "8", "--input-len", "500", "--output-len", "4", "--rate", "4",
+            "--no-progress", "--workers", "1", "--try-max-batch", ""]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    assert args.func(args) == 0
+    assert [(c.admission, c.ttft_slo) for c in seen] == [("deadline", pytest.approx(0.8))]
+
+
+def test_an_urgent_request_no_node_takes_keeps_one_free_until_it_fits():
+    """The gateway keeps a node free for a request that waited --admission-max-wait and
+    found no room (gateway/placement.py `_reserve`); the simulation passed it over, so
+    short prompts arriving once a pass kept a long one out until they stopped (10 s)."""
+    cost = CostModel.named(PROFILE)
+    gap = 0.8 * cost.prefill_seconds(1500)  # a short prompt joins every pass
+    shorts = _specs(np.arange(int(10 / gap)) * gap, 1500, 1)
+    [long] = _specs([gap / 2], 3000, 1, seed=1)  # fits only a node with nothing else
+    cfg = SimConfig(1, 1, PROFILE, max_batch_tokens=4096, admission="fifo", prefix_caching=False)
+    records = ClusterSim(cfg).run(sorted([*shorts, long], key=lambda s: s.arrival))
+    [waited] = [r.ttft for r in records if r.prompt_tokens == 3000]
+    assert cfg.admission_max_wait < waited < cfg.admission_max_wait + 0.5
+    assert all(r.ok for r in records)

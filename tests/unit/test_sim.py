@@ -117,3 +117,43 @@ def test_the_simulated_cache_refuses_what_the_real_cache_refuses():
     with pytest.raises(ValueError):
         kv.write_block(5, b"too short")
     kv.write_block(5, kv.read_block(3))
+
+
+def test_greedy_tokens_ignore_the_seed_as_a_real_engine_s_argmax_does():
+    """The sim drew greedy requests' tokens from their seed: the same greedy request gave
+    another text with another seed, which no real engine does."""
+    eng = SimEngine(EngineConfig(engine="sim"), sleep=False)
+
+    def tokens(params: SamplingParams) -> list[int]:
+        return [eng.step([], [DecodeWork("d", 1, pos, [2], params)])[0] for pos in range(9, 15)]
+
+    greedy = tokens(P)
+    assert tokens(P.with_seed(1)) == tokens(P.with_seed(2)) == greedy
+    top1 = SamplingParams(max_tokens=8, temperature=1.0, top_k=1, seed=5)  # greedy too
+    assert tokens(top1) == greedy
+    sampled = SamplingParams(max_tokens=8, temperature=1.0)
+    assert tokens(sampled.with_seed(1)) != tokens(sampled.with_seed(2))  # the seed counts
+    assert tokens(sampled) == greedy  # no seed: seed 0 (the gateway gives each one a seed)
+
+
+def test_nodes_of_other_kv_scales_are_refused_at_registration():
+    """`--sim-kv-scale` sets the frames' size but was not in the layout the gateway
+    compares: nodes of two scales registered and every transfer between them failed."""
+    from pdserve.common.wire.protocol import NodeInfo
+    from pdserve.gateway.cluster import ClusterView
+
+    def info(node_id: str, scale: float) -> NodeInfo:
+        eng = SimEngine(EngineConfig(engine="sim", sim_kv_scale=scale), sleep=False)
+        return NodeInfo(
+            node_id=node_id, role="decode", data_address="", host_id="h",
+            model_id=eng.model_id, dtype="sim", tokenizer_fingerprint="t",
+            kv_layout=eng.model_config.layout_fingerprint(), block_size=eng.block_size,
+            num_blocks=eng.num_blocks, max_batch=32, max_batch_tokens=8192,
+            max_model_len=eng.max_model_len,
+        )  # fmt: skip
+
+    cluster = ClusterView(10.0)
+    assert cluster.register(info("a", 1 / 16), b"a", 0.0, "t") is None
+    assert cluster.register(info("b", 1 / 16), b"b", 0.0, "t") is None
+    refused = cluster.register(info("c", 1 / 8), b"c", 0.0, "t")
+    assert refused is not None and "kv_layout" in refused

@@ -323,3 +323,55 @@ def test_nodes_serve_metrics_and_health_on_consecutive_ports_when_asked():
         port = taken.getsockname()[1]
         with pytest.raises(ConfigError, match=f"--node-metrics-port: port {port} is in use"):
             launch.metrics_ports_free("127.0.0.1", port, 1)
+
+
+def sim_commands(*argv: str) -> list[list[str]]:
+    """Every command, the gateway's first, of a sim cluster."""
+    return launch.cluster_commands(build_parser().parse_args(["up", "--engine", "sim", *argv]))
+
+
+def flag_of(cmd: list[str], flag: str) -> str | None:
+    return cmd[cmd.index(flag) + 1] if flag in cmd else None
+
+
+def test_a_sim_cluster_s_gateway_tokenizes_as_its_nodes_and_models_their_gpus():
+    """`up --engine sim --model X`: the gateway loaded X's tokenizer, the sim nodes the
+    embedded one, and it refused every node; and `--sim-profile P` reached the nodes but
+    not the gateway's cost rules (`--cost-profile`), which modelled the default GPU."""
+    from pdserve.common.config import EngineConfig
+    from pdserve.up_commands import tokenizer_model
+
+    gateway, *nodes = sim_commands("--model", "/models/x.gguf", "--sim-profile", "h200-llama3.1-8b")
+    assert "--model" not in gateway  # the embedded tokenizer, as the sim nodes load
+    assert tokenizer_model(EngineConfig(engine="sim", model="/models/x.gguf")) is None
+    assert tokenizer_model(EngineConfig(model="/models/x.gguf")) == "/models/x.gguf"
+    assert flag_of(gateway, "--cost-profile") == "h200-llama3.1-8b"
+    assert all(flag_of(n, "--sim-profile") == "h200-llama3.1-8b" for n in nodes)
+    given = sim_commands("--sim-profile", "h200-llama3.1-8b", "--cost-profile", "a100-llama3.1-8b")
+    assert flag_of(given[0], "--cost-profile") == "a100-llama3.1-8b"  # a given one stands
+    [torch_gateway] = launch.cluster_commands(build_parser().parse_args(
+        ["up", "--engine", "torch", "--model", "/models/x.gguf"]))[:1]  # fmt: skip
+    assert flag_of(torch_gateway, "--model") == "/models/x.gguf"
+
+
+def test_a_cluster_that_would_lack_a_phase_is_refused_at_start():
+    """`up --prefill 1 --decode 0` started, then failed its health wait 300 s later: no
+    node would ever decode. Role switching makes one of two nodes the other phase."""
+    for argv in (["--prefill", "1", "--decode", "0"], ["--prefill", "0", "--decode", "2"],
+                 ["--prefill", "1", "--decode", "0", "--role-switching", "on"]):  # fmt: skip
+        with pytest.raises(ConfigError, match="other phase"):
+            sim_commands(*argv)
+    assert len(sim_commands("--prefill", "2", "--decode", "0", "--role-switching", "on")) == 3
+    assert len(sim_commands("--prefill", "1", "--decode", "0", "--colocated", "1")) == 3
+
+
+def test_an_ipv6_gateway_host_is_bracketed_in_urls_and_endpoints():
+    """`up --host ::1` wrote http://::1:8000 and tcp://::1:8001."""
+    from pdserve.up_commands import gateway_urls, up_configs, url_host
+
+    args = build_parser().parse_args(["up", "--engine", "sim", "--host", "::1"])
+    assert gateway_urls(up_configs(args)[0], 2) == ["http://[::1]:8000", "http://[::1]:8010"]
+    for cmd in launch.cluster_commands(args)[1:]:
+        assert flag_of(cmd, "--gateway") == "tcp://[::1]:8001"
+    assert [url_host(h) for h in ("10.0.0.1", "gw", "[::1]", "fe80::1")] == [
+        "10.0.0.1", "gw", "[::1]", "[fe80::1]"]  # fmt: skip
