@@ -117,6 +117,9 @@ _COMMON: list[tuple[str, Any, Any]] = [
     ("stream", bool | None, None),
     ("stream_options", StreamOptions | None, None),
     ("return_token_ids", bool | None, None),
+    # vLLM's: the tokenizer's BOS added to the prompt; default on for completions, off for
+    # chat (its template writes its own)
+    ("add_special_tokens", bool | None, None),
     *_sampling_fields(),
 ]
 

@@ -48,12 +48,12 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.node_input import TOKEN_ID_LIMIT, NodeInput
 from pdserve.gateway.placement import Placer
 from pdserve.gateway.plan import redirect
-from pdserve.gateway.policies import Need, Policy
+from pdserve.gateway.policies import Need, NodeView, Policy
 from pdserve.gateway.pools import PoolCare
 from pdserve.gateway.prefix_index import PrefixIndex
 from pdserve.gateway.service import RequestService
 from pdserve.gateway.succession import Succession, Verdict
-from pdserve.gateway.table import Attempt, RequestTable
+from pdserve.gateway.table import Attempt, Phase, RequestTable
 
 log = logging.getLogger(__name__)
 JOIN = Verdict.JOIN
@@ -248,34 +248,23 @@ class NodeMessages:
         if attempt is None or attempt.req.finished:
             await self.link.reply(identity, Redirect(request_id=msg.request_id, decode=None))
             return
-        need = Need(
-            attempt.prompt_len,
-            # not the asker either: a draining decode node moving its sequence (live migration)
-            frozenset({msg.refused_by, attempt.prefill or ""}),
-            attempt.hashes,
-            max(0, attempt.final_len - attempt.prompt_len),
-        )
-        target = redirect(self.policy, self.cluster, self.table, need, self.index)
-        asker = self.cluster.by_identity(identity)
-        if target is None and asker is not None and asker.info.role == "decode":
-            # a migration whose target refused and no other can take it: the draining
-            # node still holds the KV and decodes it itself
-            self.table.stay(attempt, time.monotonic())
-            self.service.settle(attempt.req)  # its client left: let go, the KV is there
-            self.metrics.migrations.labels("stayed").inc()
-            await self.link.reply(identity, Redirect(request_id=msg.request_id, decode=None))
+        # not the asker either: a draining decode node moving its sequence (live migration)
+        if await self._move(identity, attempt, {msg.refused_by, attempt.prefill or ""}) is not None:
             return
-        if target is None:
-            await self.link.reply(identity, Redirect(request_id=msg.request_id, decode=None))
+        asker = self.cluster.by_identity(identity)
+        stay = Redirect(request_id=msg.request_id, decode=None)
+        if asker is None or asker.info.role != "decode":
+            await self.link.reply(identity, stay)
             # spawned, not awaited: the re-placement waits for an Accept this loop reads
             why = f"{msg.refused_by} refused and no decode node had room"
             self.service.spawn(self.service.replace(attempt, why, "no_room"))
             return
-        blocks = target.blocks_for(attempt.prompt_len + 1)
-        self.table.redirect(attempt, target.node_id, blocks, time.monotonic())
-        await self.link.reply(
-            identity, Redirect(request_id=msg.request_id, decode=target.node.target())
-        )
+        # a migration whose target refused and no other can take it: the draining node
+        # still holds the KV and decodes it itself
+        self.table.stay(attempt, time.monotonic())
+        self.service.settle(attempt.req)  # its client left: let go, the KV is there
+        self.metrics.migrations.labels("stayed").inc()
+        await self.link.reply(identity, stay)
 
     async def _on_migrate(self, identity: bytes, msg: Migrate) -> None:
         """A draining or rebalanced decode node moves a running sequence: to the node the
@@ -285,24 +274,34 @@ class NodeMessages:
         if attempt is None or attempt.req.finished:
             await self.link.reply(identity, Redirect(request_id=msg.request_id, decode=None))
             return
-        req = attempt.req
-        tokens = attempt.prompt_len + max(0, len(req.output_ids) - req.base - 1)
-        need = Need(tokens, frozenset({attempt.decode or ""}), attempt.hashes,
-                    max(0, attempt.final_len - tokens))  # fmt: skip
-        planned = self.pools.planned.take(msg.request_id, now := time.monotonic())
-        target = redirect(self.policy, self.cluster, self.table, need, self.index, planned)
-        if target is None:  # nowhere to go: the draining node finishes it itself
+        old, target = attempt.decode, None
+        # not before its first token is read (a KV just admitted, its prefill node's
+        # FirstToken still on that node's socket): moved, the table would name the mover
+        # its prefill side and drop that token. The node decodes it on
+        if attempt.phase is Phase.DECODE:
+            target = await self._move(identity, attempt, {old or ""}, migrating=True)
+        if target is None:
             self.metrics.migrations.labels("stayed").inc()
             await self.link.reply(identity, Redirect(request_id=msg.request_id, decode=None))
             return
         self.metrics.migrations.labels("moved").inc()
-        log.info("migrating %s: %s -> %s", msg.request_id, attempt.decode, target.node_id)
-        blocks = target.blocks_for(tokens + 1)
-        self.table.migrate(attempt, target.node_id, blocks, now)
-        req.ran_on["decode"] = target.node_id
-        await self.link.reply(
-            identity, Redirect(request_id=msg.request_id, decode=target.node.target())
-        )
+        log.info("migrating %s: %s -> %s", msg.request_id, old, target.node_id)
+
+    async def _move(self, identity: bytes, attempt: Attempt, exclude: set[str],
+                    migrating: bool = False) -> NodeView | None:  # fmt: skip
+        """Another decode node for the attempt's KV as it is now (a refused transfer's, or a
+        running sequence's leaving its node: the target a rebalance chose, while it fits),
+        booked in the table and named to the asker (`Redirect`); None: none has room."""
+        tokens, now = attempt.kv_len, time.monotonic()
+        need = Need(tokens, frozenset(exclude), attempt.hashes, max(0, attempt.final_len - tokens))
+        planned = self.pools.planned.take(attempt.wire_id, now) if migrating else None
+        target = redirect(self.policy, self.cluster, self.table, need, self.index, planned)
+        if target is not None:
+            book = self.table.migrate if migrating else self.table.redirect
+            book(attempt, target.node_id, target.blocks_for(tokens + 1), now)
+            to = Redirect(request_id=attempt.wire_id, decode=target.node.target())
+            await self.link.reply(identity, to)
+        return target
 
     async def _on_prefill_failed(self, identity: bytes, msg: PrefillFailed) -> None:
         attempt = self._held_by(identity, msg.request_id, "prefill")
@@ -336,10 +335,12 @@ class NodeMessages:
         for rid, token, index, reason in entries:
             attempt = self.table.get(rid)
             # only from the node the KV went to (None: not placed yet as far as this side
-            # knows; the wire id alone is this attempt's), or the decode node it migrates
-            # from (its last step's tokens may come after the gateway chose the new node)
+            # knows; the wire id alone is this attempt's), or the decode node it moved off
+            # (its last step's tokens may come after the new node was chosen, or even after
+            # its KvTransferred, read off the other socket): duplicates are dropped by index
             if attempt is not None and (
-                attempt.decode is None or msg.node_id in (attempt.decode, attempt.prefill)
+                attempt.decode is None
+                or msg.node_id in (attempt.decode, attempt.prefill, attempt.moved_from)
             ):
                 self.service.on_token(attempt.req, index, token, reason, msg.node_id)
             elif attempt is None:  # a stream being resumed: its node's tokens may come first

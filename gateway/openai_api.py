@@ -24,7 +24,7 @@ from pdserve.gateway.api_schema import (
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
-    404: "not_found_error",
+    404: "invalid_request_error",  # as OpenAI's: an unknown model's code says model_not_found
     405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_exceeded",
@@ -136,9 +136,11 @@ def parse_request(
         )
     if kind == "chat":
         text = _chat_text(req, tokenizer, max_model_len)
-        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        # vLLM's add_special_tokens: off for chat (the template writes its own BOS), on for text
+        prompt_ids = tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
     else:
-        prompt_ids = _completion_prompt(req.prompt, tokenizer, max_model_len)
+        special = req.add_special_tokens is not False
+        prompt_ids = _completion_prompt(req.prompt, tokenizer, max_model_len, special)
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", "prompt" if kind == "completion" else "messages")
     # min/max run in C: a generator over a long prompt would hold the GIL the event loop
@@ -153,6 +155,7 @@ def parse_request(
                        "context_length_exceeded")  # fmt: skip
     limit = max_model_len - len(prompt_ids)
     max_tokens = req.max_completion_tokens
+    sent_as = "max_completion_tokens" if max_tokens is not None else "max_tokens"
     if max_tokens is None:
         max_tokens = req.max_tokens
     if max_tokens is None:
@@ -165,7 +168,7 @@ def parse_request(
                 f"the request has {len(prompt_ids)} prompt tokens and asks for "
                 f"{max_tokens} completion tokens ({len(prompt_ids) + max_tokens} in all)"
             ),
-            "max_tokens",
+            sent_as,
             "context_length_exceeded",
         )
     params = _sampling(req, max_tokens, vocab)
@@ -201,8 +204,11 @@ def _chat_text(req: Any, tokenizer: Tokenizer, max_model_len: int) -> str:
     chat = [_message_text(m, i) for i, m in enumerate(req.messages)]
     _refuse_surely_too_long(tokenizer, "".join(m["content"] for m in chat), max_model_len,
                             "messages")  # fmt: skip
-    tooling = sorted({"tools", "documents"} & set(req.chat_template_kwargs or ()))
-    if tooling:  # the template would be given what the request's own fields may not ask
+    variables = req.chat_template_kwargs or {}
+    tooling = [k for k in ("documents", "tools") if variables.get(k) is not None]
+    # the template would be given what the request's own fields may not ask; null asks for
+    # nothing (transformers passes tools=None itself)
+    if tooling:
         raise ApiError(400, f"'chat_template_kwargs': {tooling[0]!r} is not supported by this "
                        "server", "chat_template_kwargs", "unsupported_parameter")  # fmt: skip
     generation = req.add_generation_prompt is not False
@@ -212,14 +218,23 @@ def _chat_text(req: Any, tokenizer: Tokenizer, max_model_len: int) -> str:
                        "with 'add_generation_prompt': false", "continue_final_message")  # fmt: skip
     try:
         text = tokenizer.apply_chat_template(chat, generation, req.chat_template_kwargs)
-        if final and (last := chat[-1]["content"]):  # cut after it, as transformers does
-            if (at := text.rfind(last)) < 0:
-                raise ValueError("the chat template rewrites the final message: not continuable")
-            text = text[: at + len(last)]
+        if final and (last := chat[-1]["content"]):
+            text = _cut_after_final(text, last)
     except ValueError as exc:
         raise ApiError(400, str(exc), "messages") from exc
     _refuse_surely_too_long(tokenizer, text, max_model_len, "messages")
     return text
+
+
+def _cut_after_final(text: str, last: str) -> str:
+    """The rendered chat cut right after the final message, as transformers does: found
+    stripped, as a template may trim it (Llama 3's `content | trim`), and cut after its
+    trailing space only where the template kept that."""
+    if (at := text.rfind(last.strip())) < 0:
+        raise ValueError("the chat template rewrites the final message: not continuable")
+    kept = last.lstrip()
+    end = at + (len(kept) if text[at : at + len(kept)] == kept else len(last.strip()))
+    return text[:end]
 
 
 def _refuse_surely_too_long(tokenizer: Tokenizer, text: str, limit: int, param: str) -> None:
@@ -233,12 +248,14 @@ def _refuse_surely_too_long(tokenizer: Tokenizer, text: str, limit: int, param: 
         )
 
 
-def _completion_prompt(prompt: Any, tokenizer: Tokenizer, max_model_len: int) -> list[int]:
+def _completion_prompt(
+    prompt: Any, tokenizer: Tokenizer, max_model_len: int, special: bool = True
+) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         _refuse_surely_too_long(tokenizer, prompt, max_model_len, "prompt")
-        return tokenizer.encode(prompt)
+        return tokenizer.encode(prompt, add_special_tokens=special)
     if isinstance(prompt, list) and len(prompt) > max_model_len:
         raise ApiError(
             400,

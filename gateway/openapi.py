@@ -143,6 +143,9 @@ def _resume() -> dict[str, Any]:
                 "429": _error(
                     "this gateway looks for `--max-resuming` streams already; `Retry-After`"
                 ),
+                "502": _error(
+                    "the node holding the stream answered with what no stream can be rebuilt from"
+                ),
             },
             "security": [{}, {"bearer": []}],
         }

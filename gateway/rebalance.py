@@ -78,7 +78,7 @@ def choose(
         moving = a.prefill is not None  # a migration (or its first transfer) in flight
         if moving or a.phase is not Phase.DECODE or not a.delivered_at or a.req.finished:
             continue
-        size = a.prompt_len + max(0, len(a.req.output_ids) - a.req.base - 1) + 1
+        size = a.kv_len + 1  # +1: its newest token, sent with the KV
         running.append((a.final_len - size, size, a.wire_id))
     running.sort(reverse=True)  # most growth left first
     want = (u_src - u_dst) / 2 * source.node.info.num_blocks  # blocks to bring them halfway
@@ -109,8 +109,7 @@ def _leaving(table: RequestTable, node_id: str, block: int) -> int:
     total = 0
     for a in table.on_node(node_id):
         if a.prefill == node_id and a.decode not in (None, node_id) and not a.req.finished:
-            size = a.prompt_len + max(0, len(a.req.output_ids) - a.req.base - 1) + 1
-            total += -(-size // block)
+            total += -(-(a.kv_len + 1) // block)
     return total
 
 

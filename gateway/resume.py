@@ -27,10 +27,13 @@ from typing import Literal
 import msgspec
 
 from pdserve.common.aio import wait_event
+from pdserve.common.logs import Every, cut
 from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.prefix import token_ids_problem
 from pdserve.common.wire.protocol import REGISTERING, Adopt, Adopted
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.link import NodeLink
+from pdserve.gateway.node_input import TOKEN_ID_LIMIT
 from pdserve.gateway.openai_api import ApiError
 from pdserve.gateway.requests import GatewayRequest
 from pdserve.gateway.table import Phase, RequestTable
@@ -45,6 +48,9 @@ PUBLIC_ID = re.compile(r"^(chatcmpl|cmpl)-([0-9a-f]{24})$")
 Token = tuple[int, int, str | None]  # index, token id, finish reason
 GAVE_BACK = "preempted"  # an Adopted's finish_reason: its node gave it back (protocol.py)
 HELD = ("live gateway", REGISTERING, "in prefill")  # refusals of a node that holds it
+# an Adopted no stream can be rebuilt from, kept as its node's refusal: the resume ends 502
+MALFORMED = "a malformed answer"
+FINAL = ("Last-Event-ID", MALFORMED)  # refusals that end a resume a round after (409, 502)
 
 
 @dataclass
@@ -80,8 +86,8 @@ class _Asking:
         return found if final or now - self.since["found"] >= ROUND_S else None
 
     def note(self, msg: Adopted, now: float) -> None:
-        if msg.found or msg.reason.startswith("Last-Event-ID"):
-            self.since.setdefault("found" if msg.found else "position", now)
+        if msg.found or msg.reason.startswith(FINAL):
+            self.since.setdefault("found" if msg.found else "refused", now)
 
 
 class Busy(ApiError):
@@ -120,10 +126,20 @@ class Resumes:
         self.release = release
         self._wake = asyncio.Event()
         self._asker: asyncio.Task[None] | None = None
+        self.said = Every(10.0)  # malformed answers: a log line at most every 10 s
 
     def answered(self, identity: bytes, msg: Adopted) -> None:
         node = self.cluster.by_identity(identity)
         rid = msg.request_id.rsplit(".", 1)[0] if msg.found else msg.request_id
+        if msg.found and node is not None and (why := self._malformed(msg)) is not None:
+            # nothing to rebuild the stream from: let go again (kept by its node, as any
+            # answer not served), and the resume ends with why (502), none of it kept here
+            if self.said.due():
+                log.warning("dropping %s's Adopted of %s: %s", node.node_id, cut(rid), why)
+            if self._served(rid) is None:  # a late copy for a stream served here: kept
+                self.release(msg.request_id, node.node_id)
+            why = f"{MALFORMED} from {node.node_id} for stream {cut(rid)}: {why}"
+            msg = Adopted(request_id=rid, found=False, reason=why)
         asking = self.asking.get(rid)
         if node is None or asking is None:
             # nobody asks any more (it timed out, its client left): the node made it ours;
@@ -202,9 +218,11 @@ class Resumes:
                 if (found := asking.settled(now, final=left <= 0)) is not None:
                     break
                 refused = [m.reason for m in asking.answers.values()]
-                bad = [r for r in refused if r.startswith("Last-Event-ID")]
-                late = left <= 0 or now - asking.since.get("position", math.inf) >= ROUND_S
+                bad = [r for r in refused if r.startswith(FINAL)]
+                late = left <= 0 or now - asking.since.get("refused", math.inf) >= ROUND_S
                 if bad and late and not asking.found():  # an older attempt's node, perhaps
+                    if bad[0].startswith(MALFORMED):
+                        raise ApiError(502, bad[0], code="bad_gateway")
                     raise ApiError(409, bad[0], code="conflict")
                 if left <= 0 and any("live gateway" in r for r in refused):
                     # its gateway answers the node still: the client may retry later
@@ -307,16 +325,33 @@ class Resumes:
                 log.exception("asking %s for %d streams failed", node.node_id, len(msg.streams))
         self.counted()
 
+    def _malformed(self, msg: Adopted) -> str | None:
+        """Why the state a node handed over cannot be served, checked as token batches are;
+        None: it can."""
+        if msg.params is None:
+            return "no sampling parameters"
+        if _attempt(msg.request_id) < 0:
+            return "its wire id has no attempt number"
+        if not msg.prompt_ids:
+            return "an empty prompt"
+        if (problem := token_ids_problem(msg.prompt_ids, self.tokenizer.vocab_size)) is not None:
+            return f"prompt: {problem}"
+        if msg.output_ids and not 0 <= min(msg.output_ids) <= max(msg.output_ids) < TOKEN_ID_LIMIT:
+            return "an output token id outside 0..2**32-1"
+        if not 0 <= msg.base <= len(msg.output_ids):
+            return f"base {msg.base} outside its {len(msg.output_ids)} output tokens"
+        return None
+
     def _rebuild(self, kind: Literal["chat", "completion"], node_id: str, msg: Adopted,
                  have: int, include_usage: bool) -> GatewayRequest:  # fmt: skip
-        assert msg.params is not None
+        assert msg.params is not None  # checked at its answer (`_malformed`)
         params = msgspec.structs.replace(msg.params, max_tokens=msg.base + msg.params.max_tokens)
         req = GatewayRequest(
             request_id=msg.request_id.rsplit(".", 1)[0], kind=kind, model=self.model_id(),
             prompt_ids=list(msg.prompt_ids), params=params, stream=True,
             include_usage=include_usage, tokenizer=self.tokenizer,
         )  # fmt: skip
-        req.attempt = int(msg.request_id.rsplit(".", 1)[1])
+        req.attempt = _attempt(msg.request_id)
         req.resumable = req.announced = True  # the client has its id: it may lose this one too
         req.ended_before = msg.finish_reason is not None
         try:
@@ -334,5 +369,6 @@ class Resumes:
 
 
 def _attempt(wire_id: str) -> int:
+    """The wire id's attempt number; -1 for none (isdigit alone passes "²", which int fails)."""
     tail = wire_id.rpartition(".")[2]
-    return int(tail) if tail.isdigit() else -1
+    return int(tail) if re.fullmatch(r"[0-9]{1,9}", tail) else -1

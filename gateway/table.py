@@ -44,11 +44,20 @@ class Attempt:
     prefilled_at: float = 0.0  # when its first token came (the KV hand-off began)
     phase: Phase = Phase.OFFERED
     hashes: tuple[bytes, ...] = ()  # its prompt's block hashes (where its prefix is cached)
+    # the decode node it last moved off (live migration): that node's last step's tokens
+    # may be read after the move is over (another socket than its KvTransferred)
+    moved_from: str | None = None
 
     @property
     def final_len(self) -> int:
         """Its KV size once done, at most (prompt + max_tokens)."""
         return len(self.req.prompt_ids) + self.req.params.max_tokens
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose KV its node holds now: what it prefilled and every token made since
+        but the newest (whose KV the next step computes; a move sends it in KvDone)."""
+        return self.prompt_len + max(0, len(self.req.output_ids) - self.req.base - 1)
 
     def nodes(self) -> set[str]:
         return {n for n in (self.prefill, self.decode) if n is not None}
@@ -106,9 +115,10 @@ class RequestTable:
         old = attempt.decode
         if attempt.prefill is not None and attempt.prefill != old:
             self._unlink(attempt, attempt.prefill)  # acknowledged already: it holds nothing
-        attempt.prefill = old
+        attempt.prefill = attempt.moved_from = old
         attempt.delivered_at = 0.0  # the new node's decode work starts when the KV lands
         self._place(attempt, decode, blocks, now)
+        attempt.req.ran_on["decode"] = decode
 
     def stay(self, attempt: Attempt, now: float) -> None:
         """A migration found no decode node to take it: the node it was moving from (held

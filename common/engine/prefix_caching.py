@@ -8,6 +8,7 @@ manager and touches no clock or socket.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -63,14 +64,13 @@ class PrefixCaching:
         block that is gone or corrupt, or a copy that fails, ends the run: the rest is
         computed; a failure raised here would leave the sequence's blocks nobody's and stop
         the step loop)."""
-        if not hashes or self.tiers is None or self._write_block is None:
+        tiers, write = self.tiers, self._write_block
+        if not hashes or tiers is None or write is None:
             return 0
         for i, digest in enumerate(hashes):
             try:
-                data = self.tiers.take(digest)
-                if data is None:
+                if not tiers.load(digest, functools.partial(write, blocks[i])):
                     return i
-                self._write_block(blocks[i], data)
             except Exception:  # out of device or pinned memory, say
                 log.warning("loading a cached block from the KV tiers failed", exc_info=True)
                 return i

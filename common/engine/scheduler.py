@@ -125,6 +125,7 @@ class Scheduler(PrefixCaching):
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order; the last is the newest
         self.parked: dict[str, Sequence] = {}  # prefill mode: prefilled, KV held for handoff
+        self.held_blocks: Callable[[], int] = lambda: 0  # the node's prefix fetches' (fetch.py)
 
     @property
     def has_work(self) -> bool:
@@ -137,8 +138,7 @@ class Scheduler(PrefixCaching):
         """Prefill mode: None to accept a prompt of `num_tokens` now, else the reason not to.
         `pending`: accepted sequences the node has not handed to the scheduler yet (their
         prefix is being fetched); they count as waiting."""
-        bm = self.block_manager
-        need = bm.blocks_needed(num_tokens)
+        need = self.block_manager.blocks_needed(num_tokens)
         if num_tokens > self.largest_prompt:  # what `add` refuses
             return f"prompt of {num_tokens} tokens exceeds this node's KV cache"
         if queueing:
@@ -150,8 +150,7 @@ class Scheduler(PrefixCaching):
         tokens = sum(s.num_tokens for s in batch)
         if batch and tokens + num_tokens > self.cfg.max_batch_tokens:
             return f"token budget ({tokens} + {num_tokens} > {self.cfg.max_batch_tokens})"
-        promised = sum(bm.blocks_needed(s.num_tokens) for s in [*self.waiting, *pending])
-        if need > bm.num_free_blocks - promised:
+        if need > self.block_manager.num_free_blocks - self.promised(pending):
             return "KV cache full (transfers in flight)"
         return None
 
@@ -192,18 +191,22 @@ class Scheduler(PrefixCaching):
             return 0
         if batch:
             most = min(most, self.cfg.max_batch_tokens - sum(s.num_tokens for s in batch))
-        promised = sum(bm.blocks_needed(s.num_tokens) for s in [*self.waiting, *pending])
-        return max(0, min(most, (bm.num_free_blocks - promised) * bm.block_size))
+        free = bm.num_free_blocks - self.promised(pending)
+        return max(0, min(most, free * bm.block_size))
+
+    def promised(self, pending: list[Sequence]) -> int:
+        """Free blocks the accepted prompts will take: less those already held for them
+        (`held_blocks`: a fetched prefix, out of the free queue, admission takes as cached)."""
+        need = self.block_manager.blocks_needed
+        return sum(need(s.num_tokens) for s in [*self.waiting, *pending]) - self.held_blocks()
 
     def add(self, seq: Sequence) -> None:
         # a finished one (aborted before it was added) would be scheduled with no blocks
         assert seq.status is SeqStatus.WAITING, (seq.seq_id, seq.status)
         needed = self.block_manager.blocks_needed(seq.num_tokens + 1)
         if needed > self.cfg.num_blocks - self.cfg.watermark_blocks:
-            raise ValueError(
-                f"a {seq.num_tokens}-token prompt needs {needed} KV blocks; the cache has "
-                f"{self.cfg.num_blocks}"
-            )
+            raise ValueError(f"a {seq.num_tokens}-token prompt needs {needed} KV blocks; the "
+                             f"cache has {self.cfg.num_blocks}")  # fmt: skip
         self.waiting.append(seq)
 
     def admit_prefilled(self, seq: Sequence) -> None:

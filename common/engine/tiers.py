@@ -6,7 +6,7 @@ Python over bytes: the engine reads and writes whole blocks (`KvStore.read_block
 Both tiers are capped in bytes and least recently used first out: the host pool spills its
 oldest blocks to disk, the disk drops its oldest files. Each disk file holds a checksum of
 its bytes; a block that does not match (a torn write, a full disk, tampering) is a miss and
-is deleted, never loaded. A block comes back up (`take`) when a request's prefix continues in
+is deleted, never loaded. A block comes back up (`load`) when a request's prefix continues in
 a tier and loading it is cheaper than recomputing it: `worth_loading` compares the measured
 time to load a block (bytes / the tier's observed bandwidth) with the measured time to
 prefill its tokens.
@@ -23,6 +23,7 @@ import os
 import shutil
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 from pdserve.common.errors import ConfigError
@@ -39,10 +40,11 @@ class TierStore:
         self.dir = Path(disk_dir) if disk_dir else None
         self.lock = -1
         if self.dir is not None and self.disk_cap:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self.lock = _hold(self.dir)
+            self.dir.parent.mkdir(parents=True, exist_ok=True)
+            self.lock = _hold_soon(self.dir)
             if self.lock == BUSY:
                 raise ConfigError(f"the disk tier folder {self.dir} is another live node's")
+            self.dir.mkdir(exist_ok=True)  # under the lock: a sweep removes one only under it
             if self.lock == NO_LOCKS:  # no sweep can take it then: served, unguarded
                 log.warning("KV disk tier: %s has no file locks; not guarded", self.dir)
             # a previous process's blocks (one killed: close() never ran): its index went
@@ -68,6 +70,8 @@ class TierStore:
     def put(self, digest: bytes, data: bytes) -> None:
         """A block leaves the engine's cache: keep it (host first, spilling to disk)."""
         if digest in self.host or digest in self.disk:
+            # evicted again (it was loaded back, or is a copy): as recently used as a take
+            (self.host if digest in self.host else self.disk).move_to_end(digest)
             return
         self.stats["put"] += 1
         self.block_nbytes = len(data)
@@ -117,14 +121,27 @@ class TierStore:
             return True  # nothing measured yet: loading is the better bet on every device
         return self.block_nbytes * self.load_cost[tier] < tokens * self.token_cost
 
+    def load(self, digest: bytes, write: Callable[[bytes], None]) -> bool:
+        """Copy the block into the engine's cache with `write`; False if no tier has it. Timed
+        whole, read and copy, as that is what `worth_loading` weighs (a host hit alone is a
+        dict lookup: timed alone, loading from host memory looked free)."""
+        tier = self.where(digest)
+        started = time.perf_counter()
+        data = self.take(digest)
+        if tier is None or data is None:
+            return False
+        write(data)
+        seconds = time.perf_counter() - started
+        if seconds > 0:
+            self.load_cost[tier] = 0.8 * self.load_cost[tier] + 0.2 * (seconds / len(data))
+        return True
+
     def take(self, digest: bytes) -> bytes | None:
         """The block's bytes, checked, from whichever tier holds it (it stays there)."""
-        started = time.monotonic()
         data = self.host.get(digest)
         if data is not None:
             self.host.move_to_end(digest)
             self.stats["host_hits"] += 1
-            self._observe("host", len(data), started)
             return data
         if digest not in self.disk or self.dir is None:
             return None
@@ -143,7 +160,6 @@ class TierStore:
             return None
         self.disk.move_to_end(digest)
         self.stats["disk_hits"] += 1
-        self._observe("disk", len(data), started)
         return data
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
@@ -151,11 +167,6 @@ class TierStore:
         if tokens > 0 and seconds > 0:
             per = seconds / tokens
             self.token_cost = per if not self.token_cost else 0.8 * self.token_cost + 0.2 * per
-
-    def _observe(self, tier: str, nbytes: int, started: float) -> None:
-        seconds = time.monotonic() - started
-        if nbytes and seconds > 0:
-            self.load_cost[tier] = 0.8 * self.load_cost[tier] + 0.2 * (seconds / nbytes)
 
     def _unlink(self, digest: bytes) -> None:
         if self.dir is not None:
@@ -202,7 +213,27 @@ def _hold(folder: Path) -> int:
             draft.unlink(missing_ok=True)
         if fd == NO_LOCKS:
             return fd
-    return _locked(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    fd = _locked(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    if fd >= 0 and not _still_at(fd, path):  # a sweep unlinked it between our open and lock
+        os.close(fd)
+        return _hold(folder)
+    return fd
+
+
+def _hold_soon(folder: Path, wait_s: float = 2.0) -> int:
+    """`_hold`, waiting out a sweep: a node starting sweeps every dead folder of a shared
+    root, holding its lock a moment, while the node named by it may be starting too."""
+    deadline = time.monotonic() + wait_s
+    while (fd := _hold(folder)) == BUSY and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return fd
+
+
+def _still_at(fd: int, path: Path) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def _locked(fd: int) -> int:
@@ -217,12 +248,15 @@ def _locked(fd: int) -> int:
 def sweep_dead_tiers(root: Path) -> None:
     """Remove the tier folders under `root` no live store holds (their process killed before
     close()), so node restarts do not pile disk tiers up. By the folder's lock, not its pid:
-    a cache folder shared by hosts or PID namespaces holds others' live folders too."""
+    a cache folder shared by hosts or PID namespaces holds others' live folders too. `root`
+    may be the operator's own (--kv-disk-cache-dir): a folder holding anything but blocks is
+    not a tier's, and stays."""
     for folder in root.iterdir() if root.is_dir() else []:
         if not folder.is_dir() or not folder.with_name(folder.name + LOCK).exists():
             continue  # a lock, not a store's, or one being made (its lock comes next)
         fd = _hold(folder)  # held by a live store, or no locks here: left alone
         if fd >= 0:
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.with_name(folder.name + LOCK).unlink(missing_ok=True)
+            if all(f.suffix in (".kv", ".tmp") and f.is_file() for f in folder.iterdir()):
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.with_name(folder.name + LOCK).unlink(missing_ok=True)
             os.close(fd)

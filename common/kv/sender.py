@@ -332,8 +332,7 @@ class KvSender:
             log.warning("KV frames of %s not out in %.0f s: no KvDone", t.request_id,
                         self.local.timeout)  # fmt: skip
             if self.transfers.get(t.request_id) is t:  # live: as if the decode node refused
-                self.connector(t.backend).on_grant(t, None)
-                await self.on_refuse(t.request_id, t.target.node_id, "KV frames not out in time")
+                await self._refused(t, "KV frames not out in time")
             return False
         return t.ended is None
 
@@ -361,13 +360,19 @@ class KvSender:
             case KvRefuse(request_id=rid, reason=why):
                 t = self.transfers.get(rid)
                 if t is not None and t.target.node_id == peer.node_id:
-                    t.answered = True
-                    self.connector(t.backend).on_grant(t, None)
-                    await self.on_refuse(rid, peer.node_id, why)
+                    await self._refused(t, why)
                 elif t is None and self.on_stray_refuse is not None:
                     self.on_stray_refuse(rid, peer.node_id, why)
             case _:
                 log.warning("dropping malformed message from %s", peer.node_id)
+
+    async def _refused(self, t: Transfer, why: str) -> None:
+        """A refusal (the decode node's, or ours: frames stuck) said once, not a second target
+        asked. Only zero-copy ZeroMQ frames stick: no shm segment is lent while read."""
+        if not t.answered:
+            t.answered = True
+            self.connector(t.backend).on_grant(t, None)
+            await self.on_refuse(t.request_id, t.target.node_id, why)
 
     def _retire(self, peer: Peer, why: str = "closing") -> None:
         log.info("%s %s", peer.node_id, why)

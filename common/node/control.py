@@ -7,7 +7,7 @@ names request ids that gateway no longer knows (the node frees them: leases) or 
 gateway does not know the node (it restarted): the node registers again. A gateway silent
 for `heartbeat_timeout` leaves orphans (common/node/adoption.py). SIGTERM drains: stop taking
 work, finish what is held (or hand it back after `drain_timeout`), exit. A loop that dies
-takes the node down: a supervisor restarts it, rather than the gateway offering it work.
+takes the node down: a supervisor restarts it. A refusal stops a node, but not in a drain.
 """
 
 from __future__ import annotations
@@ -100,8 +100,7 @@ class ControlPlane:
 
     async def push_tokens(self, msg: Msg) -> None:
         """Token batches and preemptions, once registered with a gateway; at once while
-        draining (no gateway left: a drain's hand-back waited for good, the node never
-        exited)."""
+        draining (no gateway left: a drain's hand-back waited for good, never exiting)."""
         if not self.draining:
             await self.registered.wait()
         await self.gateways.push(msg)
@@ -116,8 +115,8 @@ class ControlPlane:
 
     # -- life ----------------------------------------------------------------------------------
     async def start(self, role_tasks: list[asyncio.Task]) -> None:
-        """Signals, the control loops and /metrics; then register. The role's own loops
-        are watched with them: any one that dies stops the node."""
+        """Signals, the control loops and /metrics; then register. The role's own loops are
+        watched with them: any one that dies stops the node."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -147,7 +146,7 @@ class ControlPlane:
 
     def _task_ended(self, task: asyncio.Task) -> None:
         """A loop that dies takes the node down (heartbeating with a dead engine loop, it would
-        be offered work forever): the gateway re-places its requests, a supervisor restarts it."""
+        be offered work forever): its requests re-placed, a supervisor restarts it."""
         if task.cancelled() or task.exception() is None:
             return
         if not isinstance(task.exception(), RegistrationRefused):  # that one is logged already
@@ -204,15 +203,16 @@ class ControlPlane:
             except RegistrationRefused:
                 raise
             except Exception:  # one message it cannot act on (a bad address, say): dropped
-                log.exception(
-                    "%s: %s from %s failed", self.node_id, type(msg).__name__, link.address
-                )
+                log.exception("%s: %s from %s failed", self.node_id, type(msg).__name__,
+                              link.address)  # fmt: skip
 
     async def _dispatch(self, link: GatewayLink, msg: Any) -> None:
         match msg:
             case RegisterAck():
                 self._registered(link, msg)
                 await tell_returned(self.adoption, link, self.role.pushes_tokens)
+            case RegisterRefuse(reason=reason) if self.draining:  # its streams end first
+                log.error("gateway %s refused draining %s: %s", link.address, self.node_id, reason)
             case RegisterRefuse(reason=reason):
                 log.error("gateway %s refused %s: %s", link.address, self.node_id, reason)
                 self.refused = True
@@ -228,8 +228,8 @@ class ControlPlane:
                 # may be read late, but not an interval late)
                 if not unknown and link.silent_for() >= self.cfg.heartbeat_interval:
                     await self._back(link)
-                # dropped (a hung engine, say): back when the engine steps again
-                if unknown and not self.draining and not self.node.hung():
+                # dropped (hung: back once it steps) or restarted: draining too, its streams orphans
+                if unknown and not self.node.hung():
                     link.registered = False
                     await link.send(Register(info=self.node.info()))
             case SwitchRole() if not self.gateways.obeys(link):

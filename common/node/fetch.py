@@ -16,9 +16,10 @@ when it ends. If the holder refuses (the blocks went), or the fetch stops making
 (the holder died), the request is scheduled anyway and computes what it lacks: a fetch only
 ever saves work, never fails a request.
 
-Holder (any node with a data plane): pins the blocks of the asked prefix it still holds and
-sends them through its KV sender like any transfer; unpins on the fetcher's KvAck or
-KvRefuse, or after a long deadline (the fetcher died).
+Holder (any node with a data plane): pins the blocks of the asked prefix it still holds past
+what the fetcher has (refused where that would eat into the room it keeps free) and sends
+them through its KV sender like any transfer; unpins on the fetcher's KvAck or KvRefuse, or
+after a long deadline (the fetcher died).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence as Blocks
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -33,7 +35,7 @@ from pdserve.common.config import NodeConfig
 from pdserve.common.engine.block_manager import BlockManager
 from pdserve.common.engine.interface import Engine
 from pdserve.common.engine.scheduler import Scheduler
-from pdserve.common.engine.sequence import Sequence
+from pdserve.common.engine.sequence import SeqStatus, Sequence
 from pdserve.common.kv.base import Intake
 from pdserve.common.kv.intake import KvIntake
 from pdserve.common.kv.sender import KvSender, TransferEnded
@@ -56,6 +58,25 @@ class Wakes(Protocol):
     def wake(self) -> None: ...
 
 
+class Promises(Protocol):
+    def promised_blocks(self) -> int: ...
+
+
+class HoldsBlocks(Protocol):
+    blocks: BlockManager
+
+    @property
+    def steps(self) -> Wakes: ...
+
+
+def free_and_wake(node: HoldsBlocks, blocks: Blocks[int]) -> None:
+    """Give blocks back to the cache and wake the step loop: it sleeps until something may be
+    schedulable, so a prompt waiting for room would sleep on beside the freed blocks."""
+    if blocks:
+        node.blocks.free(blocks)
+        node.steps.wake()
+
+
 class FetchHost(Protocol):
     """What fetches need of their node: its requests, cache and scheduler, and a wake-up."""
 
@@ -70,6 +91,8 @@ class FetchHost(Protocol):
 
     @property
     def steps(self) -> Wakes: ...
+    @property
+    def role(self) -> Promises: ...
     def spawn(self, coro: Any) -> None: ...
 
 
@@ -96,7 +119,7 @@ class _Fetch:
     local: list[int]
     started: float = field(default_factory=time.monotonic)
     timer: asyncio.TimerHandle | None = None
-    reserved: bool = False  # the header came: the intake owns the blocks until it lands
+    reserved: int = 0  # blocks, once the header came: the intake owns them until it lands
 
 
 def fetch_id(request_id: str) -> str:
@@ -119,6 +142,7 @@ class PrefixFetches:
         self.serving: dict[str, tuple[list[int], asyncio.TimerHandle]] = {}  # fetch id ->
         self.seconds_per_byte = 1e-9  # measured per fetch; a guess of 1 GB/s until then
         self.fetched_tokens = 0  # since start (Load.prefix_fetched)
+        node.scheduler.held_blocks = self.held_blocks
 
     # -- fetcher ------------------------------------------------------------------------------
     def estimate(self, tokens: int) -> float:
@@ -173,7 +197,7 @@ class PrefixFetches:
             self._fail(h.request_id, table)
             return table
         bm.free(f.local)  # `reserve_blocks` took them again, for the intake
-        f.local, f.reserved = [], True
+        f.local, f.reserved = [], len(table)
         return table
 
     def landed(self, intake: Intake) -> None:
@@ -183,12 +207,12 @@ class PrefixFetches:
         f = self.fetching.pop(h.request_id, None)
         req = self.node.requests.get(f.request_id) if f is not None else None
         if f is None or req is None or req.seq is not f.seq:
-            bm.free(intake.block_table)  # abandoned meanwhile
+            free_and_wake(self.node, intake.block_table)  # abandoned meanwhile
             return
         if f.timer is not None:
             f.timer.cancel()
         if time.monotonic() - f.started > self.limit_s:  # landed past its holder's pin
-            bm.free(intake.block_table)
+            free_and_wake(self.node, intake.block_table)
             self._fall_back(f, f"landed after {self.limit_s:g} s")
             return
         bm.register(intake.block_table, bm.hashes(h.prompt_ids))
@@ -249,7 +273,7 @@ class PrefixFetches:
             if rec is not None and self.kv.intake.drop(fid):
                 self.node.spawn(self.kv.intake.refuse(rec.peer, fid, "fetch abandoned"))
         else:
-            self.node.blocks.free(f.local)
+            free_and_wake(self.node, f.local)
         return f
 
     def _schedule(self, f: _Fetch) -> None:
@@ -258,11 +282,20 @@ class PrefixFetches:
             self.node.scheduler.add(f.seq)
             self.node.steps.wake()
 
+    def held_blocks(self) -> int:
+        """Blocks held for prompts the scheduler is to admit (a fetched prefix: the local part
+        pinned, the reservation landing, or the landed blocks pinned till scheduled). The
+        scheduler's promise for those prompts is their whole KV: held, these count once."""
+        held = sum(f.reserved or len(f.local) for f in self.fetching.values())
+        for rid, blocks in self.pins.items():  # landed: until its prefill is scheduled
+            req = self.node.requests.get(rid)
+            if req is not None and req.seq.status is SeqStatus.WAITING:
+                held += len(blocks)
+        return held
+
     def unpin(self, request_id: str) -> None:
         """The request's prefill was scheduled (it took the blocks itself), or it ended."""
-        blocks = self.pins.pop(request_id, None)
-        if blocks:
-            self.node.blocks.free(blocks)
+        free_and_wake(self.node, self.pins.pop(request_id, []))
 
     def cancel(self, request_id: str) -> None:
         """The request ended (abort, lease): whatever it fetched or is fetching goes."""
@@ -288,14 +321,17 @@ class PrefixFetches:
             hits = bm.match(bm.hashes(msg.prompt_ids)) if node.scheduler.cfg.prefix_caching else []
             if len(hits) * bs <= skip:
                 problem = f"{PREFIX_GONE}: {len(hits) * bs} tokens here"
+            else:
+                problem = self._no_room_to_pin(hits[skip // bs :])
         if problem is not None:
             await self.kv.intake.refuse(peer, fid, problem)
             return
         have = len(hits) * bs
-        bm.take(hits)
+        sent = hits[skip // bs :]  # the peer holds the rest: these alone are read and sent
+        bm.take(sent)
         loop = asyncio.get_running_loop()
         self.serving[fid] = (
-            hits,
+            sent,
             loop.call_later(3 * node.cfg.kv_transfer_timeout, self._expire, fid),
         )
         sender = self.kv.sender
@@ -321,6 +357,21 @@ class PrefixFetches:
             sender.push_all(t, payloads)
             sender.done(t, -1)
 
+    def _no_room_to_pin(self, blocks: list[int]) -> str | None:
+        """Why pinning `blocks` for a peer would cost this node room it keeps (the watermark,
+        accepted prompts'): those idle in the cache leave the free queue until the peer acks;
+        on a decode node too few free blocks preempt live streams, on a prefill node the
+        prompts it accepted wait. None: room."""
+        bm, node = self.node.blocks, self.node
+        idle = sum(1 for b in blocks if bm.ref_counts[b] == 0)
+        # the role's promise (a decode node's local prompts) or the scheduler's (the prompts
+        # a prefill node accepted, waiting or fetching): the same prompts where both count
+        accepted = node.scheduler.promised([f.seq for f in self.fetching.values()])
+        keep = node.scheduler.cfg.watermark_blocks + max(node.role.promised_blocks(), accepted)
+        if bm.can_allocate(idle, reserve=keep):
+            return None
+        return f"no room to pin {idle} KV blocks ({bm.num_free_blocks} free, {keep} kept)"
+
     def served(self, fid: str, acked: bool) -> bool:
         """The fetcher acknowledged (or refused) a fetch we served: unpin. False: not ours."""
         entry = self.serving.pop(fid, None)
@@ -329,8 +380,7 @@ class PrefixFetches:
         hits, timer = entry
         timer.cancel()
         self.kv.sender.release(fid)
-        self.node.blocks.free(hits)
-        self.node.steps.wake()  # a prompt that did not fit beside the pinned blocks may now
+        free_and_wake(self.node, hits)  # a prompt that did not fit beside them may now
         if acked:
             self.node.metrics.fetch("served")
         return True
@@ -340,8 +390,7 @@ class PrefixFetches:
         if entry is not None:
             entry[1].cancel()
             self.kv.sender.abort(fid)
-            self.node.blocks.free(entry[0])
-            self.node.steps.wake()
+            free_and_wake(self.node, entry[0])
 
     def close(self) -> None:
         for f in self.fetching.values():

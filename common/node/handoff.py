@@ -3,7 +3,9 @@ prefill node does after every prefill, and a draining decode node does to move a
 sequence (live migration). The sequence waits parked in the scheduler (its blocks held, not
 stepped) until `KvAck`; a refusal asks the gateway for another decode node (`NeedDecode` ->
 `Redirect`), and the KV is sent again from the cache; `Redirect` to nobody lets it go (the
-gateway re-places the request by recompute), or, for a migration, keeps it where it is.
+gateway re-places the request by recompute), or, for a migration, keeps it where it is. A
+`Redirect` while the transfer is unanswered aborts it at its target (that node frees its
+reservation), unless it names that target again: a repeat, and the transfer goes on.
 """
 
 from __future__ import annotations
@@ -95,6 +97,11 @@ class KvHandoff:
         req = node.requests.get(rid)
         if req is None or rid not in node.scheduler.parked:
             return
+        live = node.sender.transfers.get(rid)
+        if live is not None and not live.answered:  # its target has not answered it yet
+            if target is not None and target.node_id == live.target.node_id:
+                return  # a repeat of the Redirect that began it: that transfer goes on
+            node.sender.abort(rid)  # sent elsewhere: that target drops its reservation
         node.sender.release(rid)
         if target is None and self.keep(rid):
             req.target = None  # decoded here: no longer on its way (an adopter may take it)

@@ -22,7 +22,7 @@ from pdserve.common.kv import listen_all, receivers_for
 from pdserve.common.kv.base import Intake, Local, Transfer
 from pdserve.common.kv.intake import KvIntake
 from pdserve.common.kv.sender import KvSender
-from pdserve.common.node.fetch import PrefixFetches, Wakes
+from pdserve.common.node.fetch import PrefixFetches, Promises, Wakes, free_and_wake
 from pdserve.common.node_metrics import NodeMetrics
 from pdserve.common.wire.kv_messages import (
     KvHeader,
@@ -61,6 +61,8 @@ class KvHost(Protocol):
 
     @property
     def steps(self) -> Wakes: ...
+    @property
+    def role(self) -> Promises: ...
     def spawn(self, coro: Any) -> None: ...
     def kv_local(self, data_address: str = "") -> Local: ...
 
@@ -101,10 +103,8 @@ class NodeKv:
         self.endpoints: dict[str, str] = {}
 
     def _free(self, blocks: list[int]) -> None:
-        """An intake's reservation given back (dropped, stalled, refused): a prompt waiting
-        for room may fit now, and nothing else would wake the step loop for it."""
-        self.node.blocks.free(blocks)
-        self.node.steps.wake()
+        """An intake's reservation given back (dropped, stalled, refused)."""
+        free_and_wake(self.node, blocks)
 
     def target(self) -> DecodeTarget:
         """How peers send KV here."""

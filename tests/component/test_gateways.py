@@ -36,6 +36,7 @@ from pdserve.common.wire.protocol import (
     PrefillOffer,
     Register,
     RegisterAck,
+    RegisterRefuse,
     Reject,
     SwitchRole,
     TokenBatch,
@@ -71,6 +72,9 @@ class ScriptedGateway:
         self.on_first: Any = None  # awaited on a FirstToken, before the next message is read
         self.muted = False  # answers nothing (a gateway that died without closing anything)
         self.said: GatewayLoad | None = None  # its load, in its heartbeat replies
+        self.forgets = False  # a node it has not registered is told "unknown node" (`restart`)
+        self.refuses: dict[str, str] = {}  # node id -> why its Register is refused
+        self.refused: list[str] = []
         self.tasks = [asyncio.create_task(self._control()), asyncio.create_task(self._tokens())]
 
     async def _control(self) -> None:
@@ -81,14 +85,21 @@ class ScriptedGateway:
                 self.beats.append(msg)  # every one, a muted gateway's too
             if self.muted:
                 continue
-            if isinstance(msg, Register):
+            if isinstance(msg, Register) and msg.info.node_id in self.refuses:
+                why = self.refuses[msg.info.node_id]
+                no = RegisterRefuse(node_id=msg.info.node_id, reason=why)
+                await send(self.control, no, to=identity)
+                self.refused.append(msg.info.node_id)
+            elif isinstance(msg, Register):
                 self.nodes[msg.info.node_id] = identity
                 ack = RegisterAck(node_id=msg.info.node_id, tokens_address=self.tokens_address,
                                   gateway_id=self.gateway_id, queueing=self.queueing)  # fmt: skip
                 await send(self.control, ack, to=identity)
             elif isinstance(msg, Heartbeat):
                 self.heartbeats[msg.node_id] = msg
-                if msg.reply or not self.asked_only:
+                if self.forgets and msg.node_id not in self.nodes:
+                    await send(self.control, HeartbeatReply(unknown_node=True), to=identity)
+                elif msg.reply or not self.asked_only:
                     await send(self.control, HeartbeatReply(load=self.said), to=identity)
             else:
                 self.inbox.append(msg)
@@ -119,6 +130,11 @@ class ScriptedGateway:
                              decode=_target(decode), waited_ms=waited_ms,
                              foreign_prefill=foreign_prefill)  # fmt: skip
         await send(self.control, offer, to=self.nodes[node.node_id])
+
+    def restart(self, gateway_id: str) -> None:
+        """A new process on the same address, at once: its nodes and requests forgotten."""
+        self.gateway_id, self.forgets = gateway_id, True
+        self.nodes.clear()
 
     async def tell(self, node: NodeRuntime, msg: object) -> None:
         await send(self.control, msg, to=self.nodes[node.node_id])  # type: ignore[arg-type]

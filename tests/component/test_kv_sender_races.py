@@ -11,9 +11,12 @@ from types import SimpleNamespace
 import pytest
 import zmq
 
+from pdserve.common.engine.sequence import Sequence
 from pdserve.common.kv import sender as sender_module
 from pdserve.common.kv import tcp_send
 from pdserve.common.kv.sender import TransferEnded
+from pdserve.common.node.handoff import KvHandoff
+from pdserve.common.node.role import NodeRequest
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.wire.kv_messages import KvFetch
 from pdserve.common.wire.protocol import encode
@@ -189,5 +192,59 @@ async def test_frames_that_never_leave_end_their_transfer_as_refused(monkeypatch
         pair.sender.done(t, 1)
         await until(lambda: bool(pair.refusals), 5.0, "the transfer ends")
         assert pair.refusals == ["KV frames not out in time"] and pair.admitted.empty()
+    finally:
+        await pair.close()
+
+
+async def test_a_transfer_refused_twice_asks_the_gateway_once(monkeypatch):
+    """Its frames stuck (our refusal, at the timeout) and then the decode node's own refusal:
+    each asked the gateway for another decode node, and the second Redirect abandoned the
+    transfer the first had begun."""
+    pair = await Pair("zmq", capacity=600).start()
+    monkeypatch.setattr(sender_module, "_wait_all", lambda trackers, timeout: False)
+    try:
+        t = pair.sender.begin("stuck", pair.target, list(range(40)), 40, SamplingParams(),
+                              [0, 1, 2])  # fmt: skip
+        t.trackers.append(SimpleNamespace(done=False))  # a frame ZeroMQ still holds
+        pair.sender.push(t, 0, pair.sender.stage(t, 0))
+        pair.sender.done(t, 1)
+        await until(lambda: bool(pair.refusals), 5.0, "the transfer ends")
+        pair.sender.begin("other", pair.target, list(range(20)), 20, SamplingParams(), [3, 4])
+        await pair.intake.refuse(b"p", "stuck", "no progress")  # the decode node's, late
+        await pair.intake.refuse(b"p", "other", "behind it")  # read after it, in order
+        await until(lambda: "behind it" in pair.refusals, 5.0, "both refusals read")
+        assert pair.refusals == ["KV frames not out in time", "behind it"]
+    finally:
+        await pair.close()
+
+
+async def test_a_redirect_while_a_transfer_is_unanswered_aborts_it_or_is_a_repeat():
+    """A Redirect naming the target of a transfer still unanswered is the one that began it
+    (sent twice): that transfer goes on. One elsewhere (or to nobody) let it go without a
+    word to its target, whose reservation stayed until its own timeout."""
+    pair = await Pair("zmq", capacity=600).start()
+    try:
+        seq = Sequence.new("m.0", list(range(20)), SamplingParams(max_tokens=8))
+        seq.token_ids.append(9)
+        seq.block_table = [0, 1]
+        req = NodeRequest(seq=seq)
+
+        async def out_of_step(rid: str) -> None:
+            return None
+
+        parked = SimpleNamespace(parked={"m.0": seq})
+        node = SimpleNamespace(requests={"m.0": req}, scheduler=parked, sender=pair.sender,
+                               steps=SimpleNamespace(out_of_step=out_of_step),
+                               gateway_of=lambda rid: "")  # fmt: skip
+        handoff = KvHandoff(node, keep=lambda rid: True)  # type: ignore[arg-type]
+        free = len(pair.free)
+        t = pair.sender.begin("m.0", pair.target, seq.token_ids[:-1], 20, seq.params, [0, 1])
+        await until(lambda: "m.0" in pair.intake.incoming, 5.0, "the target reserves")
+        await handoff.send_kv("m.0", pair.target)  # the same Redirect again
+        assert pair.sender.transfers.get("m.0") is t
+        await handoff.send_kv("m.0", None)  # nobody: kept here, the target told
+        assert "m.0" not in pair.sender.transfers and req.target is None
+        await until(lambda: len(pair.free) == free, 2.0, "the target's reservation dropped")
+        assert "m.0" not in pair.intake.incoming
     finally:
         await pair.close()

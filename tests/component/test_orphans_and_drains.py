@@ -161,3 +161,44 @@ async def test_a_gateway_paused_during_a_drain_gets_its_node_and_streams_back(to
         held = len(a.streamed["r.0"])
         await until(lambda: len(a.streamed["r.0"]) >= held + 3, what="r.0 on, to A")
         assert d.control.draining and "r.0" in d.requests
+
+
+async def test_a_gateway_restarted_during_a_drain_gets_the_node_back_and_its_streams_orphaned(
+    tokenizer,
+):
+    """A restarts within the node's heartbeat timeout while the node drains: it answers the
+    node's beats "unknown node". A draining node took no notice: it never registered again,
+    so never learned A's new id, and A's old streams were no orphans (adoptable nowhere:
+    "live gateway") for the whole drain."""
+    async with _streaming_for_a(tokenizer) as (a, b, d):
+        d.cfg = d.control.cfg = dataclasses.replace(d.cfg, drain_migrate="off",
+                                                    drain_timeout=30.0)  # fmt: skip
+        await a.tell(d, Drain())
+        await until(lambda: d.control.draining, what="draining")
+        a.restart("gw-a2")
+        link = d.control.links[0]
+        await until(lambda: link.gateway_id == "gw-a2", 3.0, "registered with the new A")
+        assert link.silent_since is None  # it never went silent: it answered every beat
+        await b.tell(d, Adopt(streams=[("r", 0)]))
+        await until(lambda: [m for m in b.inbox if isinstance(m, Adopted)], what="an answer")
+        adopted = next(m for m in b.inbox if isinstance(m, Adopted))
+        assert adopted.found and adopted.request_id == "r.0", adopted
+        assert d.control.draining
+
+
+async def test_a_draining_node_refused_by_a_restarted_gateway_drains_on(tokenizer):
+    """Registering again while draining (a restarted gateway), a refusal (the gateway now
+    started with another --model, say) stopped the node at once: its streams, which its
+    drain was to finish or hand back, were lost. It logs the refusal and drains on."""
+    async with _streaming_for_a(tokenizer) as (a, _, d):
+        d.cfg = d.control.cfg = dataclasses.replace(d.cfg, drain_migrate="off",
+                                                    drain_timeout=30.0)  # fmt: skip
+        await a.tell(d, Drain())
+        await until(lambda: d.control.draining, what="draining")
+        a.refuses["decode-0"] = "start both with the same --model"
+        a.restart("gw-a2")
+        await until(lambda: "decode-0" in a.refused, 3.0, "the node refused by the new A")
+        held = len(a.streamed["r.0"])
+        await until(lambda: len(a.streamed["r.0"]) >= held + 3, what="r.0 decoded on")
+        assert not d.control.refused and not d.control.stopped.is_set()
+        assert d.control.draining and "r.0" in d.requests

@@ -103,3 +103,54 @@ def test_more_messages_than_the_context_holds_are_refused_before_rendering(templ
     many = {"messages": [USER] * 65}
     err = _refusal(templated, "chat", many, max_model_len=64)
     assert err.param == "messages" and "65 messages" in err.message
+
+
+TRIM = "{% for m in messages %}[{{ m.role }}:{{ m.content | trim }}]{% endfor %}"
+
+
+def test_a_final_message_trimmed_by_the_template_is_still_continued(tokenizer):
+    """Llama 3's template trims every message: the final one is found stripped, and cut
+    after its trailing space only where the template kept it (as transformers does)."""
+    chat = [USER, {"role": "assistant", "content": "The answer is "}]
+    fields = {"continue_final_message": True, "add_generation_prompt": False}
+    trims = dataclasses.replace(tokenizer, chat_template=TRIM)
+    assert _chat_text(trims, chat, **fields) == "[user:hi][assistant:The answer is"
+    keeps = dataclasses.replace(tokenizer, chat_template=TRIM.replace(" | trim", ""))
+    assert _chat_text(keeps, chat, **fields) == "[user:hi][assistant:The answer is "
+
+
+def test_add_special_tokens_is_honoured_with_vllms_defaults(tokenizer):
+    bos_tok = dataclasses.replace(tokenizer, add_bos_token=True, chat_template=TEMPLATE)
+    bos = bos_tok.bos_token_id
+
+    def first(kind: str, **fields: Any) -> int:
+        body = {"prompt": "hi"} if kind == "completion" else {"messages": [USER]}
+        return parse_request(kind, {**body, **fields}, bos_tok, "m", 4096).prompt_ids[0]  # type: ignore[arg-type]
+
+    assert first("completion") == bos and first("chat") != bos  # vLLM's defaults
+    assert first("completion", add_special_tokens=False) != bos
+    assert first("chat", add_special_tokens=True) == bos
+
+
+def test_null_tooling_template_variables_ask_for_nothing(templated):
+    nothing = {"tools": None, "documents": None}
+    assert _chat_text(templated, [USER], chat_template_kwargs=nothing) == "[user:hi][assistant:"
+    err = _refusal(templated, "chat", {"messages": [USER], "chat_template_kwargs": {"tools": []}})
+    assert err.param == "chat_template_kwargs"
+
+
+def test_a_context_overflow_names_the_field_the_client_sent(tokenizer):
+    for field in ("max_completion_tokens", "max_tokens"):
+        err = _refusal(tokenizer, "completion", {"prompt": "hi", field: 64}, max_model_len=64)
+        assert err.param == field and err.code == "context_length_exceeded"
+
+
+def test_an_unknown_model_is_an_invalid_request_as_openai_answers(tokenizer):
+    with pytest.raises(ApiError) as err:
+        parse_request("completion", {"prompt": "hi", "model": "gpt-17"}, tokenizer, "m", 4096)
+    body = err.value.body()["error"]
+    assert (err.value.status, body["type"], body["code"]) == (
+        404,
+        "invalid_request_error",
+        "model_not_found",
+    )

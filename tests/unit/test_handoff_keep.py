@@ -28,7 +28,7 @@ def test_a_migration_kept_here_after_a_refusal_is_no_longer_on_its_way():
     node = SimpleNamespace(
         requests={"m.0": req},
         scheduler=SimpleNamespace(parked={"m.0": seq}),
-        sender=SimpleNamespace(release=released.append),
+        sender=SimpleNamespace(release=released.append, transfers={}),
         steps=SimpleNamespace(out_of_step=_no_step),
     )
     kept: list[str] = []

@@ -374,3 +374,36 @@ async def test_the_latest_attempt_is_resumed_not_an_older_one_on_another_node(to
     req, _, gave_back = await task
     assert req.attempt == 1 and req.ran_on == {"decode": "d1"} and gave_back is None
     assert table.get(f"{ID}.1") is not None and req.output_ids == list(words)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"params": None},
+        {"request_id": f"{ID}.\u00b2"},  # "2" superscript: isdigit, but no int
+        {"request_id": f"{ID}.x"},
+        {"output_ids": [7, 2**40]},
+        {"prompt_ids": [5, -1]},
+        {"prompt_ids": []},
+        {"base": 3},  # more than its 2 tokens
+    ],
+)
+async def test_a_malformed_adoption_ends_the_resume_with_a_502_and_keeps_nothing(
+    tokenizer, changes
+):
+    """A node's Adopted that no stream can be rebuilt from (no params, a wire id with no
+    attempt number, token ids a batch would not pass, a base past its tokens) raised in
+    the resume (the client's 500, the stream handed over and lost) or was served as it
+    was. It is dropped with a log line: the client gets a 502 with the reason, the stream
+    is let go again to its node, and nothing is left in the table or the asking."""
+    link, let_go = _Link(), list[tuple[str, str]]()
+    resumes, table = _resumes(tokenizer, link, let_go)
+    task = asyncio.create_task(resumes.resume(f"cmpl-{ID}", 0, False))
+    await _until(lambda: link.asked(ID) >= 1)
+    bad = msgspec.structs.replace(_found(ID), **changes)
+    resumes.answered(b"d0", bad)
+    with pytest.raises(ApiError) as err:
+        await task
+    assert err.value.status == 502 and "malformed" in err.value.message, err.value.message
+    assert let_go == [(bad.request_id, "d0")]
+    assert len(table) == 0 and not resumes.asking and not resumes.claims(f"{ID}.0")

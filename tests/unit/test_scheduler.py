@@ -352,6 +352,35 @@ def test_a_tier_load_that_fails_is_computed_and_leaks_no_block():
     assert sched.block_manager.num_in_use_blocks == len(c.block_table) == 3
 
 
+def test_a_host_tier_load_is_timed_with_its_copy_into_the_cache():
+    """The host tier's load cost timed only its dict lookup (~1e-14 s a byte), so loading
+    from host memory always looked cheaper than recomputing. It is the copy that costs."""
+    import time
+
+    from pdserve.common.engine.tiers import TierStore
+
+    sched = make_scheduler(num_blocks=6, block_size=4, prefix_caching=True, max_batch_tokens=64)
+    tiers = TierStore(host_bytes=1024)
+    copied: list[int] = []
+
+    def slow_copy(block: int, data: bytes) -> None:  # a copy of 16 bytes taking 20 ms
+        time.sleep(0.02)
+        copied.append(block)
+
+    sched.attach_tiers(tiers, lambda b: bytes([b]) * 16, slow_copy)
+    for seq_id, tokens in (("a", list(range(1, 10))), ("b", list(range(100, 121)))):
+        seq = Sequence.new(seq_id, tokens, SamplingParams(max_tokens=1, temperature=0.0))
+        sched.add(seq)
+        run_step(sched)
+        sched.finish(seq, "length")  # b's allocation pushes a's blocks into the tier
+    sched.add(Sequence.new("c", [*range(1, 9), 50], GREEDY))  # a's prefix, in the tier
+    sched.schedule()
+    assert copied and tiers.stats["host_hits"] == len(copied)
+    assert tiers.load_cost["host"] > 0.2 * 0.02 / 16  # at least its share of the copy
+    tiers.observe_prefill(tokens=1000, seconds=0.001)  # 1 us a token
+    assert not tiers.worth_loading("host", 4)  # 20 ms a block loses to 4 us of prefill
+
+
 def test_a_decode_node_decodes_every_sequence_it_holds_at_each_step_whatever_the_chunk_size():
     """The engine flags are shared by every role (`pdserve up --chunk-size N`): a decode node's
     scheduler took the chunk budget as its step's, and decoded only the oldest N of its

@@ -201,3 +201,31 @@ def test_a_relayed_load_without_local_tokens_does_not_count_them_again():
         load = GatewayLoad(gateway="b", seq=seq, prompt_tokens=100 * seq, local_tokens=local)
         others.relayed((load,), float(seq))
     assert sum(got) == 1200 - 500  # what grew since the first report, once
+
+
+def test_relayed_counts_that_go_back_or_out_of_bounds_move_nothing():
+    """Relayed loads are a node's word. A count that went back (an older version, a fault)
+    fed the sizing a negative request count (that delta alone was not clamped) and set a
+    lower base the next report counted the whole difference from again; a negative or
+    unbounded backlog took the others' waiting prompts below zero or past any pool."""
+    from pdserve.common.wire.protocol import GatewayLoad
+    from pdserve.gateway.others import OtherGateways
+
+    sizing = Sizing(COST, window=10.0)
+    added: list[tuple] = []
+    sizing.add = lambda *counts: added.append(counts)  # type: ignore[method-assign]
+    others = OtherGateways(lambda: "a", sizing)
+
+    def relay(seq: int, tokens: int, requests: int, t: float) -> None:
+        load = GatewayLoad(gateway="b", seq=seq, prompt_tokens=tokens, requests=requests,
+                           output_tokens=tokens // 10, local_tokens=tokens // 2)  # fmt: skip
+        others.relayed((load,), t)
+
+    relay(1, 1000, 10, 0.0)  # the base
+    relay(2, 500, 4, 1.0)  # went back: nothing grew
+    relay(3, 1100, 11, 2.0)  # grew by 100 tokens and one request since the highest
+    assert added == [(0, 0, 0, 1.0, 0), (100, 1, 10, 2.0, 50)]
+    for gateway, waiting in (("c", -5000), ("d", 1 << 60), ("e", 300)):
+        others.relayed((GatewayLoad(gateway=gateway, seq=1, waiting_tokens=waiting),), 3.0)
+    others.relayed((GatewayLoad(gateway="b", seq=4, prompt_tokens=-1),), 3.0)
+    assert others.waiting_tokens(3.0) == 300 and others.seen["b"][0].seq == 3

@@ -34,6 +34,17 @@ def test_both_tiers_are_capped_least_recently_used_first(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_block_evicted_again_is_as_recently_used_as_a_take(tmp_path):
+    """A block loaded back from the host pool is evicted from the engine again: its `put`
+    found it there and returned without refreshing it, so it went first to make room."""
+    store = TierStore(host_bytes=2000)  # two blocks
+    store.put(b"a" * 16, block(1))
+    store.put(b"b" * 16, block(2))
+    store.put(b"a" * 16, block(1))  # again: now the most recent
+    store.put(b"c" * 16, block(3))
+    assert [store.where(d * 16) for d in (b"a", b"b", b"c")] == ["host", None, "host"]
+
+
 def test_a_corrupt_disk_block_is_a_miss_and_is_dropped(tmp_path):
     store = TierStore(host_bytes=0, disk_bytes=10_000, disk_dir=tmp_path)
     store.put(b"a" * 16, block(1))
@@ -118,6 +129,29 @@ def test_nodes_given_one_disk_folder_each_keep_their_own(tmp_path):
     assert a.take(b"\x01" * 16) == b"a" * 64
 
 
+def test_a_killed_node_s_folder_in_a_given_dir_is_swept_at_the_next_start(tmp_path):
+    """With --kv-disk-cache-dir the folder is DIR/<node id>, and a default node id names the
+    process: a killed node's folder was never reused nor swept, up to its disk budget for
+    good. The next node's start sweeps the given folder too; a live node's stays."""
+    from pdserve.common.config import EngineConfig
+    from pdserve.common.node.runtime import make_tiers
+
+    ecfg = EngineConfig(kv_disk_cache_gb=0.001, kv_disk_cache_dir=str(tmp_path))
+    dead, live = make_tiers(ecfg, "decode-h-11"), make_tiers(ecfg, "decode-h-12")
+    assert dead is not None and live is not None
+    dead.put(b"\x05" * 16, b"d" * 64)
+    live.put(b"\x06" * 16, b"l" * 64)
+    os.close(dead.lock)  # killed: its lock goes with the process, its files stay
+    (tmp_path / "notes").mkdir()  # the operator's, beside an unheld lock of its own name
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    (tmp_path / "notes.lock").touch()
+    make_tiers(ecfg, "decode-h-13")
+    assert not (tmp_path / "decode-h-11").exists()
+    assert not (tmp_path / "decode-h-11.lock").exists()
+    assert live.take(b"\x06" * 16) == b"l" * 64 and (tmp_path / "decode-h-12").is_dir()
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"  # not a tier's: kept
+
+
 def test_a_folder_on_a_filesystem_without_locks_is_served_and_never_swept(tmp_path, monkeypatch):
     """flock failing for want of support (ENOLCK: some network and FUSE mounts) read as
     "another live node's": the node refused to start. It is served unguarded now, and no
@@ -137,3 +171,57 @@ def test_a_folder_on_a_filesystem_without_locks_is_served_and_never_swept(tmp_pa
     (tmp_path / "kv-tier" / "decode-0-1.lock").touch()  # as a store on a locking host made
     tiers.sweep_dead_tiers(tmp_path / "kv-tier")
     assert store.take(b"\x04" * 16) == b"n" * 64
+
+
+def test_a_node_starting_while_another_sweeps_its_old_folder_waits_and_starts(
+    tmp_path, monkeypatch
+):
+    """Every node of `pdserve up --kv-disk-cache-dir D` sweeps D's dead folders at start, and
+    after a restart a dead folder is a sibling's starting now under the same name: the node
+    found its lock held by the sweeper and failed its start ("another live node's"). It waits
+    out the sweep, and makes its folder under its own lock (the sweep deleted it after)."""
+    import fcntl
+    import threading
+
+    from pdserve.common.engine.tiers import LOCK
+
+    folder = tmp_path / "prefill-0"
+    folder.mkdir()
+    (folder / ("ab" * 16 + ".kv")).write_bytes(b"x" * 100)
+    lock = folder.with_name(folder.name + LOCK)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the sweeper holds the dead folder's lock
+    started = threading.Event()
+
+    def sweep_on() -> None:  # what sweep_dead_tiers does next, once the store is waiting
+        started.wait(5)
+        (folder / ("ab" * 16 + ".kv")).unlink()
+        folder.rmdir()
+        lock.unlink()
+        os.close(fd)
+
+    sweeper = threading.Thread(target=sweep_on)
+    sweeper.start()
+    import pdserve.common.engine.tiers as tiers
+
+    real = tiers._hold
+
+    def hold(f: Path) -> int:
+        got = real(f)
+        started.set()
+        return got
+
+    monkeypatch.setattr(tiers, "_hold", hold)
+    try:
+        store = TierStore(0, 1 << 20, folder)
+    finally:
+        sweeper.join()
+    assert store.lock >= 0 and folder.is_dir() and lock.exists()
+    store.put(b"\x07" * 16, b"z" * 64)
+    assert store.take(b"\x07" * 16) == b"z" * 64
+    with open(lock, "rb") as again:  # the lock on the path is the store's: held
+        try:
+            fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            raise AssertionError("the store's lock is not the one at the path")
+        except BlockingIOError:
+            pass
