@@ -1,12 +1,13 @@
 """Compiling the project's C kernels (common/engine/cpu_kernels.c and gguf_matmul.c) into one
-library for the CPU that runs them, cached by a hash of the sources, the compiler, its flags
-and the CPU's flags. torch-free: the config resolving `--quantization auto` keys its cached
-measurement by this build, in processes that never load the engine (common/engine/kernels.py
-loads the library).
+library for the CPU that runs them, cached by a hash of the sources, the compiler, its flags,
+what the compiler makes of `-march` on this CPU, and the CPU's flags. torch-free: the config
+resolving `--quantization auto` keys its cached measurement by this build, in processes that
+never load the engine (common/engine/kernels.py loads the library).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -20,6 +21,9 @@ from pdserve.common.numerics import ISA_ENV, cpu_flags, cpu_isa, lacks_avx2_leve
 
 log = logging.getLogger(__name__)
 _said: list[bool] = []  # a level above the CPU is said once a process
+# builds that failed in this process, by compiler, flags and cache: not tried again (one start
+# asks up to 4 times: a hung compiler cost 4 x 300 s, and its warnings came 4 times)
+_failed: dict[tuple[str, ...], str] = {}
 ENGINE = Path(__file__).resolve().parent / "engine"
 SOURCE = ENGINE / "cpu_kernels.c"  # absolute: it includes itself
 SOURCES = (SOURCE, ENGINE / "gguf_matmul.c")  # one library
@@ -31,6 +35,21 @@ MARCH = {"native": "-march=native", "avx2": "-march=x86-64-v3"}
 
 def _cpu_flags() -> str:
     return " ".join(sorted(cpu_flags())) or platform.processor()
+
+
+@functools.cache
+def target(cc: str, march: str) -> str:
+    """What `march` means to this compiler here: its driver's expansion (`cc -###`: the
+    -march=CPU, -m features and cache sizes it would hand cc1, ~6 ms), so a library built for
+    one CPU is never taken for another's. The CPU's flags alone did not tell them apart where
+    /proc/cpuinfo is unreadable (every CPU keyed as "x86_64": SIGILL on the next one). "" where
+    the compiler does not say (then those flags key it alone, as before)."""
+    try:
+        done = subprocess.run([cc, "-###", march, "-E", "-x", "c", os.devnull],
+                              capture_output=True, text=True, timeout=30)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stderr if done.returncode == 0 else ""
 
 
 def compile_flags() -> list[str]:
@@ -55,17 +74,33 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
+def library_path(cc: str, flags: list[str], version: str) -> Path:
+    """Where the library built by `cc` (of `version`) with `flags` is cached."""
+    parts = [*(s.read_text() for s in SOURCES), " ".join(flags), version, target(cc, flags[0]),
+             _cpu_flags(), platform.machine()]  # fmt: skip
+    key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    return cache_dir() / f"cpu_kernels-{key}.so"
+
+
 def build() -> Path | str:
     """The compiled library's path (compiled now if not cached), or why it cannot be."""
     cc = compiler()
     if cc is None:
         return "no C compiler (cc, gcc) on PATH"
+    flags = compile_flags()
+    tried = (cc, *flags, str(cache_dir()))
+    if tried in _failed:
+        return _failed[tried]
+    why = _build(cc, flags)
+    if isinstance(why, str):
+        _failed[tried] = why
+    return why
+
+
+def _build(cc: str, flags: list[str]) -> Path | str:
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
-        flags = compile_flags()
-        parts = [*(s.read_text() for s in SOURCES), " ".join(flags), version.stdout, _cpu_flags()]
-        key = hashlib.sha256("\n".join([*parts, platform.machine()]).encode()).hexdigest()[:16]
-        out = cache_dir() / f"cpu_kernels-{key}.so"
+        out = library_path(cc, flags, version.stdout)
         if out.exists():
             return out
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -207,8 +207,8 @@ class NodeMetrics:
         self._orphans.labels(**self.labels, outcome=outcome).inc(n)
 
     def engine_info(self, dtype: str, quantization: str, kernels: str) -> None:
-        """pdserve:engine_info{dtype,quantization,kernels} = 1: which path this node runs
-        (kernels "fused", "fused+gguf", "eager" when the C kernels did not build, "sim")."""
+        """pdserve:engine_info{dtype,quantization,kernels} = 1: which path this node runs (kernels
+        "fused", "fused+gguf", "fused+f32", "eager" when the C kernels did not build, "sim")."""
         names = [*self.labels, "dtype", "quantization", "kernels"]
         doc = "The engine's numerics and code path (value 1)"
         info = Gauge("pdserve:engine_info", doc, names, registry=self.registry)

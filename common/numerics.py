@@ -115,3 +115,41 @@ def cpu_description() -> str:
     flags = ", ".join(f for f in wanted if f in cpu_flags()) or "no AVX2, AVX-512 or AMX"
     level = "" if cpu_isa() == "native" else f"; as PDSERVE_CPU_ISA={cpu_isa()}"
     return f"{name} ({flags}{level})"
+
+
+def isa_level(dtype: str, flags: set[str] | None = None) -> str:
+    """The CPU level a CPU engine's numbers come from, where it decides their bits: torch's,
+    oneDNN's and MKL's kernels pick their code by it, and the C kernels' sums add in its
+    vector order (AVX-512's 16 lanes against AVX2's 8); in bfloat16 also the native bf16
+    instructions. As PDSERVE_CPU_ISA sets it (an AVX-512 CPU at avx2 is "avx2"); "" where the
+    flags cannot be read (then nothing is compared)."""
+    flags = cpu_flags() if flags is None else flags
+    if not flags:
+        return ""
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        level = "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "x86-64"
+    else:
+        level = machine + ("+sve" if "sve" in flags else "")
+    if dtype == "bfloat16":
+        level += "".join(f"+{f}" for f in NATIVE_BF16 if f in flags)
+    return level
+
+
+def code_path(**parts: str) -> str:
+    """What computes an engine's numbers beyond its dtype and quantization, as gateways compare
+    it (`path_difference`): "kernels=fused;linear=gguf-avx2;isa=avx512" (parts that are "",
+    unknown, left out)."""
+    return ";".join(f"{key}={value}" for key, value in parts.items() if value)
+
+
+def path_difference(mine: str, theirs: str) -> str | None:
+    """How two code paths differ ("kernels 'eager', not 'fused'"), None where they agree on
+    every part both name: a node of an older version, or a sim engine, names none."""
+
+    def parts(path: str) -> dict[str, str]:
+        return dict(p.partition("=")[::2] for p in path.split(";") if p)
+
+    a, b = parts(mine), parts(theirs)
+    differ = [f"{key} {a[key]!r}, not {b[key]!r}" for key in a if key in b and a[key] != b[key]]
+    return ", ".join(differ) or None

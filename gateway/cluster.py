@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Container
 from dataclasses import dataclass, field
 
+from pdserve.common.numerics import path_difference
 from pdserve.common.wire.protocol import DecodeTarget, Foreign, Load, NodeInfo, Probe
 
 EMPTY_LOAD = Load(running=0, waiting=0, blocks_free=0, blocks_cached=0, blocks_in_use=0)
@@ -134,7 +135,23 @@ class ClusterView:
                     f"node {node.node_id} has {name} {mine!r} but the cluster runs "
                     f"{theirs!r} (set by {ref.node_id})"
                 )
-        return None
+        return self._path_refusal(node, ref)
+
+    def _path_refusal(self, node: NodeInfo | Probe, ref: NodeInfo) -> str | None:
+        """Why a node whose numbers come from another code path (C kernels or eager ops, the
+        GGUF kernel's, the CPU level) cannot join: its tokens would differ from the others'
+        in the last bits. Held to the first node that said its path (a Probe, an older node
+        or a sim engine says none)."""
+        mine = getattr(node, "code_path", "")
+        said = (ref, *(n.info for n in self.nodes.values()))
+        by = next((info for info in said if info.code_path), None)
+        if not mine or by is None or (differ := path_difference(mine, by.code_path)) is None:
+            return None
+        return (
+            f"node {node.node_id} computes {node.dtype} on another code path than the "
+            f"cluster ({by.node_id}): {differ}; its tokens would differ in the last bits "
+            "(give it the same C compiler, --cpu-kernels and PDSERVE_CPU_ISA)"
+        )
 
     def leaving(self, now: float) -> bool:
         half = self.heartbeat_timeout / 2

@@ -13,15 +13,20 @@ float32 token-for-token invariant needs. The LM head (SmolLM2: its tied Q8_0 emb
 
 torch's own 4-bit kernel (quant.Int4Linear) stays for bfloat16: with float32 activations it
 is ~9x slower than dense.
+
+The same kernels take a dense float32 matrix in place (kind F32, the weight's own storage
+viewed as bytes): in float32 on CPU every other linear layer, all of them with
+`--quantization none`, runs its generated rows there and its prompt rows on row-padded
+F.linear (rows.py), since MKL's matmul gives a row other bits at few rows (`f32_linears`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +35,12 @@ import torch
 from torch import nn
 
 from pdserve.common.engine.kernels import library
+from pdserve.common.engine.quant import SmallBatchLinear
+from pdserve.common.engine.rows import RowLinear, StepRows, by_step
 
-KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # gguf_matmul.c's `kind`
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # a block holds 32 weights
+KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "F32": 3}  # gguf_matmul.c's `kind`
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F32": 128}  # a block holds 32 weights
 BLOCK = 32
-
-
-@dataclass
-class StepRows:
-    """How many of a forward's first rows are prompt tokens (LlamaModel.forward sets it)."""
-
-    prompt: int = 0
 
 
 class GgufOps:
@@ -57,7 +57,7 @@ class GgufOps:
         assert x.device.type == blocks.device.type == "cpu"  # raw pointers: host memory only
         rows, k = x.shape
         n = blocks.shape[0]
-        assert blocks.shape[1] * BLOCK == k * BLOCK_BYTES[kind], (blocks.shape, k, kind)
+        assert k % BLOCK == 0 and blocks.shape[1] * BLOCK == k * BLOCK_BYTES[kind], (k, kind)
         out = torch.empty((rows, n), dtype=torch.float32)
         status = self._matmul(x.data_ptr(), rows, k, blocks.data_ptr(), n, KINDS[kind],
                               out.data_ptr())  # fmt: skip
@@ -96,7 +96,8 @@ def gguf_ops() -> tuple[GgufOps, str] | str:
 
 
 class GgufLinear(nn.Module):
-    """y = x @ W.T: prompt rows on `dense` (when given), the other rows on the blocks."""
+    """y = x @ W.T (+ bias): prompt rows on `dense` (when given) through rows.row_linear, the
+    other rows on the blocks."""
 
     blocks: torch.Tensor
 
@@ -107,6 +108,7 @@ class GgufLinear(nn.Module):
         kind: str,
         dense: torch.Tensor | None = None,
         rows: StepRows | None = None,
+        bias: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.ops, self.kind = ops, kind
@@ -115,18 +117,64 @@ class GgufLinear(nn.Module):
         self.in_features = blocks.shape[1] * BLOCK // BLOCK_BYTES[kind]
         self.dense = dense  # not a buffer: the float weight the model loaded (tied, maybe)
         self.rows = rows if dense is not None else None
+        self.bias = bias  # added apart, as its own op: the same for every row
+
+    def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.ops.matmul(rows, self.blocks, self.kind)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        prompt = min(self.rows.prompt, flat.shape[0]) if self.rows is not None else 0
-        if prompt == 0 or self.dense is None:
-            out = self.ops.matmul(flat.contiguous(), self.blocks, self.kind)
-        elif prompt == flat.shape[0]:
-            out = nn.functional.linear(flat, self.dense)
-        else:
-            generated = self.ops.matmul(flat[prompt:].contiguous(), self.blocks, self.kind)
-            out = torch.cat([nn.functional.linear(flat[:prompt], self.dense), generated])
+        prompt = self.rows.prompt if self.rows is not None else 0
+        out = by_step(flat, prompt, self.dense, self._kernel)
+        if self.bias is not None:
+            out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
+
+
+def f32_linears(model: nn.Module, ops: GgufOps | None) -> tuple[int, int]:
+    """float32 on CPU: every plain nn.Linear left in the model (all of them with
+    --quantization none) made row-invariant, in place. Where the kernels are built and K is a
+    multiple of 32: GgufLinear of kind F32 on the weight's own storage (no copy), generated
+    rows on the kernel, prompt rows on row_linear; the LM head runs the kernel for every row
+    (its rows are the sampled ones, not the step's). Else RowLinear: every row on
+    row_linear, slower at decode's few rows. A quantized layer routed by the step (int8, the
+    float32 int4 fallback) runs its generated rows on F32 over its dense copy, the same
+    values. (kernel layers, padded layers)."""
+    rows: StepRows = model.step_rows  # type: ignore[assignment]
+    kernel = padded = 0
+    for owner in list(model.modules()):
+        for name, child in list(owner.named_children()):
+            if isinstance(child, SmallBatchLinear) and ops is not None and _f32able(child.dense):
+                blocks = child.dense.view(torch.uint8)  # type: ignore[union-attr]
+                child.generated = functools.partial(_f32_matmul, ops, blocks)
+                kernel += 1
+            if type(child) is not nn.Linear:
+                continue
+            w = child.weight.data
+            if w.dtype != torch.float32 or w.device.type != "cpu":
+                continue
+            head = owner is model and name == "lm_head"
+            layer: nn.Module
+            if ops is not None and _f32able(w):
+                bias = child.bias.data if child.bias is not None else None
+                layer = GgufLinear(ops, w.view(torch.uint8), "F32", None if head else w,
+                                   None if head else rows, bias)  # fmt: skip
+                kernel += 1
+            else:
+                layer = RowLinear(child)
+                padded += 1
+            setattr(owner, name, layer)
+    return kernel, padded
+
+
+def _f32_matmul(ops: GgufOps, blocks: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return ops.matmul(x, blocks, "F32")
+
+
+def _f32able(w: torch.Tensor | None) -> bool:
+    """The F32 kind reads the float32 weight's own rows: contiguous, K a multiple of 32."""
+    return w is not None and w.dtype == torch.float32 and w.device.type == "cpu" and (
+        w.dim() == 2 and w.shape[1] % BLOCK == 0 and w.is_contiguous())  # fmt: skip
 
 
 # -- the model's projections and LM head from the GGUF's blocks --------------------------------
@@ -209,7 +257,9 @@ def measure(ops: GgufOps, n: int = 1536, k: int = 576, count: int = 64) -> tuple
     """(kernel, dense) seconds of one row through an n x k Q4_1 matrix (SmolLM2's gate/up,
     the shape of most of a small model's decode reads), each a sweep over `count` matrices
     as a decode step sweeps its layers: 35 MB of blocks and 226 MB dense, more than a
-    server CPU's last-level cache, so both read memory as in a step (~0.5 s in all)."""
+    server CPU's last-level cache, so both read memory as in a step (~0.5 s in all). Dense
+    is the F32 kernel on the same weights in float32: what `--quantization none` runs a
+    generated row on (f32_linears)."""
     gen = np.random.default_rng(0)
     blocks = gen.integers(0, 256, (n, k // BLOCK, BLOCK_BYTES["Q4_1"]), dtype=np.uint8)
     blocks[..., 0:4] = np.array([0.01, 0.001], dtype=np.float16).view(np.uint8)
@@ -218,7 +268,7 @@ def measure(ops: GgufOps, n: int = 1536, k: int = 576, count: int = 64) -> tuple
     dense = [ops.dequantize(one, "Q4_1") for _ in range(count)]
     x = torch.randn(1, k)
     kernel_s = _timed(lambda: [ops.matmul(x, w, "Q4_1") for w in ws])
-    dense_s = _timed(lambda: [nn.functional.linear(x, d) for d in dense])
+    dense_s = _timed(lambda: [ops.matmul(x, d.view(torch.uint8), "F32") for d in dense])
     return kernel_s / count, dense_s / count
 
 

@@ -1,4 +1,5 @@
-/* y = x @ W.T with W kept as GGUF's blocks (Q4_0, Q4_1, Q8_0) as shipped, x float32.
+/* y = x @ W.T with W kept as GGUF's blocks (Q4_0, Q4_1, Q8_0) as shipped, or as float32
+ * (F32), x float32.
  *
  * A decode step of a small model reads every weight once per step: in float32 that is 4 bytes
  * a weight, in these blocks 0.56-1.06. So where a CPU has no fast bf16 (an AVX2-only EPYC:
@@ -11,8 +12,14 @@
  *   Q4_0  d: f16, qs: 16 bytes   w = (q - 8) * d
  *   Q4_1  d: f16, m: f16, qs     w = q * d + m
  *   Q8_0  d: f16, qs: 32 x int8  w = q * d
+ *   F32   32 floats (128 bytes)  w = the float: a dense float32 matrix read in place
  * q * d is exact in float32 (4 or 8 bits times 11), so the widened weights equal gguf's own
  * dequantization bit for bit, whichever of fma or mul + add makes them.
+ *
+ * F32 is here for its sums, not its bytes: in float32, MKL's matmul gives a row other bits
+ * when few rows share a call (a GEMV at one row, another path for the rows past a multiple
+ * of 4 below 12), so a generated token's logits would depend on its batch. These loops give
+ * every row the same operations at any batch (gguf_linear.py runs generated rows on them).
  *
  * Each output is a sum of K products kept in 16 lanes (lane l sums k = l mod 16) over the
  * blocks in order, then folded in a fixed tree: the same operations for a row whatever else
@@ -35,9 +42,9 @@
 #define GG_PREFETCH 1024
 #define GG_PAR_MIN 32768 /* multiply-adds below which a fork costs more than it saves */
 
-enum { GG_Q4_0 = 0, GG_Q4_1 = 1, GG_Q8_0 = 2 };
+enum { GG_Q4_0 = 0, GG_Q4_1 = 1, GG_Q8_0 = 2, GG_F32 = 3 };
 
-static const int64_t gg_block_bytes[3] = {18, 20, 34};
+static const int64_t gg_block_bytes[4] = {18, 20, 34, 128};
 
 /* IEEE half to float, exact (subnormals included): one instruction with F16C (every AVX2
  * CPU has it) or on arm64 (fcvt, in the base ISA), else bit by bit; twice a block, as much
@@ -79,6 +86,10 @@ static inline float gg_half(const uint8_t *p) {
 /* Block b's 32 weights widened to float (the portable path; the AVX2 one widens in
  * registers the same way). */
 static inline void gg_widen(const uint8_t *blk, int kind, float *w) {
+    if (kind == GG_F32) {
+        memcpy(w, blk, QK * sizeof(float));
+        return;
+    }
     const float d = gg_half(blk);
     if (kind == GG_Q8_0) {
         const int8_t *q = (const int8_t *)(blk + 2);
@@ -111,6 +122,10 @@ typedef struct {
 static inline __attribute__((always_inline)) gg_w8x4 gg_widen_avx2(const uint8_t *blk,
                                                                   const int kind) {
     gg_w8x4 w;
+    if (kind == GG_F32) {
+        for (int c = 0; c < 4; c++) w.v[c] = _mm256_loadu_ps((const float *)blk + 8 * c);
+        return w;
+    }
     const __m256 d = _mm256_set1_ps(gg_half(blk));
     if (kind == GG_Q8_0) {
         const uint8_t *q = blk + 2;
@@ -205,6 +220,10 @@ static inline __attribute__((always_inline)) void gg_u8_to_f32(uint8x16_t q, flo
 static inline __attribute__((always_inline)) gg_w4x8 gg_widen_neon(const uint8_t *blk,
                                                                    const int kind) {
     gg_w4x8 w;
+    if (kind == GG_F32) {
+        for (int c = 0; c < 8; c++) w.v[c] = vld1q_f32((const float *)blk + 4 * c);
+        return w;
+    }
     const float32x4_t d = vdupq_n_f32(gg_half(blk));
     if (kind == GG_Q8_0) {
         gg_s8_to_f32(vld1q_s8((const int8_t *)(blk + 2)), d, w.v);
@@ -295,16 +314,18 @@ static inline void gg_tile(const uint8_t *wr, int64_t nb, const int kind, const 
 GG_MATMUL(gg_matmul_q4_0, GG_Q4_0)
 GG_MATMUL(gg_matmul_q4_1, GG_Q4_1)
 GG_MATMUL(gg_matmul_q8_0, GG_Q8_0)
+GG_MATMUL(gg_matmul_f32w, GG_F32)
 
 /* out (rows, N) = x (rows, K) @ W.T, W (N, K) as blocks of `kind`, K a multiple of 32.
  * Returns 0, or -1 for an unknown kind or a K the blocks cannot tile. */
 int gguf_matmul_f32(const float *x, int64_t rows, int64_t K, const uint8_t *w, int64_t N,
                     int kind, float *out) {
-    if (kind < 0 || kind > 2 || K % QK || rows < 0 || N < 0) return -1;
+    if (kind < 0 || kind > 3 || K % QK || rows < 0 || N < 0) return -1;
     switch (kind) {
         case GG_Q4_0: gg_matmul_q4_0(x, rows, K, w, N, out); break;
         case GG_Q4_1: gg_matmul_q4_1(x, rows, K, w, N, out); break;
-        default: gg_matmul_q8_0(x, rows, K, w, N, out); break;
+        case GG_Q8_0: gg_matmul_q8_0(x, rows, K, w, N, out); break;
+        default: gg_matmul_f32w(x, rows, K, w, N, out); break;
     }
     return 0;
 }

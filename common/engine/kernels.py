@@ -5,7 +5,8 @@ ops, and these kernels do a layer's norms, RoPE, cache write, attention and SiLU
 instead of ~45 (benchmarks/step_profile.py measures both). Why built here and not shipped:
 `-march=native` code is right only for the CPU that compiled it, so the library is compiled
 on the machine that runs it (about a second with gcc) and cached under
-~/.cache/pdserve/kernels by a hash of the source, the compiler, its flags and the CPU's flags.
+~/.cache/pdserve/kernels by a hash of the source, the compiler, its flags, its expansion of
+`-march=native` and the CPU's flags (common/cbuild.py).
 
 The build itself is torch-free (common/cbuild.py): config resolution reads its key too.
 Where no C compiler is found (a slim container image) or the model does not fit the kernels'
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -93,9 +95,53 @@ def _ptr(t: torch.Tensor) -> int:
     return int(t.data_ptr())
 
 
+def _rows(x: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    if x.dim() != 2 or x.dtype != dtype or not x.is_contiguous():
+        raise ValueError(f"{what}: {tuple(x.shape)} {x.dtype}, not contiguous rows of {dtype}")
+
+
+def _weight(w: torch.Tensor, x: torch.Tensor) -> None:
+    if w.shape != x.shape[1:] or w.dtype != x.dtype or not w.is_contiguous():
+        raise ValueError(f"a norm weight {tuple(w.shape)} {w.dtype} for {tuple(x.shape)} {x.dtype}")
+
+
+def _cache(k: torch.Tensor, v: torch.Tensor, kvh: int, d: int, dtype: torch.dtype) -> None:
+    if not (
+        k.dim() == 3
+        and k.shape[1:] == (kvh, d)
+        and k.shape == v.shape
+        and k.dtype == v.dtype == dtype
+        and k.is_contiguous()
+        and v.is_contiguous()
+    ):
+        raise ValueError(f"a KV cache {tuple(k.shape)} {k.dtype} for {kvh} heads of {d}")
+
+
+def _rope_args(
+    cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+    t: int, d: int,
+) -> None:  # fmt: skip
+    if not (
+        positions.shape == slots.shape == (t,)
+        and positions.dtype == slots.dtype == torch.int64
+        and positions.is_contiguous()
+        and slots.is_contiguous()
+    ):
+        raise ValueError(
+            f"rope_write: positions {tuple(positions.shape)} {positions.dtype} "
+            f"and slots {tuple(slots.shape)} {slots.dtype} for {t} rows"
+        )
+    _rows(cos, torch.float32, "rope_write's cos table")
+    _rows(sin, torch.float32, "rope_write's sin table")
+    if cos.shape != sin.shape or cos.shape[1] != d:
+        raise ValueError(f"rope_write: tables {tuple(cos.shape)}, {tuple(sin.shape)} for {d}")
+
+
 class CpuKernels:
     """The kernels for one dtype. Tensors must be CPU, of that dtype, and contiguous where
-    the docstrings say so (the callers in model.py make them so; asserts guard it)."""
+    the docstrings say so (the callers in model.py make them so). Every pointer the C follows
+    is checked to span what it reads and writes (a ValueError, which `python -O` keeps, not an
+    assert); the indices it follows are checked once a step (fused.py)."""
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -105,10 +151,26 @@ class CpuKernels:
         self._silu_mul = getattr(lib, f"silu_mul_{suffix}")
         self._rope_write = getattr(lib, f"rope_write_{suffix}")
         self._decode_attention = getattr(lib, f"decode_attention_{suffix}")
+        # what passed the checks (kept, or weakly for caches: no other tensor takes their
+        # ids): a step hands every layer the same positions, slots, tables and lengths, and
+        # a layer its same cache views every step, so the layers after a step's first check
+        # only their qkv (~2 us a call less)
+        self._rope: tuple[object, ...] = ()
+        self._attn: tuple[object, ...] = ()
+        self._caches: dict[int, tuple[Any, Any, int, int]] = {}
+
+    def _cache(self, k: torch.Tensor, v: torch.Tensor, kvh: int, d: int) -> None:
+        seen = self._caches.get(id(k))
+        if seen is None or seen[0]() is not k or seen[1]() is not v or seen[2:] != (kvh, d):
+            _cache(k, v, kvh, d, self.dtype)
+            if len(self._caches) > 4096:  # caches made again and again: forget the old
+                self._caches.clear()
+            self._caches[id(k)] = (weakref.ref(k), weakref.ref(v), kvh, d)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        """x (T, n) contiguous -> a new (T, n)."""
-        assert x.is_contiguous() and x.dtype == self.dtype
+        """x (T, n) contiguous, w (n,) -> a new (T, n)."""
+        _rows(x, self.dtype, "rms_norm's x")
+        _weight(w, x)
         out = torch.empty_like(x)
         self._rms_norm(_ptr(x), _ptr(w), _ptr(out), x.shape[0], x.shape[1], eps)
         return out
@@ -117,8 +179,13 @@ class CpuKernels:
         self, residual: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float
     ) -> torch.Tensor:
         """residual += delta in place (both (T, n) contiguous); returns rms_norm(residual)."""
-        assert residual.is_contiguous() and delta.is_contiguous()
-        assert residual.shape == delta.shape and delta.dtype == residual.dtype == self.dtype
+        _rows(residual, self.dtype, "add_rms_norm's residual")
+        _rows(delta, self.dtype, "add_rms_norm's delta")
+        if delta.shape != residual.shape:
+            raise ValueError(
+                f"add_rms_norm: delta {tuple(delta.shape)} for {tuple(residual.shape)}"
+            )
+        _weight(w, residual)
         out = torch.empty_like(residual)
         n = residual.shape[1]
         self._add_rms_norm(
@@ -128,7 +195,7 @@ class CpuKernels:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up (T, 2I) contiguous -> silu(gate) * up, (T, I)."""
-        assert gate_up.is_contiguous() and gate_up.dtype == self.dtype
+        _rows(gate_up, self.dtype, "silu_mul's gate_up")
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((rows, inter), dtype=self.dtype)
         self._silu_mul(_ptr(gate_up), _ptr(out), rows, inter)
@@ -149,12 +216,19 @@ class CpuKernels:
         sin float32 (P, D); positions, slots int64 (T,)), then K and V to cache rows `slots`
         of k_cache, v_cache ((slots, KVH, D) contiguous each)."""
         h, kvh, d = heads
-        assert qkv.is_contiguous() and qkv.shape[1] == (h + 2 * kvh) * d
-        assert k_cache.is_contiguous() and v_cache.is_contiguous()
-        assert positions.dtype == slots.dtype == torch.int64 and cos.dtype == torch.float32
+        _rows(qkv, self.dtype, "rope_write's qkv")
+        if qkv.shape[1] != (h + 2 * kvh) * d or not 0 < d <= MAX_HEAD_DIM:
+            raise ValueError(f"rope_write: qkv rows of {qkv.shape[1]} for heads {heads}")
+        t = qkv.shape[0]
+        seen = self._rope  # what the step's first layer checked: the same for the others
+        if not (seen and seen[0] is positions and seen[1] is slots and seen[2] is cos
+                and seen[3] is sin and seen[4] == t and seen[5] == d):  # fmt: skip
+            _rope_args(cos, sin, positions, slots, t, d)
+            self._rope = (positions, slots, cos, sin, t, d)
+        self._cache(k_cache, v_cache, kvh, d)
         self._rope_write(
             _ptr(qkv), _ptr(cos), _ptr(sin), _ptr(positions), _ptr(slots), _ptr(k_cache),
-            _ptr(v_cache), qkv.shape[0], h, kvh, d,
+            _ptr(v_cache), t, h, kvh, d,
         )  # fmt: skip
 
     def decode_attention(
@@ -171,8 +245,22 @@ class CpuKernels:
         its first lens[b] cached tokens through block_tables (B, nb) -> (B, H * D)."""
         h, kvh, d = heads
         b, nb = block_tables.shape
-        assert qkv.is_contiguous() and qkv.shape[0] == b == lens.shape[0]
-        assert block_tables.is_contiguous() and block_tables.dtype == lens.dtype == torch.int64
+        _rows(qkv, self.dtype, "decode_attention's qkv")
+        if qkv.shape[0] != b or qkv.shape[1] < h * d or not 0 < d <= MAX_HEAD_DIM:
+            raise ValueError(f"decode_attention: qkv {tuple(qkv.shape)} for {b} tables, {heads}")
+        seen = self._attn
+        if not (seen and seen[0] is block_tables and seen[1] is lens) and not (
+            lens.shape == (b,)
+            and block_tables.dtype == lens.dtype == torch.int64
+            and lens.is_contiguous()
+            and block_tables.is_contiguous()
+        ):
+            raise ValueError(
+                f"decode_attention: lens {tuple(lens.shape)} {lens.dtype} for "
+                f"tables {tuple(block_tables.shape)} {block_tables.dtype}"
+            )
+        self._attn = (block_tables, lens)
+        self._cache(k_cache, v_cache, kvh, d)
         out = torch.empty((b, h * d), dtype=self.dtype)
         status = self._decode_attention(
             _ptr(qkv), qkv.shape[1], _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), nb,

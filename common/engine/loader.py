@@ -100,9 +100,9 @@ def _iter_gguf(path: Path, cfg: ModelConfig, widen: Widen) -> Iterator[tuple[str
                 raise ModelLoadError(f"{path}: tensor {name!r} is not named blk.N.KIND.SUFFIX")
             _, idx, kind, suffix = parts
             if kind not in GGUF_LAYER_NAMES:
-                continue  # e.g. rope_freqs: computed from metadata instead
+                continue  # not a weight (the RoPE factors are the config's: rope_scaling)
             hf_name = f"model.layers.{idx}.{GGUF_LAYER_NAMES[kind]}.{suffix}"
-        else:
+        else:  # rope_freqs.weight: read with the metadata into the config's rope_scaling
             continue
         try:
             qtype = GGMLQuantizationType(tensor.tensor_type)

@@ -76,6 +76,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = cfg.rope_scaling or {}
+    if "freq_factors" in scaling:  # a GGUF's rope_freqs: llama.cpp divides each angle by its own
+        inv_freq = inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "llama3":
         # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.

@@ -5,9 +5,10 @@ blocked layout on every call: for a decode step's few rows that reorder costs as
 product. Packing once (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's weight
 freezing does) and calling `_linear_pointwise` runs the same kernel on the same numbers: the
 result equals F.linear's bit for bit at every row count (tests/unit/test_packed.py), so text
-does not change. float32 stays on F.linear: oneDNN's fp32 kernel differs from it in the last
-bits and, at some shapes, by row count, which would break the float32 invariant that a
-sequence's tokens do not depend on its batch.
+does not change. float32 is not packed: oneDNN's fp32 kernel differs from F.linear in the
+last bits and, at some shapes, by row count, which would break the float32 invariant that a
+sequence's tokens do not depend on its batch; float32 layers run rows.py's padded F.linear
+and gguf_matmul.c's F32 kernel instead (gguf_linear.f32_linears).
 
 `quant.prepack(model)` (the runner calls it with --cpu-kernels auto) swaps every bf16 CPU
 nn.Linear for a PackedLinear and gives every quantized layer's dense weight (quant.py's

@@ -20,6 +20,7 @@ fp32 activations it is several times slower than dense, so this path is for bf16
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from pdserve.common.engine.packed import PACKED_DENSE_FROM, PackedLinear, pack, packed_linear
+from pdserve.common.engine.rows import StepRows, by_step
 
 BLOCK = 32
 LAYOUTS = {"Q4_0": (2, 16), "Q4_1": (4, 16), "Q8_0": (2, 32)}  # (header bytes, qs bytes)
@@ -59,20 +61,32 @@ def unpack_q8(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.nda
 class SmallBatchLinear(nn.Module):
     """A quantized kernel for few rows, a dense weight from `dense_from` rows on: the 4- and
     8-bit kernels win while a decode step reads fewer bytes, a dense matmul wins once the
-    rows make it compute-bound (measured crossover 8-32 rows). `dense` None: kernel only."""
+    rows make it compute-bound (measured crossover 8-32 rows). `dense` None: kernel only.
+
+    In float32 (`rows` set) the step decides instead, as in gguf_linear.GgufLinear: prompt
+    rows on `dense` (row-padded, rows.py), generated rows on the kernel, whatever the batch
+    holds; a switch by row count would give a row other bits in a bigger batch. torch's int8
+    and int4 kernels' float32 rows do not depend on the batch (tests/unit/test_quant.py)."""
 
     in_features: int
     out_features: int
     dense: torch.Tensor | None
     dense_from: int
     packed_dense: torch.Tensor | None = None  # `dense` in oneDNN's layout (packed.py)
+    rows: StepRows | None = None  # the model's step rows: float32 routes by them
+    # float32, where gguf_matmul.c is built: generated rows on its F32 kind over `dense`
+    # (gguf_linear.f32_linears). torch's int8 and int4 kernels take float activations
+    # 10-60x slower than that at 1-16 rows; the weights are the same values either way
+    generated: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def kernel(self, flat: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.packed_dense is not None and flat.shape[0] >= self.dense_from:
+        if self.rows is not None:
+            out = by_step(flat, self.rows.prompt, self.dense, self.generated or self.kernel)
+        elif self.packed_dense is not None and flat.shape[0] >= self.dense_from:
             out = packed_linear(flat, self.packed_dense, None)
         elif self.dense is not None and flat.shape[0] >= self.dense_from:
             out = torch.nn.functional.linear(flat, self.dense)
@@ -180,6 +194,13 @@ def _q4(tensor: object, rows: int, cols: int, heads: int = 0) -> tuple[np.ndarra
 DENSE_FROM = 16  # rows from which a projection runs dense (measured crossover: 8-32 rows)
 
 
+def _by_step(layer: SmallBatchLinear, model: nn.Module, dtype: torch.dtype) -> SmallBatchLinear:
+    """The layer, routed by the model's step rows in float32 (SmallBatchLinear)."""
+    if dtype == torch.float32:
+        layer.rows = model.step_rows  # type: ignore[assignment]
+    return layer
+
+
 def gguf_projections(layer: Any, cfg: Any) -> dict[tuple[Any, str], list[tuple[str, int]]]:
     """A decoder layer's fused projections -> the GGUF tensors they are made of, each with the
     head count to un-permute its rows by for RoPE (0: none), in the order they are stacked."""
@@ -218,7 +239,8 @@ def quantize_gguf_linears(model: nn.Module, path: object, cfg: object, dtype: to
                 continue
             q, scale, zero = (np.concatenate([p[j] for p in parts]) for j in range(3))
             assert q.shape == tuple(linear.weight.shape), (q.shape, linear.weight.shape)
-            setattr(owner, attr, Int4Linear(q, scale, zero, dtype, dense_from=DENSE_FROM))
+            q4 = Int4Linear(q, scale, zero, dtype, dense_from=DENSE_FROM)
+            setattr(owner, attr, _by_step(q4, model, dtype))
             replaced += 1
     return replaced
 
@@ -239,7 +261,8 @@ def quantize_int8(model: nn.Module, dtype: torch.dtype, dense_from: int = DENSE_
             owner = getattr(layer, owner_name)
             linear = getattr(owner, attr)
             if isinstance(linear, nn.Linear) and linear.bias is None:
-                setattr(owner, attr, Int8Linear.from_float(linear.weight.data, dtype, dense_from))
+                q8 = Int8Linear.from_float(linear.weight.data, dtype, dense_from)
+                setattr(owner, attr, _by_step(q8, model, dtype))
                 replaced += 1
     return replaced
 
@@ -279,7 +302,8 @@ def quantize_gguf_lm_head(model: nn.Module, path: object, dtype: torch.dtype) ->
     """The LM head from the GGUF's Q8_0 blocks (Q8Linear): the largest single read of a small
     model's decode step (SmolLM2: 49,152 x 576, 57 MB in bf16, as much as its 30 layers in
     4-bit). The float weight stays for the embedding it may be tied to (a lookup reads a few
-    rows) and for batches from DENSE_FROM rows. Whether the head was replaced."""
+    rows) and, in bfloat16, for batches from DENSE_FROM rows. Whether the head was
+    replaced."""
     from gguf import GGMLQuantizationType
 
     from pdserve.common.model.config import open_gguf
@@ -294,7 +318,10 @@ def quantize_gguf_lm_head(model: nn.Module, path: object, dtype: torch.dtype) ->
     cols, rows = (int(d) for d in t.shape)
     q, scale = unpack_q8(np.asarray(t.data), rows, cols)
     assert (rows, cols) == tuple(head.weight.shape), ((rows, cols), head.weight.shape)
-    model.lm_head = Q8Linear(q, scale, dtype, head.weight.data, DENSE_FROM)  # type: ignore[union-attr]
+    q8 = Q8Linear(q, scale, dtype, head.weight.data, DENSE_FROM)
+    if dtype == torch.float32:  # every row as a generated one: its rows are the sampled ones
+        q8.rows = StepRows()  # never set by a step: no prompt rows
+    model.lm_head = q8  # type: ignore[union-attr]
     return True
 
 

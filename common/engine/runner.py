@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -21,6 +22,7 @@ from pdserve.common.model.config import (
     load_model_config,
     resolve_model,
 )
+from pdserve.common.numerics import code_path, isa_level
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -60,6 +62,8 @@ def _widen(cfg: EngineConfig) -> Widen | None:
 
 
 class ModelRunner:
+    gguf_path = ""  # gguf_matmul.c's SIMD path where its kernels run the projections
+
     def __init__(self, cfg: EngineConfig, eos_token_ids: tuple[int, ...] | None = None) -> None:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
@@ -77,6 +81,7 @@ class ModelRunner:
         self.model.load_weights(iter_weights(source, self.model_config, widen), self.dtype)
         self.kernels = "eager"  # what runs the model (engine_info on /metrics): set below
         self._quantize(cfg, source)
+        self._row_invariant(cfg)
         self._use_kernels(cfg)
         self.model.eval()
         self.num_blocks = num_kv_blocks(cfg, self.model_config, self.dtype.itemsize)
@@ -140,13 +145,37 @@ class ModelRunner:
             log.warning("--quantization int4 in float32 on torch's 4-bit kernel (slow): %s", got)
             return False
         n, head = quantize_gguf(self.model, source.path, self.model_config, got[0])
-        self.kernels = "gguf"
+        self.kernels, self.gguf_path = "gguf", got[0].path
         log.info(
             "--quantization int4: %d projections on their GGUF blocks for generated tokens "
             "(dense float32 for prompt tokens)%s; the %s kernel", n,
             ", the LM head on its blocks" if head else "", got[0].path,
         )  # fmt: skip
         return True
+
+    def _row_invariant(self, cfg: EngineConfig) -> None:
+        """float32 on CPU: the linear layers still on F.linear (all of them with
+        --quantization none), whose rows MKL computes otherwise at few rows, on gguf_matmul.c's
+        F32 kernel for generated tokens and row-padded F.linear for prompt tokens; on padded
+        F.linear alone where the kernels are not built (gguf_linear.f32_linears, rows.py)."""
+        if self.dtype != torch.float32 or self.device.type != "cpu":
+            return
+        from pdserve.common.engine.gguf_linear import f32_linears, gguf_ops
+        from pdserve.common.engine.rows import warm
+
+        got = gguf_ops() if cfg.cpu_kernels == "auto" else "--cpu-kernels off"
+        kernel, padded = f32_linears(self.model, None if isinstance(got, str) else got[0])
+        if kernel and self.kernels == "eager":
+            self.kernels = "f32"
+        if kernel and not self.gguf_path:  # the F32 kernel's SIMD path decides its bits
+            self.gguf_path = got[0].path if not isinstance(got, str) else ""
+        if kernel or padded:
+            log.info(
+                "float32: %d linear layers on the F32 kernel for generated tokens (prompt "
+                "tokens on row-padded F.linear), %d on row-padded F.linear for every token",
+                kernel, padded,
+            )  # fmt: skip
+        warm(self.model)
 
     def _use_kernels(self, cfg: EngineConfig) -> None:
         """--cpu-kernels auto: bf16 weights packed for oneDNN (packed.py), and the fused C
@@ -168,6 +197,18 @@ class ModelRunner:
         self.model.use_kernels(got)
         self.kernels = "fused" if self.kernels == "eager" else f"fused+{self.kernels}"
         log.info("fused CPU kernels for norms, RoPE + KV write, decode attention and SiLU")
+
+    @functools.cached_property
+    def code_path(self) -> str:
+        """What computes this engine's numbers beyond --dtype and --quantization, as it runs:
+        the fused C kernels or eager ops, gguf_matmul.c's SIMD path or torch's linear ops, the
+        CPU level (numerics.code_path). Nodes that differ in it differ in the last bits, so
+        a gateway refuses one whose path differs from its cluster's. "" off CPU (unchecked)."""
+        if self.device.type != "cpu":
+            return ""
+        kernels = "fused" if self.model.kernels is not None else "eager"
+        linear = f"gguf-{self.gguf_path}" if self.gguf_path else "torch"
+        return code_path(kernels=kernels, linear=linear, isa=isa_level(self.cfg.dtype))
 
     def _share_cache(self, cfg: EngineConfig, tokens: int) -> bool:
         """Whether the KV cache goes to /dev/shm (--kv-shared-cache; shared_kv.py)."""

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pdserve.common.errors import ModelLoadError
+from pdserve.common.logs import cut
+from pdserve.common.model.gguf_meta import number, token_id
 
 # a GGUF file name's quantization tag: .Q4_1, -Q4_K_M, .IQ3_XS, -f16, .BF16 (llama.cpp's)
 QUANT_TAG = re.compile(r"[.-](?:I?Q\d\w*|B?F16|F32)$", re.IGNORECASE)
@@ -231,31 +233,74 @@ def _config_from_gguf(path: Path) -> ModelConfig:
     if arch != "llama":
         raise ModelLoadError(f"unsupported GGUF architecture {arch!r} in {path}: need 'llama'")
 
-    def get(key: str, default: Any = None) -> Any:
+    def get(key: str, kind: type[int] | type[float], default: Any = None) -> Any:
         value = gguf_field(reader, f"llama.{key}", default)
         if value is None:
             raise ModelLoadError(f"{path} lacks GGUF metadata llama.{key}")
-        return value
+        return number(path, f"llama.{key}", value, kind)
 
-    num_heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
+    num_heads = get("attention.head_count", int)
+    hidden = get("embedding_length", int)
+    head_dim = get("rope.dimension_count", int, hidden // max(num_heads, 1))
     names = {t.name for t in reader.tensors}
     vocab = gguf_field(reader, "llama.vocab_size")
     if vocab is None:  # older files: the vocabulary's length (decoding ~50k strings)
-        vocab = len(gguf_field(reader, "tokenizer.ggml.tokens", []))
-    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+        tokens = gguf_field(reader, "tokenizer.ggml.tokens", [])
+        vocab = len(tokens) if isinstance(tokens, list) else tokens
+
+    def special(name: str) -> int | None:
+        key = f"tokenizer.ggml.{name}_token_id"
+        return token_id(path, key, gguf_field(reader, key))
+
+    eos = special("eos")
     return ModelConfig(
-        vocab_size=int(vocab),
+        vocab_size=number(path, "llama.vocab_size", vocab, int),
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        intermediate_size=get("feed_forward_length", int),
+        num_layers=get("block_count", int),
         num_heads=num_heads,
-        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-        head_dim=int(get("rope.dimension_count", hidden // max(num_heads, 1))),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(get("context_length")),
+        num_kv_heads=get("attention.head_count_kv", int, num_heads),
+        head_dim=head_dim,
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon", float),
+        rope_theta=get("rope.freq_base", float, 10000.0),
+        max_position_embeddings=get("context_length", int),
         tie_word_embeddings="output.weight" not in names,
-        eos_token_ids=() if eos is None else (int(eos),),
-        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        rope_scaling=_gguf_rope_scaling(path, reader, head_dim),
+        eos_token_ids=() if eos is None else (eos,),
+        bos_token_id=special("bos"),
     )
+
+
+def _gguf_rope_scaling(path: Path, reader: Any, head_dim: int) -> dict[str, Any] | None:
+    """RoPE as llama.cpp runs the file: each angle divided by its `rope_freqs.weight` factor
+    (Llama 3.1+'s long-context scaling ships as that tensor), and by `rope.scaling.factor`
+    for linear scaling (llama.cpp's default type where a factor is given). Other types (yarn,
+    longrope) are refused rather than run with the wrong positions."""
+    import numpy as np  # loaded with the reader already
+
+    kind = gguf_field(reader, "llama.rope.scaling.type", "linear")
+    factor = gguf_field(reader, "llama.rope.scaling.factor")
+    if factor is None:  # the older key
+        factor = gguf_field(reader, "llama.rope.scale_linear", 0.0)
+    factor = number(path, "llama.rope.scaling.factor", factor, float)
+    key = "llama.rope.scaling.attn_factor"
+    attn = number(path, key, gguf_field(reader, key, 1.0), float)
+    scaling: dict[str, Any] = {}
+    if kind != "none" and factor not in (0.0, 1.0):
+        if kind != "linear" or factor < 0:
+            raise ModelLoadError(
+                f"{path}: RoPE scaling {cut(repr(kind))} with factor {factor} is not supported "
+                "(none and linear are)"
+            )
+        scaling.update(rope_type="linear", factor=factor)
+    if attn != 1.0:
+        raise ModelLoadError(f"{path}: llama.rope.scaling.attn_factor {attn} is not supported")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        factors = np.asarray(freqs.data).ravel() if freqs.tensor_type in (0, 1) else np.zeros(0)
+        if factors.shape != (head_dim // 2,) or not (np.isfinite(factors) & (factors > 0)).all():
+            raise ModelLoadError(
+                f"{path}: rope_freqs.weight must be {head_dim // 2} positive float factors"
+            )
+        scaling["freq_factors"] = tuple(float(f) for f in factors)
+    return scaling or None

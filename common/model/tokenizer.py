@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,12 +24,14 @@ from tokenizers import Tokenizer as HFTokenizer
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.model import cache
 from pdserve.common.model.config import ModelSource, gguf_field, open_gguf, resolve_model
+from pdserve.common.model.gguf_meta import token_id, vocabulary
 from pdserve.common.model.pretokenize import gguf_pre_tokenizer
 
 log = logging.getLogger(__name__)
 GGUF_TOKEN_TYPE_CONTROL = 3
 GGUF_TOKEN_TYPE_USER_DEFINED = 4
 CACHE_VERSION = 2  # in the cache key: entries built by older code are built again
+_SURROGATE = re.compile("[\ud800-\udfff]")  # not UTF-8: tokenizers refuses such a str
 
 
 @dataclass
@@ -91,7 +94,10 @@ class Tokenizer:
         # ~0.1 s per 100k tokens, stalling the gateway's event loop thread the whole time);
         # the _fast form skips character offsets nobody here reads
         batch = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
-        ids = list(batch([text], add_special_tokens=False)[0].ids)
+        try:
+            ids = list(batch([text], add_special_tokens=False)[0].ids)
+        except TypeError:  # a lone surrogate (_SURROGATE)
+            ids = list(batch([_valid_utf8(text)], add_special_tokens=False)[0].ids)
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids.insert(0, self.bos_token_id)
@@ -179,9 +185,7 @@ class Tokenizer:
             raise ModelLoadError(
                 f"{path}: only byte-level BPE ('gpt2') GGUF tokenizers are supported"
             )
-        tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens")
-        merges: list[str] = gguf_field(reader, "tokenizer.ggml.merges") or []
-        types: list[int] = gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+        tokens, merges, types = vocabulary(path, functools.partial(gguf_field, reader))
         vocab = {tok: i for i, tok in enumerate(tokens)}
         pairs = [(a, b) for a, _, b in (m.partition(" ") for m in merges)]
         bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
@@ -199,16 +203,12 @@ class Tokenizer:
             AddedToken(tok, special=False, normalized=False)
             for tok, kind in kinds if kind == GGUF_TOKEN_TYPE_USER_DEFINED
         ])  # fmt: skip
-        eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
-        eos_ids = [int(eos)] if eos is not None else []
-        eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
-        if eot is not None and int(eot) not in eos_ids:
-            eos_ids.append(int(eot))
-        bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
+        keys = (f"tokenizer.ggml.{k}_token_id" for k in ("eos", "eot", "bos"))
+        eos, eot, bos = (token_id(path, k, gguf_field(reader, k)) for k in keys)
         return cls(
             backend=backend,
-            eos_token_ids=tuple(eos_ids),
-            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=tuple(dict.fromkeys(i for i in (eos, eot) if i is not None)),
+            bos_token_id=bos,
             add_bos_token=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
             chat_template=gguf_field(reader, "tokenizer.chat_template"),
         )
@@ -390,3 +390,9 @@ def _longest_stop_prefix_suffix(text: str, stops: list[str]) -> int:
                 break
             i = text.find(stop[0], i + 1)
     return best
+
+
+def _valid_utf8(text: str) -> str:
+    """Each lone surrogate as U+FFFD: a command line's invalid UTF-8 bytes come as surrogate
+    escapes (`pdserve generate --prompt $'\\xff'`), a JSON string may hold "\\udcff"."""
+    return _SURROGATE.sub("\ufffd", text)

@@ -160,6 +160,7 @@ class NodeRuntime:
             max_model_len=eng.max_model_len,
             kv_endpoints=self.kv.endpoints if self.kv is not None else {},
             features=NODE_FEATURES,
+            code_path=getattr(eng, "code_path", ""),  # kernels, CPU level: must match too
         )
 
     def load(self) -> Load:
@@ -376,10 +377,11 @@ def make_tiers(ecfg: EngineConfig, node_id: str) -> TierStore | None:
     if not (ecfg.kv_host_cache_gb or ecfg.kv_disk_cache_gb) or ecfg.prefix_caching != "on":
         return None
     # a given folder holds a subfolder per node: nodes sharing one (`pdserve up` gives every
-    # node the same flags) evicted, and at start cleared, each other's blocks
-    folder = str(Path(ecfg.kv_disk_cache_dir) / node_id) if ecfg.kv_disk_cache_dir else ""
-    if not folder:
-        root = cache_dir() / "kv-tier"
-        sweep_dead_tiers(root)
-        folder = str(root / f"{node_id}-{os.getpid()}")
+    # node the same flags) evicted, and at start cleared, each other's blocks. Either root is
+    # swept of killed nodes' folders (by their locks: a live node's stays), as a default node
+    # id names the process, so a restart never reuses a killed node's folder
+    given = ecfg.kv_disk_cache_dir
+    root = Path(given) if given else cache_dir() / "kv-tier"
+    sweep_dead_tiers(root)
+    folder = str(root / (node_id if given else f"{node_id}-{os.getpid()}"))
     return TierStore(int(ecfg.kv_host_cache_gb * 2**30), int(ecfg.kv_disk_cache_gb * 2**30), folder)

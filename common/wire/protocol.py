@@ -53,6 +53,7 @@ class NodeInfo(msgspec.Struct, kw_only=True, frozen=True):
     # what this node's version understands beyond the base protocol (NODE_FEATURES): a
     # gateway asks a node only what it reads (a rolling update mixes versions)
     features: tuple[str, ...] = ()
+    code_path: str = ""  # what computes `dtype`'s numbers (common/numerics.py); "": unsaid
 
 
 # `Release.tokens`: the node ends a stream at that many output tokens and keeps them
@@ -131,8 +132,7 @@ class Heartbeat(Msg):
     # the gateway this node takes pool care from (the lowest id among those it is registered
     # with: docs/architecture.md, "Several gateways"); "" before it knows any id
     leader: str = ""
-    # the prefix cache's changes since the last heartbeat (its first KvEvents, numbered as
-    # the others: a heartbeat's kv_seq counts it)
+    # the prefix cache's changes since the last heartbeat (a KvEvents: kv_seq counts it too)
     events: KvEvents | None = None
     # the node wants a HeartbeatReply even with nothing in it (it heard nothing from this
     # gateway for a while: its liveness check needs one); else the gateway answers only

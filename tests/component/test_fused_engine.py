@@ -19,6 +19,7 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.engine.interface import DecodeWork, PrefillWork
 from pdserve.common.engine.kernels import CpuKernels
 from pdserve.common.engine.runner import ModelRunner
+from pdserve.common.numerics import isa_level
 from pdserve.common.sampling import SamplingParams
 from tests.component.test_quantized_engine import TEXT
 from tests.conftest import CHAT_PROMPTS, chat_ids, make_engine
@@ -33,6 +34,14 @@ def _pair(**cfg: object) -> tuple[ModelRunner, ModelRunner]:
     fused = ModelRunner(EngineConfig(**base))  # type: ignore[arg-type]
     eager = ModelRunner(EngineConfig(cpu_kernels="off", **base))  # type: ignore[arg-type]
     assert isinstance(fused.model.kernels, CpuKernels) and eager.model.kernels is None
+    # what each tells gateways it runs (a node whose kernels did not build is refused)
+    level = isa_level(fused.cfg.dtype)
+    # float32 weights on gguf_matmul.c's F32 kind for generated rows: its SIMD path named
+    f32 = fused.dtype == torch.float32
+    assert (fused.gguf_path in ("avx2", "neon", "portable")) == f32, fused.gguf_path
+    linear = f"gguf-{fused.gguf_path}" if f32 else "torch"
+    assert fused.code_path == f"kernels=fused;linear={linear};isa={level}"
+    assert eager.code_path == f"kernels=eager;linear=torch;isa={level}"
     return fused, eager
 
 
@@ -67,6 +76,39 @@ def test_a_mixed_step_gives_the_eager_logits(runners32, tokenizer):
         logits.append(runner.forward([chunk], decodes, all_rows=True))
     assert logits[0].shape == (50 + 2, logits[0].shape[1])
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+def _decode_logits(runner: ModelRunner, prompts: list[list[int]], steps: int) -> torch.Tensor:
+    """The first sequence's logits at each of `steps` greedy decode steps: the others (if any)
+    join at its first decode step, in the same step as their prefill, then decode beside it."""
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(len(prompts))]
+    [first] = runner.step([PrefillWork("0", prompts[0], 0, tables[0], GREEDY)], [])
+    tokens, pos = {0: first}, [len(p) for p in prompts]
+    joining = [PrefillWork(str(i), p, 0, tables[i], GREEDY) for i, p in enumerate(prompts) if i]
+    rows = []
+    for _ in range(steps):
+        decodes = [DecodeWork(str(i), t, pos[i], tables[i], GREEDY) for i, t in tokens.items()]
+        logits = runner.forward(joining, decodes)  # a row a prompt (its last), then a decode
+        rows.append(logits[len(joining)])  # sequence 0: the first decode
+        for i in tokens:
+            pos[i] += 1
+        order = [int(p.seq_id) for p in joining] + list(tokens)
+        tokens = dict(sorted(zip(order, logits.argmax(-1).tolist(), strict=True)))
+        joining = []
+    return torch.stack(rows)
+
+
+def test_in_float32_a_sequences_logits_do_not_depend_on_its_batch(runners32, tokenizer):
+    """The token-for-token invariant at the engine: one sequence decoded alone, and beside
+    three others (prefilled in its first decode step, then decoding with it), gets the same
+    logits bit for bit at every step, fused (generated rows on gguf_matmul.c's F32 kernel,
+    prompt rows on padded F.linear) and eager (padded F.linear for every row). Plain
+    F.linear gave other bits from the first step (MKL's few-row paths, rows.py)."""
+    prompts = [chat_ids(tokenizer, p) for p in CHAT_PROMPTS[:4]]
+    for runner in runners32:
+        alone = _decode_logits(runner, prompts[:1], 24)
+        together = _decode_logits(runner, prompts, 24)
+        assert torch.equal(alone, together), (runner.kernels, (alone - together).abs().max())
 
 
 def _log_probs(runner: ModelRunner, ids: list[int]) -> torch.Tensor:

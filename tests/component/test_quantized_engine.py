@@ -110,6 +110,10 @@ def test_in_float32_every_projection_and_the_head_keep_their_blocks(runners32):
     assert isinstance(head, GgufLinear) and head.kind == "Q8_0" and head.rows is None
     # prompt rows share the model's float weight, no copy
     assert mods[0].dense is not None and mods[0].rows is quantized.model.step_rows
+    # the path the node tells gateways (common/numerics.py): the blocks' SIMD code, not torch's
+    assert f";linear=gguf-{mods[0].ops.path};" in quantized.code_path
+    # float32 weights too: generated rows on the same code's F32 kind (rows.py, row-invariant)
+    assert f";linear=gguf-{mods[0].ops.path};" in runners32[1].code_path
 
 
 def test_greedy_text_agrees_for_30_of_32_tokens_per_prompt(runners32, tokenizer):
@@ -171,9 +175,19 @@ def test_int8_at_load_quantizes_every_projection_within_one_percent_perplexity(t
         q8 = ModelRunner(EngineConfig(quantization="int8", **cfg))  # type: ignore[arg-type]
         assert EngineConfig(quantization="int8", dtype=dtype).numerics == f"{dtype}+int8"
         layers = q8.model.layers
-        kinds = {type(m) for layer in layers for m in (layer.self_attn.qkv, layer.mlp.down_proj)}
-        assert kinds == {Int8Linear}
-        assert isinstance(q8.model.lm_head, torch.nn.Linear | PackedLinear)
+        mods = [m for layer in layers for m in (layer.self_attn.qkv, layer.mlp.down_proj)]
+        assert {type(m) for m in mods} == {Int8Linear}
+        # float32 routes by the step's rows (prompt rows dense), bf16 by their count
+        want = q8.model.step_rows if dtype == "float32" else None
+        assert all(m.rows is want for m in mods)
+        # float32: generated rows on gguf_matmul.c's F32 kind over the dense copy, not on
+        # torch's int8 kernel, which takes float activations 10-60x slower
+        assert all((m.generated is not None) == (dtype == "float32") for m in mods)
+        # the float head: float32 on the F32 kernel (gguf_linear.f32_linears), bf16 packed
+        head = q8.model.lm_head
+        assert isinstance(
+            head, GgufLinear if dtype == "float32" else torch.nn.Linear | PackedLinear
+        )
         for m in q8.model.modules():  # bf16: every row through the int8 kernel; float32:
             if isinstance(m, Int8Linear) and dtype == "bfloat16":  # its dense copy holds the
                 m.dense_from = 1 << 30  # same int8 values exactly, and runs 10x faster

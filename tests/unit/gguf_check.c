@@ -27,11 +27,11 @@ static void put(const void *p, size_t n) {
 }
 
 int main(void) {
-    static const int64_t block_bytes[3] = {18, 20, 34};
+    static const int64_t block_bytes[4] = {18, 20, 34, 128}; /* Q4_0, Q4_1, Q8_0, F32 */
     int32_t kind;
     int64_t N, K, rows;
     take(&kind, 4), take(&N, 8), take(&K, 8), take(&rows, 8);
-    if (kind < 0 || kind > 2 || N <= 0 || K <= 0 || K % 32 || rows <= 0) return 4;
+    if (kind < 0 || kind > 3 || N <= 0 || K <= 0 || K % 32 || rows <= 0) return 4;
     const size_t wbytes = (size_t)(N * (K / 32) * block_bytes[kind]);
     uint8_t *w = malloc(wbytes);
     float *x = malloc(sizeof(float) * rows * K), *out = malloc(sizeof(float) * rows * N);

@@ -3,7 +3,8 @@
 portable loop) and arm64's NEON path (elsewhere cross-compiled and run under qemu-aarch64),
 so the NEON code is held to the same checks on every CPU the suite runs on.
 
-Checked per block kind, on odd shapes and row counts around the 4-, 2- and 1-row tiles:
+Checked per block kind (F32, a dense float32 matrix, among them), on odd shapes and row
+counts around the 4-, 2- and 1-row tiles:
 - the SIMD paths give the bits of a scalar emulation of their sums (16 lanes, `fmaf` in
   block order, the fixed fold): the lane layout, the fused multiply-adds and the fold are
   what the docs say, so AVX2 and NEON give the same bits (the portable loop, without fused
@@ -114,10 +115,16 @@ def _run(cmd: list[str], kind: str, n: int, k: int, rows: int) -> dict:
     }
 
 
+def _dequantized(blocks: np.ndarray, kind: str, n: int, k: int) -> np.ndarray:
+    if kind == "F32":  # the floats themselves
+        return blocks.reshape(n, k * 4).view(np.float32)
+    return dequantize_blocks(blocks.reshape(-1), kind).reshape(n, k).numpy()
+
+
 def _check(got: dict, kind: str, want_path: str) -> None:
     assert got["path"] == want_path
     n, k = got["weights"].shape
-    theirs = dequantize_blocks(got["blocks"].reshape(-1), kind).reshape(n, k).numpy()
+    theirs = _dequantized(got["blocks"], kind, n, k)
     assert np.array_equal(got["weights"].view(np.uint32), theirs.view(np.uint32))
     assert np.array_equal(got["batch"].view(np.uint32), got["alone"].view(np.uint32))
     if want_path != "portable":  # fused multiply-adds in the documented lanes and fold

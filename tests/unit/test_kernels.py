@@ -174,3 +174,36 @@ def test_a_tensor_not_in_host_memory_is_refused_before_the_c_reads_it():
     with pytest.raises(AssertionError, match="meta"):
         _ptr(torch.empty(4, device="meta"))
     assert _ptr(torch.zeros(4)) != 0
+
+
+def test_a_pointer_that_does_not_span_what_the_c_reads_is_refused():
+    """The C takes pointers and lengths: a positions or slots tensor shorter than qkv's rows,
+    a cos table of another width, a norm weight shorter than a row, were read past their ends
+    (asserts guarded some, and `python -O` drops asserts). Each is a ValueError first."""
+    k = kern(torch.float32)
+    heads, kv_heads, dim, tokens = 9, 3, 64, 4
+    qkv = torch.zeros(tokens, (heads + 2 * kv_heads) * dim)
+    cos = sin = torch.zeros(16, dim)
+    at = torch.arange(tokens)
+    cache = torch.zeros(32, kv_heads, dim)
+    k.rope_write(qkv, cos, sin, at, at, cache, cache.clone(), (heads, kv_heads, dim))  # fits
+    bad = {
+        "positions": (qkv, cos, sin, at[:1], at, cache),
+        "slots": (qkv, cos, sin, at, torch.arange(2 * tokens), cache),
+        "tables": (qkv, torch.zeros(16, dim // 2), torch.zeros(16, dim // 2), at, at, cache),
+        "KV cache": (qkv, cos, sin, at, at, torch.zeros(32, kv_heads, dim // 2)),
+    }
+    for what, (q, c, s, p, slots, kc) in bad.items():
+        with pytest.raises(ValueError, match=what):
+            k.rope_write(q, c, s, p, slots, kc, kc.clone(), (heads, kv_heads, dim))
+    # the tensors a step's first layer passed are not checked again: unless the rows differ
+    longer = torch.zeros(2 * tokens, qkv.shape[1])
+    k.rope_write(qkv, cos, sin, at, at, cache, cache.clone(), (heads, kv_heads, dim))
+    with pytest.raises(ValueError, match="positions"):
+        k.rope_write(longer, cos, sin, at, at, cache, cache.clone(), (heads, kv_heads, dim))
+    x = torch.ones(2, 576)
+    for w in (torch.ones(100), torch.ones(576, dtype=torch.bfloat16), torch.ones(2, 576)):
+        with pytest.raises(ValueError, match="norm weight"):
+            k.rms_norm(x, w, 1e-5)
+        with pytest.raises(ValueError, match="norm weight"):
+            k.add_rms_norm(x.clone(), x, w, 1e-5)

@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from pdserve.common.engine.quant import (
+    DENSE_FROM,
     Int4Linear,
     Int8Linear,
     Q8Linear,
@@ -18,6 +19,7 @@ from pdserve.common.engine.quant import (
     unpack_q4,
     unpack_q8,
 )
+from pdserve.common.engine.rows import StepRows, row_linear
 from pdserve.common.model.config import resolve_model
 
 pytestmark = pytest.mark.cpu  # make test-cpu-variants: native and AVX2-only
@@ -93,6 +95,53 @@ def test_int8_per_channel_linear_is_close_to_the_float_one():
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(2))
     ref = x @ w.T
     assert (layer(x) - ref).abs().max() <= 0.02 * ref.abs().max()
+
+
+def _int_layers(tensors) -> list:
+    """An int8 and an int4 layer of the same float32 weights, with their dense copies."""
+    t = tensors["blk.3.attn_q.weight"]
+    rows, cols = _shape(t)
+    q, scale, zero = unpack_q4(np.asarray(t.data), "Q4_1", rows, cols)
+    int4 = Int4Linear(q, scale, zero, torch.float32, dense_from=DENSE_FROM)
+    assert int4.dense is not None
+    return [int4, Int8Linear.from_float(int4.dense, torch.float32, DENSE_FROM)]
+
+
+def test_torchs_int8_and_int4_kernels_rows_do_not_depend_on_the_batch_in_float32(tensors):
+    """What SmallBatchLinear's float32 routing relies on: generated rows on these kernels get
+    the same bits at any batch (measured on an AMD EPYC Zen 5, torch 2.13)."""
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(5))
+    for layer in _int_layers(tensors):
+        full = layer.kernel(x)
+        for m in range(1, 40):
+            assert torch.equal(layer.kernel(x[:m].contiguous()), full[:m]), (type(layer), m)
+
+
+@pytest.mark.parametrize("f32", [False, True], ids=["torch-kernels", "f32-kernel"])
+def test_in_float32_the_step_not_the_row_count_picks_dense_or_kernel(tensors, f32):
+    """A generated row alone and in a batch past DENSE_FROM rows gives the same bits (the
+    row-count switch ran that batch dense: other bits); prompt rows run the padded dense.
+    Where gguf_matmul.c is built (f32_linears), generated rows run its F32 kind over the
+    dense copy (torch's int8 and int4 kernels take float activations 10-60x slower)."""
+    from pdserve.common.engine.gguf_linear import f32_linears, gguf_ops
+
+    x = torch.randn(2 * DENSE_FROM + 1, 576, generator=torch.Generator().manual_seed(6))
+    ops = gguf_ops()
+    assert not isinstance(ops, str), ops  # the suite's machines have gcc
+    for layer in _int_layers(tensors):
+        model = torch.nn.Module()
+        model.step_rows, model.layer = StepRows(), layer  # type: ignore[assignment]
+        layer.rows = step = model.step_rows  # type: ignore[assignment]
+        if f32:
+            assert f32_linears(model, ops[0]) == (1, 0)
+            want = ops[0].matmul(x, layer.dense.view(torch.uint8), "F32")
+            assert torch.equal(layer(x), want)
+        alone = torch.cat([layer(x[r : r + 1]) for r in range(x.shape[0])])
+        assert torch.equal(layer(x), alone), type(layer)
+        step.prompt = 3
+        out = layer(x)
+        assert torch.equal(out[:3], row_linear(x[:3], layer.dense))
+        assert torch.equal(out[3:], alone[3:])
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])

@@ -156,3 +156,16 @@ def test_a_run_of_special_tokens_costs_each_token_one_short_decode(tokenizer):
     text = "".join(detok.add(t) for t in ids)
     assert text == tokenizer.decode([1, 2, 3, *ids])[len(tokenizer.decode([1, 2, 3])) :]
     assert decoded < 40 * len(ids)  # the run: ~2 windows of ~10 tokens each, not ~1,000
+
+
+def test_lone_surrogates_encode_as_replacement_characters(tokenizer):
+    """A command line's invalid UTF-8 (`pdserve generate --prompt $'\\xff'`: Python hands it
+    over as the surrogate escape "\\udcff") and a JSON string's "\\ud800" raised a TypeError
+    from tokenizers; each is the replacement character, as a UTF-8 reader decodes them."""
+    want = tokenizer.encode("a\ufffdb")
+    assert tokenizer.encode("a\udcffb") == want
+    assert tokenizer.encode("a\ud800b") == want
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "\udcff"}])  # --chat
+    assert tokenizer.encode(chat, add_special_tokens=False) == tokenizer.encode(
+        chat.replace("\udcff", "\ufffd"), add_special_tokens=False
+    )

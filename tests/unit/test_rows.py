@@ -1,0 +1,87 @@
+"""rows.py: float32 CPU matmuls whose rows do not depend on the batch (the token-for-token
+invariant), by padding F.linear's rows to a row group measured at first use.
+
+Plain F.linear fails the first test on an AMD EPYC Zen 5 with torch 2.13's MKL (rows of 1-3,
+5-7 and 9-11 rows take other paths, other last bits); padded, every row count gives the
+big call's rows."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from pdserve.common.engine import rows
+from pdserve.common.engine.rows import RowLinear, StepRows, by_step, row_linear
+
+pytestmark = pytest.mark.cpu  # make test-cpu-variants: native and AVX2-only
+
+# SmolLM2-135M's linear layers (N, K): fused qkv, o_proj, fused gate_up, down_proj, LM head
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+COUNTS = [*range(1, 41), 64, 300]
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_a_rows_bits_do_not_depend_on_how_many_rows_share_the_call(n, k):
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g) * k**-0.5
+    x = torch.randn(rows.REFERENCE_ROWS, k, generator=g)
+    full = row_linear(x, w)
+    assert torch.equal(full, nn.functional.linear(x, w))  # 320 rows: a multiple of any group
+    assert rows.row_group(w) in rows.CANDIDATES, "no row group holds on this CPU"
+    for m in COUNTS:
+        got = row_linear(x[:m], w)
+        assert got.shape == (m, n) and got.is_contiguous()
+        assert torch.equal(got, full[:m]), m
+    at = 7  # and not on where the row sits among them
+    assert torch.equal(row_linear(x[at : at + 5], w), full[at : at + 5])
+
+
+def test_the_bias_is_added_apart_and_other_dtypes_run_plain_f_linear():
+    g = torch.Generator().manual_seed(1)
+    w, b, x = torch.randn(64, 96, generator=g), torch.randn(64, generator=g), torch.randn(9, 96)
+    assert torch.equal(row_linear(x[:3], w, b), row_linear(x, w)[:3] + b)
+    xb, wb = x.bfloat16(), w.bfloat16()  # bf16 keeps its own path (packed.py)
+    assert torch.equal(row_linear(xb[:3], wb), nn.functional.linear(xb[:3], wb))
+
+
+def test_no_row_group_holding_is_warned_once_and_runs_unpadded(monkeypatch, caplog):
+    monkeypatch.setattr(rows, "_groups", {})
+    monkeypatch.setattr(rows, "_warned", [])
+    monkeypatch.setattr(rows, "_holds", lambda *a: False)  # a CPU where no padding helps
+    w, x = torch.randn(32, 64), torch.randn(3, 64)
+    with caplog.at_level(logging.WARNING, logger=rows.__name__):
+        assert rows.row_group(w) == 1
+        assert rows.row_group(torch.randn(48, 64)) == 1
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert torch.equal(row_linear(x, w), nn.functional.linear(x, w))
+
+
+def test_prompt_rows_go_dense_and_generated_rows_to_the_kernel_by_the_step():
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(40, 64, generator=g), torch.randn(6, 64, generator=g)
+    seen: list[int] = []
+
+    def kernel(t: torch.Tensor) -> torch.Tensor:
+        assert t.is_contiguous()
+        seen.append(t.shape[0])
+        return torch.zeros(t.shape[0], 40)
+
+    out = by_step(x, 4, w, kernel)
+    assert seen == [2] and torch.equal(out[:4], row_linear(x[:4], w)) and not out[4:].any()
+    assert torch.equal(by_step(x, 9, w, kernel), row_linear(x, w)) and seen == [2]
+    by_step(x, 4, None, kernel)  # no dense weight: every row on the kernel
+    assert seen == [2, 6]
+
+
+def test_row_linear_keeps_the_layers_parameters():
+    linear = nn.Linear(64, 24)
+    layer = RowLinear(linear)
+    assert layer.weight is linear.weight and layer.bias is linear.bias
+    x = torch.randn(2, 3, 64)
+    assert torch.equal(
+        layer(x), row_linear(x.reshape(6, 64), linear.weight, linear.bias).view(2, 3, 24)
+    )
+    assert StepRows().prompt == 0
