@@ -23,7 +23,7 @@ batch and place the urgent requests before it.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 ORDERS = ("fifo", "spf", "deadline")
@@ -66,3 +66,25 @@ def order(
     else:
         rest.sort(key=lambda w: (0, w.deadline, w.key) if can_meet(w, now) else (1, 0.0, w.key))
     return first + rest
+
+
+def keep_for(
+    kept: str | None,
+    refused: Collection[str],
+    room: dict[str, int],
+    capacity: Callable[[str], int],
+    tokens: int,
+) -> str | None:
+    """The node an urgent request that found no room keeps from taking anything else (its
+    room set to 0), this round and every round after until the request is placed: that
+    node's batch drains and the request fits. Without it, requests that fit would take every
+    freed slot first and a long prompt could wait forever. The node kept before while it
+    still refuses (in `refused`, this round's), else the refusing node that said it had most
+    room, among those whose cache (`capacity`, in tokens) could ever hold `tokens`; None:
+    no such node (a request with nothing to offer keeps nothing from the others)."""
+    if kept not in refused:
+        able = [n for n in refused if capacity(n) >= tokens]
+        kept = max(able, key=lambda n: (room.get(n, 0), n), default=None)
+    if kept is not None:
+        room[kept] = 0
+    return kept

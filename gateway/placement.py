@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pdserve.common.aio import wait_event, within
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.wire.protocol import PrefillOffer
-from pdserve.gateway.admission import Waiting, order, urgent
+from pdserve.gateway.admission import Waiting, keep_for, order, urgent
 from pdserve.gateway.cluster import ClusterView, NodeState
 from pdserve.gateway.plan import Snapshot, request_hashes
 from pdserve.gateway.policies import Need, NodeView, Policy
@@ -289,25 +289,14 @@ class Placer:
         return [(decode, decode)] + ([] if self.local.mode == "always" else pairs)
 
     def _reserve(self, w: _Waiting, room: dict[str, int], nodes: set[str]) -> None:
-        """A request that waited `max_wait` and still found no room keeps one node from
-        taking anything else (this round and every round after, until it is placed): that
-        node's batch drains and the request fits. Without this, requests that fit would take
-        every freed slot first and a long prompt could wait forever. The node is the one that
-        said it had most room (closest to taking it), among those whose cache could ever hold
-        the prompt; the same node for as long as it lives. Only a node that rejected it now
-        is kept: a request with nothing to offer (no decode node has room for it) or whose
-        offers went unanswered keeps nothing from the others."""
-        if w.reserved not in nodes or w.reserved not in w.rejected_by:
-            size = w.need.prompt_len
-            able = [
-                n
-                for n in w.rejected_by & nodes
-                if (node := self.cluster.nodes.get(n)) is not None
-                and node.info.num_blocks * node.info.block_size >= size
-            ]
-            w.reserved = max(able, key=lambda n: (room.get(n, 0), n), default=None)
-        if w.reserved is not None:
-            room[w.reserved] = 0
+        """An urgent request no node took keeps one of those that refused it now, for as
+        long as it lives and refuses (admission.keep_for); offers unanswered keep nothing."""
+        w.reserved = keep_for(w.reserved, w.rejected_by & nodes, room, self._capacity,
+                              w.need.prompt_len)  # fmt: skip
+
+    def _capacity(self, node_id: str) -> int:
+        node = self.cluster.nodes.get(node_id)
+        return node.info.num_blocks * node.info.block_size if node is not None else 0
 
     async def _one_pass(self, w: _Waiting, room: dict[str, int], snap: Snapshot) -> bool:
         req, prompt_ids, need = w.req, w.prompt_ids, w.need

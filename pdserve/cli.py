@@ -179,7 +179,8 @@ def _add_serving(sub: argparse._SubParsersAction) -> None:
 
 # Commands that need none of the tools' parsers: the serving processes (`pdserve up` and the
 # tests start hundreds of them), generate and keygen
-SERVING = ("gateway", "prefill", "decode", "colocated", "up", "generate", "keygen")
+LONG_RUNNING = ("gateway", "prefill", "decode", "colocated", "up")
+SERVING = (*LONG_RUNNING, "generate", "keygen")
 
 
 def _add_globals(parser: argparse.ArgumentParser) -> None:
@@ -263,8 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     except (PdserveError, ValueError) as exc:
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # a file or socket the system refused: said, not a traceback
-        logging.getLogger("pdserve").debug("pdserve %s failed", args.command, exc_info=True)
+    except OSError as exc:  # a file or socket the system refused: said, not a traceback,
+        # but for a serving process, which may fail so hours in (no file descriptor left, a
+        # full disk): its log keeps where
+        level = logging.ERROR if args.command in LONG_RUNNING else logging.DEBUG
+        logging.getLogger("pdserve").log(level, "pdserve %s failed", args.command, exc_info=True)
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
         return 1
 

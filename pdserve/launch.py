@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig
+from pdserve.common.errors import EXIT_REFUSED
 from pdserve.common.flags import from_args
 from pdserve.common.ofd import sweep_dead_kv_files
 from pdserve.ports import metrics_ports_free, node_ports_free, ports_free
@@ -63,6 +64,7 @@ def run_node(args: argparse.Namespace, role: str) -> int:
     from pdserve.common.engine.llm_engine import make_engine
     from pdserve.common.memtune import tune_malloc
     from pdserve.common.model.tokenizer import Tokenizer
+    from pdserve.common.node.control import RegistrationRefused
     from pdserve.common.node.roles import serve_roles
 
     tune_malloc()  # multi-megabyte KV frames reuse warm pages (see common/memtune.py)
@@ -102,7 +104,11 @@ def run_node(args: argparse.Namespace, role: str) -> int:
         await serve_roles(role, make)
 
     _use_uvloop()
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except RegistrationRefused as exc:  # the same at every start: not restarted (supervisor.py)
+        print(f"pdserve {role}: error: refused by a gateway: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
     return 0
 
 

@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pdserve.gateway.admission import order, urgent
+from pdserve.gateway.admission import keep_for, order, urgent
 from pdserve.gateway.plan import choose, view
 from pdserve.gateway.policies import Need, NodeView
 
@@ -150,17 +150,14 @@ class Rounds:
     def _keep(
         self, r: SimRequest, refused: set[str], room: dict[str, int], length: int
     ) -> str | None:
-        """gateway/placement.py `_reserve`: an urgent request no node took keeps one that
-        said no from taking anything else, this round and the next ones until it is placed
-        (the same node while it says no): that node's batch drains and the request fits.
-        The node with most room among those whose cache could ever hold it."""
-        if r.kept not in refused:
-            nodes = self.sim.nodes
-            able = [n for n in refused
-                    if nodes[n].info.num_blocks * nodes[n].info.block_size >= length]  # fmt: skip
-            r.kept = max(able, key=lambda n: (room[n], n), default=None)
-        if r.kept is not None:
-            room[r.kept] = 0
+        """The gateway's starvation guard (gateway/placement.py `_reserve`, one rule:
+        admission.keep_for): an urgent request no node took keeps one that said no."""
+        nodes = self.sim.nodes
+
+        def capacity(n: str) -> int:
+            return nodes[n].info.num_blocks * nodes[n].info.block_size
+
+        r.kept = keep_for(r.kept, refused, room, capacity, length)
         return r.kept
 
     def _view(self, node: SimNode) -> NodeView:

@@ -137,9 +137,9 @@ def f32_linears(model: nn.Module, ops: GgufOps | None) -> tuple[int, int]:
     multiple of 32: GgufLinear of kind F32 on the weight's own storage (no copy), generated
     rows on the kernel, prompt rows on row_linear; the LM head runs the kernel for every row
     (its rows are the sampled ones, not the step's). Else RowLinear: every row on
-    row_linear, slower at decode's few rows. A quantized layer routed by the step (int8, the
-    float32 int4 fallback) runs its generated rows on F32 over its dense copy, the same
-    values. (kernel layers, padded layers)."""
+    row_linear, slower at decode's few rows. A quantized layer routed by the step (int8)
+    runs its generated rows on F32 over its dense copy, the same values. (kernel layers,
+    padded layers)."""
     rows: StepRows = model.step_rows  # type: ignore[assignment]
     kernel = padded = 0
     for owner in list(model.modules()):

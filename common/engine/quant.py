@@ -76,7 +76,7 @@ class SmallBatchLinear(nn.Module):
     rows: StepRows | None = None  # the model's step rows: float32 routes by them
     # float32, where gguf_matmul.c is built: generated rows on its F32 kind over `dense`
     # (gguf_linear.f32_linears). torch's int8 and int4 kernels take float activations
-    # 10-60x slower than that at 1-16 rows; the weights are the same values either way
+    # 10-60x slower than that at 1-16 rows; `dense` holds the kernel's int8 values x scales
     generated: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def kernel(self, flat: torch.Tensor) -> torch.Tensor:

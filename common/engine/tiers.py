@@ -187,6 +187,7 @@ class TierStore:
 
 
 LOCK = ".lock"  # beside a folder: held (flock) by its live store, on whatever host shares it
+TRASH = "+trash-"  # a dead folder renamed aside to be deleted ("+": in no node id)
 
 
 BUSY, NO_LOCKS = -1, -2  # _hold: another process holds it; the filesystem has no flock
@@ -250,13 +251,24 @@ def sweep_dead_tiers(root: Path) -> None:
     close()), so node restarts do not pile disk tiers up. By the folder's lock, not its pid:
     a cache folder shared by hosts or PID namespaces holds others' live folders too. `root`
     may be the operator's own (--kv-disk-cache-dir): a folder holding anything but blocks is
-    not a tier's, and stays."""
+    not a tier's, and stays. Under the lock a dead folder is only renamed aside (its node,
+    restarting, waits on that lock a moment), then deleted without it."""
     for folder in root.iterdir() if root.is_dir() else []:
+        if TRASH in folder.name:  # renamed aside by a sweep that did not finish deleting it
+            shutil.rmtree(folder, ignore_errors=True)
+            continue
         if not folder.is_dir() or not folder.with_name(folder.name + LOCK).exists():
             continue  # a lock, not a store's, or one being made (its lock comes next)
         fd = _hold(folder)  # held by a live store, or no locks here: left alone
-        if fd >= 0:
+        if fd < 0:
+            continue
+        trash = folder.with_name(f"{folder.name}{TRASH}{os.getpid()}-{time.monotonic_ns()}")
+        try:
             if all(f.suffix in (".kv", ".tmp") and f.is_file() for f in folder.iterdir()):
-                shutil.rmtree(folder, ignore_errors=True)
+                folder.rename(trash)
                 folder.with_name(folder.name + LOCK).unlink(missing_ok=True)
+        except FileNotFoundError:  # another sweep took it first
+            pass
+        finally:
             os.close(fd)
+        shutil.rmtree(trash, ignore_errors=True)

@@ -213,6 +213,7 @@ class ControlPlane:
                 await tell_returned(self.adoption, link, self.role.pushes_tokens)
             case RegisterRefuse(reason=reason) if self.draining:  # its streams end first
                 log.error("gateway %s refused draining %s: %s", link.address, self.node_id, reason)
+                link.refused = True  # not asked again in this drain (it would refuse each beat)
             case RegisterRefuse(reason=reason):
                 log.error("gateway %s refused %s: %s", link.address, self.node_id, reason)
                 self.refused = True
@@ -224,12 +225,11 @@ class ControlPlane:
                 link.load = msg.load or link.load  # relayed to the other gateways
                 if msg.kv_resync:
                     self.events.resync()
-                # paused, not gone: it answered a beat sent since (a dead one's last word
-                # may be read late, but not an interval late)
+                # paused, not gone: it answered a beat sent since, not a dead one's late last word
                 if not unknown and link.silent_for() >= self.cfg.heartbeat_interval:
                     await self._back(link)
                 # dropped (hung: back once it steps) or restarted: draining too, its streams orphans
-                if unknown and not self.node.hung():
+                if unknown and not self.node.hung() and not link.refused:
                     link.registered = False
                     await link.send(Register(info=self.node.info()))
             case SwitchRole() if not self.gateways.obeys(link):

@@ -19,7 +19,7 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.engine.interface import DecodeWork, PrefillWork
 from pdserve.common.engine.kernels import CpuKernels
 from pdserve.common.engine.runner import ModelRunner
-from pdserve.common.numerics import isa_level
+from pdserve.common.numerics import code_path, isa_level
 from pdserve.common.sampling import SamplingParams
 from tests.component.test_quantized_engine import TEXT
 from tests.conftest import CHAT_PROMPTS, chat_ids, make_engine
@@ -40,8 +40,8 @@ def _pair(**cfg: object) -> tuple[ModelRunner, ModelRunner]:
     f32 = fused.dtype == torch.float32
     assert (fused.gguf_path in ("avx2", "neon", "portable")) == f32, fused.gguf_path
     linear = f"gguf-{fused.gguf_path}" if f32 else "torch"
-    assert fused.code_path == f"kernels=fused;linear={linear};isa={level}"
-    assert eager.code_path == f"kernels=eager;linear=torch;isa={level}"
+    assert fused.code_path == code_path(kernels="fused", linear=linear, isa=level)
+    assert eager.code_path == code_path(kernels="eager", linear="torch", isa=level)
     return fused, eager
 
 

@@ -172,5 +172,13 @@ def test_cluster_with_4_bit_weights_matches_the_single_process_with_them(make_cl
         said = f"has dtype {theirs!r} but the cluster runs 'float32+int4'"
         assert proc.returncode == EXIT_REFUSED and said in out, out[-500:]
         assert "refused before its weights loaded" in out, out[-500:]
+    # the same numerics computed by other code (torch's ops, not the C kernels): its last
+    # bits differ, so it is refused too, at its registration (the Probe names no code path),
+    # and leaves as refused (EXIT_REFUSED: `pdserve up` does not restart it)
+    eager = cluster.add_node("decode", "decode-eager", "--quantization", "int4",
+                             "--cpu-kernels", "off")  # fmt: skip
+    out, _ = eager.communicate(timeout=180)
+    assert eager.returncode == EXIT_REFUSED and "kernels 'eager', not 'fused'" in out, out[-500:]
     health = str(cluster.get("/health")[1])
     assert "decode-plain" not in health and "decode-bf16" not in health
+    assert "decode-eager" not in health

@@ -225,3 +225,28 @@ def test_a_node_starting_while_another_sweeps_its_old_folder_waits_and_starts(
             raise AssertionError("the store's lock is not the one at the path")
         except BlockingIOError:
             pass
+
+
+def test_two_nodes_sweeping_one_dead_folder_at_once_both_start(tmp_path, monkeypatch):
+    """Every node of `pdserve up --kv-disk-cache-dir D` sweeps D as it starts: one sweep
+    deleted a dead folder between another's look at it and that one taking its lock, and the
+    other's listing of the folder raised FileNotFoundError out of the node's start."""
+    import shutil
+
+    import pdserve.common.engine.tiers as tiers
+
+    dead = TierStore(0, 1 << 20, tmp_path / "decode-0")
+    dead.put(b"\x08" * 16, b"d" * 64)
+    os.close(dead.lock)  # killed
+    real = tiers._hold
+
+    def hold_after_the_other_sweep(folder: Path) -> int:
+        shutil.rmtree(folder)  # the other sweep, done first (its lock file stays: remade)
+        return real(folder)
+
+    monkeypatch.setattr(tiers, "_hold", hold_after_the_other_sweep)
+    tiers.sweep_dead_tiers(tmp_path)
+    monkeypatch.setattr(tiers, "_hold", real)
+    assert not (tmp_path / "decode-0").exists()
+    again = TierStore(0, 1 << 20, tmp_path / "decode-0")  # the lock is free: its node starts
+    assert again.lock >= 0
