@@ -140,9 +140,9 @@ class ClusterView:
     def _path_refusal(self, node: NodeInfo | Probe, ref: NodeInfo) -> str | None:
         """Why a node whose numbers come from another code path (C kernels or eager ops, the
         GGUF kernel's, the CPU level) cannot join: its tokens would differ from the others'
-        in the last bits. Held to the first node that said its path (a Probe, an older node
-        or a sim engine says none)."""
-        mine = getattr(node, "code_path", "")
+        in the last bits. Held to the first node that said its path (an older node or a sim
+        engine says none); a Probe says what it knows before the load, the CPU level."""
+        mine = node.code_path
         said = (ref, *(n.info for n in self.nodes.values()))
         by = next((info for info in said if info.code_path), None)
         if not mine or by is None or (differ := path_difference(mine, by.code_path)) is None:

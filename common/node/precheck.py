@@ -27,6 +27,7 @@ from pdserve.common.config import EngineConfig, NodeConfig
 from pdserve.common.errors import EXIT_REFUSED
 from pdserve.common.model.config import load_model_config, resolve_model
 from pdserve.common.node.links import gateway_addresses
+from pdserve.common.numerics import code_path, isa_level
 from pdserve.common.wire.protocol import GATEWAY_DECODER, Probe, RegisterRefuse
 from pdserve.common.wire.security import ClusterKey, close_context, make_context
 from pdserve.common.wire.transport import CONTROL_MAX_MSG, decode_or_none, make_socket, send
@@ -45,6 +46,9 @@ def probe_of(role: str, ecfg: EngineConfig, ncfg: NodeConfig, fingerprint: str) 
         dtype=ecfg.numerics,
         tokenizer_fingerprint=fingerprint,
         kv_layout=load_model_config(source).layout_fingerprint(),
+        # the CPU level: a node of another is refused while it loads, not after (the kernels'
+        # parts of the path are known once they are built, at the load)
+        code_path=code_path(isa=isa_level(ecfg.dtype)) if ecfg.device == "cpu" else "",
     )
 
 

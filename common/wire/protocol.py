@@ -50,8 +50,7 @@ class NodeInfo(msgspec.Struct, kw_only=True, frozen=True):
     # decode: where each KV backend it offers reaches it (common/kv): "zmq" its data
     # socket, "tcp" HOST:PORT of its stream listener, "shm" its host identity, "ucx" HOST:PORT
     kv_endpoints: dict[str, str] = msgspec.field(default_factory=dict)
-    # what this node's version understands beyond the base protocol (NODE_FEATURES): a
-    # gateway asks a node only what it reads (a rolling update mixes versions)
+    # what it understands beyond the base protocol (NODE_FEATURES): asked only what it reads
     features: tuple[str, ...] = ()
     code_path: str = ""  # what computes `dtype`'s numbers (common/numerics.py); "": unsaid
 
@@ -110,6 +109,7 @@ class Probe(Msg):
     dtype: str
     tokenizer_fingerprint: str
     kv_layout: str
+    code_path: str = ""  # its part known before the load (the CPU level); "": unsaid
 
 
 class KvEvents(Msg):

@@ -6,6 +6,7 @@ version, a Probe before the load) is not held to one."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from pdserve.common.numerics import code_path, isa_level, limited, path_difference
@@ -58,3 +59,30 @@ def test_the_level_is_the_vector_width_and_in_bfloat16_the_native_bf16():
     assert isa_level("bfloat16", XEON) == "avx512+avx512_bf16+amx_bf16"
     assert isa_level("bfloat16", limited(XEON, "avx2")) == "avx2"
     assert isa_level("float32", set()) == ""  # unreadable flags: not compared
+
+
+def test_a_probe_naming_another_cpu_level_is_refused_before_the_load():
+    """A node of another CPU level was refused only at Register, after loading its weights
+    (minutes for a large model) and then again at every restart: its Probe says its level."""
+    from pdserve.common.wire.protocol import Probe
+
+    view = ClusterView(heartbeat_timeout=2.0)
+    info = make_info("n1", code_path=FUSED)
+    assert view.register(info, b"n1/1", 0.0, info.tokenizer_fingerprint) is None
+    probe = Probe(node_id="n2", model_id=info.model_id, dtype=info.dtype,
+                  tokenizer_fingerprint=info.tokenizer_fingerprint, kv_layout=info.kv_layout,
+                  code_path=code_path(isa="avx512"))  # fmt: skip
+    why = view.refusal(probe, info.tokenizer_fingerprint, probed_at=0.0)
+    assert why is not None and "isa 'avx512', not 'avx2'" in why
+    same = Probe(**{**msgspec.structs.asdict(probe), "code_path": code_path(isa="avx2")})
+    assert view.refusal(same, info.tokenizer_fingerprint, probed_at=0.0) is None
+
+
+def test_a_cpu_nodes_probe_names_its_level():
+    from pdserve.common.config import EngineConfig, NodeConfig
+    from pdserve.common.node.precheck import probe_of
+
+    ecfg = EngineConfig()
+    probe = probe_of("decode", ecfg, NodeConfig(), "fingerprint")
+    assert probe.code_path == code_path(isa=isa_level(ecfg.dtype))
+    assert probe.dtype == ecfg.numerics
