@@ -117,20 +117,23 @@ def _cache(k: torch.Tensor, v: torch.Tensor, kvh: int, d: int, dtype: torch.dtyp
         raise ValueError(f"a KV cache {tuple(k.shape)} {k.dtype} for {kvh} heads of {d}")
 
 
+def _indices(
+    what: str, a: torch.Tensor, b: torch.Tensor, a_shape: tuple[int, ...],
+    b_shape: tuple[int, ...] | None = None,
+) -> None:  # fmt: skip
+    """Index tensors the C code follows by pointer: int64, contiguous, of the shapes it reads."""
+    shapes_fit = a.shape == a_shape and (b_shape is None or b.shape == b_shape)
+    if not (shapes_fit and a.dtype == b.dtype == torch.int64
+            and a.is_contiguous() and b.is_contiguous()):  # fmt: skip
+        raise ValueError(f"{what}: {tuple(a.shape)} {a.dtype}, {tuple(b.shape)} {b.dtype}, "
+                         f"not {a_shape} int64 contiguous")  # fmt: skip
+
+
 def _rope_args(
     cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
     t: int, d: int,
 ) -> None:  # fmt: skip
-    if not (
-        positions.shape == slots.shape == (t,)
-        and positions.dtype == slots.dtype == torch.int64
-        and positions.is_contiguous()
-        and slots.is_contiguous()
-    ):
-        raise ValueError(
-            f"rope_write: positions {tuple(positions.shape)} {positions.dtype} "
-            f"and slots {tuple(slots.shape)} {slots.dtype} for {t} rows"
-        )
+    _indices("rope_write: positions and slots", positions, slots, (t,), (t,))
     _rows(cos, torch.float32, "rope_write's cos table")
     _rows(sin, torch.float32, "rope_write's sin table")
     if cos.shape != sin.shape or cos.shape[1] != d:
@@ -249,16 +252,8 @@ class CpuKernels:
         if qkv.shape[0] != b or qkv.shape[1] < h * d or not 0 < d <= MAX_HEAD_DIM:
             raise ValueError(f"decode_attention: qkv {tuple(qkv.shape)} for {b} tables, {heads}")
         seen = self._attn
-        if not (seen and seen[0] is block_tables and seen[1] is lens) and not (
-            lens.shape == (b,)
-            and block_tables.dtype == lens.dtype == torch.int64
-            and lens.is_contiguous()
-            and block_tables.is_contiguous()
-        ):
-            raise ValueError(
-                f"decode_attention: lens {tuple(lens.shape)} {lens.dtype} for "
-                f"tables {tuple(block_tables.shape)} {block_tables.dtype}"
-            )
+        if not (seen and seen[0] is block_tables and seen[1] is lens):
+            _indices("decode_attention: lens and block tables", lens, block_tables, (b,))
         self._attn = (block_tables, lens)
         self._cache(k_cache, v_cache, kvh, d)
         out = torch.empty((b, h * d), dtype=self.dtype)

@@ -326,6 +326,16 @@ def test_a_tier_load_that_comes_up_short_is_computed_in_the_same_pass():
     assert len(loaded) * 4 == cached
 
 
+def _evict_a_into_the_tier(sched: Scheduler) -> None:
+    """Run prompt a (9 tokens: 2 full blocks), then b, whose allocation pushes a's blocks
+    into the scheduler's tier."""
+    for seq_id, tokens in (("a", list(range(1, 10))), ("b", list(range(100, 121)))):
+        seq = Sequence.new(seq_id, tokens, SamplingParams(max_tokens=1, temperature=0.0))
+        sched.add(seq)
+        run_step(sched)
+        sched.finish(seq, "length")  # b's allocation pushes a's blocks into the tier
+
+
 def test_a_tier_load_that_fails_is_computed_and_leaks_no_block():
     """Copying a tier's block into the cache raises (out of device or pinned memory): what
     it was to load is computed. It raised out of `schedule`, the blocks taken for the
@@ -339,11 +349,7 @@ def test_a_tier_load_that_fails_is_computed_and_leaks_no_block():
         raise MemoryError("pinned buffer")
 
     sched.attach_tiers(tiers, lambda b: bytes([b]) * 16, fail)
-    for seq_id, tokens in (("a", list(range(1, 10))), ("b", list(range(100, 121)))):
-        seq = Sequence.new(seq_id, tokens, SamplingParams(max_tokens=1, temperature=0.0))
-        sched.add(seq)
-        run_step(sched)
-        sched.finish(seq, "length")  # b's allocation pushes a's blocks into the tier
+    _evict_a_into_the_tier(sched)
     assert tiers.stats["put"] >= 2
     c = Sequence.new("c", [*range(1, 9), 50], GREEDY)  # a's prefix, in the tier
     sched.add(c)
@@ -368,11 +374,7 @@ def test_a_host_tier_load_is_timed_with_its_copy_into_the_cache():
         copied.append(block)
 
     sched.attach_tiers(tiers, lambda b: bytes([b]) * 16, slow_copy)
-    for seq_id, tokens in (("a", list(range(1, 10))), ("b", list(range(100, 121)))):
-        seq = Sequence.new(seq_id, tokens, SamplingParams(max_tokens=1, temperature=0.0))
-        sched.add(seq)
-        run_step(sched)
-        sched.finish(seq, "length")  # b's allocation pushes a's blocks into the tier
+    _evict_a_into_the_tier(sched)
     sched.add(Sequence.new("c", [*range(1, 9), 50], GREEDY))  # a's prefix, in the tier
     sched.schedule()
     assert copied and tiers.stats["host_hits"] == len(copied)
