@@ -1,9 +1,10 @@
 """Logging for every pdserve process: text for people, JSON lines for log collectors.
 
 `--log-format json` (PDSERVE_LOG_FORMAT=json, the container default) writes one JSON object
-per record. A record may carry structured fields (`extra={"fields": {...}}`, as the
-gateway's per-request timeline does): JSON output merges them into the object, text output
-appends them as JSON after the message, so both stay greppable by request id.
+per record. Both name the level and the process (its node id, `gateway:PORT`). A record
+may carry structured fields (`extra={"fields": {...}}`, as the gateway's per-request
+timeline does): JSON output merges them into the object, text output appends them as JSON
+after the message, so both stay greppable by request id.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ import orjson
 
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self, label: str = "") -> None:
+        super().__init__()
+        self.label = label
+
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
@@ -25,6 +30,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        if self.label:
+            out["process"] = self.label
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict):
             out.update(fields)
@@ -34,8 +41,9 @@ class JsonFormatter(logging.Formatter):
 
 
 class TextFormatter(logging.Formatter):
-    def __init__(self) -> None:
-        super().__init__("%(asctime)s %(name)s %(message)s")
+    def __init__(self, label: str = "") -> None:
+        where = f"[{label}] " if label else ""
+        super().__init__(f"%(asctime)s %(levelname)s {where}%(name)s %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
@@ -45,11 +53,13 @@ class TextFormatter(logging.Formatter):
         return text
 
 
-def setup_logging(level: str, fmt: str) -> None:
+def setup_logging(level: str, fmt: str, label: str = "") -> None:
+    """`label` names the process in every line (`pdserve up` interleaves its children's
+    output: the node id, or `gateway:PORT`)."""
     if fmt not in ("text", "json"):
         raise ValueError(f"log format must be text or json, got {fmt!r}")
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.setFormatter(JsonFormatter(label) if fmt == "json" else TextFormatter(label))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

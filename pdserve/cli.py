@@ -154,6 +154,12 @@ def _add_serving(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     up.add_argument("--startup-timeout", type=float, default=300.0)
     up.add_argument(
+        "--restart-hung-after", type=float, default=60.0,
+        help="a node that served, then is listed by no answering gateway this many seconds "
+        "while its process runs (hung: a frozen loop, a stuck step) is killed and restarted; "
+        "0 = never",
+    )  # fmt: skip
+    up.add_argument(
         "--heartbeat-timeout", type=float, default=None,
         help="both heartbeat timeouts below at once (default: 2.0; env "
         "PDSERVE_HEARTBEAT_TIMEOUT)",
@@ -254,12 +260,24 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
     return {}
 
 
+def _label(args: argparse.Namespace) -> str:
+    """The process's name in its log lines: `pdserve up` interleaves its children's."""
+
+    def given(name: str) -> str:  # the flag, else its PDSERVE_ variable (the config's rule)
+        value = getattr(args, name, None)
+        return os.environ.get(f"PDSERVE_{name.upper()}", "") if value is None else str(value)
+
+    if args.command == "gateway":
+        return f"gateway:{given('port') or GatewayConfig.port}"
+    return given("node_id") or args.command
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
     args = parse_args(parser, argv)
     try:
-        setup_logging(args.log_level, args.log_format)
+        setup_logging(args.log_level, args.log_format, _label(args))
         return int(args.func(args))
     except (PdserveError, ValueError) as exc:
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)

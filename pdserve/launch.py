@@ -215,7 +215,10 @@ def run_up(args: argparse.Namespace) -> int:
     options.update({name: {"secrets": gateway_secrets(gcfg)} for name in names})
     ready = Readiness(names, urls, gcfg.heartbeat_timeout + 1.0)
     supervisor = Supervisor(
-        children, lambda c: _spawn(c, **options.get(c.name, {})), is_ready=ready
+        children,
+        lambda c: _spawn(c, **options.get(c.name, {})),
+        is_ready=ready,
+        hung_after=getattr(args, "restart_hung_after", 0.0),
     )
     try:
         if stop:  # a signal while the ports were checked or the kernels built
@@ -258,24 +261,29 @@ class Readiness:
     def __init__(self, names: list[str], urls: list[str], stale: float) -> None:
         self.gateways = list(zip(names, urls, strict=True))
         self.up: set[str] = set()
+        self.answered = False  # whether any gateway answered at the last read
         self.read_at = -1e9
         self.stale = stale  # how long a gateway may list a node that died (its timeout)
 
-    def __call__(self, child: Child) -> bool:
+    def __call__(self, child: Child) -> bool | None:
         now = time.monotonic()
         if now - self.read_at >= 1.0:
-            self.read_at, self.up = now, self._read()
+            self.read_at, (self.up, self.answered) = now, self._read()
+        if child.name not in self.up:  # unlisted: a node only when some gateway answered
+            return False if self.answered or not child.serves else None
         # a listing older than a restart's node plus the gateways' timeout may be the dead
         # one's: its load would then count as serving
-        return child.name in self.up and self.read_at >= child.started + self.stale
+        return True if self.read_at >= child.started + self.stale else None
 
-    def _read(self) -> set[str]:
+    def _read(self) -> tuple[set[str], bool]:
         up: set[str] = set()
+        answered = False
         for name, url in self.gateways:
             health = read_health(url, 0.5)
             if health is not None:  # a gateway answering, its nodes listed
                 up |= {name, *health[1].get("nodes", {})}
-        return up
+                answered = True
+        return up, answered
 
 
 def stop_all(procs: list[subprocess.Popen], grace: float = 10.0,

@@ -12,6 +12,11 @@ Rules, per child:
   serving. When the gateway gives up, or every node that prefills or every node that decodes
   does (no request can be served then: the gateways would answer 503 for good), or nothing
   is left running, the cluster stops.
+- a node that served and then stops being listed by any gateway that answers, for
+  `hung_after` seconds while its process runs, is hung (a frozen event loop, a step stuck in
+  native code, SIGSTOP: the gateways dropped it and it never registers again): it is killed
+  and restarted as a failure. A gateway is judged by its exit only: a loaded gateway's
+  /health may answer late, and killing it would end every stream it carries.
 
 `step(now)` is the whole policy, driven by a clock passed in; `run` polls it.
 """
@@ -40,6 +45,7 @@ class Child:
     failures: int = 0  # fast failures in a row
     restart_at: float | None = None  # when to start it again after a failure
     ready_at: float | None = None  # when it was first seen serving (stable_after runs from)
+    seen_at: float = 0.0  # when it was last seen serving (or killed as hung)
     state: str = "new"  # new | running | waiting | exited | gave_up
     restarts: int = 0
 
@@ -54,8 +60,10 @@ class Supervisor:
     give_up_after: int = 5
     events: list[str] = field(default_factory=list)
     # whether a child serves (a node registered): a model load is no stable run, and a node
-    # that crashed after each 45 s load was restarted forever; None: from its start
-    is_ready: Callable[[Child], bool] | None = None
+    # that crashed after each 45 s load was restarted forever; None: from its start. It
+    # answers None when it cannot tell (no gateway answered): that is no evidence of a hang
+    is_ready: Callable[[Child], bool | None] | None = None
+    hung_after: float = 0.0  # 0: a node is never judged hung
 
     def start(self, now: float) -> None:
         for child in self.children:
@@ -75,8 +83,8 @@ class Supervisor:
                 code = child.proc.poll()
                 if code is not None:
                     self._exited(child, code, now)
-                elif child.ready_at is None and self.is_ready is not None and self.is_ready(child):
-                    child.ready_at = now
+                elif self.is_ready is not None:
+                    self._watch(child, self.is_ready(child), now)
             elif child.state == "waiting" and child.restart_at is not None:
                 if now >= child.restart_at:
                     child.restarts += 1
@@ -96,6 +104,20 @@ class Supervisor:
                 self._say(f"no node left that can {phase}: the cluster cannot serve")
                 return False
         return any(c.state in ("running", "waiting") for c in self.children)
+
+    def _watch(self, child: Child, serving: bool | None, now: float) -> None:
+        if serving:
+            child.ready_at = now if child.ready_at is None else child.ready_at
+            child.seen_at = now
+            return
+        if serving is None or child.ready_at is None or not child.serves or not self.hung_after:
+            return  # unknown, still loading, a gateway, or off
+        if now - child.seen_at >= self.hung_after:
+            self._say(f"{child.name} runs but no gateway has listed it for "
+                      f"{now - child.seen_at:.0f} s: hung; killing it")  # fmt: skip
+            assert child.proc is not None
+            child.proc.kill()  # its exit (SIGKILL) is read at a next step: a failure
+            child.seen_at = now  # not killed again at every step until then
 
     def _exited(self, child: Child, code: int, now: float) -> None:
         if code == 0:

@@ -146,11 +146,13 @@ def _children(pid: int) -> dict[str, int]:
 
 
 def test_pdserve_up_restarts_a_killed_node_while_in_flight_requests_complete(tokenizer):
+    """Then a hung one (SIGSTOP): its process runs, but no gateway lists it any more."""
     port = free_port()
     cmd = [sys.executable, "-m", "pdserve.cli", "up", "--engine", "sim", "--prefill", "2"]
     cmd += ["--decode", "2", "--port", str(port), "--control-port", str(free_port())]
     # 180 s, as start_cluster waits: five processes starting at once on two slow cores
     cmd += ["--tokens-port", str(free_port()), "--startup-timeout", "180"]
+    cmd += ["--restart-hung-after", "5"]
     env = {**os.environ, "PDSERVE_HEARTBEAT_INTERVAL": "0.2"}
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
@@ -185,23 +187,27 @@ def test_pdserve_up_restarts_a_killed_node_while_in_flight_requests_complete(tok
         assert gateway.metric("pdserve:request_replacements_total") > 0
         assert proc.poll() is None, "the launcher stopped the cluster"
 
-        def restarted() -> bool:
-            pid = _children(proc.pid).get("decode-1")
-            if pid is None or pid == before["decode-1"]:
+        def restarted(name: str) -> bool:
+            pid = _children(proc.pid).get(name)
+            if pid is None or pid == before[name]:
                 return False
             with socket.create_connection(("127.0.0.1", port)) as s:
                 s.sendall(b"GET /health HTTP/1.0\r\n\r\n")
-                return b'"decode-1"' in s.makefile("rb").read()
+                return f'"{name}"'.encode() in s.makefile("rb").read()
 
         # the restart includes a fresh process's start-up: seconds on a slow, busy CPU
-        assert wait_for(restarted, timeout=60)
+        assert wait_for(lambda: restarted("decode-1"), timeout=60)
         assert _children(proc.pid)["prefill-0"] == before["prefill-0"]  # the rest untouched
+        os.kill(before["prefill-1"], signal.SIGSTOP)  # hung: dropped, never back
+        assert wait_for(lambda: restarted("prefill-1"), timeout=60)
+        assert _children(proc.pid)["prefill-0"] == before["prefill-0"]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
     assert any("restarting decode-1" in line for line in lines), lines[-20:]
+    assert any("prefill-1 runs but no gateway" in line for line in lines), lines[-20:]
 
 
 # -- 5. long prefill passes do not stall KV transfers --------------------------------------

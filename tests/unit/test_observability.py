@@ -81,6 +81,20 @@ def test_json_log_lines_carry_the_record_fields_at_the_top():
     assert "{" not in TextFormatter().format(_record(None))
 
 
+def test_log_lines_name_their_level_and_process():
+    """`pdserve up` interleaves every child's lines: each says which process and level."""
+    from pdserve.cli import _label, build_parser, parse_args
+
+    assert json.loads(JsonFormatter("decode-1").format(_record(None)))["process"] == "decode-1"
+    assert "process" not in json.loads(JsonFormatter().format(_record(None)))
+    text = TextFormatter("decode-1").format(_record(None))
+    assert " INFO [decode-1] pdserve.timeline request x" in text
+    labels = {}
+    for argv in (["decode", "--node-id", "d-3"], ["gateway", "--port", "9001"], ["prefill"]):
+        labels[argv[0]] = _label(parse_args(build_parser(argv), argv))
+    assert labels == {"decode": "d-3", "gateway": "gateway:9001", "prefill": "prefill"}
+
+
 def test_node_metrics_and_health_over_http():
     load = Load(running=2, waiting=1, blocks_free=90, blocks_cached=2, blocks_in_use=8)
     metrics = NodeMetrics("p0", "prefill", lambda: load, num_blocks=100)

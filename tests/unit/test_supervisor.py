@@ -17,6 +17,9 @@ class FakeProc:
     def poll(self) -> int | None:
         return self.code
 
+    def kill(self) -> None:
+        self.code = -9 if self.code is None else self.code
+
 
 def make(*names: str, **kw: Any) -> tuple[Supervisor, dict[str, list[FakeProc]]]:
     spawned: dict[str, list[FakeProc]] = {n: [] for n in names}
@@ -185,3 +188,43 @@ def test_a_node_that_crashes_after_each_load_is_given_up_on():
     spawned["decode-0"][-1].code = 1
     sup.step(40.0)
     assert sup.children[1].state == "waiting" and sup.children[1].failures == 1
+
+
+def test_a_node_that_served_and_is_listed_by_no_answering_gateway_is_killed_and_restarted():
+    """A hung node (SIGSTOP, a frozen event loop) kept its place under `up` for good: its
+    process ran, the gateways had dropped it, and nothing started it again."""
+    listed: dict[str, bool | None] = {"gateway": True, "decode-0": True, "decode-1": True}
+    sup, spawned = make("gateway", "decode-0", "decode-1", backoff=0.5, hung_after=10.0,
+                        is_ready=lambda child: listed[child.name])  # fmt: skip
+    assert sup.step(1.0)  # every child serving
+    listed["decode-1"] = False  # dropped by the gateways, its process still running
+    assert sup.step(5.0) and sup.step(10.9)
+    assert spawned["decode-1"][-1].code is None  # not yet hung_after since last seen
+    assert sup.step(11.0)
+    assert spawned["decode-1"][0].code == -9 and any("hung" in e for e in sup.events)
+    assert sup.step(11.1)  # its exit read: a failure, restarted after the backoff
+    assert sup.step(11.7) and len(spawned["decode-1"]) == 2
+    assert len(spawned["decode-0"]) == 1 and spawned["decode-0"][0].code is None
+
+
+def test_a_node_is_not_judged_hung_while_loading_unknown_or_a_gateway():
+    """Not serving yet (a model load), no gateway answering (a gateway restart: no evidence
+    about the nodes) and a gateway slow to answer /health (killing it ends every stream)."""
+    listed: dict[str, bool | None] = {"gateway": False, "decode-0": False}
+    sup, spawned = make("gateway", "decode-0", hung_after=10.0,
+                        is_ready=lambda child: listed[child.name])  # fmt: skip
+    for t in range(1, 60):  # never listed: loading for a minute
+        assert sup.step(float(t))
+    listed.update({"gateway": True, "decode-0": True})
+    assert sup.step(60.0)
+    listed.update({"gateway": False, "decode-0": None})  # the gateway does not answer
+    for t in range(61, 200):
+        assert sup.step(float(t))
+    assert len(spawned["gateway"]) == 1 and len(spawned["decode-0"]) == 1
+    assert spawned["gateway"][0].code is None and spawned["decode-0"][0].code is None
+    listed["decode-0"] = True  # seen again: the count starts over from here
+    assert sup.step(200.0)
+    listed["decode-0"] = False
+    assert sup.step(209.0) and spawned["decode-0"][0].code is None
+    sup.hung_after = 0.0  # off
+    assert sup.step(500.0) and spawned["decode-0"][0].code is None
