@@ -241,6 +241,11 @@ class GatewayConfig:
         10.0, "seconds a token may wait for an earlier one before the attempt is re-placed"
     )
     api_key: str = flag("", "require 'Authorization: Bearer KEY' when set")
+    allowed_origins: str = flag(
+        "*",
+        "origins whose web pages may call the API from a browser (CORS), comma-separated; "
+        "* = any; empty = none",
+    )
     cluster_key: str = flag(
         "", "key file (pdserve keygen) authenticating node traffic (CurveZMQ); empty: none"
     )
@@ -267,15 +272,8 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         _finite(self)
-        timeouts = (
-            "placement_timeout",
-            "offer_timeout",
-            "heartbeat_timeout",
-            "stream_gap_timeout",
-            "progress_timeout",
-            "send_timeout",
-            "body_timeout",
-        )
+        timeouts = ("placement_timeout", "offer_timeout", "heartbeat_timeout", "send_timeout",
+                    "stream_gap_timeout", "progress_timeout", "body_timeout")  # fmt: skip
         for name in timeouts:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")

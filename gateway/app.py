@@ -26,6 +26,7 @@ from pdserve.common.aio import within
 from pdserve.common.config import GatewayConfig
 from pdserve.common.model.tokenizer import Tokenizer
 from pdserve.gateway.core import Gateway
+from pdserve.gateway.cors import Cors
 from pdserve.gateway.openai_api import (
     ApiError,
     chunk,
@@ -341,8 +342,7 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
-    reason = service.health()
-    nodes = service.nodes()
+    reason, nodes = service.health(), service.nodes()
     if reason is None:
         return json_response({"status": "ok", "nodes": nodes})
     return json_response({"status": "unavailable", "reason": reason, "nodes": nodes}, 503)
@@ -370,12 +370,12 @@ TRUTHY = ("1", "true", "yes", "on")
 
 
 def create_app(cfg: GatewayConfig) -> web.Application:
-    app = web.Application(
-        client_max_size=cfg.max_body_bytes, middlewares=[errors_middleware, auth_middleware]
-    )
+    cors = Cors(cfg.allowed_origins)  # its preflight answered before the key is checked
+    middlewares = [cors.middleware, errors_middleware, auth_middleware]
+    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=middlewares)
     app[CONFIG] = cfg
     app.cleanup_ctx.append(_gateway_ctx)
-    app.on_response_prepare.append(count_status)
+    app.on_response_prepare.extend((count_status, cors.on_prepare))
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/streams/{stream_id}", resume_stream, allow_head=False)  # it adopts
