@@ -14,10 +14,8 @@ prefill its tokens.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
-import hashlib
 import logging
 import os
 import shutil
@@ -26,11 +24,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
+from pdserve.common.engine.tier_writer import CHECK, MAGIC, DiskWriter, read_block
 from pdserve.common.errors import ConfigError
 
 log = logging.getLogger(__name__)
-MAGIC = b"PDKVBLK1"
-CHECK = 16  # bytes of blake2b
 
 
 class TierStore:
@@ -55,6 +52,7 @@ class TierStore:
         self.host_used = 0
         self.disk: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size
         self.disk_used = 0
+        self.writer = DiskWriter()  # off the event loop the scheduler runs on
         # observed seconds per byte of a load, per tier (starts from conservative guesses:
         # host memory 2 GB/s, a disk 200 MB/s), and seconds per prefilled token
         self.load_cost = {"host": 1 / 2e9, "disk": 1 / 2e8}
@@ -69,6 +67,7 @@ class TierStore:
     # -- in ----------------------------------------------------------------------------------
     def put(self, digest: bytes, data: bytes) -> None:
         """A block leaves the engine's cache: keep it (host first, spilling to disk)."""
+        self._forget_failed()
         if digest in self.host or digest in self.disk:
             # evicted again (it was loaded back, or is a copy): as recently used as a take
             (self.host if digest in self.host else self.disk).move_to_end(digest)
@@ -88,27 +87,28 @@ class TierStore:
     def _to_disk(self, digest: bytes, data: bytes) -> None:
         if self.dir is None or self.disk_cap < len(data):
             return
-        path = self.dir / (digest.hex() + ".kv")
-        body = MAGIC + hashlib.blake2b(data, digest_size=CHECK).digest() + data
-        tmp = path.with_suffix(".tmp")
-        try:
-            tmp.write_bytes(body)
-            os.replace(tmp, path)
-        except OSError as exc:
-            log.warning("KV disk tier: cannot write %s: %s", path, exc)
-            with contextlib.suppress(OSError):  # a partial write (disk full): in no budget
-                tmp.unlink(missing_ok=True)
-            return
-        self.disk[digest] = len(body)
-        self.disk_used += len(body)
+        self.writer.submit(self._path(digest), data)  # counted now: the cap holds at once
+        self.disk[digest] = len(MAGIC) + CHECK + len(data)
+        self.disk_used += self.disk[digest]
         self.stats["spilled"] += 1
         while self.disk_used > self.disk_cap:
             old, size = self.disk.popitem(last=False)
             self.disk_used -= size
             self._unlink(old)
 
+    def _path(self, digest: bytes) -> Path:
+        assert self.dir is not None
+        return self.dir / (digest.hex() + ".kv")
+
+    def _forget_failed(self) -> None:
+        """Blocks whose background write failed (a full disk) are in no tier."""
+        for path in self.writer.take_failed():
+            size = self.disk.pop(bytes.fromhex(path.stem), None)
+            self.disk_used -= size or 0
+
     # -- out ---------------------------------------------------------------------------------
     def where(self, digest: bytes) -> str | None:
+        self._forget_failed()
         if digest in self.host:
             return "host"
         if digest in self.disk:
@@ -143,17 +143,14 @@ class TierStore:
             self.host.move_to_end(digest)
             self.stats["host_hits"] += 1
             return data
+        self._forget_failed()
         if digest not in self.disk or self.dir is None:
             return None
-        path = self.dir / (digest.hex() + ".kv")
-        try:
-            body = path.read_bytes()
-        except OSError:
-            body = b""
-        data = body[len(MAGIC) + CHECK :]
-        check = body[len(MAGIC) : len(MAGIC) + CHECK]
-        if not body.startswith(MAGIC) or hashlib.blake2b(data, digest_size=CHECK).digest() != check:
-            log.warning("KV disk tier: %s is corrupt; dropping it", path)
+        path = self._path(digest)
+        data = self.writer.pending(path)  # not on disk yet: its bytes are still here
+        if data is None:
+            data = read_block(path)
+        if data is None:
             self.stats["corrupt"] += 1
             self.disk_used -= self.disk.pop(digest)
             self._unlink(digest)
@@ -169,14 +166,12 @@ class TierStore:
             self.token_cost = per if not self.token_cost else 0.8 * self.token_cost + 0.2 * per
 
     def _unlink(self, digest: bytes) -> None:
-        if self.dir is not None:
-            try:
-                (self.dir / (digest.hex() + ".kv")).unlink()
-            except FileNotFoundError:
-                pass
+        if self.dir is not None and not self.writer.cancel(path := self._path(digest)):
+            path.unlink(missing_ok=True)
 
     def close(self) -> None:
         """Drop the disk tier's files (they belong to this process's cache)."""
+        self.writer.close()  # its last write ends first: no file appears after the sweep
         for digest in list(self.disk):
             self._unlink(digest)
         self.disk.clear()

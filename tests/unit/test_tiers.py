@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
+import time
 from pathlib import Path
+
+import pytest
 
 from pdserve.common.engine.tiers import TierStore
 
@@ -29,6 +33,7 @@ def test_both_tiers_are_capped_least_recently_used_first(tmp_path):
     for i in range(5):
         store.put(bytes([i]) * 16, block(i))
     assert [store.where(bytes([i]) * 16) for i in range(5)] == [None, None, "disk", "disk", "host"]
+    store.writer.flush()
     assert len(os.listdir(tmp_path)) == 2 and store.disk_used <= 2100
     store.close()
     assert os.listdir(tmp_path) == []
@@ -48,6 +53,7 @@ def test_a_block_evicted_again_is_as_recently_used_as_a_take(tmp_path):
 def test_a_corrupt_disk_block_is_a_miss_and_is_dropped(tmp_path):
     store = TierStore(host_bytes=0, disk_bytes=10_000, disk_dir=tmp_path)
     store.put(b"a" * 16, block(1))
+    store.writer.flush()
     (path,) = tmp_path.iterdir()
     raw = bytearray(path.read_bytes())
     raw[-1] ^= 0xFF
@@ -69,8 +75,61 @@ def test_a_disk_write_that_fails_leaves_no_partial_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Path, "write_bytes", full)
     store.put(b"a" * 16, block(1))
+    store.writer.flush()
     assert store.where(b"a" * 16) is None and store.disk_used == 0
     assert list(tmp_path.glob("*.tmp")) == []
+
+
+def test_spills_are_written_off_the_caller_s_thread_and_served_until_written(tmp_path):
+    """The scheduler evicting blocks runs on a node's event loop: a spill must not hold it
+    for a file write. Held here behind a write that cannot end, the caller goes on; the
+    waiting block is served from its bytes, and one dropped before its write never lands."""
+    store = TierStore(host_bytes=0, disk_bytes=3100, disk_dir=tmp_path)  # three blocks
+    gate = threading.Event()
+    real = Path.write_bytes
+
+    def slow(path: Path, data: bytes) -> int:
+        gate.wait(30)
+        return real(path, data)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Path, "write_bytes", slow)
+        started = time.monotonic()
+        for i in range(4):  # the fourth pushes the first out: two waiting, one writing
+            store.put(bytes([i]) * 16, block(i))
+        assert time.monotonic() - started < 5  # not one write waited for
+        assert store.take(bytes([3]) * 16) == block(3)  # not on disk yet: from memory
+        assert store.where(bytes([0]) * 16) is None
+        gate.set()
+        store.writer.flush()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == sorted(bytes([i]).hex() * 16 + ".kv" for i in (1, 2, 3))
+    for i in (1, 2, 3):
+        assert store.take(bytes([i]) * 16) == block(i)  # now read back from its file
+    assert store.stats["disk_hits"] == 4 and store.stats["corrupt"] == 0
+    store.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_block_dropped_while_it_is_written_leaves_no_file(tmp_path):
+    store = TierStore(host_bytes=0, disk_bytes=1100, disk_dir=tmp_path)  # one block
+    writing, gate = threading.Event(), threading.Event()
+    real = Path.write_bytes
+
+    def slow(path: Path, data: bytes) -> int:
+        writing.set()
+        gate.wait(30)
+        return real(path, data)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Path, "write_bytes", slow)
+        store.put(b"a" * 16, block(1))
+        assert writing.wait(30)
+        store.put(b"b" * 16, block(2))  # pushes "a" out while its write runs
+        gate.set()
+        store.writer.flush()
+    assert [p.name for p in tmp_path.iterdir()] == [b"b".hex() * 16 + ".kv"]
+    assert store.take(b"b" * 16) == block(2) and store.where(b"a" * 16) is None
 
 
 def test_loading_is_chosen_only_when_it_is_cheaper_than_recomputing():

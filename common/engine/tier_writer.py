@@ -1,0 +1,125 @@
+"""The disk tier's writes, on a thread of their own (common/engine/tiers.py).
+
+A spill is a whole block written to a file (megabytes on a large model) and checksummed, and
+the scheduler that evicts blocks runs on the node's event loop: a burst of evictions held
+the loop (heartbeats, token sends) for the length of every write. Here the loop only hands
+the bytes over; a block waiting to be written is served from them (`pending`), and one
+dropped before or while it is written never stays on disk (`cancel`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+MAGIC = b"PDKVBLK1"
+CHECK = 16  # bytes of blake2b
+
+
+def _check(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=CHECK).digest()
+
+
+def write_block(path: Path, data: bytes) -> bool:
+    """Write one block file whole (a temporary file renamed: never a torn one in place)."""
+    tmp = path.with_suffix(".tmp")
+    try:
+        tmp.write_bytes(MAGIC + _check(data) + data)
+        os.replace(tmp, path)
+        return True
+    except OSError as exc:
+        log.warning("KV disk tier: cannot write %s: %s", path, exc)
+        with contextlib.suppress(OSError):  # a partial write (disk full): in no budget
+            tmp.unlink(missing_ok=True)
+        return False
+
+
+def read_block(path: Path) -> bytes | None:
+    """A block file's bytes, or None when it is gone or does not match its checksum."""
+    try:
+        body = path.read_bytes()
+    except OSError:
+        body = b""
+    data = body[len(MAGIC) + CHECK :]
+    if not body.startswith(MAGIC) or _check(data) != body[len(MAGIC) : len(MAGIC) + CHECK]:
+        log.warning("KV disk tier: %s is missing or corrupt; dropping it", path)
+        return None
+    return data
+
+
+class DiskWriter:
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.queue: OrderedDict[Path, bytes] = OrderedDict()  # not written yet, oldest first
+        self.current: Path | None = None  # being written now
+        self.cancelled: set[Path] = set()  # dropped while being written: removed after
+        self.failed: list[Path] = []  # writes that failed, for the store to forget
+        self._writing = b""  # the bytes of `current`
+        self.thread: threading.Thread | None = None
+        self.closing = False
+
+    def submit(self, path: Path, data: bytes) -> None:
+        with self.cond:
+            self.queue[path] = data
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="kv-disk-tier", daemon=True)
+                self.thread.start()
+            self.cond.notify()
+
+    def pending(self, path: Path) -> bytes | None:
+        """The bytes of a block not yet on disk (being written, or waiting)."""
+        with self.cond:
+            return self.queue.get(path, self._writing if self.current == path else None)
+
+    def cancel(self, path: Path) -> bool:
+        """Drop a block: True when no file of it will be left (never written, or removed by
+        the writer once its write ends); False: the caller removes the file."""
+        with self.cond:
+            queued = self.queue.pop(path, None) is not None
+            if self.current == path:
+                self.cancelled.add(path)
+                return True
+            return queued
+
+    def take_failed(self) -> list[Path]:
+        with self.cond:
+            failed, self.failed = self.failed, []
+            return failed
+
+    def flush(self) -> None:
+        """Wait until everything handed over is written."""
+        with self.cond:
+            self.cond.wait_for(lambda: not self.queue and self.current is None)
+
+    def close(self) -> None:
+        with self.cond:
+            self.closing = True
+            self.queue.clear()
+            self.cond.notify_all()
+        if self.thread is not None:
+            self.thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.queue or self.closing)
+                if self.closing:
+                    return
+                path, data = self.queue.popitem(last=False)
+                self.current, self._writing = path, data
+            ok = write_block(path, data)
+            with self.cond:
+                self.current, self._writing = None, b""
+                if path in self.cancelled:
+                    self.cancelled.discard(path)
+                    if path not in self.queue:  # not handed over again meanwhile
+                        path.unlink(missing_ok=True)
+                elif not ok and path not in self.queue:
+                    self.failed.append(path)
+                self.cond.notify_all()
