@@ -42,7 +42,7 @@ class JsonFormatter(logging.Formatter):
 
 class TextFormatter(logging.Formatter):
     def __init__(self, label: str = "") -> None:
-        where = f"[{label}] " if label else ""
+        where = f"[{label.replace('%', '%%')}] " if label else ""  # a format string
         super().__init__(f"%(asctime)s %(levelname)s {where}%(name)s %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:

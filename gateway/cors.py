@@ -25,7 +25,8 @@ MAX_AGE = "600"  # seconds a browser may cache a preflight's answer
 
 class Cors:
     def __init__(self, allowed_origins: str) -> None:
-        origins = {o.strip() for o in allowed_origins.split(",") if o.strip()}
+        # as browsers send it: scheme://host[:port], lower case, no path
+        origins = {o.strip().rstrip("/").lower() for o in allowed_origins.split(",") if o.strip()}
         self.any = "*" in origins
         self.origins = origins - {"*"}
 
@@ -33,7 +34,7 @@ class Cors:
         """The Access-Control-Allow-Origin value for `origin`, or None (not allowed)."""
         if self.any:
             return "*"
-        return origin if origin in self.origins else None
+        return origin if origin.lower() in self.origins else None
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -50,16 +51,18 @@ class Cors:
             "Access-Control-Max-Age": MAX_AGE,
             "Vary": "Origin",
         }
-        asked = request.headers.get("Access-Control-Request-Headers")
-        if asked:  # any request header (Authorization, Content-Type, Last-Event-ID, ...)
-            headers["Access-Control-Allow-Headers"] = asked[:1024]
+        asked = request.headers.get("Access-Control-Request-Headers", "")
+        if asked and len(asked) <= 4096:  # any (Authorization, Content-Type, Last-Event-ID)
+            headers["Access-Control-Allow-Headers"] = asked
         return web.Response(status=204, headers=headers)
 
     async def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
+        if "Access-Control-Allow-Origin" in response.headers:
+            return  # a preflight's answer: complete already
+        if not self.any:  # the answer depends on the Origin: caches must key on it
+            response.headers.add("Vary", "Origin")
         origin = request.headers.get("Origin")
         allow = None if origin is None else self.allows(origin)
         if allow is not None:
             response.headers["Access-Control-Allow-Origin"] = allow
             response.headers["Access-Control-Expose-Headers"] = EXPOSED
-            if allow != "*":  # the answer depends on the Origin: caches must key on it
-                response.headers.add("Vary", "Origin")

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig
-from pdserve.common.errors import EXIT_REFUSED
+from pdserve.common.errors import EXIT_REFUSED, ConfigError
 from pdserve.common.flags import from_args
 from pdserve.common.ofd import sweep_dead_kv_files
 from pdserve.ports import metrics_ports_free, node_ports_free, ports_free
@@ -186,6 +187,13 @@ def run_up(args: argparse.Namespace) -> int:
     dies is restarted and the others keep serving (pdserve/supervisor.py). A child that fails
     before the cluster is up is a configuration error and stops everything."""
     gcfg, ncfg = up_configs(args)
+    hung_after = getattr(args, "restart_hung_after", 0.0)
+    if not (hung_after == 0 or gcfg.heartbeat_timeout + 1.0 < hung_after < math.inf):
+        # shorter, a node re-registering after a drop (or in its new role) could be killed
+        raise ConfigError(
+            "--restart-hung-after: 0 (never) or more than the gateways' "
+            f"--heartbeat-timeout + 1 s ({gcfg.heartbeat_timeout + 1.0:g})"
+        )
     gateways = getattr(args, "gateways", 1)
     urls = gateway_urls(gcfg, gateways)
     stop = 0  # signals received: the first drains the cluster, a second stops it now
@@ -218,7 +226,7 @@ def run_up(args: argparse.Namespace) -> int:
         children,
         lambda c: _spawn(c, **options.get(c.name, {})),
         is_ready=ready,
-        hung_after=getattr(args, "restart_hung_after", 0.0),
+        hung_after=hung_after,
     )
     try:
         if stop:  # a signal while the ports were checked or the kernels built
@@ -261,28 +269,34 @@ class Readiness:
     def __init__(self, names: list[str], urls: list[str], stale: float) -> None:
         self.gateways = list(zip(names, urls, strict=True))
         self.up: set[str] = set()
-        self.answered = False  # whether any gateway answered at the last read
+        self.answered = False  # whether a gateway could tell at the last read
+        self.since: dict[str, float] = {}  # gateway -> answering since
         self.read_at = -1e9
         self.stale = stale  # how long a gateway may list a node that died (its timeout)
 
     def __call__(self, child: Child) -> bool | None:
         now = time.monotonic()
         if now - self.read_at >= 1.0:
-            self.read_at, (self.up, self.answered) = now, self._read()
-        if child.name not in self.up:  # unlisted: a node only when some gateway answered
+            self.read_at, (self.up, self.answered) = now, self._read(now)
+        if child.name not in self.up:  # unlisted: a node only when a gateway can tell
             return False if self.answered or not child.serves else None
         # a listing older than a restart's node plus the gateways' timeout may be the dead
         # one's: its load would then count as serving
         return True if self.read_at >= child.started + self.stale else None
 
-    def _read(self) -> tuple[set[str], bool]:
+    def _read(self, now: float) -> tuple[set[str], bool]:
+        """Who is listed, and whether a gateway can tell a node that is not: one answering
+        with its node list for `stale` seconds (a restarted gateway lists none until the
+        nodes register again, a heartbeat timeout later)."""
         up: set[str] = set()
         answered = False
         for name, url in self.gateways:
             health = read_health(url, 0.5)
-            if health is not None:  # a gateway answering, its nodes listed
-                up |= {name, *health[1].get("nodes", {})}
-                answered = True
+            if health is None or not isinstance(health[1].get("nodes"), dict):
+                self.since.pop(name, None)
+                continue
+            up |= {name, *health[1]["nodes"]}
+            answered |= now - self.since.setdefault(name, now) >= self.stale
         return up, answered
 
 

@@ -45,7 +45,8 @@ class Child:
     failures: int = 0  # fast failures in a row
     restart_at: float | None = None  # when to start it again after a failure
     ready_at: float | None = None  # when it was first seen serving (stable_after runs from)
-    seen_at: float = 0.0  # when it was last seen serving (or killed as hung)
+    seen_at: float = 0.0  # when it was last seen serving, or could not be judged
+    hung_at: float | None = None  # killed as hung: when it was last seen serving
     state: str = "new"  # new | running | waiting | exited | gave_up
     restarts: int = 0
 
@@ -72,6 +73,7 @@ class Supervisor:
     def _launch(self, child: Child, now: float) -> None:
         child.started = now  # a spawn that fails counts as a fast failure (backoff, give-up)
         child.ready_at = now if self.is_ready is None else None
+        child.hung_at = None
         child.proc = self.spawn(child)
         child.state, child.restart_at = "running", None
 
@@ -106,18 +108,20 @@ class Supervisor:
         return any(c.state in ("running", "waiting") for c in self.children)
 
     def _watch(self, child: Child, serving: bool | None, now: float) -> None:
-        if serving:
-            child.ready_at = now if child.ready_at is None else child.ready_at
+        if serving or serving is None:  # None: no gateway to ask (one restarting): the
+            # count starts over once they answer, not from before the outage
+            if serving:
+                child.ready_at = now if child.ready_at is None else child.ready_at
             child.seen_at = now
             return
-        if serving is None or child.ready_at is None or not child.serves or not self.hung_after:
-            return  # unknown, still loading, a gateway, or off
-        if now - child.seen_at >= self.hung_after:
+        if child.ready_at is None or not child.serves or self.hung_after <= 0:
+            return  # still loading, a gateway, or off
+        if now - child.seen_at >= self.hung_after and child.hung_at is None:
             self._say(f"{child.name} runs but no gateway has listed it for "
                       f"{now - child.seen_at:.0f} s: hung; killing it")  # fmt: skip
             assert child.proc is not None
-            child.proc.kill()  # its exit (SIGKILL) is read at a next step: a failure
-            child.seen_at = now  # not killed again at every step until then
+            child.hung_at = child.seen_at  # its run ended there: a fast failure if short
+            child.proc.kill()  # its exit (SIGKILL) is read at a next step
 
     def _exited(self, child: Child, code: int, now: float) -> None:
         if code == 0:
@@ -129,7 +133,8 @@ class Supervisor:
             self._say(f"{child.name} was refused by the cluster (exit code {code}); "
                       "not restarting it")  # fmt: skip
             return
-        ran = now - child.ready_at if child.ready_at is not None else 0.0  # never served
+        end = now if child.hung_at is None else child.hung_at
+        ran = end - child.ready_at if child.ready_at is not None else 0.0  # never served
         child.failures = child.failures + 1 if ran < self.stable_after else 1
         if child.failures >= self.give_up_after:
             child.state = "gave_up"

@@ -20,6 +20,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 MAGIC = b"PDKVBLK1"
 CHECK = 16  # bytes of blake2b
+# bytes waiting to be written at most: past it a spill is dropped (the block is in no tier,
+# recomputed if asked for) rather than held in memory without bound while the disk is slow
+MAX_PENDING = 256 * 2**20
 
 
 def _check(data: bytes) -> bytes:
@@ -54,7 +57,9 @@ def read_block(path: Path) -> bytes | None:
 
 
 class DiskWriter:
-    def __init__(self) -> None:
+    def __init__(self, max_pending: int = MAX_PENDING) -> None:
+        self.max_pending = max_pending
+        self.pending_bytes = 0
         self.cond = threading.Condition()
         self.queue: OrderedDict[Path, bytes] = OrderedDict()  # not written yet, oldest first
         self.current: Path | None = None  # being written now
@@ -64,13 +69,20 @@ class DiskWriter:
         self.thread: threading.Thread | None = None
         self.closing = False
 
-    def submit(self, path: Path, data: bytes) -> None:
+    def submit(self, path: Path, data: bytes) -> bool:
+        """Hand a block over to be written; False (not taken) past `max_pending` or closed."""
         with self.cond:
+            old = self.queue.pop(path, b"")
+            self.pending_bytes -= len(old)
+            if self.closing or self.pending_bytes + len(data) > self.max_pending:
+                return False
             self.queue[path] = data
+            self.pending_bytes += len(data)
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name="kv-disk-tier", daemon=True)
                 self.thread.start()
             self.cond.notify()
+            return True
 
     def pending(self, path: Path) -> bytes | None:
         """The bytes of a block not yet on disk (being written, or waiting)."""
@@ -81,11 +93,12 @@ class DiskWriter:
         """Drop a block: True when no file of it will be left (never written, or removed by
         the writer once its write ends); False: the caller removes the file."""
         with self.cond:
-            queued = self.queue.pop(path, None) is not None
+            queued = self.queue.pop(path, None)
+            self.pending_bytes -= len(queued or b"")
             if self.current == path:
                 self.cancelled.add(path)
                 return True
-            return queued
+            return queued is not None
 
     def take_failed(self) -> list[Path]:
         with self.cond:
@@ -101,6 +114,7 @@ class DiskWriter:
         with self.cond:
             self.closing = True
             self.queue.clear()
+            self.pending_bytes = 0
             self.cond.notify_all()
         if self.thread is not None:
             self.thread.join()
@@ -112,14 +126,25 @@ class DiskWriter:
                 if self.closing:
                     return
                 path, data = self.queue.popitem(last=False)
+                self.pending_bytes -= len(data)
                 self.current, self._writing = path, data
-            ok = write_block(path, data)
-            with self.cond:
-                self.current, self._writing = None, b""
-                if path in self.cancelled:
-                    self.cancelled.discard(path)
-                    if path not in self.queue:  # not handed over again meanwhile
-                        path.unlink(missing_ok=True)
-                elif not ok and path not in self.queue:
-                    self.failed.append(path)
-                self.cond.notify_all()
+            ok = False
+            try:
+                ok = write_block(path, data)
+            except Exception:  # never a dead writer: spills would wait in memory for good
+                log.exception("KV disk tier: writing %s failed", path)
+            finally:
+                with self.cond:
+                    self._done(path, ok)
+
+    def _done(self, path: Path, ok: bool) -> None:
+        """Under the lock: the write of `path` ended."""
+        self.current, self._writing = None, b""
+        if path in self.cancelled:
+            self.cancelled.discard(path)
+            if path not in self.queue:  # not handed over again meanwhile
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
+        elif not ok and path not in self.queue:
+            self.failed.append(path)
+        self.cond.notify_all()

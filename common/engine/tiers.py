@@ -58,7 +58,8 @@ class TierStore:
         self.load_cost = {"host": 1 / 2e9, "disk": 1 / 2e8}
         self.token_cost = 0.0  # unknown until the node reports a prefill
         self.block_nbytes = 0
-        self.stats = {"put": 0, "spilled": 0, "host_hits": 0, "disk_hits": 0, "corrupt": 0}
+        self.stats = {"put": 0, "spilled": 0, "host_hits": 0, "disk_hits": 0, "corrupt": 0,
+                      "dropped": 0}  # fmt: skip
 
     @property
     def enabled(self) -> bool:
@@ -87,7 +88,9 @@ class TierStore:
     def _to_disk(self, digest: bytes, data: bytes) -> None:
         if self.dir is None or self.disk_cap < len(data):
             return
-        self.writer.submit(self._path(digest), data)  # counted now: the cap holds at once
+        if not self.writer.submit(self._path(digest), data):  # the disk far behind: dropped
+            self.stats["dropped"] += 1
+            return
         self.disk[digest] = len(MAGIC) + CHECK + len(data)
         self.disk_used += self.disk[digest]
         self.stats["spilled"] += 1
@@ -125,39 +128,43 @@ class TierStore:
         """Copy the block into the engine's cache with `write`; False if no tier has it. Timed
         whole, read and copy, as that is what `worth_loading` weighs (a host hit alone is a
         dict lookup: timed alone, loading from host memory looked free)."""
-        tier = self.where(digest)
         started = time.perf_counter()
-        data = self.take(digest)
-        if tier is None or data is None:
+        data, source = self._take(digest)
+        if data is None:
             return False
         write(data)
         seconds = time.perf_counter() - started
-        if seconds > 0:
-            self.load_cost[tier] = 0.8 * self.load_cost[tier] + 0.2 * (seconds / len(data))
+        if seconds > 0 and source in self.load_cost:  # not a block still waiting to be
+            # written: served from memory, it would make the disk look as fast
+            self.load_cost[source] = 0.8 * self.load_cost[source] + 0.2 * (seconds / len(data))
         return True
 
     def take(self, digest: bytes) -> bytes | None:
         """The block's bytes, checked, from whichever tier holds it (it stays there)."""
+        return self._take(digest)[0]
+
+    def _take(self, digest: bytes) -> tuple[bytes | None, str]:
+        """The bytes and where they came from: host, disk, or pending (not written yet)."""
         data = self.host.get(digest)
         if data is not None:
             self.host.move_to_end(digest)
             self.stats["host_hits"] += 1
-            return data
+            return data, "host"
         self._forget_failed()
         if digest not in self.disk or self.dir is None:
-            return None
+            return None, ""
         path = self._path(digest)
-        data = self.writer.pending(path)  # not on disk yet: its bytes are still here
+        data, source = self.writer.pending(path), "pending"  # not on disk yet: still here
         if data is None:
-            data = read_block(path)
+            data, source = read_block(path), "disk"
         if data is None:
             self.stats["corrupt"] += 1
             self.disk_used -= self.disk.pop(digest)
             self._unlink(digest)
-            return None
+            return None, ""
         self.disk.move_to_end(digest)
         self.stats["disk_hits"] += 1
-        return data
+        return data, source
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The node computed `tokens` of prefill in `seconds`: the cost of recomputing."""

@@ -69,6 +69,6 @@ def test_the_origin_rule():
     """`*` (the default, as vLLM's and SGLang's servers) any origin; empty none."""
     assert Cors("*").allows("https://a.example") == "*"
     assert Cors("").allows("https://a.example") is None
-    listed = Cors(" https://a.example ,https://b.example")
+    listed = Cors(" https://a.example ,https://B.example/")
     assert listed.allows("https://b.example") == "https://b.example"
     assert listed.allows("https://a.example.evil") is None

@@ -57,6 +57,9 @@ SIM_FLAGS = " ".join(SIM)
         ("generate --prompt x --device foo", 2, "--device: cpu, cuda, cuda:N or cuda:auto"),
         (f"generate {SIM_FLAGS} --prompt x --gpu-offset -1", 2, "--gpu-offset must be >= 0"),
         (f"generate {SIM_FLAGS} --prompt x --prefill-pass-tokens -1", 2, "--prefill-pass-tokens"),
+        # shorter than a drop and a registration again: healthy nodes would be killed
+        ("up --engine sim --restart-hung-after 2", 2, "--restart-hung-after: 0 (never) or"),
+        ("up --engine sim --restart-hung-after -1", 2, "--restart-hung-after: 0 (never) or"),
     ],
 )  # fmt: skip
 def test_a_bad_input_is_one_line_of_error_not_a_traceback(command, code, says):

@@ -209,7 +209,8 @@ def test_a_node_that_served_and_is_listed_by_no_answering_gateway_is_killed_and_
 
 def test_a_node_is_not_judged_hung_while_loading_unknown_or_a_gateway():
     """Not serving yet (a model load), no gateway answering (a gateway restart: no evidence
-    about the nodes) and a gateway slow to answer /health (killing it ends every stream)."""
+    about the nodes, and the count starts over after it) and a gateway slow to answer
+    /health (killing it ends every stream)."""
     listed: dict[str, bool | None] = {"gateway": False, "decode-0": False}
     sup, spawned = make("gateway", "decode-0", hung_after=10.0,
                         is_ready=lambda child: listed[child.name])  # fmt: skip
@@ -222,9 +223,66 @@ def test_a_node_is_not_judged_hung_while_loading_unknown_or_a_gateway():
         assert sup.step(float(t))
     assert len(spawned["gateway"]) == 1 and len(spawned["decode-0"]) == 1
     assert spawned["gateway"][0].code is None and spawned["decode-0"][0].code is None
-    listed["decode-0"] = True  # seen again: the count starts over from here
-    assert sup.step(200.0)
+    listed["decode-0"] = False  # answering again, the node not back yet: counted from here
+    assert sup.step(200.0) and sup.step(208.0) and spawned["decode-0"][0].code is None
+    listed["decode-0"] = True  # back
+    assert sup.step(210.0)
     listed["decode-0"] = False
-    assert sup.step(209.0) and spawned["decode-0"][0].code is None
+    assert sup.step(219.0) and spawned["decode-0"][0].code is None
     sup.hung_after = 0.0  # off
     assert sup.step(500.0) and spawned["decode-0"][0].code is None
+
+
+def test_a_node_that_hangs_soon_after_each_start_is_given_up_on():
+    """Its run ends where it was last seen serving, not at the kill `hung_after` later:
+    past `stable_after`, every hang reset its count and it was restarted forever."""
+    listed: dict[str, bool | None] = {"gateway": True, "decode-0": True}
+    sup, spawned = make("gateway", "decode-0", backoff=1.0, stable_after=30.0,
+                        give_up_after=3, hung_after=60.0,
+                        is_ready=lambda child: listed[child.name])  # fmt: skip
+    now, delays = 0.0, []
+    while sup.children[1].state != "gave_up" and now < 2000:
+        listed["decode-0"] = True
+        now += 1.0
+        sup.step(now)  # serving: 1 s
+        listed["decode-0"] = False  # then hung
+        while spawned["decode-0"][-1].code is None:
+            now += 1.0
+            sup.step(now)
+        now += 0.1
+        sup.step(now)  # its exit read
+        child = sup.children[1]
+        if child.restart_at is not None:
+            delays.append(child.restart_at - now)
+            now = child.restart_at
+            sup.step(now)
+    assert sup.children[1].state == "gave_up" and len(spawned["decode-0"]) == 3
+    assert delays == [1.0, 2.0]
+
+
+def test_readiness_tells_a_node_unlisted_only_by_a_gateway_listing_nodes_for_a_while(
+    monkeypatch,
+):
+    """A restarted gateway answers /health at once, listing no node until they register
+    again (a heartbeat timeout later): that is no evidence of a hang. Nor is an answer
+    without a node list (something else on the port)."""
+    from pdserve import launch
+
+    clock, answer = [0.0], [None]
+    monkeypatch.setattr(launch.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(launch, "read_health", lambda url, timeout: answer[0])
+    ready = launch.Readiness(["gateway"], ["http://g"], stale=3.0)
+    node = Child("decode-0", ["d"], serves=("decode",), started=-100.0)
+    gateway = Child("gateway", ["g"], essential=True, started=-100.0)
+    assert ready(node) is None and ready(gateway) is False  # no gateway answers
+    answer[0] = (503, {"status": "unavailable", "nodes": {}})
+    clock[0] = 1.0
+    assert ready(node) is None and ready(gateway) is True  # answering since 1 s only
+    clock[0] = 4.5
+    assert ready(node) is False  # listing nodes for 3.5 s: it can tell now
+    answer[0] = (200, {"status": "ok", "nodes": {"decode-0": "decode"}})
+    clock[0] = 6.0
+    assert ready(node) is True
+    answer[0] = (200, {"error": "not pdserve"})
+    clock[0] = 8.0
+    assert ready(node) is None and ready(gateway) is False

@@ -132,6 +132,55 @@ def test_a_block_dropped_while_it_is_written_leaves_no_file(tmp_path):
     assert store.take(b"b" * 16) == block(2) and store.where(b"a" * 16) is None
 
 
+def test_spills_past_the_pending_cap_are_dropped_and_a_failing_writer_goes_on(tmp_path):
+    """A disk slower than the evictions held every spill in memory, up to the disk tier's
+    size (hundreds of GB); and an exception out of one write (not an OSError) ended the
+    writer thread, after which nothing was written again."""
+    store = TierStore(host_bytes=0, disk_bytes=100_000, disk_dir=tmp_path)
+    store.writer.max_pending = 2500  # two blocks
+    gate, calls = threading.Event(), []
+    real = Path.write_bytes
+
+    def flaky(path: Path, data: bytes) -> int:
+        calls.append(path)
+        gate.wait(30)
+        if len(calls) == 1:
+            raise MemoryError("the first write")
+        return real(path, data)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Path, "write_bytes", flaky)
+        for i in range(5):  # one being written, two waiting, two past the cap
+            store.put(bytes([i]) * 16, block(i))
+            while i == 0 and not calls:
+                time.sleep(0.01)
+        assert store.stats["dropped"] == 2
+        assert [store.where(bytes([i]) * 16) for i in range(5)] == ["disk"] * 3 + [None] * 2
+        gate.set()
+        store.writer.flush()
+    assert store.where(b"\0" * 16) is None  # its write failed: forgotten
+    assert store.take(b"\1" * 16) == block(1) and store.take(b"\2" * 16) == block(2)
+    store.put(b"\7" * 16, block(7))  # the writer still writes
+    store.writer.flush()
+    assert (tmp_path / (b"\7".hex() * 16 + ".kv")).exists()
+    assert store.disk_used == sum(p.stat().st_size for p in tmp_path.glob("*.kv"))
+
+
+def test_a_block_still_waiting_to_be_written_does_not_teach_the_disk_s_cost(tmp_path):
+    store = TierStore(host_bytes=0, disk_bytes=100_000, disk_dir=tmp_path)
+    gate = threading.Event()
+    real = Path.write_bytes
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Path, "write_bytes", lambda p, d: gate.wait(30) and real(p, d))
+        store.put(b"a" * 16, block(1))
+        store.put(b"b" * 16, block(2))
+        before = store.load_cost["disk"]
+        assert store.load(b"b" * 16, lambda data: None)  # from memory, microseconds
+        assert store.load_cost["disk"] == before
+        gate.set()
+        store.writer.flush()
+
+
 def test_loading_is_chosen_only_when_it_is_cheaper_than_recomputing():
     store = TierStore(host_bytes=10_000)
     store.put(b"x" * 16, block(0, 4000))
