@@ -170,6 +170,10 @@ class ClusterView:
         node.foreign, node.leader = load.foreign, leader
         return True
 
+    def reported_since(self, since: float) -> bool:
+        """Every node's last load report was read after `since`."""
+        return all(n.load_at > since for n in self.nodes.values())
+
     def accepted(self, node: NodeState) -> None:
         """`node` accepted an offer: it goes last among nodes otherwise equal (on-demand)."""
         self.acceptances += 1

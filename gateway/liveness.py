@@ -57,13 +57,15 @@ class Liveness:
             level = logging.WARNING if late > self.cfg.heartbeat_timeout / 2 else logging.DEBUG
             log.log(level, "gateway stalled %.1f s; node leases extended by as much", late)
             self.cluster.excuse(late)
-            self.awake = now  # what came meanwhile waits unread: no hand-off judged on it
+            # what came meanwhile waits unread: no hand-off judged on it, no pool decision
+            # made on the reports from before (gateway/pools.py)
+            self.awake = now
         for node_id in self.cluster.expired(now):
             await self.drop(node_id, "heartbeat timeout")
         await self._check_progress(now)
         self._check_handoffs(now)
         self._check_streams(now)
-        await self.pools.tick(now)
+        await self.pools.tick(now, self.awake)
 
     async def drop(self, node_id: str, why: str, kind: str = "lost") -> None:
         """`kind` "preempted": a node that left as planned (a drain, a role switch); what

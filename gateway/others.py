@@ -60,10 +60,15 @@ class OtherGateways:
                     load, **{f: max(getattr(load, f), getattr(old, f)) for f in COUNTS}
                 )
             self.seen[load.gateway] = (load, now)
+        self._forget(now)  # here too: a gateway that does not lead never asks waiting_tokens
 
     def waiting_tokens(self, now: float) -> int:
         """Prompt tokens waiting at the other gateways for a prefill node."""
+        self._forget(now)
+        return sum(load.waiting_tokens for load, _ in self.seen.values())
+
+    def _forget(self, now: float) -> None:
+        """Gateways gone (each restart comes back under a new id): else they add up."""
         for gateway, (_, heard) in list(self.seen.items()):
             if now - heard > FORGET_S:
                 del self.seen[gateway]
-        return sum(load.waiting_tokens for load, _ in self.seen.values())

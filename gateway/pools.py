@@ -89,10 +89,17 @@ class PoolCare:
         never averages two gateways' decisions."""
         return self.desired_replicas() if self.leading() else {}
 
-    async def tick(self, now: float) -> None:
+    async def tick(self, now: float, awake: float) -> None:
+        """`awake`: when the gateway's last stall ended (gateway/liveness.py)."""
         if not self.leading():
             # a lead regained later starts its hold afresh: not from a sample taken before
             self.switcher.toward = self.switcher.since = None
+            return
+        # decided on a fresh view only: after a stall of this process (the tick that found it
+        # set `awake` to its own time) the nodes' reports sent meanwhile wait unread in its
+        # socket, and every one it holds is as old as the stall; nor on a report older than
+        # half the heartbeat timeout (a node beats several times within it)
+        if not self.cluster.reported_since(max(awake, now - self.cfg.heartbeat_timeout / 2)):
             return
         if self.cfg.rebalance:
             await self._rebalance(now)
@@ -174,6 +181,10 @@ class PoolCare:
         node = self.cluster.nodes.get(move.source) if move is not None else None
         if move is None or node is None:
             return
+        # a round past the cooldown holds nothing back: forgotten, or node churn grows it
+        self.rebalanced_at = {
+            n: at for n, at in self.rebalanced_at.items() if now - at < rebalance.COOLDOWN
+        }
         self.rebalanced_at[move.source] = now
         self.planned.remember(move, now)
         self.metrics.rebalances.inc(len(move.request_ids))

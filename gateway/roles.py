@@ -42,6 +42,10 @@ class RoleSwitcher:
     failures: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     def registered(self, node_id: str, now: float, switched: bool = False) -> None:
+        # a registration past the dwell holds nothing back (as none would): forgotten, or
+        # pod churn (new node ids) grows it; a node registering again starts its dwell anew
+        kept = self.registered_at.items()
+        self.registered_at = {n: at for n, at in kept if now - at < self.dwell}
         self.registered_at[node_id] = now
         if switched:
             self.failures.pop(node_id, None)

@@ -87,7 +87,7 @@ async def test_a_failing_liveness_tick_is_logged_and_the_next_one_runs(tokenizer
     async with Cluster(tokenizer) as c:
         ticks = 0
 
-        async def failing(now: float) -> None:
+        async def failing(now: float, awake: float) -> None:
             nonlocal ticks
             ticks += 1
             raise RuntimeError("a pool-care bug")

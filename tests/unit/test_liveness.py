@@ -28,7 +28,7 @@ class _Service:
 
 
 class _Pools:
-    async def tick(self, now: float) -> None:
+    async def tick(self, now: float, awake: float) -> None:
         pass
 
 

@@ -95,7 +95,7 @@ def test_a_lead_lost_and_regained_starts_the_hold_afresh():
     pools = _pools(cluster)
     assert pools.switcher.decide(cluster, SHORT_PREFILL, {}, False, 100.0) is None  # from 100
     pools.leading = lambda: False  # type: ignore[method-assign]
-    asyncio.run(pools.tick(101.0))  # another gateway leads for a while
+    asyncio.run(pools.tick(101.0, 0.0))  # another gateway leads for a while
     assert pools.switcher.decide(cluster, SHORT_PREFILL, {}, False, 300.0) is None  # afresh
     assert pools.switcher.decide(cluster, SHORT_PREFILL, {}, False, 305.0) is not None
 

@@ -1,0 +1,147 @@
+"""Pool care (gateway/pools.py) from the liveness tick (gateway/liveness.py): never decided
+on a view older than the gateway's own stall or than the nodes' heartbeats; and its records
+of nodes and gateways, which churn (pods with new names, gateways restarted under new ids)
+must not grow for good."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.common.config import GatewayConfig
+from pdserve.common.costmodel import CostModel
+from pdserve.common.wire.protocol import GatewayLoad, Load, Rebalance, SwitchRole
+from pdserve.gateway.cluster import ClusterView
+from pdserve.gateway.liveness import Liveness
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.others import FORGET_S, OtherGateways
+from pdserve.gateway.pools import PoolCare
+from pdserve.gateway.prefix_index import PrefixIndex
+from pdserve.gateway.rebalance import COOLDOWN
+from pdserve.gateway.roles import RoleSwitcher
+from pdserve.gateway.sizing import Sizing
+from pdserve.gateway.table import RequestTable
+from tests.unit.test_policies import make_info
+from tests.unit.test_rebalance import _Link, _running
+from tests.unit.test_roles import SHORT_PREFILL, _cluster
+
+
+class _Gateway:
+    """A leader's cluster view, request table, pool care and liveness tick; no sockets:
+    what it sends is in `link.sent`, and the nodes' reports are read when a test says."""
+
+    def __init__(self, cfg: GatewayConfig, nodes: dict[str, str], at: float) -> None:
+        self.cluster, self.table = ClusterView(cfg.heartbeat_timeout), RequestTable()
+        self.link = _Link()
+        for node_id, role in nodes.items():
+            self.cluster.register(make_info(node_id, role=role), node_id.encode(), at, "t")
+        unused: Any = None
+        link: Any = self.link
+        metrics = GatewayMetrics(self.cluster, self.table, {})
+        self.pools = PoolCare(cfg, self.cluster, self.table, unused, unused, metrics, link)
+        self.liveness = Liveness(cfg, self.cluster, self.table, PrefixIndex(), unused, unused,
+                                 self.pools)  # fmt: skip
+
+    def read(self, loads: dict[str, Load], now: float) -> None:
+        """The nodes' heartbeats, read at `now`."""
+        for node_id, load in loads.items():
+            assert self.cluster.heartbeat(node_id, node_id.encode(), load, now)
+
+    async def tick(self, now: float, late: float = 0.0) -> list[tuple[bytes, object]]:
+        """One liveness tick (`late`: how much later than its period it ran); what it sent."""
+        await self.liveness._tick(now, late, 0.25)
+        sent, self.link.sent = self.link.sent, []
+        return sent
+
+
+def _decode(free: int, held: tuple[str, ...] = ()) -> Load:
+    return Load(running=len(held), waiting=0, blocks_free=free, blocks_cached=0,
+                blocks_in_use=100 - free, held=held)  # fmt: skip
+
+
+def _full_and_empty(gw: _Gateway, node: str = "A", other: str = "B") -> dict[str, Load]:
+    """Six sequences decoding on `node`, 95 % full; `other` 5 %."""
+    for i in range(6):
+        _running(gw.table, node, f"{node}{i}", 32, 500)
+    held = tuple(a.wire_id for a in gw.table.headed_to(node))
+    return {node: _decode(5, held), other: _decode(95)}
+
+
+async def test_a_leader_woken_from_a_stall_rebalances_only_on_reports_read_since():
+    """Paused 5 s (SIGSTOP, a GC or swap stall), the leader ran a tick at once and moved
+    sequences off a node by its report from before the pause: what the nodes said meanwhile
+    waited unread in its socket."""
+    gw = _Gateway(GatewayConfig(rebalance=0.9), {"A": "decode", "B": "decode"}, 100.0)
+    full = _full_and_empty(gw)
+    gw.read(full, 100.0)
+    assert await gw.tick(105.0, late=4.75) == []  # the tick that finds the stall
+    assert await gw.tick(105.25) == []  # nothing read since
+    gw.read({"A": _decode(60, full["A"].held), "B": full["B"]}, 105.3)
+    assert await gw.tick(105.5) == []  # the fresh view: A at 40 %, nothing to move
+    gw.read(full, 105.8)
+    ((to, order),) = await gw.tick(106.0)  # full again, and so reported
+    assert to == b"A" and isinstance(order, Rebalance) and len(order.request_ids) == 4
+
+
+async def test_pool_care_waits_for_a_node_whose_report_is_older_than_half_the_lease():
+    gw = _Gateway(GatewayConfig(rebalance=0.9), {"A": "decode", "B": "decode"}, 100.0)
+    full = _full_and_empty(gw)
+    gw.read(full, 100.0)
+    gw.read({"A": full["A"]}, 100.9)  # B silent since 100.0: 1.2 s at the tick
+    assert await gw.tick(101.2) == []
+    gw.read({"B": full["B"]}, 101.3)
+    ((to, order),) = await gw.tick(101.4)
+    assert to == b"A" and isinstance(order, Rebalance)
+
+
+async def test_a_leader_woken_from_a_stall_switches_the_donor_its_fresh_view_shows():
+    """The imbalance held from before the pause; the stale view named d1 the least busy
+    decode node (3 sequences), but by the time the leader ran again d1 ran 9 and d0 one."""
+    cfg = GatewayConfig(role_switching="on", switch_hold=5.0, switch_dwell=0.0)
+    gw = _Gateway(cfg, {"p0": "prefill", "d0": "decode", "d1": "decode"}, 100.0)
+    gw.pools.desired_replicas = lambda: SHORT_PREFILL  # type: ignore[method-assign]
+
+    def loads(d0: int, d1: int) -> dict[str, Load]:
+        empty = Load(running=0, waiting=0, blocks_free=100, blocks_cached=0, blocks_in_use=0)
+        return {"p0": empty, "d0": _decode(50, ("x",) * d0), "d1": _decode(50, ("x",) * d1)}
+
+    for i in range(10):  # short of prefill from 100.1 on, within the 5 s hold
+        gw.read(loads(7, 3), 100.0 + i / 2)
+        assert await gw.tick(100.1 + i / 2) == []
+    assert await gw.tick(110.0, late=5.15) == []  # stalled: the hold would be over
+    gw.read(loads(1, 9), 110.2)
+    assert await gw.tick(110.3) == [(b"d0", SwitchRole(role="prefill"))]
+
+
+def test_registrations_are_forgotten_once_past_the_dwell_which_still_holds():
+    rules = RoleSwitcher(hold=0.0, dwell=30.0, cooldown=0.0)
+    for i in range(1000):  # pods of new names, one a second
+        rules.registered(f"decode-{i}", float(i))
+    assert len(rules.registered_at) <= 31
+    cluster = _cluster()  # d0 and d1, registered again at 1000 s
+    rules.registered("d0", 1000.0)
+    rules.registered("d1", 1000.0)
+    assert rules.decide(cluster, SHORT_PREFILL, {}, False, 1029.0) is None  # dwell
+    assert rules.decide(cluster, SHORT_PREFILL, {}, False, 1030.0) is not None
+
+
+async def test_rebalance_rounds_of_nodes_come_and_gone_are_forgotten():
+    gw = _Gateway(GatewayConfig(rebalance=0.9), {}, 0.0)
+    assert COOLDOWN < 3.0
+    for i in range(20):  # a new pair of decode nodes every 3 s, the old pair gone
+        now = 3.0 * (i + 1)
+        for node in list(gw.cluster.nodes):
+            gw.cluster.remove(node)
+        for node in (f"A{i}", f"B{i}"):
+            gw.cluster.register(make_info(node, role="decode"), node.encode(), now, "t")
+        gw.read(_full_and_empty(gw, f"A{i}", f"B{i}"), now)
+        assert [to for to, _ in await gw.tick(now + 0.1)] == [f"A{i}".encode()]
+    assert list(gw.pools.rebalanced_at) == ["A19"]  # the others' cooldowns are over
+
+
+def test_gateways_no_node_relays_any_more_are_forgotten_without_a_scrape():
+    """A gateway that does not lead is never asked for the others' backlog: each gateway
+    restarted (under a new id) stayed in its records for good."""
+    others = OtherGateways(lambda: "a", Sizing(CostModel.named("h100-llama3.1-8b")))
+    for i in range(100):  # a gateway restarted every 10 s
+        others.relayed((GatewayLoad(gateway=f"g{i}", seq=1, waiting_tokens=10),), 10.0 * i)
+    assert len(others.seen) <= FORGET_S / 10 + 1
