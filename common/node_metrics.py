@@ -101,6 +101,18 @@ class _LoadCollector(Collector):
         yield refused_peers(labels, self.key)
 
 
+class _TierCollector(Collector):
+    def __init__(self, labels: dict[str, str], stats: Callable[[], dict[str, int]]) -> None:
+        self.labels, self.stats = labels, stats
+
+    def collect(self) -> Iterator[Metric]:
+        doc = "KV blocks through the prefix cache's host and disk tiers, by event"
+        family = CounterMetricFamily("pdserve:kv_tier_blocks", doc, labels=[*self.labels, "event"])
+        for event, count in self.stats().items():
+            family.add_metric([*self.labels.values(), event], count)
+        yield family
+
+
 def refused_peers(labels: list[str], key: list[str]) -> Metric:
     """This process's refusals of peers without the cluster key, by kind."""
     refused = CounterMetricFamily(
@@ -202,6 +214,11 @@ class NodeMetrics:
             "Times a gateway said nothing for --heartbeat-timeout: its requests became orphans",
         )
         r.register(_LoadCollector(node, role, load, num_blocks))
+
+    def kv_tiers(self, stats: Callable[[], dict[str, int]]) -> None:
+        """pdserve:kv_tier_blocks_total{event}: the prefix cache's lower tiers' block counts
+        (common/engine/tiers.py: put, spilled, host_hits, disk_hits, corrupt, dropped)."""
+        self.registry.register(_TierCollector(self.labels, stats))
 
     def orphans(self, outcome: str, n: int) -> None:
         self._orphans.labels(**self.labels, outcome=outcome).inc(n)

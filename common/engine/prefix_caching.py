@@ -59,6 +59,10 @@ class PrefixCaching:
                 loads.append(digest)
         return hits, loads
 
+    def _tiers_ready(self, loads: list[bytes]) -> bool:
+        """Whether loading `loads` now reads no disk here (common/engine/tier_reader.py)."""
+        return self.tiers is None or self.tiers.ready(loads)
+
     def _load(self, blocks: list[int], hashes: list[bytes]) -> int:
         """Fill the first blocks with the tiers' copies of `hashes`; how many it loaded (a
         block that is gone or corrupt, or a copy that fails, ends the run: the rest is

@@ -3,19 +3,18 @@
 Each step has a token budget: `chunk_size` with chunked prefill, else `max_batch_tokens`.
 Running sequences that are decoding go first, one token each, so a long prompt never
 delays a decode step by more than the budget allows. The remaining budget goes to
-prefills, oldest first: partially prefilled sequences, then waiting ones. Without chunking a
-prompt is prefilled whole (with no other prompt if it exceeds the budget, so nothing starves); with
-chunking it is cut to the remaining budget. A sequence gets blocks for its whole prompt at
-admission, only while `watermark_blocks` stay free for running sequences to grow (vLLM's
-watermark). When a decoding sequence cannot grow anyway, the newest running sequence is
-preempted: its blocks are freed.
+prefills, oldest first: partially prefilled sequences, then waiting ones. Without chunking
+a prompt is prefilled whole (alone if past the budget: nothing starves); with chunking it
+is cut to the remaining budget. A sequence gets blocks for its whole prompt at admission,
+only while `watermark_blocks` stay free for running sequences to grow (vLLM's watermark).
+When a decoding sequence cannot grow anyway, the newest running one is preempted (freed).
 
-Prefix caching (`prefix_caching`, the mixin in prefix_caching.py): a sequence admitted
-with no KV yet takes the blocks that already hold the longest cached prefix of its tokens
-(chained block hashes, see block_manager.py) and computes only the rest, at least its last
-token (its logits are needed). Every full block whose KV is computed (or arrived, in decode
-mode) is registered, so it stays reusable after its sequence ends, until its block is taken
-for other tokens (least recently freed first).
+Prefix caching (`prefix_caching`, the mixin in prefix_caching.py): a sequence admitted with
+no KV yet takes the blocks holding the longest cached prefix of its tokens (chained block
+hashes, block_manager.py; a prefix continuing on the disk tier is read ahead, the sequence
+left waiting meanwhile) and computes the rest, at least its last token (its logits are
+needed). Every full block whose KV is computed (or arrived, in decode mode) is registered:
+reusable after its sequence ends, until taken for other tokens (least recently freed first).
 
 Modes (one scheduler for every role, so a node could serve either):
     colocated  both phases here; a preempted sequence goes back to the head of the queue,
@@ -272,6 +271,8 @@ class Scheduler(PrefixCaching):
         for seq in candidates:
             waiting = seq.status is SeqStatus.WAITING
             hits, loads = self._cached_prefix(seq) if waiting else ([], [])
+            if loads and not self._tiers_ready(loads):
+                continue  # its disk blocks are read off the loop first; the others go on
             cached = (len(hits) + len(loads)) * self.cfg.block_size
             remaining = seq.num_tokens - seq.num_computed_tokens - cached
             if self.cfg.chunk_size:

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
+from pdserve.common.engine.tier_reader import ReadAhead
 from pdserve.common.engine.tier_writer import CHECK, MAGIC, DiskWriter, read_block
 from pdserve.common.errors import ConfigError
 
@@ -53,6 +54,7 @@ class TierStore:
         self.disk: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size
         self.disk_used = 0
         self.writer = DiskWriter()  # off the event loop the scheduler runs on
+        self.ahead: ReadAhead | None = None  # reads too, once a node asks (`read_ahead`)
         # observed seconds per byte of a load, per tier (starts from conservative guesses:
         # host memory 2 GB/s, a disk 200 MB/s), and seconds per prefilled token
         self.load_cost = {"host": 1 / 2e9, "disk": 1 / 2e8}
@@ -110,6 +112,25 @@ class TierStore:
             self.disk_used -= size or 0
 
     # -- out ---------------------------------------------------------------------------------
+    def read_ahead(self, on_ready: Callable[[], None]) -> None:
+        """Read disk blocks on a thread ahead of their load (`ready`), calling `on_ready`
+        (thread-safe) when a run of reads is done."""
+        if self.dir is not None and self.disk_cap and self.ahead is None:
+            self.ahead = ReadAhead(on_ready)
+
+    def ready(self, digests: list[bytes]) -> bool:
+        """Whether loading `digests` now reads no disk on the caller's thread: each in host
+        memory, still waiting to be written, or read ahead. The reads of the others start
+        (False until they end). Always True without read-ahead (loads read as they go)."""
+        if self.ahead is None:
+            return True
+        done = True
+        for digest in digests:
+            path = self._path(digest)
+            if self.where(digest) == "disk" and self.writer.pending(path) is None:
+                done = self.ahead.want(path) and done  # each asked for, done or not
+        return done
+
     def where(self, digest: bytes) -> str | None:
         self._forget_failed()
         if digest in self.host:
@@ -129,11 +150,11 @@ class TierStore:
         whole, read and copy, as that is what `worth_loading` weighs (a host hit alone is a
         dict lookup: timed alone, loading from host memory looked free)."""
         started = time.perf_counter()
-        data, source = self._take(digest)
+        data, source, ahead = self._take(digest)
         if data is None:
             return False
         write(data)
-        seconds = time.perf_counter() - started
+        seconds = time.perf_counter() - started + ahead  # a read ahead took its time too
         if seconds > 0 and source in self.load_cost:  # not a block still waiting to be
             # written: served from memory, it would make the disk look as fast
             self.load_cost[source] = 0.8 * self.load_cost[source] + 0.2 * (seconds / len(data))
@@ -143,28 +164,33 @@ class TierStore:
         """The block's bytes, checked, from whichever tier holds it (it stays there)."""
         return self._take(digest)[0]
 
-    def _take(self, digest: bytes) -> tuple[bytes | None, str]:
-        """The bytes and where they came from: host, disk, or pending (not written yet)."""
+    def _take(self, digest: bytes) -> tuple[bytes | None, str, float]:
+        """The bytes, where they came from (host, disk, or pending: not written yet) and the
+        seconds a read ahead of this took."""
         data = self.host.get(digest)
         if data is not None:
             self.host.move_to_end(digest)
             self.stats["host_hits"] += 1
-            return data, "host"
+            return data, "host", 0.0
         self._forget_failed()
         if digest not in self.disk or self.dir is None:
-            return None, ""
+            return None, "", 0.0
         path = self._path(digest)
-        data, source = self.writer.pending(path), "pending"  # not on disk yet: still here
-        if data is None:
+        data, source, ahead = self.writer.pending(path), "pending", 0.0  # not written yet
+        found = data is not None
+        if not found and self.ahead is not None:
+            found, data, ahead = self.ahead.take(path)
+            source = "disk"
+        if not found:
             data, source = read_block(path), "disk"
         if data is None:
             self.stats["corrupt"] += 1
             self.disk_used -= self.disk.pop(digest)
             self._unlink(digest)
-            return None, ""
+            return None, "", 0.0
         self.disk.move_to_end(digest)
         self.stats["disk_hits"] += 1
-        return data, source
+        return data, source, ahead
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The node computed `tokens` of prefill in `seconds`: the cost of recomputing."""
@@ -173,12 +199,19 @@ class TierStore:
             self.token_cost = per if not self.token_cost else 0.8 * self.token_cost + 0.2 * per
 
     def _unlink(self, digest: bytes) -> None:
-        if self.dir is not None and not self.writer.cancel(path := self._path(digest)):
+        if self.dir is None:
+            return
+        path = self._path(digest)
+        if self.ahead is not None:
+            self.ahead.drop(path)
+        if not self.writer.cancel(path):
             path.unlink(missing_ok=True)
 
     def close(self) -> None:
         """Drop the disk tier's files (they belong to this process's cache)."""
         self.writer.close()  # its last write ends first: no file appears after the sweep
+        if self.ahead is not None:
+            self.ahead.close()
         for digest in list(self.disk):
             self._unlink(digest)
         self.disk.clear()

@@ -107,6 +107,7 @@ class NodeRuntime:
         if self.tiers is not None:
             kv = engine.kv_store
             self.scheduler.attach_tiers(self.tiers, kv.read_block, kv.write_block)
+            self.metrics.kv_tiers(lambda: dict(self.tiers.stats) if self.tiers else {})
         self.token_cost = 0.0  # measured seconds per prefilled token (0: none measured yet)
         self.background: set[asyncio.Future] = set()
         self.own_executor = executor is None
@@ -346,6 +347,9 @@ class NodeRuntime:
 
     # -- life --------------------------------------------------------------------------------
     async def serve(self) -> None:
+        if self.tiers is not None:  # disk reads off this loop: the step loop woken after
+            loop = asyncio.get_running_loop()
+            self.tiers.read_ahead(lambda: loop.call_soon_threadsafe(self.steps.wake))
         tasks = await self.kv.start() if self.kv is not None else []
         tasks.append(asyncio.create_task(self.steps.run()))
         await self.control.start(tasks)

@@ -5,12 +5,14 @@ and the nodes' prefix caches on (repeated prompts do hit them)."""
 
 from __future__ import annotations
 
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from pdserve.common.errors import EXIT_REFUSED
 from pdserve.common.sampling import SamplingParams
+from pdserve.common.wire.transport import free_port
 from tests.conftest import CHAT_PROMPTS, chat_ids, make_engine
 from tests.e2e.conftest import wait_for
 
@@ -110,6 +112,37 @@ def test_colocated_node_through_the_gateway_matches_single_process(make_cluster,
     assert wait_for(
         lambda: cluster.metric("pdserve:kv_blocks", role="colocated", state="in_use") == 0
     )
+
+
+def test_prefixes_evicted_to_the_disk_tier_load_back_and_match_single_process(
+    make_cluster, reference, tokenizer, tmp_path
+):
+    """A colocated node whose cache holds about one long prompt: a filler prompt pushes the
+    others' blocks out to the disk tier, and sent again they load back from it (read ahead,
+    off the node's event loop: common/engine/tier_reader.py) with the text unchanged."""
+    ps, expected, _, _ = reference
+    port = free_port()
+    flags = ("--num-kv-blocks", "96", "--kv-disk-cache-gb", "0.5",
+             "--kv-disk-cache-dir", str(tmp_path))  # fmt: skip
+    cluster = make_cluster(prefill=0, decode=0, colocated=1, node_flags=flags,
+                           extra={"colocated-0": ("--metrics-port", str(port))})  # fmt: skip
+    filler = tokenizer.encode(" ".join(f"Row {i} holds the number {i * 7}." for i in range(115)))
+    for round_ in range(2):  # the second time, the prefixes continue on disk
+        with ThreadPoolExecutor(len(ps)) as pool:
+            results = list(pool.map(lambda p: complete(cluster, p), ps))
+        for prompt, exp, got in zip(ps, expected, results, strict=True):
+            assert got["choices"][0]["text"] == exp.text, f"{len(prompt)} tokens, round {round_}"
+        complete(cluster, filler)
+
+    def tier(event: str) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("pdserve:kv_tier_blocks_total{")
+                   and f'event="{event}"' in line)  # fmt: skip
+
+    assert tier("spilled") > 0 and tier("disk_hits") > 0
+    assert tier("corrupt") == 0
 
 
 def test_a_conversation_reuses_its_kv_on_the_decode_node_and_matches_single_process(

@@ -135,3 +135,14 @@ def test_node_metrics_and_health_over_http():
     assert 'backend="shm",direction="out",node="p0",role="prefill"} 4096.0' in body
     info = 'dtype="float32",kernels="fused+gguf",node="p0",quantization="int4",role="prefill"'
     assert f"pdserve:engine_info{{{info}}} 1.0" in body
+
+
+def test_the_kv_tiers_block_counts_are_exported_at_scrape_time():
+    stats = {"put": 3, "disk_hits": 1}
+    load = Load(running=0, waiting=0, blocks_free=10, blocks_cached=0, blocks_in_use=0)
+    metrics = NodeMetrics("p0", "prefill", lambda: load, num_blocks=10)
+    metrics.kv_tiers(lambda: stats)
+    stats["disk_hits"] = 2  # read when scraped, not when registered
+    text = metrics.render().decode()
+    assert 'pdserve:kv_tier_blocks_total{event="disk_hits",node="p0",role="prefill"} 2.0' in text
+    assert 'pdserve:kv_tier_blocks_total{event="put",node="p0",role="prefill"} 3.0' in text
