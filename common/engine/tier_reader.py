@@ -27,7 +27,7 @@ KEEP_S = 30.0  # a block read and not taken this long (its sequence aborted) is 
 
 
 class ReadAhead:
-    def __init__(self, on_ready: Callable[[], None], max_ready: int = MAX_READY) -> None:
+    def __init__(self, on_ready: Callable[[], object], max_ready: int = MAX_READY) -> None:
         self.on_ready = on_ready  # from the reading thread: must be thread-safe
         self.max_ready = max_ready
         self.cond = threading.Condition()

@@ -112,7 +112,7 @@ class TierStore:
             self.disk_used -= size or 0
 
     # -- out ---------------------------------------------------------------------------------
-    def read_ahead(self, on_ready: Callable[[], None]) -> None:
+    def read_ahead(self, on_ready: Callable[[], object]) -> None:
         """Read disk blocks on a thread ahead of their load (`ready`), calling `on_ready`
         (thread-safe) when a run of reads is done."""
         if self.dir is not None and self.disk_cap and self.ahead is None:
