@@ -66,7 +66,8 @@ class ColocatedRole(RoleDefaults):
             room = 0 if self.node.draining else -1  # it queues: room is only its cache
             await self.node.send_gateway(Reject(request_id=rid, reason=reason, room=room))
             return
-        self.node.requests[rid] = NodeRequest(seq, prompt_len=offer.prompt_len)
+        self.node.requests[rid] = NodeRequest(seq, prompt_len=offer.prompt_len,
+                                              stream_format=offer.stream_format)  # fmt: skip
         self.node.metrics.prompt_tokens.inc(len(offer.prompt_ids))
         await self.node.send_gateway(Accept(request_id=rid))
         self.node.steps.wake()

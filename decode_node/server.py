@@ -184,7 +184,8 @@ class DecodeRole(RoleDefaults):
             return
         seq = Sequence.new(rid, offer.prompt_ids, offer.params)
         self.node.scheduler.add(seq)
-        self.node.requests[rid] = NodeRequest(seq, prompt_len=offer.prompt_len)
+        self.node.requests[rid] = NodeRequest(seq, prompt_len=offer.prompt_len,
+                                              stream_format=offer.stream_format)  # fmt: skip
         await self.node.send_gateway(Accept(request_id=rid))
         self.node.steps.wake()
 
@@ -235,7 +236,8 @@ class DecodeRole(RoleDefaults):
             num_computed_tokens=len(h.prompt_ids),
             status=SeqStatus.RUNNING,
         )
-        self.node.requests[h.request_id] = NodeRequest(seq, prompt_len=h.prompt_len)
+        self.node.requests[h.request_id] = NodeRequest(seq, prompt_len=h.prompt_len,
+                                                       stream_format=h.stream_format)  # fmt: skip
         self.node.metrics.kv_received(h.backend, intake.bytes_in)
         self.node.scheduler.admit_prefilled(seq)
         self.node.steps.wake()

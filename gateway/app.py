@@ -39,6 +39,7 @@ from pdserve.gateway.openapi import spec
 from pdserve.gateway.requests import Delta, Done, Failed, GatewayRequest
 from pdserve.gateway.service import RequestService
 from pdserve.gateway.sse import Connection
+from pdserve.gateway.stream_state import FINISH, USAGE, Position
 
 log = logging.getLogger(__name__)
 timeline_log = logging.getLogger("pdserve.timeline")
@@ -225,17 +226,13 @@ async def resume_stream(request: web.Request) -> web.StreamResponse:
     service = request.app[SERVICE]
     public_id = request.match_info["stream_id"]
     raw = request.headers.get("Last-Event-ID", request.query.get("last_event_id", "0"))
-    text = raw.strip()
-    if not (text.isascii() and text.isdigit() and len(text) <= 9):  # none is 10^9 tokens
-        raise ApiError(400, f"Last-Event-ID must be the id of the last chunk received (an "
-                       f"integer from 0 to 999999999), got {raw[:64]!r}",
-                       param="Last-Event-ID")  # fmt: skip
+    have = Position.parse(raw)
     include_usage = request.query.get("include_usage", "").lower() in TRUTHY
-    req = await service.resume(public_id, int(text), include_usage)
+    req = await service.resume(public_id, have, include_usage)
     req.resumable = req.announced = True  # its client may lose this connection too
     echo_id = request.headers.get("x-request-id") or public_id
     try:
-        return await _stream(request, req, public_id, echo_id, ids=True, resumed=int(text))
+        return await _stream(request, req, public_id, echo_id, ids=True, resumed=have)
     finally:
         service.end(req)
         _log_timeline(req, echo_id)
@@ -247,10 +244,11 @@ async def _stream(
     rid: str,
     echo_id: str,
     ids: bool = False,
-    resumed: int | None = None,
+    resumed: Position | None = None,
 ) -> web.StreamResponse:
     """The SSE response. `ids`: each event carries `id:` = output tokens whose text the
-    client has with it (what it resumes from); `resumed`: a resumed stream's first id."""
+    client has with it (what it resumes from), and the events after the text their name
+    (gateway/stream_state.py); `resumed`: the last event its client has (sent none of)."""
     first = await req.events.get()
     if isinstance(first, Failed):  # nothing sent yet: a proper HTTP error
         headers = retry_after(first)
@@ -271,16 +269,15 @@ async def _stream(
     conn = Connection(request, resp, request.app[CONFIG].send_timeout)
     if req.resumable:  # its client may resume it elsewhere: this connection is then dead
         req.hangup = conn.hangup
-    covered = resumed or 0  # output tokens whose text went out
+    had = resumed or Position(0)
+    covered = sent = had.tokens  # output tokens whose text, and ids (return_token_ids), went out
 
-    async def sse(obj: Any) -> None:
+    async def sse(obj: Any, after: str = "") -> None:
         if req.include_usage and "choices" in obj:  # OpenAI: null but in the usage chunk
             obj.setdefault("usage", None)
-        head = f"id: {covered}\n".encode() if ids else b""
+        head = f"id: {Position(covered, after)}\n".encode() if ids else b""
         await conn.write(head + b"data: " + orjson.dumps(obj) + b"\n\n")
         req.announced = True
-
-    sent = 0  # output tokens whose ids went out (return_token_ids)
 
     if req.kind == "chat" and resumed is None:
         await sse(chunk("chat", rid, req.model, req.created, "", role=True))
@@ -297,19 +294,20 @@ async def _stream(
                 await sse(piece)
             case Done(finish_reason=reason):
                 covered = len(req.output_ids)
-                last = chunk(req.kind, rid, req.model, req.created,
-                             None if req.kind == "chat" else "", finish_reason=reason)  # fmt: skip
-                # the server's own timings (ms: ttft, prefill, KV transfer, ...), as llama.cpp's
-                # server reports them, so a client can tell its own delays from the server's
-                last["timings"] = req.phases()
-                if req.return_token_ids:  # tokens whose text never showed (a stop string)
-                    last["choices"][0]["token_ids"] = req.output_ids[sent:]
-                    if sent == 0:
-                        last["choices"][0]["prompt_token_ids"] = req.prompt_ids
-                await sse(last)
-                if req.include_usage:
+                if not had.has(FINISH):  # else its client has it, and all before it
+                    empty = None if req.kind == "chat" else ""
+                    last = chunk(req.kind, rid, req.model, req.created, empty, reason)
+                    # the server's own timings (ms: ttft, prefill, KV transfer, ...), as
+                    # llama.cpp's server reports them: a client tells its delays from ours
+                    last["timings"] = req.phases()
+                    if req.return_token_ids:  # tokens whose text never showed (a stop string)
+                        last["choices"][0]["token_ids"] = req.output_ids[sent:]
+                        if sent == 0:
+                            last["choices"][0]["prompt_token_ids"] = req.prompt_ids
+                    await sse(last, FINISH)
+                if req.include_usage and not had.has(USAGE):
                     use = usage(len(req.prompt_ids), len(req.output_ids))
-                    await sse(usage_chunk(req.kind, rid, req.model, req.created, use))
+                    await sse(usage_chunk(req.kind, rid, req.model, req.created, use), USAGE)
             case Failed(status=status, message=message, code=code):
                 await sse(error_body(status, message, code=code))
     await conn.write(b"data: [DONE]\n\n")

@@ -97,10 +97,12 @@ def _model() -> dict[str, Any]:
 
 RESUME = (
     "The rest of a resumable stream (one asked with the header `pdserve-resumable: 1`, whose "
-    "SSE events then carry `id: N`, N the output tokens whose text they bring) after its "
-    "connection or its gateway was lost: any gateway of the cluster adopts it from the node "
-    'holding it and streams on from `Last-Event-ID` (docs/architecture.md, "Several '
-    'gateways"). The events are those of the original stream, each with its `id:`.'
+    "SSE events then carry `id: N`, N the output tokens whose text they bring, and "
+    "`N.finish`, `N.usage` for the finish and usage chunks) after its connection or its "
+    "gateway was lost: any gateway of the cluster adopts it from the node holding it and "
+    'streams on after `Last-Event-ID` (docs/architecture.md, "Several gateways"). The '
+    "events are those of the original stream after that one, each with its `id:`, written "
+    "with the request's own `return_token_ids` and `stream_options`."
 )
 
 
@@ -123,21 +125,27 @@ def _resume() -> dict[str, Any]:
                 },
                 header("Last-Event-ID", "the `id:` of the last event received (default 0)"),
                 header("last_event_id", "the same, as a query parameter", "query"),
-                header("include_usage", "true: a usage chunk before [DONE]", "query"),
+                header(
+                    "include_usage",
+                    "true: a usage chunk before [DONE], even if the request did not ask for one",
+                    "query",
+                ),
             ],
             "responses": {
                 "200": {
                     "description": "the rest of the stream",
                     "content": {"text/event-stream": {"schema": {"type": "string"}}},
                 },
-                "400": _error("`Last-Event-ID` is not an integer from 0 to 999999999"),
+                "400": _error(
+                    "`Last-Event-ID` is not N, N.finish or N.usage (N from 0 to 999999999)"
+                ),
                 "401": ERRORS["401"],
                 "404": _error(
                     "no node holds this stream (unknown, or ended or left longer ago "
                     "than the nodes' `--orphan-grace`)"
                 ),
                 "409": _error(
-                    "`Last-Event-ID` is not a position of this stream, or another "
+                    "`Last-Event-ID` is not an event of this stream, or another "
                     "gateway still serves it (retry)"
                 ),
                 "429": _error(

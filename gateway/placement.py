@@ -349,6 +349,7 @@ class Placer:
                 fetch_tokens=node.holder_tokens,
                 waited_ms=(time.monotonic() - req.arrival) * 1000,
                 prompt_len=len(req.prompt_ids),
+                stream_format=req.stream_format(),
                 foreign_prefill=sum(node.node.foreign.prefill),
             )
             pending = self.offers[attempt.wire_id] = _Offer(attempt, node, decode)

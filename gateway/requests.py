@@ -24,6 +24,7 @@ import msgspec
 
 from pdserve.common.model.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from pdserve.common.sampling import SamplingParams
+from pdserve.gateway.stream_state import StreamFormat
 
 
 @dataclass
@@ -158,10 +159,17 @@ class GatewayRequest:
             return True
         return False
 
-    def replay(self, outputs: list[int], have: int, base: int, finish: str | None) -> None:
+    def stream_format(self) -> bytes:
+        """Its output options, kept with it on its nodes for a gateway that adopts it."""
+        return StreamFormat(created=self.created, include_usage=self.include_usage,
+                            return_token_ids=self.return_token_ids).encode()  # fmt: skip
+
+    def replay(self, outputs: list[int], have: int, base: int, finish: str | None,
+               after: str = "") -> None:  # fmt: skip
         """A resumed stream (gateway/resume.py): the tokens generated so far, `base` of them
         by earlier attempts; the text of the first `have` is the client's already, so only
-        the rest is queued. `have` must be where a chunk ended (its text complete): else
+        the rest is queued. `have` must be where a chunk ended (its text complete), and with
+        `after` (the client has that event after the text) where the stream ended: else
         ValueError."""
         if not 0 <= have <= len(outputs):  # the node checked it, against the client's word
             raise ValueError(f"Last-Event-ID {have} is not a position of this stream")
@@ -175,6 +183,8 @@ class GatewayRequest:
             self._append(token, finish if i == len(outputs) - 1 else None)
         if have == len(outputs) and self.unsent and not self.finished:
             raise ValueError(f"Last-Event-ID {have} is not where a chunk of this stream ended")
+        if after and not (self.finished and have == len(self.output_ids)):
+            raise ValueError(f"Last-Event-ID {have}.{after}: this stream did not end at {have}")
         self.base = base
 
     def _send(self, text: str) -> None:

@@ -36,6 +36,7 @@ from pdserve.gateway.link import NodeLink
 from pdserve.gateway.node_input import TOKEN_ID_LIMIT
 from pdserve.gateway.openai_api import ApiError
 from pdserve.gateway.requests import GatewayRequest
+from pdserve.gateway.stream_state import Position, StreamFormat
 from pdserve.gateway.table import Phase, RequestTable
 
 log = logging.getLogger("pdserve.gateway.core")
@@ -55,7 +56,7 @@ FINAL = ("Last-Event-ID", MALFORMED)  # refusals that end a resume a round after
 
 @dataclass
 class _Asking:
-    have: int  # the client's Last-Event-ID
+    have: int  # output tokens the client has (its Last-Event-ID's count)
     answers: dict[str, Adopted] = field(default_factory=dict)  # node id -> its latest answer
     news: asyncio.Event = field(default_factory=asyncio.Event)  # an answer came
     due: float = 0.0  # when to ask the nodes (again); inf: not yet (its takeover, `_let_go`)
@@ -183,9 +184,9 @@ class Resumes:
             asking.gave_back[node_id] = (wire_id, reason)
 
     async def resume(
-        self, public_id: str, have: int, include_usage: bool
+        self, public_id: str, have: Position, include_usage: bool
     ) -> tuple[GatewayRequest, list[Token], str | None]:
-        """The adopted request, its text from token `have` on queued in its events, and the
+        """The adopted request, its events after `have` queued in its events, and the
         tokens its node sent before the adoption was read (for the caller to add); raises
         ApiError (404 unknown, 409 a position it does not have or a live stream); and why
         its node gave it back, if it did before the answer was read (to place it again)."""
@@ -202,7 +203,7 @@ class Resumes:
             raise Busy(self.limit)
         # not asked for while its takeover lets it go: a round then would adopt it from
         # the node while still ours, and the old handler's Release would orphan it again
-        asking = self.asking[rid] = _Asking(have, due=math.inf if live else 0.0)
+        asking = self.asking[rid] = _Asking(have.tokens, due=math.inf if live else 0.0)
         deadline = time.monotonic() + self.timeout
         try:
             if live is not None and live.hangup is not None:
@@ -340,22 +341,29 @@ class Resumes:
             return "an output token id outside 0..2**32-1"
         if not 0 <= msg.base <= len(msg.output_ids):
             return f"base {msg.base} outside its {len(msg.output_ids)} output tokens"
+        if StreamFormat.decode(msg.stream_format) is None:
+            return "an unreadable stream format"
         return None
 
     def _rebuild(self, kind: Literal["chat", "completion"], node_id: str, msg: Adopted,
-                 have: int, include_usage: bool) -> GatewayRequest:  # fmt: skip
-        assert msg.params is not None  # checked at its answer (`_malformed`)
+                 have: Position, include_usage: bool) -> GatewayRequest:  # fmt: skip
+        """The request as its first gateway had it: its output options are its own (the
+        resume's `include_usage` can only add the usage chunk)."""
+        fmt = StreamFormat.decode(msg.stream_format)
+        assert msg.params is not None and fmt is not None  # checked at its answer (`_malformed`)
         params = msgspec.structs.replace(msg.params, max_tokens=msg.base + msg.params.max_tokens)
         req = GatewayRequest(
             request_id=msg.request_id.rsplit(".", 1)[0], kind=kind, model=self.model_id(),
             prompt_ids=list(msg.prompt_ids), params=params, stream=True,
-            include_usage=include_usage, tokenizer=self.tokenizer,
+            include_usage=include_usage or fmt.include_usage, tokenizer=self.tokenizer,
+            return_token_ids=fmt.return_token_ids,
         )  # fmt: skip
+        req.created = fmt.created or req.created  # 0: kept by a node of an older version
         req.attempt = _attempt(msg.request_id)
         req.resumable = req.announced = True  # the client has its id: it may lose this one too
         req.ended_before = msg.finish_reason is not None
         try:
-            req.replay(msg.output_ids, have, msg.base, msg.finish_reason)
+            req.replay(msg.output_ids, have.tokens, msg.base, msg.finish_reason, have.after)
         except ValueError as exc:  # not a position a chunk ended at: the client is confused;
             # not in our table, the request is freed on its node by our lease
             raise ApiError(409, str(exc), code="conflict") from exc
@@ -363,7 +371,7 @@ class Resumes:
         if not req.finished:
             attempt = self.table.open(req, len(msg.prompt_ids) + msg.base)
             self.table.adopt(attempt, node_id, time.monotonic())
-        log.info("resumed %s from token %d on %s (%d tokens so far)", req.request_id, have,
+        log.info("resumed %s from event %s on %s (%d tokens so far)", req.request_id, have,
                  node_id, len(msg.output_ids))  # fmt: skip
         return req
 

@@ -26,6 +26,7 @@ from pdserve.gateway.placement import PlacementTimeout, Placer
 from pdserve.gateway.requests import Failed, GatewayRequest, StreamGap
 from pdserve.gateway.resume import Busy, Resumes
 from pdserve.gateway.sizing import Sizing
+from pdserve.gateway.stream_state import Position
 from pdserve.gateway.table import Attempt, Phase, RequestTable
 
 log = logging.getLogger("pdserve.gateway.core")
@@ -117,9 +118,9 @@ class RequestService:
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))  # admitted: a refusal is no work
         await self._place(req, req.prompt_ids, req.params)
 
-    async def resume(self, public_id: str, have: int, include_usage: bool) -> GatewayRequest:
-        """Adopt the stream `public_id` from the node holding it as an orphan; its text from
-        output token `have` on arrives in the returned request's events. `end` it too."""
+    async def resume(self, public_id: str, have: Position, include_usage: bool) -> GatewayRequest:
+        """Adopt the stream `public_id` from the node holding it as an orphan; its events
+        after `have` arrive in the returned request's events. `end` it too."""
         try:
             req, early, gave_back = await self.resumes.resume(public_id, have, include_usage)
         except Busy:
@@ -131,7 +132,7 @@ class RequestService:
         self.metrics.resumes.labels("adopted").inc()
         # made while orphaned, streamed from here; those a gateway streamed before but the
         # client did not read count twice (there, or here when it resumes at the same one)
-        self.metrics.generation_tokens.inc(max(0, len(req.output_ids) - have))
+        self.metrics.generation_tokens.inc(max(0, len(req.output_ids) - have.tokens))
         if req.finished:  # every token is in its events: it ended while orphaned, or
             # (decoding on past it) at a stop string the replay matched: ended on its node
             self._complete(req, abort_nodes=not req.ended_before)

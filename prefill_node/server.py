@@ -126,7 +126,8 @@ class PrefillRole(RoleDefaults):
         seq = Sequence.new(rid, offer.prompt_ids, offer.params)
         bs = self.node.engine.block_size  # whole blocks of ours (a decode node's may differ)
         req = NodeRequest(seq, target=offer.decode, skip=offer.decode_cached // bs * bs,
-                          prompt_len=offer.prompt_len)  # fmt: skip
+                          prompt_len=offer.prompt_len,
+                          stream_format=offer.stream_format)  # fmt: skip
         self.node.requests[rid] = req
         await self.node.send_gateway(Accept(request_id=rid))
         if self.node.requests.get(rid) is not req:  # aborted while the Accept went out
@@ -166,6 +167,7 @@ class PrefillRole(RoleDefaults):
                     skip=req.skip,
                     gateway=self.node.gateway_of(seq.seq_id),
                     prompt_len=req.prompt_len,
+                    stream_format=req.stream_format,
                 )
 
     def engine_step(

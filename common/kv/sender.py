@@ -81,10 +81,8 @@ class KvSender:
         on_refuse: Callable[[str, str, str], Any],
         on_stray_refuse: Callable[[str, str, str], None] | None = None,
     ) -> None:
-        self.ctx = ctx
-        self.local = local
-        self.on_ack = on_ack
-        self.on_refuse = on_refuse
+        self.ctx, self.local = ctx, local
+        self.on_ack, self.on_refuse = on_ack, on_refuse
         # a KvRefuse naming no transfer of ours: the answer to a KvFetch we sent (node/fetch.py)
         self.on_stray_refuse = on_stray_refuse
         self.num_layers = local.kv.num_layers
@@ -113,6 +111,7 @@ class KvSender:
         fetch: bool = False,
         gateway: str = "",
         prompt_len: int = 0,
+        stream_format: bytes = b"",
     ) -> Transfer:
         """Start a transfer; with `skip` (whole blocks) the decode node holds the first
         `skip` tokens' KV already and only the rest travels."""
@@ -153,6 +152,7 @@ class KvSender:
             fetch=fetch,
             gateway=gateway,
             prompt_len=prompt_len,
+            stream_format=stream_format,
         )
         self._post(target, _Item([encode(header)]))
         return t

@@ -260,6 +260,7 @@ class Adoption:
         return Adopted(
             request_id=rid, found=True, prompt_ids=seq.token_ids[:start], output_ids=outputs,
             base=seq.num_prompt_tokens - start, params=seq.params, finish_reason=reason,
+            stream_format=req.stream_format,
         )  # fmt: skip
 
     def expire(self, now: float) -> None:

@@ -116,7 +116,8 @@ class KvHandoff:
         prompt = seq.token_ids[:-1]  # the newest token is sent with KvDone, not as KV
         t = node.sender.begin(rid, target, prompt, seq.num_prompt_tokens, seq.params,
                               seq.block_table, gateway=node.gateway_of(rid),
-                              prompt_len=req.prompt_len)  # fmt: skip
+                              prompt_len=req.prompt_len,
+                              stream_format=req.stream_format)  # fmt: skip
         # staging reads only this request's blocks: it need not wait behind the next forward
         # pass in the engine thread
         try:

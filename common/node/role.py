@@ -38,6 +38,7 @@ class NodeRequest:
     target: DecodeTarget | None = None  # prefill: the decode node its KV goes to
     skip: int = 0  # prefill: leading tokens whose KV that node holds (not sent)
     prompt_len: int = 0  # the client's prompt within seq's prompt (0: all of it): Adopted
+    stream_format: bytes = b""  # the gateway's, not read here: Adopted
     began: float = 0.0  # decode: when the first step of its own prefill began (--local-prefill)
 
 

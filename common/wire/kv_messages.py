@@ -30,6 +30,7 @@ class KvHeader(Msg):
     fetch: bool = False  # prefix blocks a node fetched (KvFetch), not a request to decode
     gateway: str = ""  # the gateway that placed the request (RegisterAck.gateway_id)
     prompt_len: int = 0  # as in PrefillOffer: the client's prompt (0: num_prompt_tokens)
+    stream_format: bytes = b""  # as in PrefillOffer: kept for a gateway that adopts it
 
 
 class KvLayer(Msg):

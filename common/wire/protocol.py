@@ -1,10 +1,9 @@
 """Every message on pdserve's internal sockets, as tagged msgspec Structs (the flow they make
 is in docs/architecture.md).
 
-Each channel decodes into one tagged union with a typed decoder, so a peer that sends
-anything else gets a `msgspec.ValidationError`, never a surprise object. KV bytes never
-travel inside msgpack: they go as raw frames beside it, where the KV connector puts them
-(`KvLayer` says where, common/kv).
+Each channel decodes into one tagged union with a typed decoder, so a peer that sends anything else
+gets a `msgspec.ValidationError`, never a surprise object. KV bytes never travel inside msgpack:
+they go as raw frames beside it, where the KV connector puts them (`KvLayer` says where, common/kv).
 
 Channels:
     node -> gateway     (DEALER -> ROUTER)  NodeToGateway
@@ -134,9 +133,8 @@ class Heartbeat(Msg):
     leader: str = ""
     # the prefix cache's changes since the last heartbeat (a KvEvents: kv_seq counts it too)
     events: KvEvents | None = None
-    # the node wants a HeartbeatReply even with nothing in it (it heard nothing from this
-    # gateway for a while: its liveness check needs one); else the gateway answers only
-    # with stale ids, a resync or an unknown node
+    # the node wants a HeartbeatReply even with nothing in it (after a silence of this gateway:
+    # its liveness check needs one); else the gateway answers only stale ids, resync, unknown
     reply: bool = True
 
 
@@ -205,11 +203,11 @@ class KvTransferred(Msg):
 
 
 class Adopted(Msg):
-    """A node's answer to `Adopt`: the request's state, now the asking gateway's (`found`),
-    or why not. `prompt_ids` is the client's prompt; `output_ids` every token generated for
-    it so far, `base` of them by earlier attempts (the wire id's attempt counts from there);
-    `params` are the attempt's (max_tokens: what it has left); `finish_reason` is set when
-    it ended (its tokens all here), "preempted" if its node gave it back (to place again)."""
+    """A node's answer to `Adopt`: the request's state, now the asking gateway's (`found`), or
+    why not. `prompt_ids` is the client's prompt; `output_ids` every token generated for it so
+    far, `base` of them by earlier attempts (the wire id's attempt counts from there); `params`
+    are the attempt's (max_tokens: what it has left); `finish_reason` is set when it ended (its
+    tokens all here), "preempted" if its node gave it back; `stream_format` its PrefillOffer's."""
 
     request_id: str  # the wire id (request_id.attempt); Adopt's request id when not found
     found: bool
@@ -219,6 +217,7 @@ class Adopted(Msg):
     base: int = 0
     params: SamplingParams | None = None
     finish_reason: str | None = None
+    stream_format: bytes = b""
 
 
 # an `Adopted` refusal: the asking gateway is silent to the node or registering (adopted
@@ -295,9 +294,10 @@ class PrefillOffer(Msg):
     # how long the request has waited at its gateway: a node serving several gateways gives
     # freed room to the one waiting longest (common/node/fairness.py)
     waited_ms: float = 0.0
-    # tokens of `prompt_ids` that are the client's prompt (the rest: output of earlier
-    # attempts); 0: all of them. Kept with the request so another gateway can adopt it.
+    # tokens of `prompt_ids` that are the client's prompt (0: all; the rest: earlier attempts'
+    # output), and how the gateway writes the stream (not read here): kept for an adopter
     prompt_len: int = 0
+    stream_format: bytes = b""
     # several gateways: the prompt tokens the gateway believes the node has yet to prefill
     # for the other gateways (its last report of them); a node that has more rejects the
     # offer as placed on a stale view, with what it has now (-1: no belief, never rejected)

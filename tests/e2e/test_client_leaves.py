@@ -39,7 +39,8 @@ async def _read(resp: aiohttp.ClientResponse, upto: int | None) -> tuple[str, st
         chunk = orjson.loads(payload)
         stream_id = stream_id or chunk["id"]
         last_id = event_id if event_id is not None else last_id
-        covered = int(event_id) if event_id is not None else covered + 1
+        # an event after the text is named in its id (12.finish): its count first
+        covered = int(event_id.partition(".")[0]) if event_id is not None else covered + 1
         text += "".join(c.get("text") or "" for c in chunk["choices"])
         if upto is not None and covered >= upto:
             return text, stream_id, last_id, False

@@ -1,0 +1,172 @@
+"""A resumed stream is the rest of the stream it resumes, exactly (docs/architecture.md,
+"Several gateways"): whichever event a client had last (the chat's role chunk, a text chunk,
+the chunk with the finish reason, the usage chunk), the events it had and those the resume
+brings are together the uninterrupted stream's: the same ids and fields (token ids, usage,
+`created`), nothing lost or repeated; one that had the last event gets the end of the stream
+only. A resume needs nothing of the request but its id and `Last-Event-ID`: the request's
+output options (`return_token_ids`, `stream_options`) are the stream's, at any gateway.
+Real gateway and node processes (sim engine), each resume at the other gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from pdserve.loadgen.resumable import sse_events
+from tests.e2e.conftest import start_cluster
+from tests.e2e.streams import sim_text, stopped_half_way
+
+Event = tuple[str | None, dict[str, Any] | None]  # (id, chunk); [DONE] is (None, None)
+PROMPT = list(range(1000, 1040))
+OPTIONS = {"stream_options": {"include_usage": True}, "return_token_ids": True}
+
+
+@pytest.fixture(scope="module", params=[{"prefill": 1, "decode": 1}, {"colocated": 1}],
+                ids=["1P1D", "colocated"])  # fmt: skip
+def cluster(request):
+    """The stream kept by a decode node its prefill node's KV went to, or by the node that
+    took the offer (the stream's options reach each from the offer)."""
+    flags = ("--sim-time-scale", "1", "--orphan-grace", "60")
+    nodes = {"prefill": 0, "decode": 0, **request.param}
+    cluster = start_cluster(engine="sim", gateways=2, node_flags=flags, **nodes)
+    yield cluster
+    cluster.stop()
+
+
+def _bodies(tokenizer) -> dict[str, dict[str, Any]]:
+    """A chat, a completion, and a completion that ends at a stop string (tokens whose text
+    never shows: they come with the finish chunk)."""
+    base = {"max_tokens": 12, "seed": 5, "temperature": 1.0, "ignore_eos": True, "stream": True}
+    _, stop = stopped_half_way(sim_text(tokenizer, PROMPT, 5, 12))
+    return {
+        "chat": {**base, "messages": [{"role": "user", "content": "Tell me a story."}]},
+        "completion": {**base, "prompt": PROMPT},
+        "stop string": {**base, "prompt": PROMPT, "stop": stop},
+    }
+
+
+async def _events(resp: aiohttp.ClientResponse) -> list[Event]:
+    assert resp.status == 200, (resp.status, await resp.text())
+    out: list[Event] = []
+    async for event_id, payload in sse_events(resp.content):
+        out.append((None, None) if payload == b"[DONE]" else (event_id, orjson.loads(payload)))
+    assert out and out[-1] == (None, None), out[-3:]  # a stream ends with [DONE]
+    return out
+
+
+async def _resume(session, url: str, stream_id: str, last_id: str, query: str) -> list[Event]:
+    """The resume from `last_id`; a 409 (its last resume's Release not read by the node
+    yet) is asked again, within a deadline."""
+    deadline = time.monotonic() + 30
+    while True:
+        async with session.get(f"{url}/v1/streams/{stream_id}{query}",
+                               headers={"Last-Event-ID": last_id}) as resp:  # fmt: skip
+            if resp.status != 409 or time.monotonic() > deadline:
+                return await _events(resp)
+        await asyncio.sleep(0.05)
+
+
+def _text_chunk(chunk: dict[str, Any] | None) -> bool:
+    if chunk is None or not chunk["choices"]:
+        return False
+    choice = chunk["choices"][0]
+    return choice["finish_reason"] is None and "role" not in choice.get("delta", {})
+
+
+def _join(into: dict[str, Any], chunk: dict[str, Any]) -> None:
+    """`chunk`'s text and token ids appended to `into`'s; every other field the same."""
+    a, b = into["choices"][0], chunk["choices"][0]
+    assert "prompt_token_ids" not in b, "the prompt's token ids came again"
+
+    def rest(c: dict[str, Any]) -> dict[str, Any]:
+        out = copy.deepcopy(c)
+        choice = out["choices"][0]
+        for key in ("text", "token_ids", "prompt_token_ids"):
+            choice.pop(key, None)
+        choice.get("delta", {}).pop("content", None)
+        return out
+
+    assert rest(into) == rest(chunk)
+    if "delta" in a:
+        a["delta"]["content"] += b["delta"]["content"]
+    else:
+        a["text"] += b["text"]
+    if "token_ids" in a or "token_ids" in b:
+        a["token_ids"] = a.get("token_ids", []) + b.get("token_ids", [])
+
+
+def _fold(events: list[Event]) -> list[Event]:
+    """The events as what a client has from them: consecutive text chunks as one (where a
+    stream's text splits depends on how fast its client reads), with the last one's id;
+    the gateway's own timings left out (the serving gateway's view)."""
+    out: list[Event] = []
+    for event_id, chunk in copy.deepcopy(events):
+        if chunk is not None:
+            chunk.pop("timings", None)
+        if out and _text_chunk(chunk) and _text_chunk(out[-1][1]):
+            assert chunk is not None and out[-1][1] is not None
+            _join(out[-1][1], chunk)
+            out[-1] = (event_id, out[-1][1])
+        else:
+            out.append((event_id, chunk))
+    return out
+
+
+async def _check_every_resume(
+    cluster, body: dict[str, Any], query: str, trailers: bool
+) -> tuple[int, str]:
+    """The stream read whole at one gateway, then resumed at the other from each event it
+    has (`trailers`: the finish and usage chunks too, else the rest); `query` is passed to
+    each resume. Returns the number of resumes and the stream's finish reason."""
+    first, other = cluster.urls
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    headers = {"Content-Type": "application/json", "pdserve-resumable": "1"}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{first}{path}", data=orjson.dumps(body),
+                                headers=headers) as resp:  # fmt: skip
+            whole = await _events(resp)
+        chunks = [c for _, c in whole if c is not None]
+        stream_id, created = chunks[0]["id"], chunks[0]["created"]
+        # a resume in a later second than the stream began: a new `created` would show
+        while int(time.time()) <= created:
+            await asyncio.sleep(0.05)
+        resumes = 0
+        for i, (event_id, chunk) in enumerate(whole):
+            if event_id is None or not (trailers or _text_chunk(chunk) or i == 0):
+                continue
+            rest = await _resume(session, other, stream_id, event_id, query)
+            assert _fold(whole[: i + 1] + rest) == _fold(whole), (event_id, rest)
+            resumes += 1
+        reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+        return resumes, reasons[-1]
+
+
+def test_a_resume_from_any_event_brings_exactly_the_events_after_it(cluster, tokenizer):
+    """From each event id, the finish and usage chunks included: nothing repeated (a client
+    that had the usage chunk gets only [DONE]), nothing lost. The usage chunk is asked for
+    again by the resume's `?include_usage=true`, as a client of an older gateway would."""
+    for name, body in _bodies(tokenizer).items():
+        body = {**body, "stream_options": {"include_usage": True}}
+        resumes, reason = asyncio.run(
+            _check_every_resume(cluster, body, "?include_usage=true", True)
+        )
+        assert resumes >= 4, name  # the role or a text chunk, the finish and usage chunks
+        assert reason == ("stop" if name == "stop string" else "length"), name
+    body = _bodies(tokenizer)["completion"]  # no usage chunk: the finish chunk is the last
+    assert asyncio.run(_check_every_resume(cluster, body, "", True))[0] >= 2
+
+
+def test_a_resumed_stream_keeps_its_requests_output_options(cluster, tokenizer):
+    """`return_token_ids` and `stream_options.include_usage` were the request's only (the
+    resume says neither): the resumed chunks carry the token ids from where the client's
+    left off (the prompt's once, in the stream's first), `usage`, and the stream's
+    `created`, as the uninterrupted stream's do."""
+    for name, body in _bodies(tokenizer).items():
+        resumes, _ = asyncio.run(_check_every_resume(cluster, {**body, **OPTIONS}, "", False))
+        assert resumes >= 2, name
