@@ -221,6 +221,8 @@ class NodeMessages:
             self.table.prefilled_in_place(attempt, now)
         self.service.on_token(req, msg.index, msg.token_id, msg.finish_reason, prefill)
         self.service.settle(req)  # its client left: let go now its KV is where it decodes
+        if attempt.move_asked is not None:  # its decode node waits, parked, to move it
+            await self._move_asked(attempt, attempt.move_asked)
 
     async def _on_kv_transferred(self, identity: bytes, msg: KvTransferred) -> None:
         if (attempt := self._held_by(identity, msg.request_id, "prefill")) is not None:
@@ -274,18 +276,35 @@ class NodeMessages:
         if attempt is None or attempt.req.finished:
             await self.link.reply(identity, Redirect(request_id=msg.request_id, decode=None))
             return
-        old, target = attempt.decode, None
-        # not before its first token is read (a KV just admitted, its prefill node's
-        # FirstToken still on that node's socket): moved, the table would name the mover
-        # its prefill side and drop that token. The node decodes it on
-        if attempt.phase is Phase.DECODE:
-            target = await self._move(identity, attempt, {old or ""}, migrating=True)
-        if target is None:
+        if attempt.phase is not Phase.DECODE:
+            # its first token not read yet (a KV just admitted, its prefill node's FirstToken
+            # still on that node's pipe): moved now, the table would name the mover its
+            # prefill side and drop that token; answered "stay", it was never asked again.
+            # Answered once that token is read (the sequence waits parked, its KV held)
+            attempt.move_asked = attempt.decode
+            return
+        await self._migrate(identity, attempt)
+
+    async def _move_asked(self, attempt: Attempt, asker: str) -> None:
+        """The first token of an attempt whose decode node asked to move it is read: answer."""
+        attempt.move_asked = None
+        node = self.cluster.nodes.get(asker)
+        if node is None or attempt.decode != asker:  # gone, or no longer its: nothing to move
+            return
+        if attempt.req.finished:  # ended at that token: stays until its abort comes
+            await self.link.reply(node.identity, Redirect(request_id=attempt.wire_id, decode=None))
+            return
+        await self._migrate(node.identity, attempt)
+
+    async def _migrate(self, identity: bytes, attempt: Attempt) -> None:
+        old = attempt.decode
+        target = await self._move(identity, attempt, {old or ""}, migrating=True)
+        if target is None:  # the node decodes it on
             self.metrics.migrations.labels("stayed").inc()
-            await self.link.reply(identity, Redirect(request_id=msg.request_id, decode=None))
+            await self.link.reply(identity, Redirect(request_id=attempt.wire_id, decode=None))
             return
         self.metrics.migrations.labels("moved").inc()
-        log.info("migrating %s: %s -> %s", msg.request_id, old, target.node_id)
+        log.info("migrating %s: %s -> %s", attempt.wire_id, old, target.node_id)
 
     async def _move(self, identity: bytes, attempt: Attempt, exclude: set[str],
                     migrating: bool = False) -> NodeView | None:  # fmt: skip

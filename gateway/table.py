@@ -47,6 +47,8 @@ class Attempt:
     # the decode node it last moved off (live migration): that node's last step's tokens
     # may be read after the move is over (another socket than its KvTransferred)
     moved_from: str | None = None
+    # the decode node whose `Migrate` was read before the first token: answered once it is
+    move_asked: str | None = None
 
     @property
     def final_len(self) -> int:

@@ -5,7 +5,9 @@ stepped) until `KvAck`; a refusal asks the gateway for another decode node (`Nee
 `Redirect`), and the KV is sent again from the cache; `Redirect` to nobody lets it go (the
 gateway re-places the request by recompute), or, for a migration, keeps it where it is. A
 `Redirect` while the transfer is unanswered aborts it at its target (that node frees its
-reservation), unless it names that target again: a repeat, and the transfer goes on.
+reservation), unless it names that target again: a repeat, and the transfer goes on. An
+orphan's refusal asks nobody (its gateway is gone): a migration stays where it is, as if
+told "stay"; a prefill node's is given back, its tokens kept for an adopter.
 """
 
 from __future__ import annotations
@@ -52,12 +54,14 @@ class HandoffHost(Protocol):
     async def send_gateway(self, msg: Msg) -> None: ...
     def gateway_of(self, rid: str) -> str: ...
     def let_orphan_go(self, rid: str) -> bool: ...
+    def orphan(self, rid: str) -> bool: ...
 
 
 class KvHandoff:
-    def __init__(self, node: HandoffHost, keep: Callable[[str], bool] = lambda rid: False) -> None:
+    def __init__(self, node: HandoffHost, keep: Callable[[str], bool] | None = None) -> None:
         """`keep(rid)`: nobody can take the KV; True keeps the sequence here (a draining
-        decode node decodes it itself) instead of letting it go to be re-placed."""
+        decode node decodes it itself) instead of letting it go to be re-placed. None: the
+        node keeps none (a prefill node)."""
         self.node, self.keep = node, keep
 
     def acked(self, t: Transfer) -> None:
@@ -86,7 +90,13 @@ class KvHandoff:
         if why.startswith(PREFIX_GONE) and req is not None and req.target is not None:
             self.node.spawn(self.send_kv(rid, req.target))  # the same node, the whole KV
             return
-        if self.node.let_orphan_go(rid):  # no gateway reads a NeedDecode: for its adopter
+        # no gateway reads a NeedDecode: a migration decodes on here, for an adopter (until
+        # the grace or the drain ends, as an orphan a drain never moved); a prefill node's
+        # tokens are kept for its adopter, which places it again
+        if self.keep is not None and self.node.orphan(rid):
+            self.node.spawn(self.send_kv(rid, None))
+            return
+        if self.node.let_orphan_go(rid):
             return
         await self.node.send_gateway(NeedDecode(request_id=rid, refused_by=peer, reason=why))
 
@@ -103,7 +113,7 @@ class KvHandoff:
                 return  # a repeat of the Redirect that began it: that transfer goes on
             node.sender.abort(rid)  # sent elsewhere: that target drops its reservation
         node.sender.release(rid)
-        if target is None and self.keep(rid):
+        if target is None and self.keep is not None and self.keep(rid):
             req.target = None  # decoded here: no longer on its way (an adopter may take it)
             return
         if target is None:  # the gateway re-places the request

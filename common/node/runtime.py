@@ -239,6 +239,10 @@ class NodeRuntime:
         self.abort(rid)
         return True
 
+    def orphan(self, rid: str) -> bool:
+        """Its gateway is silent or gone: nobody reads what the node says of it."""
+        return self.control.gateways.owners.orphan(rid)
+
     def holds(self, rid: str) -> bool:
         return rid in self.requests
 

@@ -9,11 +9,13 @@ import asyncio
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.sampling import SamplingParams
+from pdserve.common.wire.protocol import FirstToken, Migrate, Msg
 from pdserve.decode_node.server import DecodeRole
 from pdserve.gateway.requests import Done
 from pdserve.prefill_node.server import PrefillRole
 from tests.chaos.test_hung_engine import _sim_ids
 from tests.component.cluster import Cluster, outcome, own_cache, prompt, until
+from tests.component.test_migration_races import reads
 from tests.conftest import make_engine
 
 STEADY = EngineConfig(engine="sim", sim_time_scale=1.0, num_kv_blocks=2048)
@@ -93,3 +95,56 @@ async def test_with_no_other_decode_node_the_draining_one_finishes_its_sequences
             assert r.output_ids == _sim_ids(r.prompt_ids, 4, 80) and r.attempt == 0
         assert c.gw.metrics.migrations.labels("stayed")._value.get() == 4
         await until(only.stopped.is_set, 10, "the drained node exits once idle")
+
+
+class _SlowPipe:
+    """A prefill node's messages to the gateway, from its first FirstToken on, held (in
+    order) until `release`: that token late on its pipe, the KV already at its decode node."""
+
+    def __init__(self, node) -> None:
+        self.send, self.held, self.open = node.send_gateway, [], False
+        node.send_gateway = self
+
+    async def __call__(self, msg: Msg) -> None:
+        if not self.open and (self.held or isinstance(msg, FirstToken)):
+            self.held.append(msg)
+            return
+        await self.send(msg)
+
+    async def release(self) -> None:
+        while self.held:
+            await self.send(self.held.pop(0))
+        self.open = True
+
+
+async def test_a_sequence_asked_to_move_before_its_first_token_is_read_moves(
+    tokenizer, monkeypatch
+):
+    """The decode node drains with a sequence whose first token the gateway has not read
+    yet (the prefill node's FirstToken late on its own pipe): its Migrate was answered
+    "stay" and never asked again, so it was decoded there to its end (or handed back at
+    --drain-timeout and recomputed). It moves once that token is read, token for token."""
+    migrates = reads(monkeypatch, Migrate)
+    async with Cluster(tokenizer) as c:
+        prefill = await c.add(c.node(PrefillRole, "prefill-0", ecfg=STEADY))
+        pipe = _SlowPipe(prefill)
+        d0 = await c.add(c.node(DecodeRole, "decode-0", ecfg=STEADY))
+        d1 = await c.add(c.node(DecodeRole, "decode-1", ecfg=STEADY))
+        params = SamplingParams(max_tokens=120, temperature=1.0, seed=9, ignore_eos=True)
+        req = c.request("f", prompt(40, 7000), params)
+        run = asyncio.create_task(c.gw.service.run(req))
+        await until(lambda: "f.0" in d0.requests or "f.0" in d1.requests, what="the KV landed")
+        source, target = (d0, d1) if "f.0" in d0.requests else (d1, d0)
+        source.control.begin_drain()
+        await until(lambda: bool(migrates), what="the gateway read the drain's Migrate")
+        await pipe.release()
+        assert await outcome(req, 30) == Done("length")
+        await run
+        assert req.output_ids == _sim_ids(req.prompt_ids, 9, 120)  # no token lost or repeated
+        assert req.attempt == 0 and not req.losses  # never recomputed
+        assert req.ran_on["decode"] == target.node_id
+        assert c.gw.metrics.migrations.labels("moved")._value.get() == 1
+        await until(source.stopped.is_set, 10, "the drained node exits")
+        assert _idle(source)
+        await until(lambda: _idle(target) and _idle(prefill), 10, "every block freed")
+        assert not c.gw.table

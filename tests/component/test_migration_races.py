@@ -30,6 +30,7 @@ from pdserve.common.wire.protocol import (
     encode,
 )
 from pdserve.common.wire.transport import make_socket
+from pdserve.gateway.node_messages import CONTROL
 from pdserve.gateway.requests import Done, GatewayRequest
 from pdserve.gateway.table import Attempt
 from tests.component.cluster import TIMEOUT, Cluster, outcome, prompt, until
@@ -133,28 +134,54 @@ async def _redirect(node: Scripted, msg: Msg) -> Redirect:
     return node.got(Redirect)[-1]
 
 
+def reads(monkeypatch: Any, kind: type) -> list[Any]:
+    """Every message of `kind` the gateway has handled, once handled (answered or not)."""
+    read: list[Any] = []
+    handler = CONTROL[kind]
+
+    async def reading(messages: Any, identity: bytes, msg: Any) -> None:
+        await handler(messages, identity, msg)
+        read.append(msg)
+
+    monkeypatch.setitem(CONTROL, kind, reading)
+    return read
+
+
 def _transferred(rid: str) -> KvTransferred:
     return KvTransferred(request_id=rid, backend="zmq", bytes=1, layerwise=False,
                          start_ms=0.0, end_ms=1.0)  # fmt: skip
 
 
-async def test_a_move_asked_before_the_first_token_is_read_keeps_the_prefill_node_s_token(
-    tokenizer,
+async def test_a_move_asked_before_the_first_token_is_read_is_answered_once_it_is(
+    tokenizer, monkeypatch
 ):
     """The decode node admits the KV as it drains and asks where the sequence goes at once;
     its Migrate is read before the prefill node's FirstToken (another pipe). Moved then, the
     table named the mover the request's prefill side and dropped that FirstToken: the stream
-    waited --stream-gap-timeout and was recomputed. It stays (Redirect to nobody)."""
+    waited --stream-gap-timeout and was recomputed. Answered "stay" then, it was never asked
+    again: decoded there for the rest of the drain, or handed back at its timeout and
+    recomputed. The answer waits for that token, then moves it, every token kept."""
     specs = [("p", "prefill", 100), ("d0", "decode", 100), ("d1", "decode", 100)]
     async with _nodes(tokenizer, *specs) as (c, (p, *decode)):
         req, chosen = await _placed(c, p, max_tokens=5)
         d = next(n for n in decode if n.node_id == chosen)
-        answer = await _redirect(d, Migrate(request_id=RID, reason="draining"))
-        assert answer.decode is None  # not before its first token: decoded where it is
+        other = next(n for n in decode if n is not d)
+        await d.push(RID, 1, 1)  # a step it made before it drained: held behind token 0
+        migrates = reads(monkeypatch, Migrate)
+        await d.send(Migrate(request_id=RID, reason="draining"))
+        await until(lambda: bool(migrates), what="the Migrate read")
+        assert not d.got(Redirect)  # not answered before its first token
         await p.send(FirstToken(request_id=RID, token_id=5))
-        await d.push(RID, 1, 4, "length")
+        await until(lambda: bool(d.got(Redirect)), what="the answer")
+        (moved,) = d.got(Redirect)
+        assert moved.decode is not None and moved.decode.node_id == other.node_id
+        await p.send(_transferred(RID))  # the prefill node's, after its FirstToken: stale now
+        await d.send(_transferred(RID))
+        await until(lambda: _attempt(c).prefill is None, what="the move over")
+        await other.push(RID, 2, 3, "length")
         assert await outcome(req) == Done("length")
         assert req.output_ids == [5, 7, 7, 7, 7]
+        assert c.gw.metrics.migrations.labels("moved")._value.get() == 1
 
 
 async def test_a_move_s_refusal_is_sized_by_the_sequence_and_its_source_s_last_token_kept(

@@ -5,10 +5,23 @@ from the leader; a node with no gateway left drains and exits."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
-from pdserve.common.wire.protocol import Adopt, Adopted, Drain, Migrate, Rebalance
-from tests.component.cluster import until
+from pdserve.common.wire.kv_messages import TO_DECODE_DECODER, KvHeader, KvRefuse
+from pdserve.common.wire.protocol import (
+    Adopt,
+    Adopted,
+    DecodeTarget,
+    Drain,
+    Migrate,
+    Rebalance,
+    Redirect,
+    encode,
+)
+from pdserve.common.wire.security import close_context, make_context
+from pdserve.common.wire.transport import free_port, make_socket
+from tests.component.cluster import TIMEOUT, until
 from tests.component.test_gateways import _streaming_for_a
 
 
@@ -45,6 +58,44 @@ async def test_a_draining_node_decodes_its_orphans_on_rather_than_park_them(toke
         d.control.begin_drain()
         await until(lambda: len(d.requests["r.0"].seq.output_ids) >= made + 3, what="decoding")
         assert "r.0" not in d.scheduler.parked and d.metrics.migrations._value.get() == 0
+
+
+async def test_a_draining_node_s_orphan_whose_move_is_refused_decodes_on(tokenizer):
+    """A names where r.0 goes (the drain's Migrate answered) and goes silent while its KV is
+    on the way; the target then refuses it. No gateway reads a NeedDecode: the orphan was
+    given back (its KV freed, to be recomputed by its adopter), though it could decode on
+    here as the orphans a drain never moves do, for an adopter to resume where it is."""
+    async with _streaming_for_a(tokenizer) as (a, b, d):
+        d.cfg = d.control.cfg = dataclasses.replace(d.cfg, drain_migrate="on",
+                                                    drain_timeout=30.0)  # fmt: skip
+        ctx = make_context(None)
+        address = f"tcp://127.0.0.1:{free_port()}"
+        target = make_socket(ctx, "node.data", address)  # the data socket of a decode node
+        try:
+            d.control.begin_drain()
+            await until(lambda: [m for m in a.inbox if isinstance(m, Migrate)], what="a move")
+            to = DecodeTarget(node_id="decode-1", data_address=address, host_id="elsewhere")
+            await a.tell(d, Redirect(request_id="r.0", decode=to))
+            peer, payload, *_ = await asyncio.wait_for(target.recv_multipart(), TIMEOUT)
+            assert isinstance(TO_DECODE_DECODER.decode(payload), KvHeader)  # on its way
+            a.muted = True
+            await until(lambda: d.control.links[0].silent_since is not None, what="A silent")
+            req = d.requests["r.0"]
+            made = len(req.seq.output_ids)
+            refuse = KvRefuse(request_id="r.0", reason="KV cache full")
+            await target.send_multipart([peer, encode(refuse)])
+            await until(lambda: "r.0" not in d.sender.transfers, what="the refusal read")
+            assert d.requests.get("r.0") is req and req.target is None  # not given back
+            await until(lambda: len(req.seq.output_ids) >= made + 3, what="decoding on")
+            assert "r.0" not in d.control.adoption.finished and "r.0" not in d.scheduler.parked
+            await b.tell(d, Adopt(streams=[("r", 0)]))
+            await until(lambda: [m for m in b.inbox if isinstance(m, Adopted)], what="adopted")
+            adopted = next(m for m in b.inbox if isinstance(m, Adopted))
+            assert adopted.found and adopted.finish_reason is None  # running: not recomputed
+            assert len(adopted.output_ids) >= made + 3
+        finally:
+            target.close()
+            close_context(ctx)
 
 
 async def test_a_node_takes_one_drain_from_its_leader_only(tokenizer):
