@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import signal
 import time
 from typing import Any
 
@@ -115,12 +114,8 @@ class ControlPlane:
 
     # -- life ----------------------------------------------------------------------------------
     async def start(self, role_tasks: list[asyncio.Task]) -> None:
-        """Signals, the control loops and /metrics; then register. The role's own loops are
-        watched with them: any one that dies stops the node."""
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self.on_signal)
+        """The control loops and /metrics; then register. The role's own loops are watched
+        with them: any one that dies stops the node. (Signals: common/node/roles.py.)"""
         for link in self.links:
             link.task = asyncio.create_task(self._control_loop(link))
         self.tasks += [
@@ -135,6 +130,8 @@ class ControlPlane:
         if self.cfg.metrics_port:
             self.http = await start_http(self.metrics, self.health, self.node.hung,
                                          self.cfg.metrics_host, self.cfg.metrics_port)  # fmt: skip
+        if self.draining:  # signalled as it started (a switch's new role, a first start):
+            return  # it holds nothing, and registers with no gateway on its way out
         for link in self.links:
             await link.send(Register(info=self.node.info()))
 

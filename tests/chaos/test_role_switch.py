@@ -7,6 +7,7 @@ gateway's own rule (`--role-switching on`) switches a node when the prefill pool
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.sim import SimEngine
@@ -26,8 +27,10 @@ class Swing:
 
     def __init__(self, c: Cluster, node_id: str, role: str, ecfg, engine, **cfg) -> None:
         self.nodes: list = []
+        self.on_make: Callable[[str], None] = lambda role: None  # the process between roles
 
         def make(r: str):
+            self.on_make(r)
             self.nodes.append(c.node(role_class(r), node_id, ecfg=ecfg, engine=engine, **cfg))
             return self.nodes[-1]
 
