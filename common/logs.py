@@ -1,7 +1,7 @@
 """Logging for every pdserve process: text for people, JSON lines for log collectors.
 
 `--log-format json` (PDSERVE_LOG_FORMAT=json, the container default) writes one JSON object
-per record. Both name the level and the process (its node id, `gateway:PORT`). A record
+per record. Both name the level and the process (`gateway:PORT`, a node id). A record
 may carry structured fields (`extra={"fields": {...}}`, as the gateway's per-request
 timeline does): JSON output merges them into the object, text output appends them as JSON
 after the message, so both stay greppable by request id.

@@ -151,7 +151,7 @@ class DecodeRole(RoleDefaults):
 
     def _park(self, rid: str, reason: str) -> None:
         req = self.node.requests.get(rid)
-        if self.node.control.gateways.owners.orphan(rid):
+        if self.node.orphan(rid):
             return  # no gateway to ask where it goes: decoded here, for an adopter
         if req is None or not self.node.scheduler.park(req.seq):
             return  # finished, aborted or already moving

@@ -170,9 +170,15 @@ class ClusterView:
         node.foreign, node.leader = load.foreign, leader
         return True
 
-    def reported_since(self, since: float) -> bool:
-        """Every node's last load report was read after `since`."""
-        return all(n.load_at > since for n in self.nodes.values())
+    def fresh_view(self, awake: float, now: float) -> bool:
+        """Every node's last report read since `awake` and within its own beat: three of its
+        observed gaps (a node's jitter is no staleness), at least half the heartbeat timeout,
+        at most the whole (past it the node is dropped anyway)."""
+        half, whole = self.heartbeat_timeout / 2, self.heartbeat_timeout
+        return all(
+            n.load_at > awake and now - n.load_at <= min(whole, max(half, 3 * n.beat_gap))
+            for n in self.nodes.values()
+        )
 
     def accepted(self, node: NodeState) -> None:
         """`node` accepted an offer: it goes last among nodes otherwise equal (on-demand)."""

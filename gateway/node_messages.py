@@ -289,7 +289,10 @@ class NodeMessages:
         """The first token of an attempt whose decode node asked to move it is read: answer."""
         attempt.move_asked = None
         node = self.cluster.nodes.get(asker)
-        if node is None or attempt.decode != asker:  # gone, or no longer its: nothing to move
+        if node is None:  # gone: nothing to move
+            return
+        if attempt.decode != asker:  # no longer its (placed elsewhere): its copy waits parked
+            await self.link.reply(node.identity, Abort(request_id=attempt.wire_id))
             return
         if attempt.req.finished:  # ended at that token: stays until its abort comes
             await self.link.reply(node.identity, Redirect(request_id=attempt.wire_id, decode=None))

@@ -95,12 +95,16 @@ class PoolCare:
             # a lead regained later starts its hold afresh: not from a sample taken before
             self.switcher.toward = self.switcher.since = None
             return
+        self._give_up_switches(now)
         # decided on a fresh view only: after a stall of this process (the tick that found it
         # set `awake` to its own time) the nodes' reports sent meanwhile wait unread in its
-        # socket, and every one it holds is as old as the stall; nor on a report older than
-        # half the heartbeat timeout (a node beats several times within it)
-        if not self.cluster.reported_since(max(awake, now - self.cfg.heartbeat_timeout / 2)):
-            return
+        # socket, and every one it holds is as old as the stall; nor on a node's report
+        # older than its beat (ClusterView.fresh_view)
+        if not self.cluster.fresh_view(awake, now):
+            since = self.switcher.since
+            if since is not None and awake > since:  # a hold does not run through a stall:
+                self.switcher.toward = self.switcher.since = None  # one sample after it
+            return  # would do otherwise
         if self.cfg.rebalance:
             await self._rebalance(now)
         if self.cfg.role_switching == "on":
@@ -148,13 +152,17 @@ class PoolCare:
         await self.link.reply(node.identity, SwitchRole(role=role))  # type: ignore[arg-type]
         return True
 
-    async def _switch_roles(self, now: float) -> None:
+    def _give_up_switches(self, now: float) -> None:
+        """Switches not over in time, or whose node will not come back: forgotten (on a
+        stale view too: this judges only this gateway's own records)."""
         for node_id, (_, since) in list(self.switching.items()):
             if now - since > SWITCH_GIVE_UP_S or self._will_not_switch(node_id, since, now):
                 del self.switching[node_id]
                 self.switched_from.pop(node_id, None)
                 self.gone_since.pop(node_id, None)
                 self.switcher.failed(node_id, now)
+
+    async def _switch_roles(self, now: float) -> None:
         in_prefill = {n: len(self.table.in_prefill(n)) for n in self.cluster.nodes}
         # one switch at a time, also across a change of leader: a node draining may be one
         # another leader ordered (its switch is not in this one's table), or a scale-down

@@ -107,6 +107,11 @@ async def resumable_chunks(
                     retry = resp.headers.get("Retry-After", "")
                     pause = min(float(retry), 5.0) if retry.isdigit() else 0.5
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+                if resp.status == 400 and "." in last_id and stream_id is not None:
+                    # a gateway from before the end's own ids (N.finish, N.usage) takes the
+                    # count alone (and sends the stream's end again)
+                    last_id = last_id.split(".")[0]
+                    raise aiohttp.ClientResponseError(resp.request_info, (), status=400)
                 if resp.status != 200:
                     text = (await resp.text())[:300]
                     raise StreamLost(f"HTTP {resp.status}: {text}", resp.status)

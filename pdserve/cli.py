@@ -154,10 +154,10 @@ def _add_serving(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     up.add_argument("--startup-timeout", type=float, default=300.0)
     up.add_argument(
-        "--restart-hung-after", type=float, default=60.0,
+        "--restart-hung-after", type=float, default=None,
         help="a node that served, then is listed by no answering gateway this many seconds "
-        "while its process runs (hung: a frozen loop, a stuck step) is killed and restarted; "
-        "0 = never",
+        "while its process runs (hung: a frozen loop, a stuck step) is killed and restarted "
+        "(default: 60, at least --drain-timeout + --heartbeat-timeout + 1); 0 = never",
     )  # fmt: skip
     up.add_argument(
         "--heartbeat-timeout", type=float, default=None,

@@ -187,13 +187,7 @@ def run_up(args: argparse.Namespace) -> int:
     dies is restarted and the others keep serving (pdserve/supervisor.py). A child that fails
     before the cluster is up is a configuration error and stops everything."""
     gcfg, ncfg = up_configs(args)
-    hung_after = getattr(args, "restart_hung_after", 0.0)
-    if not (hung_after == 0 or gcfg.heartbeat_timeout + 1.0 < hung_after < math.inf):
-        # shorter, a node re-registering after a drop (or in its new role) could be killed
-        raise ConfigError(
-            "--restart-hung-after: 0 (never) or more than the gateways' "
-            f"--heartbeat-timeout + 1 s ({gcfg.heartbeat_timeout + 1.0:g})"
-        )
+    hung_after = hung_limit(getattr(args, "restart_hung_after", None), gcfg, ncfg)
     gateways = getattr(args, "gateways", 1)
     urls = gateway_urls(gcfg, gateways)
     stop = 0  # signals received: the first drains the cluster, a second stops it now
@@ -260,6 +254,19 @@ def run_up(args: argparse.Namespace) -> int:
         stop_all(procs[gateways:], drain, hurry=lambda: stop > signalled)
         stop_all(procs[:gateways], hurry=lambda: stop > signalled)
         sweep_dead_kv_files()  # a node killed mid-drain or mid-load leaves its KV cache file
+
+
+def hung_limit(given: float | None, gcfg: GatewayConfig, ncfg: NodeConfig) -> float:
+    """--restart-hung-after: 0 (never) or more than a drop and a registration again (else a
+    healthy node re-registering is killed); default 60 s. Never shorter than a drain: a
+    draining node a restarted gateway refused stays unlisted until it ends."""
+    floor = gcfg.heartbeat_timeout + 1.0
+    if given is None:
+        given = max(60.0, 2 * floor)
+    elif not (given == 0 or floor < given < math.inf):
+        raise ConfigError(f"--restart-hung-after: 0 (never) or more than the gateways' "
+                          f"--heartbeat-timeout + 1 s ({floor:g})")  # fmt: skip
+    return max(given, ncfg.drain_timeout + floor) if given else 0.0
 
 
 class Readiness:

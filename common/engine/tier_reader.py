@@ -66,12 +66,17 @@ class ReadAhead:
             return (False, None, 0.0) if got is None else (True, *got)
 
     def drop(self, path: Path) -> None:
-        """The block left the tier: neither read nor kept for it."""
+        """The block left the tier: neither read nor kept for it. A sequence waiting on it
+        is woken (it computes that block instead)."""
         with self.cond:
+            queued = path in self.queue
             self.queue.pop(path, None)
             self._pop(path)
             if path == self.current:
                 self.dropped.add(path)
+            wake = queued and not self.queue and self.current is None
+        if wake:  # its read would have woken the step loop; none comes now
+            self.on_ready()
 
     def _pop(self, path: Path) -> tuple[bytes | None, float] | None:
         got = self.ready.pop(path, None)

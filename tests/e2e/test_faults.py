@@ -152,7 +152,7 @@ def test_pdserve_up_restarts_a_killed_node_while_in_flight_requests_complete(tok
     cmd += ["--decode", "2", "--port", str(port), "--control-port", str(free_port())]
     # 180 s, as start_cluster waits: five processes starting at once on two slow cores
     cmd += ["--tokens-port", str(free_port()), "--startup-timeout", "180"]
-    cmd += ["--restart-hung-after", "5"]
+    cmd += ["--restart-hung-after", "5", "--drain-timeout", "2"]  # drains bound the limit
     env = {**os.environ, "PDSERVE_HEARTBEAT_INTERVAL": "0.2"}
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env

@@ -193,3 +193,32 @@ async def test_a_cr_only_stream_s_last_event_is_read():
     body = b'data: {"choices": [{"text": "a"}]}\r\rdata: [DONE]\r\r'
     assert await _events([body]) == [(None, b'{"choices": [{"text": "a"}]}'), (None, b"[DONE]")]
     assert (await _send(body)).ok
+
+
+async def test_a_resume_at_a_gateway_older_than_the_end_s_ids_asks_again_by_the_count():
+    """A client with `N.finish` resuming at a gateway that takes digits only (a rolling
+    upgrade): its 400 ended the stream; asked again by N, it sends the end again."""
+    asked: list[str] = []
+
+    async def resume(request: web.Request) -> web.StreamResponse:
+        asked.append(request.headers["Last-Event-ID"])
+        if not request.headers["Last-Event-ID"].isdigit():
+            return web.Response(status=400)
+        return await _sse(b"data: [DONE]\n\n")(request)
+
+    app = web.Application()
+    finish = b'data: {"id": "cmpl-x", "choices": [{"text": "", "finish_reason": "stop"}]}\n\n'
+    app.router.add_post("/v1/completions", _sse(b"id: 1\n" + _chunk("a") + b"id: 1.finish\n"
+                                                 + finish))  # fmt: skip
+    app.router.add_get("/v1/streams/{rid}", resume)
+    server = TestServer(app)
+    await server.start_server()
+    try:
+        url = str(server.make_url("")).rstrip("/")
+        async with aiohttp.ClientSession() as session:
+            chunks = [c async for c in resumable_chunks(session, [url], "/v1/completions", {},
+                                                        10.0, attempts=3)]  # fmt: skip
+    finally:
+        await server.close()
+    assert [c["choices"][0]["text"] for c in chunks] == ["a", ""]
+    assert asked == ["1.finish", "1"]

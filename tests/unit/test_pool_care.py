@@ -93,9 +93,23 @@ async def test_pool_care_waits_for_a_node_whose_report_is_older_than_half_the_le
     assert to == b"A" and isinstance(order, Rebalance)
 
 
+async def test_a_node_beating_late_within_its_own_gap_holds_nothing_back():
+    """--heartbeat-timeout 1 and beats every 0.5 s: half the timeout is one beat, so any
+    jitter on any node held every decision back. A node's own observed gap counts."""
+    cfg = GatewayConfig(rebalance=0.9, heartbeat_timeout=1.0)
+    gw = _Gateway(cfg, {"A": "decode", "B": "decode"}, 100.0)
+    full = _full_and_empty(gw)
+    for t in (100.0, 100.5, 101.0):
+        gw.read(full, t)
+    gw.read({"A": full["A"]}, 101.5)  # B's beat late: 0.7 s old at the tick
+    ((to, order),) = await gw.tick(101.7)
+    assert to == b"A" and isinstance(order, Rebalance)
+
+
 async def test_a_leader_woken_from_a_stall_switches_the_donor_its_fresh_view_shows():
     """The imbalance held from before the pause; the stale view named d1 the least busy
-    decode node (3 sequences), but by the time the leader ran again d1 ran 9 and d0 one."""
+    decode node (3 sequences), but by the time the leader ran again d1 ran 9 and d0 one.
+    Nor did the hold run through the pause: it switched on the first sample after it."""
     cfg = GatewayConfig(role_switching="on", switch_hold=5.0, switch_dwell=0.0)
     gw = _Gateway(cfg, {"p0": "prefill", "d0": "decode", "d1": "decode"}, 100.0)
     gw.pools.desired_replicas = lambda: SHORT_PREFILL  # type: ignore[method-assign]
@@ -108,8 +122,12 @@ async def test_a_leader_woken_from_a_stall_switches_the_donor_its_fresh_view_sho
         gw.read(loads(7, 3), 100.0 + i / 2)
         assert await gw.tick(100.1 + i / 2) == []
     assert await gw.tick(110.0, late=5.15) == []  # stalled: the hold would be over
-    gw.read(loads(1, 9), 110.2)
-    assert await gw.tick(110.3) == [(b"d0", SwitchRole(role="prefill"))]
+    got: list = []
+    for i in range(11):  # the hold starts over on the fresh view (one sample is no hold)
+        gw.read(loads(1, 9), 110.2 + i / 2)
+        got = await gw.tick(110.3 + i / 2)
+        assert got == [] or i == 10
+    assert got == [(b"d0", SwitchRole(role="prefill"))]
 
 
 def test_registrations_are_forgotten_once_past_the_dwell_which_still_holds():

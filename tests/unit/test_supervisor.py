@@ -286,3 +286,20 @@ def test_readiness_tells_a_node_unlisted_only_by_a_gateway_listing_nodes_for_a_w
     answer[0] = (200, {"error": "not pdserve"})
     clock[0] = 8.0
     assert ready(node) is None and ready(gateway) is False
+
+
+def test_the_hung_limit_outlasts_a_registration_again_and_a_drain():
+    """60 s by default; refused under a drop and a registration again; never under a drain
+    (a draining node a restarted gateway refused stays unlisted until it ends)."""
+    from pdserve.common.config import GatewayConfig, NodeConfig
+    from pdserve.common.errors import ConfigError
+    from pdserve.launch import hung_limit
+
+    gcfg, ncfg = GatewayConfig(heartbeat_timeout=2.0), NodeConfig(drain_timeout=30.0)
+    assert hung_limit(None, gcfg, ncfg) == 60.0 and hung_limit(0.0, gcfg, ncfg) == 0.0
+    assert hung_limit(None, GatewayConfig(heartbeat_timeout=59.0), ncfg) == 120.0
+    assert hung_limit(10.0, gcfg, ncfg) == 33.0  # the drain's 30 s and a registration
+    assert hung_limit(10.0, gcfg, NodeConfig(drain_timeout=2.0)) == 10.0
+    for bad in (-1.0, 2.5, float("inf")):
+        with pytest.raises(ConfigError):
+            hung_limit(bad, gcfg, ncfg)

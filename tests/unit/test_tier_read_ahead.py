@@ -5,6 +5,7 @@ meanwhile, and loads them from memory once read; no disk read on the scheduler's
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,17 @@ from pdserve.common.engine.sequence import Sequence
 from pdserve.common.engine.tiers import TierStore
 from tests.unit.test_scheduler import GREEDY, _evict_a_into_the_tier, make_scheduler
 from tests.unit.test_tiers import block
+
+
+def _read(store: TierStore, n: int) -> bool:
+    """Wait (30 s at most) until `n` blocks are read ahead. Not on the wake-up alone: one
+    block read before the next is asked for empties the queue, and wakes, in between."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if store.ahead is not None and len(store.ahead.ready) >= n:
+            return True
+        time.sleep(0.005)
+    return False
 
 
 def _store(tmp_path: Path, n: int = 3) -> tuple[TierStore, threading.Event]:
@@ -30,7 +42,7 @@ def test_blocks_are_read_ahead_and_loaded_from_memory(tmp_path):
     store, woken = _store(tmp_path)
     digests = [bytes([i]) * 16 for i in range(3)]
     assert not store.ready(digests)  # asked for: read on the reader's thread
-    assert woken.wait(30) and store.ready(digests)
+    assert woken.wait(30) and _read(store, 3) and store.ready(digests)
     for path in tmp_path.glob("*.kv"):
         path.unlink()  # read already: the load reads no file
     got: list[bytes] = []
@@ -69,7 +81,7 @@ def test_a_sequence_waits_for_its_disk_prefix_while_others_are_scheduled(tmp_pat
     out = sched.schedule()
     assert [s.seq_id for s, _ in out.prefills] == ["d"]  # c waits for its reads
     sched.on_step_done(out, [7])
-    assert woken.wait(30)
+    assert woken.wait(30) and _read(tiers, 2)
     for path in tmp_path.glob("*.kv"):
         path.unlink()  # read ahead: c's load reads no file
     out = sched.schedule()
@@ -90,3 +102,18 @@ def test_without_a_node_loads_read_in_place(tmp_path, ahead):
         store.ahead.max_ready = 0  # type: ignore[union-attr]
     assert store.ready([b"a" * 16]) and store.take(b"a" * 16) == block(1)
     store.close()
+
+
+def test_a_queued_read_dropped_wakes_the_sequence_waiting_on_it(tmp_path):
+    """The block left the tier before its read: no read ends to wake the step loop, and the
+    sequence skipped for it waited for another wake-up."""
+    from pdserve.common.engine.tier_reader import ReadAhead
+
+    woken: list[int] = []
+    ahead = ReadAhead(lambda: woken.append(1))
+    with ahead.cond:  # queued, its thread not started yet
+        ahead.queue[tmp_path / "a.kv"] = None
+    ahead.drop(tmp_path / "a.kv")
+    assert woken == [1] and not ahead.queue
+    ahead.drop(tmp_path / "b.kv")  # nothing of it: nobody waits
+    assert woken == [1]
