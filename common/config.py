@@ -373,11 +373,12 @@ class NodeConfig:
         for address in self.gateway.split(","):
             address = address.strip()
             host, _, port = address.removeprefix("tcp://").rpartition(":")
-            tcp_ok = host and port.isdigit() and 0 < int(port) < 65536
+            # an IPv6 host in brackets (tcp://[::1]:8001): bare, where its port starts is a guess
+            bare_ipv6 = ":" in host and not host.startswith("[")
+            tcp_ok = host and not bare_ipv6 and port.isdigit() and 0 < int(port) < 65536
             if not (address.startswith("ipc://") or (address.startswith("tcp://") and tcp_ok)):
-                raise ConfigError(
-                    f"--gateway must be a ZeroMQ address like tcp://HOST:PORT, got {address!r}"
-                )
+                raise ConfigError(f"--gateway must be a ZeroMQ address like tcp://HOST:PORT "
+                                  f"(IPv6: tcp://[::1]:PORT), got {address!r}")  # fmt: skip
         if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError("--heartbeat-timeout must exceed --heartbeat-interval (> 0)")
         if self.step_timeout <= 0:

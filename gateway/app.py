@@ -25,6 +25,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from pdserve.common.aio import within
 from pdserve.common.config import GatewayConfig
 from pdserve.common.model.tokenizer import Tokenizer
+from pdserve.common.wire.address import bracket
 from pdserve.gateway.core import Gateway
 from pdserve.gateway.cors import Cors
 from pdserve.gateway.openai_api import (
@@ -389,10 +390,11 @@ def serve(cfg: GatewayConfig) -> None:
     """Runs the gateway until SIGINT/SIGTERM (on uvloop where the caller installed it)."""
 
     def announce(*_: object) -> None:
-        log.info("gateway on http://%s:%d", cfg.host, cfg.port)
+        log.info("gateway on http://%s:%d", bracket(cfg.host), cfg.port)
 
     # backlog: aiohttp's 128 overflows in a burst of connections (hundreds of clients at once,
     # a flood of resumes): a dropped SYN costs its client a 1 s retransmit. uvicorn's 2048
-    # (the kernel caps it at net.core.somaxconn)
-    web.run_app(create_app(cfg), host=cfg.host, port=cfg.port, handler_cancellation=True,
+    # (the kernel caps it at net.core.somaxconn). `::`: IPv4 too, as ZeroMQ's (asyncio's "")
+    host = "" if cfg.host == "::" else cfg.host
+    web.run_app(create_app(cfg), host=host, port=cfg.port, handler_cancellation=True,
                 backlog=2048, access_log=None, print=announce)  # fmt: skip

@@ -11,6 +11,7 @@ from typing import Any
 import zmq
 
 from pdserve.common.config import GatewayConfig
+from pdserve.common.wire.address import EVERYWHERE, bracket, host_port
 from pdserve.common.wire.loop_socket import LoopSocket
 from pdserve.common.wire.protocol import Msg, PrefillOffer
 from pdserve.common.wire.security import ClusterKey, close_context, make_context
@@ -31,7 +32,8 @@ def new_gateway_id() -> str:
 class NodeLink:
     def __init__(self, cfg: GatewayConfig) -> None:
         self.ctx = make_context(ClusterKey.load(cfg.cluster_key) if cfg.cluster_key else None)
-        bind = "*" if cfg.host in ("0.0.0.0", "") else cfg.host
+        # a wildcard: every interface, IPv4 and IPv6 (common/wire/transport.py)
+        bind = EVERYWHERE if cfg.host in ("0.0.0.0", "::", "") else bracket(cfg.host)
         # read and written without pyzmq's future per message: the gateway's busiest sockets
         # (every node's heartbeats and token batches; common/wire/loop_socket.py)
         self.control = LoopSocket(make_socket(
@@ -43,7 +45,7 @@ class NodeLink:
             max_msg=TOKENS_MAX_MSG,
         ))  # fmt: skip
         # an empty host tells each node to use the host it registered through (common/node/host.py)
-        self.tokens_address = f"tcp://{cfg.advertise_host}:{cfg.tokens_port}"
+        self.tokens_address = f"tcp://{host_port(cfg.advertise_host, cfg.tokens_port)}"
         self.gateway_id = new_gateway_id()
 
     async def send(self, node: NodeState, msg: Msg) -> None:

@@ -12,6 +12,7 @@ from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig
 from pdserve.common.costmodel import DEFAULT_PROFILE
 from pdserve.common.errors import ConfigError
 from pdserve.common.flags import from_args
+from pdserve.common.wire.address import bracket
 from pdserve.spawn import cores
 
 # node settings `pdserve up` decides per node itself (addresses, ports, ids)
@@ -93,7 +94,7 @@ def cluster_commands(args: argparse.Namespace) -> list[list[str]]:
                      "--scheduler", g.scheduler])  # fmt: skip
     # nodes reach the gateways where they listen: a given --host unless it is a wildcard
     wildcard = gcfg.host in ("", "0.0.0.0", "::")
-    host = url_host(gcfg.advertise_host or ("127.0.0.1" if wildcard else gcfg.host))
+    host = bracket(gcfg.advertise_host or ("127.0.0.1" if wildcard else gcfg.host))
     address = ",".join(f"tcp://{host}:{g.control_port}" for g in gateways)
     roles = (("prefill", args.prefill), ("decode", args.decode), ("colocated", args.colocated))
     gpu = ecfg.gpu_offset  # cuda:auto: a GPU each, in turn (no replica number tells them)
@@ -140,12 +141,7 @@ def gateway_secrets(gcfg: GatewayConfig) -> dict[str, str]:
 
 def gateway_urls(gcfg: GatewayConfig, count: int) -> list[str]:
     """Where `pdserve up`'s gateways answer HTTP."""
-    return [f"http://{url_host(g.host)}:{g.port}" for g in gateway_configs(gcfg, count)]
-
-
-def url_host(host: str) -> str:
-    """A host as a URL or a ZeroMQ endpoint writes it: an IPv6 literal in brackets."""
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return [f"http://{bracket(g.host)}:{g.port}" for g in gateway_configs(gcfg, count)]
 
 
 def tokenizer_model(ecfg: EngineConfig) -> str | None:

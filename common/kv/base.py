@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.common.engine.interface import KvStore
+from pdserve.common.wire.address import EVERYWHERE
 from pdserve.common.wire.kv_messages import (
     KvHeader,
 )
@@ -53,7 +54,7 @@ class Local:
     forced: str = "auto"  # the --kv-backend choice (a backend may listen only when chosen)
     key: ClusterKey | None = None  # --cluster-key: backends authenticate their peers with it
     max_tokens: int = 0  # the longest request's tokens (frames past it are refused); 0: the cache's
-    listen: str = "0.0.0.0"  # where listeners bind (loopback for a node reached only there)
+    listen: str = EVERYWHERE  # where listeners bind (loopback for a node reached only there)
 
 
 @dataclass

@@ -46,6 +46,7 @@ from pdserve.common.kv.tcp_wire import (
 )
 from pdserve.common.logs import Every
 from pdserve.common.node_id import ID_BYTES  # a stream opens with its sender's id, padded
+from pdserve.common.wire.address import EVERYWHERE, host_port, listening_socket
 from pdserve.common.wire.security import MAC_BYTES, REFUSALS, ClusterKey, new_nonce
 
 __all__ = ["ID_BYTES", "TcpListener", "TcpStream", "frame_head"]
@@ -68,15 +69,13 @@ class TcpListener:
         timeout: float = 10.0,
         max_frame: int = 1 << 40,
         key: ClusterKey | None = None,
-        listen: str = "0.0.0.0",
+        listen: str = EVERYWHERE,
     ) -> None:
         self.key = key
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((listen, port))
+        self.sock = listening_socket(listen, port)  # EVERYWHERE: IPv4 and IPv6
         self.sock.listen(64)
         self.sock.setblocking(False)
-        self.address = f"{advertise_host}:{self.sock.getsockname()[1]}"
+        self.address = host_port(advertise_host, self.sock.getsockname()[1])
         self.timeout = timeout
         self.max_frame = max_frame
         self.sink: FrameSink | None = None

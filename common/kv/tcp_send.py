@@ -37,6 +37,7 @@ from pdserve.common.kv.tcp_wire import (
     set_timeout,
 )
 from pdserve.common.node_id import ID_BYTES  # a stream opens with its sender's id, padded
+from pdserve.common.wire.address import split_host_port
 from pdserve.common.wire.security import NONCE_BYTES, ClusterKey
 
 DEPTH = 2  # frames queued or being written per stream: one written, the next one ready
@@ -65,9 +66,8 @@ class TcpStream:
     def __init__(
         self, address: str, node_id: str, key: ClusterKey | None = None, timeout: float = 10.0
     ) -> None:
-        host, _, port = address.rpartition(":")
         self.address = address
-        self.endpoint = (host, int(port))
+        self.endpoint = split_host_port(address)  # an IPv6 host unbracketed
         self.node_id = node_id
         self.key = key
         self.timeout = timeout

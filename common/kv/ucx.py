@@ -30,6 +30,7 @@ from pdserve.common.kv.base import (
     Transfer,
 )
 from pdserve.common.node_id import ID_BYTES  # the id field opening an endpoint
+from pdserve.common.wire.address import host_port, split_host_port
 
 HELLO_S = 10.0  # for a new endpoint's node id
 log = logging.getLogger(__name__)
@@ -54,8 +55,7 @@ def available() -> bool:
 async def connect(address: str, node_id: str) -> Any:
     import ucxx
 
-    host, _, port = address.rpartition(":")
-    ep = await ucxx.create_endpoint(host, int(port))
+    ep = await ucxx.create_endpoint(*split_host_port(address))
     await ep.send(np.frombuffer(node_id.encode()[:ID_BYTES].ljust(ID_BYTES), dtype=np.uint8))
     return ep
 
@@ -70,7 +70,7 @@ class UcxListener:
         self.arrived: dict[str, asyncio.Event] = {}
         self.buffer = np.empty(0, dtype=np.uint8)
         self.listener = ucxx.create_listener(self._on_connect, port=port)
-        self.address = f"{host}:{self.listener.port}"
+        self.address = host_port(host, self.listener.port)
 
     async def _on_connect(self, ep: Any) -> None:
         ident = np.empty(ID_BYTES, dtype=np.uint8)

@@ -24,6 +24,7 @@ from pdserve.common.kv.intake import KvIntake
 from pdserve.common.kv.sender import KvSender
 from pdserve.common.node.fetch import PrefixFetches, Promises, Wakes, free_and_wake
 from pdserve.common.node_metrics import NodeMetrics
+from pdserve.common.wire.address import host_port
 from pdserve.common.wire.kv_messages import (
     KvHeader,
 )
@@ -75,7 +76,7 @@ class NodeKv:
         self.data = make_socket(
             node.ctx,
             "node.data",
-            f"tcp://{node.listen}:{cfg.data_port}",
+            f"tcp://{host_port(node.listen, cfg.data_port)}",
             max_msg=max(max_frame, TOKENS_MAX_MSG),
         )
         self.address = bound_address(self.data, cfg.advertise_host)

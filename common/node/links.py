@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import zmq
 
 from pdserve.common.node.host import resolve_tokens_address
+from pdserve.common.wire.address import host_port
 from pdserve.common.wire.protocol import GatewayLoad, Msg, encode
 from pdserve.common.wire.transport import CONTROL_MAX_MSG, make_socket, send
 
@@ -193,8 +194,11 @@ def _resolve(address: str) -> list[str]:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError:
         return []  # not resolvable yet
-    ips = sorted({str(info[4][0]) for info in infos if info[0] == socket.AF_INET})
-    return [f"tcp://{ip}:{port}" for ip in ips]
+    # its IPv4 addresses, as before IPv6 was spoken (a name with both would count each
+    # gateway twice); its IPv6 ones where it has none (an IPv6-only cluster)
+    ips = sorted({str(info[4][0]) for info in infos if info[0] == socket.AF_INET}) or sorted(
+        {str(info[4][0]) for info in infos if info[0] == socket.AF_INET6})  # fmt: skip
+    return [f"tcp://{host_port(ip, port)}" for ip in ips]
 
 
 def _is_ip(host: str) -> bool:

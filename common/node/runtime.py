@@ -48,6 +48,7 @@ from pdserve.common.node.kv import NodeKv
 from pdserve.common.node.role import NodeRequest, Role
 from pdserve.common.node.steps import StepLoop
 from pdserve.common.node_metrics import NodeMetrics
+from pdserve.common.wire.address import EVERYWHERE
 from pdserve.common.wire.protocol import (
     NODE_FEATURES,
     Foreign,
@@ -80,7 +81,7 @@ class NodeRuntime:
         # data sockets listen on loopback when the node is reached there by its route to the
         # gateway; a given --advertise-host (a port published by Docker, say) keeps them on
         # every interface
-        self.listen = "0.0.0.0"
+        self.listen = EVERYWHERE
         if not cfg.advertise_host:
             first = cfg.gateway.split(",")[0].strip()
             cfg = dataclasses.replace(cfg, advertise_host=facing_address(first))

@@ -8,9 +8,9 @@ sockets and what travels on them: docs/architecture.md, section 1).
                                         data socket this node sends KV or a KvFetch to)
 
 Every socket that accepts network input has a maximum message size, and linger 0 so that
-closing never blocks shutdown. A context made with a cluster key (common/wire/security.py) gives
-every socket CurveZMQ: binding sides are servers, connecting sides clients. A socket is used
-from its event loop's thread only.
+closing never blocks shutdown. Sockets speak IPv6 as well as IPv4 (ZMQ_IPV6). A context made
+with a cluster key (common/wire/security.py) gives every socket CurveZMQ: binding sides are
+servers, connecting sides clients. A socket is used from its event loop's thread only.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pdserve.common.wire.address import EVERYWHERE, LOOPBACK, bracket, split_host_port
 from pdserve.common.wire.loop_socket import LoopSocket
 from pdserve.common.wire.protocol import Msg, encode
 from pdserve.common.wire.security import key_of, secure_socket
@@ -52,6 +53,10 @@ def make_socket(
     kind, binds = SOCKETS[name]
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    address = _localhost_as_ipv4(address)
+    # IPv6 literals and names' IPv6 addresses, `*` both families (libzmq falls back to IPv4 on
+    # a kernel without IPv6); an IPv4 address as before (with it on, an IPv6 socket mapped)
+    sock.setsockopt(zmq.IPV6, not _ipv4(address))
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity.encode())
     if max_msg is not None:
@@ -74,18 +79,34 @@ def make_socket(
     return sock
 
 
+def _ipv4(address: str) -> bool:
+    try:
+        socket.inet_pton(socket.AF_INET, split_host_port(address)[0])
+    except (OSError, ValueError):  # a name, `*`, IPv6, ipc://
+        return False
+    return True
+
+
+def _localhost_as_ipv4(address: str) -> str:
+    """`tcp://localhost:P` as 127.0.0.1, as before IPv6 was on: libzmq takes a name's first
+    address, and with IPv6 on that is ::1 where /etc/hosts names it so (Fedora), which a
+    peer on 127.0.0.1 never hears."""
+    host, sep, rest = address.partition("localhost:")
+    return f"{host}127.0.0.1:{rest}" if sep and host == "tcp://" else address
+
+
 def listen_host(advertise_host: str) -> str:
     """Where a node's data sockets listen: loopback when it is reached there (a cluster on one
-    host), else every interface. A node reachable at 127.0.0.1 alone listened on every
-    interface too, and took anyone's KV fetch and frames (without a key nothing checks them)."""
-    return "127.0.0.1" if advertise_host in ("127.0.0.1", "localhost") else "0.0.0.0"
+    host: 127.0.0.1, or ::1), else every interface. A node reachable at 127.0.0.1 alone
+    listened on every interface too, and took anyone's KV fetch and frames (without a key
+    nothing checks them)."""
+    return LOOPBACK.get(advertise_host.strip("[]"), EVERYWHERE)
 
 
 def bound_address(sock: zmq.asyncio.Socket, advertise_host: str) -> str:
     """The address peers should use for a socket bound to a wildcard or port 0."""
-    endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    port = endpoint.rsplit(":", 1)[1]
-    return f"tcp://{advertise_host}:{port}"
+    _, port = split_host_port(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    return f"tcp://{bracket(advertise_host)}:{port}"
 
 
 _GIVEN: set[int] = set()

@@ -367,11 +367,12 @@ def test_a_cluster_that_would_lack_a_phase_is_refused_at_start():
 
 def test_an_ipv6_gateway_host_is_bracketed_in_urls_and_endpoints():
     """`up --host ::1` wrote http://::1:8000 and tcp://::1:8001."""
-    from pdserve.up_commands import gateway_urls, up_configs, url_host
+    from pdserve.common.wire.address import bracket
+    from pdserve.up_commands import gateway_urls, up_configs
 
     args = build_parser().parse_args(["up", "--engine", "sim", "--host", "::1"])
     assert gateway_urls(up_configs(args)[0], 2) == ["http://[::1]:8000", "http://[::1]:8010"]
     for cmd in launch.cluster_commands(args)[1:]:
         assert flag_of(cmd, "--gateway") == "tcp://[::1]:8001"
-    assert [url_host(h) for h in ("10.0.0.1", "gw", "[::1]", "fe80::1")] == [
+    assert [bracket(h) for h in ("10.0.0.1", "gw", "[::1]", "fe80::1")] == [
         "10.0.0.1", "gw", "[::1]", "[fe80::1]"]  # fmt: skip
