@@ -1,10 +1,9 @@
 """The disk tier's reads, ahead of the step that loads them, on a thread of their own
 (common/engine/tiers.py).
 
-A disk block's load is a file read and a checksum (1.7 ms for a SmolLM2 block from the page
-cache, more for a larger model or a cold disk), and the scheduler that loads runs on the
-node's event loop: a 4,000-token prefix continuing on disk held every stream's tokens for
-0.4 s. With read-ahead on (a node sets `on_ready`), the scheduler asks for a sequence's disk
+A disk block's load is a file read and a checksum (about 2 ms for a SmolLM2 float32 block,
+docs/results §6), and the scheduler that loads runs on the node's event loop: a long prefix
+continuing on disk held every stream's tokens for tenths of a second. With read-ahead on (a node sets `on_ready`), the scheduler asks for a sequence's disk
 blocks and leaves it waiting while others run; the thread reads and checks them, says so,
 and the sequence is scheduled with its blocks in memory.
 """
