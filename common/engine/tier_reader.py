@@ -3,9 +3,10 @@
 
 A disk block's load is a file read and a checksum (about 2 ms for a SmolLM2 float32 block,
 docs/results §6), and the scheduler that loads runs on the node's event loop: a long prefix
-continuing on disk held every stream's tokens for tenths of a second. With read-ahead on (a node sets `on_ready`), the scheduler asks for a sequence's disk
-blocks and leaves it waiting while others run; the thread reads and checks them, says so,
-and the sequence is scheduled with its blocks in memory.
+continuing on disk held every stream's tokens for tenths of a second. With read-ahead on
+(a node sets `on_ready`), the scheduler asks for a sequence's disk blocks and leaves it
+waiting while others run; the thread reads and checks them, says so, and the sequence is
+scheduled with its blocks in memory.
 """
 
 from __future__ import annotations
