@@ -13,9 +13,9 @@ import contextlib
 import hashlib
 import logging
 import os
-import threading
-from collections import OrderedDict
 from pathlib import Path
+
+from pdserve.common.engine.path_queue import PathQueue
 
 log = logging.getLogger(__name__)
 MAGIC = b"PDKVBLK1"
@@ -59,43 +59,36 @@ def read_block(path: Path) -> bytes | None:
 class DiskWriter:
     def __init__(self, max_pending: int = MAX_PENDING) -> None:
         self.max_pending = max_pending
-        self.pending_bytes = 0
-        self.cond = threading.Condition()
-        self.queue: OrderedDict[Path, bytes] = OrderedDict()  # not written yet, oldest first
-        self.current: Path | None = None  # being written now
+        self.pending_bytes = 0  # waiting and being written
+        self.jobs = PathQueue("kv-disk-tier", write_block, self._done)
+        self.cond = self.jobs.cond
         self.cancelled: set[Path] = set()  # dropped while being written: removed after
         self.failed: list[Path] = []  # writes that failed, for the store to forget
-        self._writing = b""  # the bytes of `current`
-        self.thread: threading.Thread | None = None
-        self.closing = False
 
     def submit(self, path: Path, data: bytes) -> bool:
         """Hand a block over to be written; False (not taken) past `max_pending` or closed."""
         with self.cond:
-            old = self.queue.pop(path, b"")
+            old = self.jobs.queue.pop(path, b"")
             self.pending_bytes -= len(old)
-            if self.closing or self.pending_bytes + len(data) > self.max_pending:
+            if self.jobs.closing or self.pending_bytes + len(data) > self.max_pending:
                 return False
-            self.queue[path] = data
             self.pending_bytes += len(data)
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name="kv-disk-tier", daemon=True)
-                self.thread.start()
-            self.cond.notify()
+            self.jobs.put(path, data)
             return True
 
     def pending(self, path: Path) -> bytes | None:
         """The bytes of a block not yet on disk (being written, or waiting)."""
         with self.cond:
-            return self.queue.get(path, self._writing if self.current == path else None)
+            current = self.jobs.current_item if self.jobs.current == path else None
+            return self.jobs.queue.get(path, current)
 
     def cancel(self, path: Path) -> bool:
         """Drop a block: True when no file of it will be left (never written, or removed by
         the writer once its write ends); False: the caller removes the file."""
         with self.cond:
-            queued = self.queue.pop(path, None)
+            queued = self.jobs.queue.pop(path, None)
             self.pending_bytes -= len(queued or b"")
-            if self.current == path:
+            if self.jobs.current == path:
                 self.cancelled.add(path)
                 return True
             return queued is not None
@@ -108,43 +101,20 @@ class DiskWriter:
     def flush(self) -> None:
         """Wait until everything handed over is written."""
         with self.cond:
-            self.cond.wait_for(lambda: not self.queue and self.current is None)
+            self.cond.wait_for(lambda: not self.jobs.queue and self.jobs.current is None)
 
     def close(self) -> None:
+        self.jobs.close()
         with self.cond:
-            self.closing = True
-            self.queue.clear()
             self.pending_bytes = 0
-            self.cond.notify_all()
-        if self.thread is not None:
-            self.thread.join()
 
-    def _run(self) -> None:
-        while True:
-            with self.cond:
-                self.cond.wait_for(lambda: self.queue or self.closing)
-                if self.closing:
-                    return
-                path, data = self.queue.popitem(last=False)
-                self.pending_bytes -= len(data)
-                self.current, self._writing = path, data
-            ok = False
-            try:
-                ok = write_block(path, data)
-            except Exception:  # never a dead writer: spills would wait in memory for good
-                log.exception("KV disk tier: writing %s failed", path)
-            finally:
-                with self.cond:
-                    self._done(path, ok)
-
-    def _done(self, path: Path, ok: bool) -> None:
+    def _done(self, path: Path, data: bytes, ok: bool | None) -> None:
         """Under the lock: the write of `path` ended."""
-        self.current, self._writing = None, b""
+        self.pending_bytes -= len(data)
         if path in self.cancelled:
             self.cancelled.discard(path)
-            if path not in self.queue:  # not handed over again meanwhile
+            if path not in self.jobs.queue:  # not handed over again meanwhile
                 with contextlib.suppress(OSError):
                     path.unlink(missing_ok=True)
-        elif not ok and path not in self.queue:
+        elif not ok and path not in self.jobs.queue:
             self.failed.append(path)
-        self.cond.notify_all()

@@ -7,8 +7,10 @@ and returns a `Cluster`; it is stopped (SIGTERM, then SIGKILL) when the test end
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -167,3 +169,27 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+def start_up(args: list[str]) -> subprocess.Popen:
+    """`pdserve up ARGS` (heartbeats every 0.2 s), its output on a text pipe: see wait_up."""
+    cmd = [sys.executable, "-m", "pdserve.cli", "up", *args]
+    env = {**os.environ, "PDSERVE_HEARTBEAT_INTERVAL": "0.2"}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)  # fmt: skip
+
+
+def wait_up(proc: subprocess.Popen, lines: list[str] | None = None) -> str:
+    """Until `pdserve up` says it is up: that line (a failure if it exits first). Given
+    `lines`, every line before it and after it (read on a thread) goes there."""
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    while line and "is up" not in line:
+        if lines is not None:
+            lines.append(line)
+        line = proc.stdout.readline()
+    assert "is up" in line, (lines or [])[-20:]
+    if lines is not None:
+        out = proc.stdout
+        threading.Thread(target=lambda: lines.extend(out), daemon=True).start()
+    return line

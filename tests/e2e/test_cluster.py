@@ -16,7 +16,7 @@ import pytest
 
 from pdserve.common.sampling import SamplingParams
 from tests.conftest import make_engine
-from tests.e2e.conftest import wait_for
+from tests.e2e.conftest import wait_for, wait_up
 
 SIM = ("--sim-time-scale", "0.05")
 
@@ -160,14 +160,6 @@ def test_sigterm_drains_a_decode_node_without_losing_its_stream(make_cluster):
     assert decode.wait(30) == 0
 
 
-def _wait_up(proc: subprocess.Popen) -> None:
-    """Until `pdserve up` says it is up (it fails the test if it exits first)."""
-    line = proc.stdout.readline()
-    while line and "is up" not in line:
-        line = proc.stdout.readline()
-    assert "is up" in line
-
-
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_pdserve_up_stops_every_child(role, tmp_path):
     from pdserve.common.wire.transport import free_port
@@ -191,7 +183,7 @@ def test_pdserve_up_stops_every_child(role, tmp_path):
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_up(proc)
+        wait_up(proc)
         children = subprocess.run(
             ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
         ).stdout.split()
@@ -220,7 +212,7 @@ def test_a_second_ctrl_c_stops_pdserve_up_at_once():
            str(free_port()), "--sim-time-scale", "40", "--drain-timeout", "60"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_up(proc)
+        wait_up(proc)
         body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 4000, "ignore_eos": True,
                            "stream": True}).encode()  # fmt: skip
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,

@@ -10,8 +10,6 @@ import os
 import random
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -20,7 +18,7 @@ import zmq
 from pdserve.common.kv.tcp import ID_BYTES, frame_head
 from pdserve.common.wire.protocol import Heartbeat, Load, TokenBatch, encode
 from pdserve.common.wire.transport import free_port
-from tests.e2e.conftest import Cluster, wait_for
+from tests.e2e.conftest import Cluster, start_up, wait_for, wait_up
 from tests.e2e.streams import run_streams, sim_text
 
 
@@ -148,22 +146,15 @@ def _children(pid: int) -> dict[str, int]:
 def test_pdserve_up_restarts_a_killed_node_while_in_flight_requests_complete(tokenizer):
     """Then a hung one (SIGSTOP): its process runs, but no gateway lists it any more."""
     port = free_port()
-    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--engine", "sim", "--prefill", "2"]
-    cmd += ["--decode", "2", "--port", str(port), "--control-port", str(free_port())]
+    args = ["--engine", "sim", "--prefill", "2", "--decode", "2", "--port", str(port)]
     # 180 s, as start_cluster waits: five processes starting at once on two slow cores
-    cmd += ["--tokens-port", str(free_port()), "--startup-timeout", "180"]
-    cmd += ["--restart-hung-after", "5", "--drain-timeout", "2"]  # drains bound the limit
-    env = {**os.environ, "PDSERVE_HEARTBEAT_INTERVAL": "0.2"}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
+    args += ["--control-port", str(free_port()), "--tokens-port", str(free_port())]
+    args += ["--startup-timeout", "180"]
+    args += ["--restart-hung-after", "5", "--drain-timeout", "2"]  # drains bound the limit
+    proc = start_up(args)
     lines: list[str] = []
     try:
-        line = proc.stdout.readline()
-        while line and "is up" not in line:
-            line = proc.stdout.readline()
-        assert "is up" in line
-        threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+        wait_up(proc, lines)
         before = _children(proc.pid)
         assert set(before) == {"gateway", "prefill-0", "prefill-1", "decode-0", "decode-1"}
         bodies = _bodies(120, 150)

@@ -5,17 +5,13 @@ ZeroMQ binds at tcp://[::1] failed, so the cluster never came up."""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
-import subprocess
-import sys
-import threading
 
 import pytest
 
 from pdserve.common.wire.transport import free_port
-from tests.e2e.conftest import Cluster
+from tests.e2e.conftest import Cluster, start_up, wait_up
 from tests.e2e.streams import run_streams, sim_text
 
 
@@ -31,22 +27,14 @@ def test_a_cluster_on_ipv6_loopback_alone_serves_its_streams(tokenizer):
     if not socket.has_ipv6:
         pytest.skip("no IPv6 here")
     port, control, tokens = free_port(), free_port(), free_port()
-    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--engine", "sim", "--host", "::1"]
-    cmd += ["--prefill", "1", "--decode", "2", "--kv-backend", "tcp", "--port", str(port)]
-    cmd += ["--control-port", str(control), "--tokens-port", str(tokens)]
-    cmd += ["--startup-timeout", "180", "--sim-time-scale", "0.05"]
-    env = {**os.environ, "PDSERVE_HEARTBEAT_INTERVAL": "0.2"}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
+    args = ["--engine", "sim", "--host", "::1", "--prefill", "1", "--decode", "2"]
+    args += ["--kv-backend", "tcp", "--port", str(port), "--control-port", str(control)]
+    args += ["--tokens-port", str(tokens), "--startup-timeout", "180", "--sim-time-scale", "0.05"]
+    proc = start_up(args)
     lines: list[str] = []
     try:
-        line = proc.stdout.readline()
-        while line and "is up" not in line:
-            lines.append(line)
-            line = proc.stdout.readline()
+        line = wait_up(proc, lines)
         assert f"http://[::1]:{port}" in line, lines[-20:]
-        threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
         url = f"http://[::1]:{port}"
         bodies = _bodies(36)
         results = run_streams(url, bodies, 60)

@@ -112,8 +112,8 @@ def test_a_queued_read_dropped_wakes_the_sequence_waiting_on_it(tmp_path):
     woken: list[int] = []
     ahead = ReadAhead(lambda: woken.append(1))
     with ahead.cond:  # queued, its thread not started yet
-        ahead.queue[tmp_path / "a.kv"] = None
+        ahead.jobs.queue[tmp_path / "a.kv"] = None
     ahead.drop(tmp_path / "a.kv")
-    assert woken == [1] and not ahead.queue
+    assert woken == [1] and not ahead.jobs.queue
     ahead.drop(tmp_path / "b.kv")  # nothing of it: nobody waits
     assert woken == [1]

@@ -137,7 +137,7 @@ def test_spills_past_the_pending_cap_are_dropped_and_a_failing_writer_goes_on(tm
     size (hundreds of GB); and an exception out of one write (not an OSError) ended the
     writer thread, after which nothing was written again."""
     store = TierStore(host_bytes=0, disk_bytes=100_000, disk_dir=tmp_path)
-    store.writer.max_pending = 2500  # two blocks
+    store.writer.max_pending = 3500  # three blocks, the one being written among them
     gate, calls = threading.Event(), []
     real = Path.write_bytes
 
