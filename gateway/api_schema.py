@@ -75,7 +75,22 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
+    """null as left out, other fields ignored: as vLLM's (pydantic, extra="allow")."""
+
+    include_usage: bool | None = None
+    # vLLM's: the usage so far on every chunk (with include_usage, which it defaults to)
+    continuous_usage_stats: bool | None = None
+
+
+def usage_options(options: StreamOptions | None) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats). include_usage left out is OpenAI's false,
+    but true where continuous_usage_stats asks for usage: vLLM defaults it to true, and
+    sends usage on every chunk only with it (continuous_usage_stats alone works there)."""
+    if options is None:
+        return False, False
+    continuous = bool(options.continuous_usage_stats)
+    include = continuous if options.include_usage is None else options.include_usage
+    return include, include and continuous
 
 
 # `prompt`: checked by code (gateway/openai_api.py `_completion_prompt`), as msgspec cannot

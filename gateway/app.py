@@ -28,19 +28,13 @@ from pdserve.common.model.tokenizer import Tokenizer
 from pdserve.common.wire.address import bracket
 from pdserve.gateway.core import Gateway
 from pdserve.gateway.cors import Cors
-from pdserve.gateway.openai_api import (
-    ApiError,
-    chunk,
-    error_body,
-    final_response,
-    usage,
-    usage_chunk,
-)
+from pdserve.gateway.openai_api import ApiError, error_body, final_response, usage
 from pdserve.gateway.openapi import spec
 from pdserve.gateway.requests import Delta, Done, Failed, GatewayRequest
 from pdserve.gateway.service import RequestService
 from pdserve.gateway.sse import Connection
-from pdserve.gateway.stream_state import FINISH, USAGE, Position
+from pdserve.gateway.stream_chunks import DONE, StreamChunks
+from pdserve.gateway.stream_state import Position
 
 log = logging.getLogger(__name__)
 timeline_log = logging.getLogger("pdserve.timeline")
@@ -167,9 +161,9 @@ async def _generate(
     parsed = await service.parse(kind, body)
     # the wire id is always ours: clients may send one x-request-id on concurrent requests
     rid = secrets.token_hex(12)
-    echo_id = request.headers.get("x-request-id") or rid
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-    req = service.submit(parsed, rid)
+    req = service.submit(parsed, rid, client_request_id(request))
+    echo_id = req.echo_id
     req.resumable = parsed.stream and request.headers.get("pdserve-resumable", "").lower() in TRUTHY
     try:
         if parsed.stream:
@@ -178,6 +172,14 @@ async def _generate(
     finally:
         service.end(req)
         _log_timeline(req, echo_id)
+
+
+def client_request_id(request: web.Request) -> str:
+    """The client's x-request-id ("": none) as text: bytes that are no UTF-8 (aiohttp's
+    surrogate escapes, which no encoder takes) replaced, so that the id its answer, its log
+    and its stream's format on its nodes (a resume's answer) carry is the same."""
+    raw = request.headers.get("x-request-id", "").encode("utf-8", "surrogateescape")
+    return raw.decode("utf-8", "replace")
 
 
 def _log_timeline(req: GatewayRequest, echo_id: str) -> None:
@@ -231,7 +233,7 @@ async def resume_stream(request: web.Request) -> web.StreamResponse:
     include_usage = request.query.get("include_usage", "").lower() in TRUTHY
     req = await service.resume(public_id, have, include_usage)
     req.resumable = req.announced = True  # its client may lose this connection too
-    echo_id = request.headers.get("x-request-id") or public_id
+    echo_id = req.echo_id  # the request's own, as its first response answered and logged
     try:
         return await _stream(request, req, public_id, echo_id, ids=True, resumed=have)
     finally:
@@ -247,9 +249,10 @@ async def _stream(
     ids: bool = False,
     resumed: Position | None = None,
 ) -> web.StreamResponse:
-    """The SSE response. `ids`: each event carries `id:` = output tokens whose text the
-    client has with it (what it resumes from), and the events after the text their name
-    (gateway/stream_state.py); `resumed`: the last event its client has (sent none of)."""
+    """The SSE response (gateway/stream_chunks.py). `ids`: each event carries `id:` =
+    output tokens whose text the client has with it (what it resumes from), and the events
+    after the text their name (gateway/stream_state.py); `resumed`: the last event its
+    client has (sent none of)."""
     first = await req.events.get()
     if isinstance(first, Failed):  # nothing sent yet: a proper HTTP error
         headers = retry_after(first)
@@ -270,48 +273,15 @@ async def _stream(
     conn = Connection(request, resp, request.app[CONFIG].send_timeout)
     if req.resumable:  # its client may resume it elsewhere: this connection is then dead
         req.hangup = conn.hangup
-    had = resumed or Position(0)
-    covered = sent = had.tokens  # output tokens whose text, and ids (return_token_ids), went out
-
-    async def sse(obj: Any, after: str = "") -> None:
-        if req.include_usage and "choices" in obj:  # OpenAI: null but in the usage chunk
-            obj.setdefault("usage", None)
-        head = f"id: {Position(covered, after)}\n".encode() if ids else b""
-        await conn.write(head + b"data: " + orjson.dumps(obj) + b"\n\n")
+    chunks = StreamChunks(req, rid, ids, resumed)
+    for data in chunks.opening():
+        await conn.write(data)
         req.announced = True
-
-    if req.kind == "chat" and resumed is None:
-        await sse(chunk("chat", rid, req.model, req.created, "", role=True))
     async for event in _events(first, req):
-        match event:
-            case Delta(text=text, token_ids=tokens):
-                piece = chunk(req.kind, rid, req.model, req.created, text)
-                if req.return_token_ids:
-                    piece["choices"][0]["token_ids"] = tokens
-                    if sent == 0:
-                        piece["choices"][0]["prompt_token_ids"] = req.prompt_ids
-                    sent += len(tokens)
-                covered += len(tokens)
-                await sse(piece)
-            case Done(finish_reason=reason):
-                covered = len(req.output_ids)
-                if not had.has(FINISH):  # else its client has it, and all before it
-                    empty = None if req.kind == "chat" else ""
-                    last = chunk(req.kind, rid, req.model, req.created, empty, reason)
-                    # the server's own timings (ms: ttft, prefill, KV transfer, ...), as
-                    # llama.cpp's server reports them: a client tells its delays from ours
-                    last["timings"] = req.phases()
-                    if req.return_token_ids:  # tokens whose text never showed (a stop string)
-                        last["choices"][0]["token_ids"] = req.output_ids[sent:]
-                        if sent == 0:
-                            last["choices"][0]["prompt_token_ids"] = req.prompt_ids
-                    await sse(last, FINISH)
-                if req.include_usage and not had.has(USAGE):
-                    use = usage(len(req.prompt_ids), len(req.output_ids))
-                    await sse(usage_chunk(req.kind, rid, req.model, req.created, use), USAGE)
-            case Failed(status=status, message=message, code=code):
-                await sse(error_body(status, message, code=code))
-    await conn.write(b"data: [DONE]\n\n")
+        for data in chunks.of(event):
+            await conn.write(data)
+            req.announced = True
+    await conn.write(DONE)
     req.hangup = None
     await conn.end()
     return resp

@@ -227,6 +227,13 @@ class ClusterView:
         lens = [n.info.max_model_len for n in self.nodes.values()]
         return min(lens) if lens else 0
 
+    def vocab_size(self, tokenizer_vocab: int) -> int:
+        """Token ids below this every node takes: the smallest model vocabulary its nodes
+        said (a node refuses ids past its own, which may be smaller than the tokenizer's, or
+        padded past it); the tokenizer's, `tokenizer_vocab`, while none said (older nodes)."""
+        said = [n.info.vocab_size for n in self.nodes.values() if n.info.vocab_size > 0]
+        return min(said) if said else tokenizer_vocab
+
     def health(self) -> str | None:
         """None when serving is possible, else why not."""
         if self.alive("colocated"):

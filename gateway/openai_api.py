@@ -19,6 +19,7 @@ from pdserve.gateway.api_schema import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    usage_options,
 )
 
 ERROR_TYPES = {
@@ -61,6 +62,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool = False
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
 
 
 def _param(exc: msgspec.ValidationError) -> str | None:
@@ -120,7 +122,10 @@ def parse_request(
     tokenizer: Tokenizer,
     served_model: str,
     max_model_len: int,
+    vocab_size: int | None = None,
 ) -> ParsedRequest:
+    """The request, checked as its nodes would take it: token ids below `vocab_size`, the
+    model's (None: the tokenizer's), a prompt and its output within `max_model_len`."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     body = _whole_numbers(body)
@@ -145,9 +150,10 @@ def parse_request(
         raise ApiError(400, "the prompt is empty", "prompt" if kind == "completion" else "messages")
     # min/max run in C: a generator over a long prompt would hold the GIL the event loop
     # thread needs for as long (this runs on a parser thread)
-    vocab = tokenizer.vocab_size
+    vocab = tokenizer.vocab_size if vocab_size is None else vocab_size
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-        raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+        raise ApiError(400, f"prompt token ids must be in [0, {vocab}), the model's vocabulary",
+                       "prompt" if kind == "completion" else "messages")  # fmt: skip
     if len(prompt_ids) >= max_model_len:  # no room for one token, whatever max_tokens says
         raise ApiError(400, f"this model's maximum context length is {max_model_len} tokens; "
                        f"the prompt has {len(prompt_ids)}: shorten it",
@@ -176,10 +182,9 @@ def parse_request(
     if req.stream_options is not None and not stream:  # as OpenAI's API and vLLM answer
         raise ApiError(400, "'stream_options' is only allowed with 'stream': true",
                        "stream_options")  # fmt: skip
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return ParsedRequest(
-        kind, model, prompt_ids, params, stream, include_usage, bool(req.return_token_ids)
-    )
+    include_usage, continuous = usage_options(req.stream_options)
+    return ParsedRequest(kind, model, prompt_ids, params, stream, include_usage,
+                         bool(req.return_token_ids), continuous)  # fmt: skip
 
 
 # integer fields a client may send as a whole float (1000.0), as vLLM's parser takes them;
@@ -289,7 +294,8 @@ def _sampling(req: Any, max_tokens: int, vocab: int) -> SamplingParams:
     if "stop_token_ids" in fields:
         fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
         if any(t >= vocab for t in fields["stop_token_ids"]):
-            raise ApiError(400, f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+            raise ApiError(400, f"stop_token_ids must be in [0, {vocab}), the model's "
+                           "vocabulary", "stop_token_ids")  # fmt: skip
     try:
         params = SamplingParams(**fields, max_tokens=max_tokens)
     except InvalidSampling as exc:  # what one field's type cannot say (stop's total length)

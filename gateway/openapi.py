@@ -4,7 +4,7 @@ generated from the structs the gateway decodes requests into and builds response
 
 Besides the schema, code checks what a schema cannot say; the spec lists those rules in each
 operation's description: the model must be the one served, the prompt non-empty with token
-ids below the vocabulary size, and prompt + max_tokens within the context length (400
+ids below the model's vocabulary size, and prompt + max_tokens within the context length (400
 `context_length_exceeded`).
 """
 
@@ -19,12 +19,14 @@ from pdserve.gateway import api_schema as s
 REF = "#/components/schemas/{name}"
 CHECKS = (
     "Checked beyond the schema: `model`, when given, must be the served model (else 404 "
-    "`model_not_found`); the prompt must not be empty and its token ids must be below the "
-    "vocabulary size (400); prompt tokens + `max_tokens` must fit the context length (400 "
-    "`context_length_exceeded`); `stream_options` only with `stream: true` (400). Unknown "
-    "fields are ignored. With `stream: true` the 200 response is `text/event-stream`: "
-    "`data: {json}` events (chunks, then a usage chunk if asked, or an error object if the "
-    "request fails midway) and `data: [DONE]`."
+    "`model_not_found`); the prompt must not be empty and its token ids (and "
+    "`stop_token_ids`) must be below the model's vocabulary size (400); prompt tokens + "
+    "`max_tokens` must fit the context length (400 `context_length_exceeded`); "
+    "`stream_options` only with `stream: true` (400). Unknown fields are ignored. With "
+    "`stream: true` the 200 response is `text/event-stream`: `data: {json}` events (chunks, "
+    "then a usage chunk if asked, or an error object if the request fails midway; with "
+    "vLLM's `stream_options.continuous_usage_stats` every chunk carries the usage so far) "
+    "and `data: [DONE]`."
 )
 
 
@@ -101,8 +103,9 @@ RESUME = (
     "`N.finish`, `N.usage` for the finish and usage chunks) after its connection or its "
     "gateway was lost: any gateway of the cluster adopts it from the node holding it and "
     'streams on after `Last-Event-ID` (docs/architecture.md, "Several gateways"). The '
-    "events are those of the original stream after that one, each with its `id:`, written "
-    "with the request's own `return_token_ids` and `stream_options`."
+    "events are those of the original stream after that one, each with its `id:` (an "
+    "error event has none), written with the request's own `return_token_ids` and "
+    "`stream_options`, under the original request's `x-request-id`."
 )
 
 

@@ -65,6 +65,9 @@ class GatewayRequest:
     include_usage: bool
     tokenizer: Tokenizer
     return_token_ids: bool = False  # vLLM's: token ids beside the text
+    # vLLM's stream_options.continuous_usage_stats (with include_usage): usage on every chunk
+    continuous_usage: bool = False
+    x_request_id: str = ""  # the client's x-request-id header, "" none
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
@@ -97,6 +100,11 @@ class GatewayRequest:
     @property
     def wire_id(self) -> str:
         return f"{self.request_id}.{self.attempt}"
+
+    @property
+    def echo_id(self) -> str:
+        """Its `x-request-id` answer and log name: the client's, else the stream's own id."""
+        return self.x_request_id or self.request_id
 
     def mark(self, event: str) -> None:
         self.timeline[event] = round((time.monotonic() - self.arrival) * 1000, 3)
@@ -162,7 +170,9 @@ class GatewayRequest:
     def stream_format(self) -> bytes:
         """Its output options, kept with it on its nodes for a gateway that adopts it."""
         return StreamFormat(created=self.created, include_usage=self.include_usage,
-                            return_token_ids=self.return_token_ids).encode()  # fmt: skip
+                            return_token_ids=self.return_token_ids,
+                            continuous_usage=self.continuous_usage,
+                            x_request_id=self.x_request_id).encode()  # fmt: skip
 
     def replay(self, outputs: list[int], have: int, base: int, finish: str | None,
                after: str = "") -> None:  # fmt: skip

@@ -335,7 +335,8 @@ class Resumes:
             return "its wire id has no attempt number"
         if not msg.prompt_ids:
             return "an empty prompt"
-        if (problem := token_ids_problem(msg.prompt_ids, self.tokenizer.vocab_size)) is not None:
+        vocab = self.cluster.vocab_size(self.tokenizer.vocab_size)  # what a node takes
+        if (problem := token_ids_problem(msg.prompt_ids, vocab)) is not None:
             return f"prompt: {problem}"
         if msg.output_ids and not 0 <= min(msg.output_ids) <= max(msg.output_ids) < TOKEN_ID_LIMIT:
             return "an output token id outside 0..2**32-1"
@@ -347,8 +348,9 @@ class Resumes:
 
     def _rebuild(self, kind: Literal["chat", "completion"], node_id: str, msg: Adopted,
                  have: Position, include_usage: bool) -> GatewayRequest:  # fmt: skip
-        """The request as its first gateway had it: its output options are its own (the
-        resume's `include_usage` can only add the usage chunk)."""
+        """The request as its first gateway had it: its output options and its client's
+        x-request-id are its own (the resume's `include_usage` can only add the usage
+        chunk)."""
         fmt = StreamFormat.decode(msg.stream_format)
         assert msg.params is not None and fmt is not None  # checked at its answer (`_malformed`)
         params = msgspec.structs.replace(msg.params, max_tokens=msg.base + msg.params.max_tokens)
@@ -356,7 +358,8 @@ class Resumes:
             request_id=msg.request_id.rsplit(".", 1)[0], kind=kind, model=self.model_id(),
             prompt_ids=list(msg.prompt_ids), params=params, stream=True,
             include_usage=include_usage or fmt.include_usage, tokenizer=self.tokenizer,
-            return_token_ids=fmt.return_token_ids,
+            return_token_ids=fmt.return_token_ids, continuous_usage=fmt.continuous_usage,
+            x_request_id=fmt.x_request_id,
         )  # fmt: skip
         req.created = fmt.created or req.created  # 0: kept by a node of an older version
         req.attempt = _attempt(msg.request_id)

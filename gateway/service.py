@@ -80,12 +80,14 @@ class RequestService:
         # keep answering nodes (an offer unanswered for --offer-timeout is lost)
         return await asyncio.get_running_loop().run_in_executor(
             self.parser, parse_request, kind, body, self.tokenizer, self.model_id,
-            self.cluster.max_model_len,
+            self.cluster.max_model_len, self.cluster.vocab_size(self.tokenizer.vocab_size),
         )  # fmt: skip
 
-    def submit(self, parsed: ParsedRequest, request_id: str) -> GatewayRequest:
-        """Start placing a parsed request; its events (Delta, then Done or Failed) arrive in
-        the returned request's `events`. `end` it when the HTTP exchange is over."""
+    def submit(self, parsed: ParsedRequest, request_id: str, x_request_id: str = ""
+               ) -> GatewayRequest:  # fmt: skip
+        """Start placing a parsed request (`x_request_id`: its client's, kept for a resume);
+        its events (Delta, then Done or Failed) arrive in the returned request's `events`.
+        `end` it when the HTTP exchange is over."""
         req = GatewayRequest(
             request_id=request_id,
             kind=parsed.kind,
@@ -96,6 +98,8 @@ class RequestService:
             include_usage=parsed.include_usage,
             tokenizer=self.tokenizer,
             return_token_ids=parsed.return_token_ids,
+            continuous_usage=parsed.continuous_usage,
+            x_request_id=x_request_id,
         )
         self.placing[id(req)] = asyncio.create_task(self._run_or_fail(req))
         return req

@@ -46,14 +46,18 @@ class Position:
 
 
 class StreamFormat(msgspec.Struct, frozen=True, kw_only=True):
-    """The request's own output options, and its chunks' `created`: a gateway that adopts
-    the stream writes its chunks with these (a resume's `?include_usage=true` can only add
-    the usage chunk). Nodes keep them as bytes they do not read (`PrefillOffer.stream_format`):
-    a new option needs no new node version."""
+    """The request's own output options, its chunks' `created` and its client's
+    `x-request-id`: a gateway that adopts the stream writes its chunks with these (a
+    resume's `?include_usage=true` can only add the usage chunk) and answers with that id.
+    Nodes keep them as bytes they do not read (`PrefillOffer.stream_format`): a new option
+    needs no new node version. A field missing from an older gateway's bytes takes its
+    default; an older gateway skips the fields it does not know."""
 
     created: int = 0
     include_usage: bool = False  # stream_options.include_usage
     return_token_ids: bool = False  # vLLM's
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
+    x_request_id: str = ""  # the client's header ("": none, the stream's own id answered)
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)

@@ -163,6 +163,7 @@ class NodeRuntime:
             kv_endpoints=self.kv.endpoints if self.kv is not None else {},
             features=NODE_FEATURES,
             code_path=getattr(eng, "code_path", ""),  # kernels, CPU level: must match too
+            vocab_size=eng.model_config.vocab_size,  # what `engine_limits` takes
         )
 
     def load(self) -> Load:

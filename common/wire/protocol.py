@@ -6,7 +6,7 @@ gets a `msgspec.ValidationError`, never a surprise object. KV bytes never travel
 they go as raw frames beside it, where the KV connector puts them (`KvLayer` says where, common/kv).
 
 Channels:
-    node -> gateway     (DEALER -> ROUTER)  NodeToGateway
+    node -> gateway     (DEALER -> ROUTER)  NodeToGateway  (Register's NodeInfo: node_info.py)
     gateway -> node     (ROUTER -> DEALER)  GatewayToNode
     prefill -> decode   (DEALER -> ROUTER)  PrefillToDecode  (+ raw KV frames: kv_messages.py)
     decode -> prefill   (ROUTER -> DEALER)  DecodeToPrefill  (kv_messages.py)
@@ -23,8 +23,11 @@ import msgspec
 
 from pdserve.common.node_id import WireNodeId
 from pdserve.common.sampling import SamplingParams
-
-Role = Literal["prefill", "decode", "colocated"]
+from pdserve.common.wire.node_info import (  # noqa: F401 (re-exported: what Register says)
+    NODE_FEATURES,
+    RELEASE_TOKENS,
+    NodeInfo,
+)
 
 
 class Msg(msgspec.Struct, tag=True, kw_only=True):
@@ -32,33 +35,6 @@ class Msg(msgspec.Struct, tag=True, kw_only=True):
 
 
 # -- node -> gateway ----------------------------------------------------------------------
-class NodeInfo(msgspec.Struct, kw_only=True, frozen=True):
-    node_id: WireNodeId
-    role: Role
-    data_address: str  # where peers reach this node's data socket ("" if none)
-    host_id: str  # same value = same host / IPC namespace (for the shared-memory path)
-    model_id: str
-    dtype: str
-    tokenizer_fingerprint: str
-    kv_layout: str  # ModelConfig.layout_fingerprint()
-    block_size: int
-    num_blocks: int
-    max_batch: int
-    max_batch_tokens: int
-    max_model_len: int
-    # decode: where each KV backend it offers reaches it (common/kv): "zmq" its data
-    # socket, "tcp" HOST:PORT of its stream listener, "shm" its host identity, "ucx" HOST:PORT
-    kv_endpoints: dict[str, str] = msgspec.field(default_factory=dict)
-    # what it understands beyond the base protocol (NODE_FEATURES): asked only what it reads
-    features: tuple[str, ...] = ()
-    code_path: str = ""  # what computes `dtype`'s numbers (common/numerics.py); "": unsaid
-
-
-# `Release.tokens`: the node ends a stream at that many output tokens and keeps them
-RELEASE_TOKENS = "release-tokens"
-NODE_FEATURES = (RELEASE_TOKENS,)
-
-
 class Foreign(msgspec.Struct, kw_only=True, frozen=True):
     """What a node holds for the other gateways it serves (several gateways, one cluster):
     each gateway derives a node's in-flight work from its own request table and adds this."""

@@ -169,7 +169,10 @@ BAD_BODIES = [
     pytest.param(CHAT, _chat(stop=["a", 1]), 400, "stop", id="stop-list-mixed"),
     pytest.param(CHAT, _chat(stop=[f"s{i}" for i in range(65)]), 400, "stop", id="stops-65"),
     pytest.param(CHAT, _chat(stop_token_ids=[-1]), 400, "stop_token_ids", id="stop-id-negative"),
-    pytest.param(CHAT, _chat(stop_token_ids=[49152]), 400, "stop_token_ids", id="stop-id-vocab"),
+    # the sim model's vocabulary (Llama 3.1's, 128256), which its nodes said; not the
+    # tokenizer's (SmolLM2's 49152): the model's bounds the ids it takes
+    pytest.param(CHAT, _chat(stop_token_ids=[128256]), 400, "stop_token_ids", id="stop-id-vocab"),
+    pytest.param(COMPLETIONS, {"prompt": [5, 128256]}, 400, "prompt", id="prompt-id-vocab"),
     pytest.param(
         CHAT, _chat(stop_token_ids=list(range(65))), 400, "stop_token_ids", id="stop-ids-65"
     ),

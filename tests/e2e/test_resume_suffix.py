@@ -24,7 +24,8 @@ from tests.e2e.streams import sim_text, stopped_half_way
 
 Event = tuple[str | None, dict[str, Any] | None]  # (id, chunk); [DONE] is (None, None)
 PROMPT = list(range(1000, 1040))
-OPTIONS = {"stream_options": {"include_usage": True}, "return_token_ids": True}
+OPTIONS = {"stream_options": {"include_usage": True, "continuous_usage_stats": True},
+           "return_token_ids": True}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=[{"prefill": 1, "decode": 1}, {"colocated": 1}],
@@ -80,7 +81,8 @@ def _text_chunk(chunk: dict[str, Any] | None) -> bool:
 
 
 def _join(into: dict[str, Any], chunk: dict[str, Any]) -> None:
-    """`chunk`'s text and token ids appended to `into`'s; every other field the same."""
+    """`chunk`'s text and token ids appended to `into`'s, its usage so far (continuous
+    usage) taking `into`'s place; every other field the same."""
     a, b = into["choices"][0], chunk["choices"][0]
     assert "prompt_token_ids" not in b, "the prompt's token ids came again"
 
@@ -90,9 +92,12 @@ def _join(into: dict[str, Any], chunk: dict[str, Any]) -> None:
         for key in ("text", "token_ids", "prompt_token_ids"):
             choice.pop(key, None)
         choice.get("delta", {}).pop("content", None)
+        out.pop("usage", None)
         return out
 
     assert rest(into) == rest(chunk)
+    if "usage" in chunk:
+        into["usage"] = chunk["usage"]
     if "delta" in a:
         a["delta"]["content"] += b["delta"]["content"]
     else:
@@ -163,10 +168,10 @@ def test_a_resume_from_any_event_brings_exactly_the_events_after_it(cluster, tok
 
 
 def test_a_resumed_stream_keeps_its_requests_output_options(cluster, tokenizer):
-    """`return_token_ids` and `stream_options.include_usage` were the request's only (the
-    resume says neither): the resumed chunks carry the token ids from where the client's
-    left off (the prompt's once, in the stream's first), `usage`, and the stream's
-    `created`, as the uninterrupted stream's do."""
+    """`return_token_ids` and `stream_options` (`include_usage`, `continuous_usage_stats`)
+    were the request's only (the resume says none): the resumed chunks carry the token ids
+    from where the client's left off (the prompt's once, in the stream's first), `usage`
+    (each chunk's so far), and the stream's `created`, as the uninterrupted stream's do."""
     for name, body in _bodies(tokenizer).items():
         resumes, _ = asyncio.run(_check_every_resume(cluster, {**body, **OPTIONS}, "", False))
         assert resumes >= 2, name
