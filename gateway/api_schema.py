@@ -75,7 +75,8 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 
 
 class StreamOptions(msgspec.Struct):
-    """null as left out, other fields ignored: as vLLM's (pydantic, extra="allow")."""
+    """Other fields ignored, as vLLM's (pydantic, extra="allow"); null as left out.
+    `{}` has no usage chunk, as OpenAI's (vLLM's include_usage defaults to true)."""
 
     include_usage: bool | None = None
     # vLLM's: the usage so far on every chunk (with include_usage, which it defaults to)

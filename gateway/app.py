@@ -174,12 +174,16 @@ async def _generate(
         _log_timeline(req, echo_id)
 
 
+REQUEST_ID_CHARS = 256
+
+
 def client_request_id(request: web.Request) -> str:
     """The client's x-request-id ("": none) as text: bytes that are no UTF-8 (aiohttp's
     surrogate escapes, which no encoder takes) replaced, so that the id its answer, its log
     and its stream's format on its nodes (a resume's answer) carry is the same."""
     raw = request.headers.get("x-request-id", "").encode("utf-8", "surrogateescape")
-    return raw.decode("utf-8", "replace")
+    # capped: it rides in every offer and KV header, and nodes keep it with their sequences
+    return raw.decode("utf-8", "replace")[:REQUEST_ID_CHARS]
 
 
 def _log_timeline(req: GatewayRequest, echo_id: str) -> None:

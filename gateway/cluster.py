@@ -15,6 +15,10 @@ from pdserve.common.wire.protocol import DecodeTarget, Foreign, Load, NodeInfo, 
 
 EMPTY_LOAD = Load(running=0, waiting=0, blocks_free=0, blocks_cached=0, blocks_in_use=0)
 
+# token ids the detokenizer takes (u32: past it, it raised for good); not the tokenizer's
+# vocabulary: a model may pad its own past it, and sample an id there
+TOKEN_ID_LIMIT = 1 << 32
+
 
 @dataclass
 class NodeState:
@@ -232,7 +236,8 @@ class ClusterView:
         said (a node refuses ids past its own, which may be smaller than the tokenizer's, or
         padded past it); the tokenizer's, `tokenizer_vocab`, while none said (older nodes)."""
         said = [n.info.vocab_size for n in self.nodes.values() if n.info.vocab_size > 0]
-        return min(said) if said else tokenizer_vocab
+        # a node's word bounded by what the gateway's prefix hashes take (a signed 64-bit id)
+        return min(min(said), TOKEN_ID_LIMIT) if said else tokenizer_vocab
 
     def health(self) -> str | None:
         """None when serving is possible, else why not."""

@@ -12,12 +12,10 @@ from typing import Any
 from pdserve.common.logs import Every, cut
 from pdserve.common.wire.protocol import NODE_DECODER, TOKENS_DECODER, TokenBatch
 from pdserve.common.wire.transport import decode_or_none
+from pdserve.gateway.cluster import TOKEN_ID_LIMIT
 from pdserve.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
-# token ids the detokenizer takes (u32: past it, it raised for good); not the tokenizer's
-# vocabulary: a model may pad its own past it, and sample an id there
-TOKEN_ID_LIMIT = 1 << 32
 Entry = tuple[str, int, int, str | None]  # request id, token id, its index, finish reason
 SAY_EVERY_S = 10.0
 

@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.wire.protocol import Adopted
-from pdserve.gateway.cluster import ClusterView
+from pdserve.gateway.cluster import TOKEN_ID_LIMIT, ClusterView
 from pdserve.gateway.openai_api import ApiError
 from pdserve.gateway.stream_state import Position
 from tests.unit.test_resume_rounds import ID, _Link, _resumes, _until
@@ -32,6 +32,11 @@ def test_the_smallest_vocabulary_a_node_said_bounds_the_ids_else_the_tokenizers(
     assert cluster.vocab_size(TOKENIZER) == 40_000
     cluster.remove("small")
     assert cluster.vocab_size(TOKENIZER) == 128_256
+    # a node's word is bounded by the ids the gateway's prefix hashes and detokenizer take
+    cluster.remove("padded")
+    huge = msgspec.structs.replace(_info("huge"), vocab_size=1 << 63)
+    assert cluster.register(huge, b"huge", 0.0, "t") is None
+    assert cluster.vocab_size(TOKENIZER) == TOKEN_ID_LIMIT
 
 
 @pytest.mark.parametrize(
