@@ -28,8 +28,9 @@ import logging
 import time
 from typing import Any
 
-from pdserve.common.engine.scheduler import Mode, SchedulerConfig, SchedulerOutput, step_work
+from pdserve.common.engine.scheduler import Mode, SchedulerConfig, SchedulerOutput
 from pdserve.common.engine.sequence import SeqStatus, Sequence, check_stop
+from pdserve.common.engine.step_work import step_work
 from pdserve.common.kv.base import Intake, Transfer
 from pdserve.common.node.defaults import RoleDefaults
 from pdserve.common.node.handoff import KvHandoff

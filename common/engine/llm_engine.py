@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.interface import Engine
-from pdserve.common.engine.scheduler import Scheduler, SchedulerConfig, step_work
+from pdserve.common.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.common.engine.sequence import Sequence, check_stop
+from pdserve.common.engine.step_work import step_work
 from pdserve.common.model.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from pdserve.common.sampling import SamplingParams
 

@@ -59,9 +59,14 @@ class PrefixCaching:
                 loads.append(digest)
         return hits, loads
 
-    def _tiers_ready(self, loads: list[bytes]) -> bool:
+    def _tiers_ready(self, seq: Sequence, loads: list[bytes]) -> bool:
         """Whether loading `loads` now reads no disk here (common/engine/tier_reader.py)."""
-        return self.tiers is None or self.tiers.ready(loads)
+        return self.tiers is None or self.tiers.ready(loads, seq.seq_id)
+
+    def _release_reads(self, seq: Sequence) -> None:
+        """The sequence waits no more (admitted, or ended): its disk reads ahead let go."""
+        if self.tiers is not None:
+            self.tiers.release(seq.seq_id)
 
     def _load(self, blocks: list[int], hashes: list[bytes]) -> int:
         """Fill the first blocks with the tiers' copies of `hashes`; how many it loaded (a

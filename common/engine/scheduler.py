@@ -42,7 +42,6 @@ from typing import Literal
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.block_manager import BlockManager, hash_salt
-from pdserve.common.engine.interface import DecodeWork, PrefillWork
 from pdserve.common.engine.pass_order import count_overtakes, shortest_first
 from pdserve.common.engine.prefix_caching import PrefixCaching
 from pdserve.common.engine.sequence import SeqStatus, Sequence
@@ -224,6 +223,7 @@ class Scheduler(PrefixCaching):
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self._release_reads(seq)  # its blocks read ahead are let go now, not kept
         self.parked.pop(seq.seq_id, None)
         self._release(seq)
 
@@ -271,7 +271,7 @@ class Scheduler(PrefixCaching):
         for seq in candidates:
             waiting = seq.status is SeqStatus.WAITING
             hits, loads = self._cached_prefix(seq) if waiting else ([], [])
-            if loads and not self._tiers_ready(loads):
+            if loads and not self._tiers_ready(seq, loads):
                 continue  # its disk blocks are read off the loop first; the others go on
             cached = (len(hits) + len(loads)) * self.cfg.block_size
             remaining = seq.num_tokens - seq.num_computed_tokens - cached
@@ -338,6 +338,7 @@ class Scheduler(PrefixCaching):
         bm.take(hits)
         fresh = bm.allocate(need)
         loaded = self._load(fresh, loads)
+        self._release_reads(seq)  # loaded, or not needed: read ahead for it no more
         seq.block_table = [*hits, *fresh]
         cached = len(hits) + loaded
         seq.num_computed_tokens = seq.num_cached_tokens = cached * self.cfg.block_size
@@ -375,26 +376,3 @@ class Scheduler(PrefixCaching):
             self.block_manager.free(seq.block_table)
             seq.block_table = []
             seq.num_registered_blocks = 0
-
-
-def step_work(out: SchedulerOutput) -> tuple[list[PrefillWork], list[DecodeWork]]:
-    """What the engine computes for a scheduled step: each prefill chunk (sampling only at a
-    prompt's last chunk) and each decode token."""
-    prefills = []
-    for seq, n in out.prefills:
-        start = seq.num_computed_tokens
-        last = start + n == seq.num_tokens
-        prefills.append(
-            PrefillWork(
-                seq.seq_id,
-                seq.token_ids[start : start + n],
-                start,
-                seq.block_table,
-                seq.params if last else None,
-            )
-        )
-    decodes = [
-        DecodeWork(s.seq_id, s.token_ids[-1], s.num_tokens - 1, list(s.block_table), s.params)
-        for s in out.decodes
-    ]
-    return prefills, decodes

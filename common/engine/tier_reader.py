@@ -7,21 +7,25 @@ continuing on disk held every stream's tokens for tenths of a second. With read-
 (a node sets `on_ready`), the scheduler asks for a sequence's disk blocks and leaves it
 waiting while others run; the thread reads and checks them, says so, and the sequence is
 scheduled with its blocks in memory.
+
+Reads are asked for by an owner (a waiting sequence's id) and kept for their owners: one
+block asked for by many (a burst sharing a prefix) is read once and serves them all, the
+step loop is woken as each owner's last read ends (a short prefix does not wait behind a
+long one), and what an owner asked for is let go when it no longer waits (`release`: it
+was admitted, or it ended), so the bytes held are what waiting sequences need.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from pdserve.common.engine.path_queue import PathQueue
 from pdserve.common.engine.tier_writer import read_block
 
-# bytes read ahead and not taken yet at most: past it a sequence loads the rest as before
+# bytes read ahead for waiting sequences at most: past it a sequence loads the rest as before
 MAX_READY = 256 * 2**20
-KEEP_S = 30.0  # a block read and not taken this long (its sequence aborted) is let go
 
 
 class ReadAhead:
@@ -32,72 +36,110 @@ class ReadAhead:
         self.cond = self.jobs.cond
         # read: the bytes (None: missing or corrupt) and the seconds the read took
         self.ready: dict[Path, tuple[bytes | None, float]] = {}
-        self.ready_at: OrderedDict[Path, float] = OrderedDict()  # when each was read
         self.ready_bytes = 0
+        self.owners: dict[Path, set[str]] = {}  # who asked for each block queued, read or ready
+        self.asked: dict[str, set[Path]] = {}  # each owner's blocks (the same claims)
+        self.unread: dict[str, int] = {}  # each owner's blocks not ready yet
         self.dropped: set[Path] = set()  # dropped while being read: not kept
 
-    def want(self, path: Path) -> bool:
-        """True once `path` is read (its result waits in `ready`); False while it is being
-        read, or queued now. Past `max_ready` True at once: the caller reads it itself."""
+    def want(self, path: Path, owner: str) -> bool:
+        """True once `path` is read (its result waits in `ready`, kept for `owner`); False
+        while it is being read, or queued now. Past `max_ready` True at once: the caller
+        reads it itself."""
         with self.cond:
-            if path in self.ready or self.jobs.closing:
+            if self.jobs.closing:
                 return True
-            if path in self.jobs.queue or path == self.jobs.current:
-                return False
-            self._let_go(time.monotonic())
-            if self.ready_bytes >= self.max_ready:
+            if path in self.ready:
+                self._claim(path, owner, unread=False)
                 return True
-            self.jobs.put(path, None)
+            if path not in self.jobs.queue and path != self.jobs.current:
+                if self.ready_bytes >= self.max_ready:
+                    return True
+                self.jobs.put(path, None)
+            self._claim(path, owner, unread=True)
             return False
 
     def take(self, path: Path) -> tuple[bool, bytes | None, float]:
-        """(found, bytes or None if unreadable, seconds the read took); forgotten after."""
+        """(found, bytes or None if unreadable, seconds the read took). Kept while an owner
+        asks for it (others sharing the block load it too): `release` lets it go."""
         with self.cond:
-            got = self._pop(path)
+            got = self.ready.get(path)
             return (False, None, 0.0) if got is None else (True, *got)
+
+    def release(self, owner: str) -> None:
+        """`owner` waits no more (admitted, or ended): what it alone asked for is let go,
+        read or not (a read under way is not kept when it ends)."""
+        with self.cond:
+            self.unread.pop(owner, None)
+            for path in self.asked.pop(owner, ()):
+                owners = self.owners[path]
+                owners.discard(owner)
+                if not owners:
+                    del self.owners[path]
+                    self.jobs.queue.pop(path, None)
+                    self._pop(path)
 
     def drop(self, path: Path) -> None:
         """The block left the tier: neither read nor kept for it. A sequence waiting on it
-        is woken (it computes that block instead)."""
+        alone is woken (it computes that block instead)."""
         with self.cond:
-            queued = path in self.jobs.queue
+            unread = path not in self.ready
             self.jobs.queue.pop(path, None)
             self._pop(path)
             if path == self.jobs.current:
                 self.dropped.add(path)
-            wake = queued and not self.jobs.queue and self.jobs.current is None
+            owners = self.owners.pop(path, set())
+            for owner in owners:
+                self.asked[owner].discard(path)
+            wake = unread and self._count_down(owners)
         if wake:  # its read would have woken the step loop; none comes now
             self.on_ready()
-
-    def _pop(self, path: Path) -> tuple[bytes | None, float] | None:
-        got = self.ready.pop(path, None)
-        if got is not None:
-            del self.ready_at[path]
-            self.ready_bytes -= len(got[0] or b"")
-        return got
-
-    def _let_go(self, now: float) -> None:
-        while self.ready_at and now - next(iter(self.ready_at.values())) > KEEP_S:
-            self._pop(next(iter(self.ready_at)))
 
     def close(self) -> None:
         self.jobs.close()
         with self.cond:
             self.ready.clear()
-            self.ready_at.clear()
             self.ready_bytes = 0
+            self.owners.clear()
+            self.asked.clear()
+            self.unread.clear()
+
+    def _claim(self, path: Path, owner: str, unread: bool) -> None:
+        owners = self.owners.setdefault(path, set())
+        if owner not in owners:
+            owners.add(owner)
+            self.asked.setdefault(owner, set()).add(path)
+            self.unread[owner] = self.unread.get(owner, 0) + int(unread)
+
+    def _count_down(self, owners: Iterable[str]) -> bool:
+        """One more block of each owner is ready (or gone): True if one has all of its."""
+        done = False
+        for owner in owners:
+            self.unread[owner] -= 1
+            done = done or self.unread[owner] == 0
+        return done
+
+    def _pop(self, path: Path) -> None:
+        got = self.ready.pop(path, None)
+        if got is not None:
+            self.ready_bytes -= len(got[0] or b"")
 
     def _done(
         self, path: Path, _: None, got: tuple[bytes | None, float] | None
     ) -> Callable[[], object] | None:
-        """Under the lock: the read of `path` ended; the wake-up once a run of reads is."""
-        if path in self.dropped:
+        """Under the lock: the read of `path` ended; the wake-up once an owner's reads are
+        all in (one call however many owners: a burst sharing a prefix wakes once)."""
+        owners = self.owners.get(path)
+        if self.jobs.closing or not owners:  # nobody waits for it now
             self.dropped.discard(path)
-        elif not self.jobs.closing:
-            self.ready[path] = got or (None, 0.0)  # None: the read raised
-            self.ready_at[path] = time.monotonic()
-            self.ready_bytes += len(self.ready[path][0] or b"")
-        return self.on_ready if not self.jobs.queue else None  # one for a run of blocks
+            return None
+        if path in self.dropped:  # the block left the tier, then was asked for again
+            self.dropped.discard(path)
+            self.jobs.put(path, None)  # what was read may be the old file's: read anew
+            return None
+        self.ready[path] = got or (None, 0.0)  # None: the read raised
+        self.ready_bytes += len(self.ready[path][0] or b"")
+        return self.on_ready if self._count_down(owners) else None
 
 
 def _timed_read(path: Path, _: None) -> tuple[bytes | None, float]:

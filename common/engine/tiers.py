@@ -114,22 +114,30 @@ class TierStore:
     # -- out ---------------------------------------------------------------------------------
     def read_ahead(self, on_ready: Callable[[], object]) -> None:
         """Read disk blocks on a thread ahead of their load (`ready`), calling `on_ready`
-        (thread-safe) when a run of reads is done."""
+        (thread-safe) when an owner's reads are all done."""
         if self.dir is not None and self.disk_cap and self.ahead is None:
             self.ahead = ReadAhead(on_ready)
 
-    def ready(self, digests: list[bytes]) -> bool:
+    def ready(self, digests: list[bytes], owner: str) -> bool:
         """Whether loading `digests` now reads no disk on the caller's thread: each in host
         memory, still waiting to be written, or read ahead. The reads of the others start
-        (False until they end). Always True without read-ahead (loads read as they go)."""
+        (False until they end), kept for `owner` until `release`d (shared with any other
+        owner asking for the same blocks). Always True without read-ahead (loads read as
+        they go)."""
         if self.ahead is None:
             return True
         done = True
         for digest in digests:
             path = self._path(digest)
             if self.where(digest) == "disk" and self.writer.pending(path) is None:
-                done = self.ahead.want(path) and done  # each asked for, done or not
+                done = self.ahead.want(path, owner) and done  # each asked for, done or not
         return done
+
+    def release(self, owner: str) -> None:
+        """`owner` needs none of what it asked `ready` for now (loaded, or it ended): the
+        bytes read for it alone are let go, its reads not begun are not made."""
+        if self.ahead is not None:
+            self.ahead.release(owner)
 
     def where(self, digest: bytes) -> str | None:
         self._forget_failed()

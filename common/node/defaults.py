@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from pdserve.common.engine.scheduler import Mode, SchedulerConfig, SchedulerOutput, step_work
+from pdserve.common.engine.scheduler import Mode, SchedulerConfig, SchedulerOutput
 from pdserve.common.engine.sequence import Sequence
+from pdserve.common.engine.step_work import step_work
 from pdserve.common.kv.base import Intake, Transfer
 from pdserve.common.node.fairness import Room
 from pdserve.common.node.role import NodeRequest
