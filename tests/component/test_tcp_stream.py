@@ -279,6 +279,9 @@ async def test_a_writer_that_dies_strands_no_frame_and_the_next_one_starts_afres
         await until(lambda: stream.writer is None, 10.0, "the writer ended")
         for _ in range(tcp_send.DEPTH):  # the slots came back: no wait
             await asyncio.wait_for(stream.send("big", 9, [memoryview(b"x")]), 1)
+        # those started a writer that breaks too: once it has ended, a real one (a writer
+        # still running when the real write came back would send them: a loaded host)
+        await until(lambda: stream.writer is None, 10.0, "the second writer ended")
         stream._write_frame = written  # type: ignore[method-assign]
         await asyncio.wait_for(stream.send("big", 0, [memoryview(payload(0))]), 10)
         await until(lambda: sink.landed == [("big", 0, True)], 10.0, "a fresh writer's frame")
