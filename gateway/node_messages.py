@@ -131,7 +131,7 @@ class NodeMessages:
             await self.link.reply(identity, RegisterRefuse(node_id=info.node_id, reason=reason))
             return
         log.info("registered %s node %s (%s)", info.role, info.node_id, info.model_id)
-        self.pools.registered(info, identity, now)
+        self.pools.registered(info, identity, now, msg.served_s)
         self.index.drop(info.node_id)  # a new process: its snapshot follows
         ack = RegisterAck(
             node_id=info.node_id,

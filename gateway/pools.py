@@ -52,6 +52,9 @@ class PoolCare:
         self.others = OtherGateways(lambda: link.gateway_id, sizing)
         self.said = GatewayLoad(gateway="")  # own_load's last, and when
         self.said_at = -1.0
+        # the signal as last decided, on a fresh view (tick): what /metrics exports, so a
+        # stall's stale reports never reach an autoscaler; {} until the first such decision
+        self.decided: dict[str, int] = {}
 
     def own_load(self) -> GatewayLoad:
         """This gateway's arrivals and waiting prompts, for the others (gateway/others.py);
@@ -70,10 +73,9 @@ class PoolCare:
     def _waiting(self) -> int:
         return sum(w.need.prompt_len for w in self.placer.waiting.values())
 
-    def desired_replicas(self) -> dict[str, int]:
-        """The autoscaling signal per pool (gateway/sizing.py), at scrape time: for every
-        gateway's load (the others' as the nodes relay it)."""
-        now = time.monotonic()
+    def desired_replicas(self, now: float) -> dict[str, int]:
+        """The autoscaling signal per pool (gateway/sizing.py): for every gateway's load (the
+        others' as the nodes relay it)."""
         backlog = self._waiting() + self.others.waiting_tokens(now)
         return {
             "prefill": self.sizing.prefill(self.cluster, backlog, now),
@@ -86,14 +88,16 @@ class PoolCare:
 
     def published_replicas(self) -> dict[str, int]:
         """/metrics: the leader's signal alone (the others export none), so an autoscaler
-        never averages two gateways' decisions."""
-        return self.desired_replicas() if self.leading() else {}
+        never averages two gateways' decisions; as its last tick on a fresh view decided it
+        (a scrape right after a stall, before the tick that finds it, reads that one too)."""
+        return self.decided if self.leading() else {}
 
     async def tick(self, now: float, awake: float) -> None:
         """`awake`: when the gateway's last stall ended (gateway/liveness.py)."""
         if not self.leading():
             # a lead regained later starts its hold afresh: not from a sample taken before
             self.switcher.toward = self.switcher.since = None
+            self.decided = {}  # nor exports a signal decided then
             return
         self._give_up_switches(now)
         # decided on a fresh view only: after a stall of this process (the tick that found it
@@ -104,7 +108,8 @@ class PoolCare:
             since = self.switcher.since
             if since is not None and awake > since:  # a hold does not run through a stall:
                 self.switcher.toward = self.switcher.since = None  # one sample after it
-            return  # would do otherwise
+            return  # would do otherwise; the signal keeps its last value meanwhile
+        self.decided = self.desired_replicas(now)
         if self.cfg.rebalance:
             await self._rebalance(now)
         if self.cfg.role_switching == "on":
@@ -126,10 +131,10 @@ class PoolCare:
             return switched[0] == info.role
         return {old.info.role, info.role} == {"prefill", "decode"} and old.load.draining
 
-    def registered(self, info: NodeInfo, identity: bytes, now: float) -> None:
+    def registered(self, info: NodeInfo, identity: bytes, now: float, served: float = 0.0) -> None:
         """Back in its new role, or restarted in its old one: a switch is over (failed, in
         the second case: that node is not asked again at once). The process asked to switch
-        registering again (it lost an answer) is no end of it."""
+        registering again (it lost an answer) is no end of it. `served`: `Register.served_s`."""
         if info.node_id in self.switching and self.switched_from.get(info.node_id) == identity:
             return
         self.switched_from.pop(info.node_id, None)
@@ -137,7 +142,8 @@ class PoolCare:
         self.gone_since.pop(info.node_id, None)
         if switch is not None and switch[0] != info.role:
             self.switcher.failed(info.node_id, now)
-        self.switcher.registered(info.node_id, now, switch is not None and switch[0] == info.role)
+        switched = switch is not None and switch[0] == info.role
+        self.switcher.registered(info.node_id, now, switched, served)
 
     async def switch_role(self, node_id: str, role: str, why: str) -> bool:
         """Ask a node to take the other role (gateway/roles.py; common/node/roles.py)."""
@@ -167,7 +173,7 @@ class PoolCare:
         # one switch at a time, also across a change of leader: a node draining may be one
         # another leader ordered (its switch is not in this one's table), or a scale-down
         busy = bool(self.switching) or any(n.load.draining for n in self.cluster.nodes.values())
-        move = self.switcher.decide(self.cluster, self.desired_replicas(), in_prefill, busy, now)
+        move = self.switcher.decide(self.cluster, self.decided, in_prefill, busy, now)
         if move is not None:
             await self.switch_role(move.node_id, move.role, move.why)
 

@@ -8,13 +8,15 @@ able to lose one (desired <= nodes - 1, at least one left); toward decode, the m
 
 Hysteresis, so that it never flaps: the same imbalance must hold for `hold` seconds without
 a break (a load oscillating faster than that switches nothing); a node keeps a role at least
-`dwell` seconds from its registration in it; one switch at a time, and `cooldown` seconds
-between two. The node switched is the one with least work to move: the decode node running
-fewest sequences, or the prefill node with fewest prompts in prefill.
+`dwell` seconds from its first registration in it (a repeat from the same process says how
+long ago that was); one switch at a time, and `cooldown` seconds between two. The node
+switched is the one with least work to move: the decode node running fewest sequences, or
+the prefill node with fewest prompts in prefill.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pdserve.gateway.cluster import ClusterView, NodeState
@@ -41,12 +43,18 @@ class RoleSwitcher:
     # again) is not asked again every dwell, but after 2, 4, 8... dwells (an hour at most)
     failures: dict[str, tuple[int, float]] = field(default_factory=dict)
 
-    def registered(self, node_id: str, now: float, switched: bool = False) -> None:
+    def registered(
+        self, node_id: str, now: float, switched: bool = False, served: float = 0.0
+    ) -> None:
+        """`served`: seconds the process has been in this role since its first registration
+        (`Register.served_s`): a repeat keeps its dwell; a new process (0) starts it anew."""
+        since = now - served if 0.0 < served < math.inf else now
         # a registration past the dwell holds nothing back (as none would): forgotten, or
-        # pod churn (new node ids) grows it; a node registering again starts its dwell anew
+        # pod churn (new node ids) grows it
         kept = self.registered_at.items()
-        self.registered_at = {n: at for n, at in kept if now - at < self.dwell}
-        self.registered_at[node_id] = now
+        self.registered_at = {n: at for n, at in kept if now - at < self.dwell and n != node_id}
+        if now - since < self.dwell:
+            self.registered_at[node_id] = since
         if switched:
             self.failures.pop(node_id, None)
 

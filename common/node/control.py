@@ -19,9 +19,6 @@ import secrets
 import time
 from typing import Any
 
-import zmq
-import zmq.asyncio
-
 from pdserve.common.config import NodeConfig
 from pdserve.common.errors import PdserveError
 from pdserve.common.node.adoption import Adoption, tell_returned
@@ -35,7 +32,6 @@ from pdserve.common.wire.protocol import (
     GATEWAY_DECODER,
     Abort,
     Adopt,
-    Deregister,
     Drain,
     HeartbeatReply,
     KvEvents,
@@ -44,7 +40,6 @@ from pdserve.common.wire.protocol import (
     PrefillOffer,
     Rebalance,
     Redirect,
-    Register,
     RegisterAck,
     RegisterRefuse,
     Reject,
@@ -84,7 +79,6 @@ class ControlPlane:
         self.registered = asyncio.Event()  # with at least one gateway
         self.stopped = asyncio.Event()
         self.draining = False
-        self.refused = False  # a gateway refused us: the node id is not ours to deregister
         self.switch_to: str | None = None  # the role to take once drained (SwitchRole)
         self.tasks: list[asyncio.Task] = []
         self.http: Any = None
@@ -133,7 +127,7 @@ class ControlPlane:
         if self.draining:  # signalled as it started (a switch's new role, a first start):
             return  # it holds nothing, and registers with no gateway on its way out
         for link in self.links:
-            await link.send(Register(info=self.node.info()))
+            await self.gateways.register(link)
 
     async def wait_stopped(self) -> None:
         await self.stopped.wait()
@@ -152,9 +146,8 @@ class ControlPlane:
 
     async def stop(self) -> None:
         """Deregister and end the loops (the role's included)."""
-        if not self.refused:
-            with contextlib.suppress(zmq.ZMQError, asyncio.TimeoutError):  # 3.10: not builtin
-                await asyncio.wait_for(self.send(Deregister(node_id=self.node_id)), 0.5)
+        with contextlib.suppress(asyncio.TimeoutError):  # 3.10: not builtin
+            await asyncio.wait_for(self.gateways.deregister(), 0.5)  # those it registered with
         for task in self.tasks:
             task.cancel()
         for task in self.tasks:
@@ -213,7 +206,7 @@ class ControlPlane:
                 link.refused = True  # not asked again in this drain (it would refuse each beat)
             case RegisterRefuse(reason=reason):
                 log.error("gateway %s refused %s: %s", link.address, self.node_id, reason)
-                self.refused = True
+                link.refused = True  # not deregistered from: the id may be another's there
                 self.stopped.set()
                 raise RegistrationRefused(reason)
             case HeartbeatReply(stale=stale, unknown_node=unknown):
@@ -228,7 +221,7 @@ class ControlPlane:
                 # dropped (hung: back once it steps) or restarted: draining too, its streams orphans
                 if unknown and not self.node.hung() and not link.refused:
                     link.registered = False
-                    await link.send(Register(info=self.node.info()))
+                    await self.gateways.register(link)
             case SwitchRole() if not self.gateways.obeys(link):
                 log.warning("%s: switch from %s, not the leader", self.node_id, link.address)
             case SwitchRole(role=role) if role != self.role.role and not self.draining:
@@ -309,6 +302,8 @@ class ControlPlane:
         self.events.resync()  # a new gateway, or one that dropped us
         self.role.on_registered(ack)
         link.registered_as(ack.gateway_id)
+        if self.gateways.first_ack is None:  # the role-switch dwell runs from it
+            self.gateways.first_ack = time.monotonic()
         self.registered.set()
         log.info("%s registered with the gateway at %s", self.node_id, link.address)
 
@@ -352,7 +347,7 @@ class ControlPlane:
         link.task = asyncio.create_task(self._control_loop(link))
         link.task.add_done_callback(self._task_ended)
         self.tasks.append(link.task)
-        await link.send(Register(info=self.node.info()))
+        await self.gateways.register(link)
 
     def _drop_link(self, link: GatewayLink) -> None:
         log.info("%s: the gateway at %s is no more", self.node_id, link.address)
@@ -392,6 +387,6 @@ class ControlPlane:
                 self.adoption.silenced(link)
                 self.fairness.forget(link)
             link.registered = False
-            await link.send(Register(info=self.node.info()))  # before the beat: a gateway
+            await self.gateways.register(link)  # before the beat: a gateway
             link.last_reply = time.monotonic()  # that takes it then reads that we drain
         await link.send(beat)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Protocol
 
 import msgspec
@@ -14,12 +15,15 @@ import zmq
 from pdserve.common.node.links import GatewayLink, Gone, Owner, Owners
 from pdserve.common.wire.protocol import (
     Accept,
+    Deregister,
     Foreign,
     Heartbeat,
     KvEvents,
     Load,
     Msg,
+    NodeInfo,
     Preempted,
+    Register,
     Reject,
     TokenBatch,
 )
@@ -28,6 +32,7 @@ log = logging.getLogger(__name__)
 
 
 class Holdings(Protocol):
+    def info(self) -> NodeInfo: ...
     def load(self) -> Load: ...
     def foreign(self, request_ids: list[str]) -> Foreign: ...
 
@@ -37,6 +42,25 @@ class Gateways:
         self.node_id, self.links, self.node = node_id, links, node
         self.owners = Owners()
         self.gone: list[Gone] = []  # gateway processes that came back under a new id
+        self.first_ack: float | None = None  # this role's first RegisterAck (monotonic)
+
+    async def register(self, link: GatewayLink) -> None:
+        """Asks `link`'s gateway to register this node, saying how long it has served this
+        role since its first registration with any gateway: a repeat (it was dropped, or the
+        gateway restarted) keeps its role-switch dwell (gateway/roles.py). A duration, so no
+        clocks need agree."""
+        served = 0.0 if self.first_ack is None else time.monotonic() - self.first_ack
+        link.asked = True
+        await link.send(Register(info=self.node.info(), served_s=served))
+
+    async def deregister(self) -> None:
+        """Leaving: a Deregister to each gateway this role asked to register it (on that
+        socket it follows the Register, answered or not) and that did not refuse it; none to
+        a gateway that never heard of it (signalled as it started, say)."""
+        for link in self.links:
+            if link.asked and not link.refused:
+                with contextlib.suppress(zmq.ZMQError):
+                    await link.send(Deregister(node_id=self.node_id))
 
     def link_for(self, rid: str) -> GatewayLink | None:
         """The live gateway `rid` belongs to (with one gateway, that one), None for an orphan
@@ -120,7 +144,7 @@ class Gateways:
                          reply=reply)  # fmt: skip
 
     async def send(self, msg: Msg) -> None:
-        """A request's message to its gateway; KvEvents and Deregister to every gateway."""
+        """A request's message to its gateway; KvEvents to every registered gateway."""
         rid = getattr(msg, "request_id", None)
         if rid is None:
             for each in self.links:

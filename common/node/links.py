@@ -47,7 +47,8 @@ class GatewayLink:
         self.silent_since: float | None = None
         self.task: Any = None  # its control loop
         self.load: GatewayLoad | None = None  # what the gateway last said of its load
-        self.refused = False  # refused this node while it drained: not registered with again
+        self.refused = False  # refused this node: not registered with again, nor deregistered
+        self.asked = False  # a Register sent (Gateways.register): it gets the Deregister
 
     async def send(self, msg: Msg) -> None:
         await send(self.control, msg)

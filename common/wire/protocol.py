@@ -74,6 +74,9 @@ class Load(msgspec.Struct, kw_only=True, frozen=True):
 
 class Register(Msg):
     info: NodeInfo
+    # seconds since this process's first registration in its role (0: a first one), so a
+    # repeat (after a drop, or to a restarted gateway) keeps its switch dwell (gateway/roles.py)
+    served_s: float = 0.0
 
 
 class Probe(Msg):

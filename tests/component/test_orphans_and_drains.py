@@ -251,7 +251,7 @@ async def test_a_draining_node_refused_by_a_restarted_gateway_drains_on(tokenize
         await until(lambda: "decode-0" in a.refused, 3.0, "the node refused by the new A")
         held = len(a.streamed["r.0"])
         await until(lambda: len(a.streamed["r.0"]) >= held + 3, what="r.0 decoded on")
-        assert not d.control.refused and not d.control.stopped.is_set()
+        assert d.control.links[0].refused and not d.control.stopped.is_set()
         assert d.control.draining and "r.0" in d.requests
         # asked once: not again at every beat it answers "unknown node" to
         beats = len([b for b in a.beats if b.node_id == "decode-0"])

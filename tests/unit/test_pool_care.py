@@ -5,11 +5,13 @@ must not grow for good."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from pdserve.common.config import GatewayConfig
 from pdserve.common.costmodel import CostModel
 from pdserve.common.wire.protocol import GatewayLoad, Load, Rebalance, SwitchRole
+from pdserve.gateway import pools as pools_module
 from pdserve.gateway.cluster import ClusterView
 from pdserve.gateway.liveness import Liveness
 from pdserve.gateway.metrics import GatewayMetrics
@@ -36,8 +38,10 @@ class _Gateway:
             self.cluster.register(make_info(node_id, role=role), node_id.encode(), at, "t")
         unused: Any = None
         link: Any = self.link
+        placer: Any = SimpleNamespace(waiting={})  # nothing waits for a prefill node
+        sizing = Sizing(CostModel.named("h100-llama3.1-8b"), cfg.sizing_window)
         metrics = GatewayMetrics(self.cluster, self.table, {})
-        self.pools = PoolCare(cfg, self.cluster, self.table, unused, unused, metrics, link)
+        self.pools = PoolCare(cfg, self.cluster, self.table, placer, sizing, metrics, link)
         self.liveness = Liveness(cfg, self.cluster, self.table, PrefixIndex(), unused, unused,
                                  self.pools)  # fmt: skip
 
@@ -112,7 +116,7 @@ async def test_a_leader_woken_from_a_stall_switches_the_donor_its_fresh_view_sho
     Nor did the hold run through the pause: it switched on the first sample after it."""
     cfg = GatewayConfig(role_switching="on", switch_hold=5.0, switch_dwell=0.0)
     gw = _Gateway(cfg, {"p0": "prefill", "d0": "decode", "d1": "decode"}, 100.0)
-    gw.pools.desired_replicas = lambda: SHORT_PREFILL  # type: ignore[method-assign]
+    gw.pools.desired_replicas = lambda now: SHORT_PREFILL  # type: ignore[method-assign]
 
     def loads(d0: int, d1: int) -> dict[str, Load]:
         empty = Load(running=0, waiting=0, blocks_free=100, blocks_cached=0, blocks_in_use=0)
@@ -128,6 +132,56 @@ async def test_a_leader_woken_from_a_stall_switches_the_donor_its_fresh_view_sho
         got = await gw.tick(110.3 + i / 2)
         assert got == [] or i == 10
     assert got == [(b"d0", SwitchRole(role="prefill"))]
+
+
+def _idle(token_cost: float = 0.0) -> Load:
+    return Load(running=0, waiting=0, blocks_free=100, blocks_cached=0, blocks_in_use=0,
+                token_cost=token_cost)  # fmt: skip
+
+
+async def test_a_leader_woken_from_a_stall_exports_the_signal_it_decided_before(monkeypatch):
+    """Paused 5 s (SIGSTOP, a GC pause), the leader's scrape computed the signal at once, from
+    rates that saw no arrival meanwhile (the requests waited unread in its socket, as did
+    the nodes' reports): 4,000-token prompts arriving for four prefill nodes read as load
+    for one, and an autoscaler scaled the pool down for a load that never left. The signal
+    keeps the value last decided on a fresh view until the view is fresh again."""
+    clock = SimpleNamespace(now=0.0)  # the scrape's clock: the ticks' `now`
+    monkeypatch.setattr(pools_module, "time", SimpleNamespace(monotonic=lambda: clock.now))
+    gw = _Gateway(GatewayConfig(sizing_window=1.0), {"p0": "prefill", "d0": "decode"}, 100.0)
+    loads = {"p0": _idle(token_cost=4e-5), "d0": _decode(100)}
+    for i in range(50):  # a prompt every 40 ms for 2 s
+        gw.pools.sizing.arrived(4000, 100.0 + 0.04 * i)
+    gw.read(loads, 102.0)
+    clock.now = 102.1
+    assert await gw.tick(102.1) == []
+    decided = gw.pools.published_replicas()
+    assert decided["prefill"] >= 4, decided
+    clock.now = 107.1  # the scrape first, then the tick that finds the stall
+    assert gw.pools.published_replicas() == decided
+    assert await gw.tick(107.1, late=4.75) == []
+    assert gw.pools.published_replicas() == decided  # nothing read since the stall
+    gw.pools.sizing.arrived(4000, 107.15)  # what waited unread: the load goes on
+    gw.read(loads, 107.2)
+    clock.now = 107.35
+    assert await gw.tick(107.35) == []
+    assert gw.pools.published_replicas() == gw.pools.desired_replicas(107.35)
+
+
+async def test_a_gateway_exports_no_signal_until_it_decides_one_on_a_fresh_view():
+    """A leader just started, or one that leads again: nothing it sized before (or for
+    nodes it has not heard from) reaches the autoscaler."""
+    gw = _Gateway(GatewayConfig(), {"p0": "prefill", "d0": "decode"}, 100.0)
+    assert await gw.tick(100.25) == [] and gw.pools.published_replicas() == {}  # no report
+    gw.read({"p0": _idle(), "d0": _decode(100)}, 100.3)
+    assert await gw.tick(100.5) == []
+    assert gw.pools.published_replicas() == {"prefill": 1, "decode": 1}
+    led = _idle()
+    gw.cluster.heartbeat("p0", b"p0", led, 100.6, leader="another")
+    assert await gw.tick(100.75) == [] and gw.pools.published_replicas() == {}
+    gw.cluster.heartbeat("p0", b"p0", led, 100.8)  # it names no other any more
+    assert gw.pools.published_replicas() == {}  # not the value from before it lost the lead
+    assert await gw.tick(101.0) == []
+    assert gw.pools.published_replicas() == {"prefill": 1, "decode": 1}
 
 
 def test_registrations_are_forgotten_once_past_the_dwell_which_still_holds():

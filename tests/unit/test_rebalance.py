@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 from typing import Any
 
 from msgspec.structs import replace
@@ -140,12 +141,14 @@ def test_moved_sequences_go_to_the_target_the_rebalance_chose():
     policy, which prefers the node caching the prefix: all went to B (90 % full then), the
     next round moved them from B back to A, and C never got one."""
     from pdserve.common.config import GatewayConfig
+    from pdserve.common.costmodel import CostModel
     from pdserve.common.wire.protocol import KvEvents, Migrate, Rebalance, Redirect
     from pdserve.gateway.metrics import GatewayMetrics
     from pdserve.gateway.node_messages import NodeMessages
     from pdserve.gateway.policies import make_policy
     from pdserve.gateway.pools import PoolCare
     from pdserve.gateway.prefix_index import PrefixIndex
+    from pdserve.gateway.sizing import Sizing
 
     table, index = RequestTable(), PrefixIndex()
     system = tuple(i.to_bytes(16, "big") for i in range(4))
@@ -157,9 +160,11 @@ def test_moved_sequences_go_to_the_target_the_rebalance_chose():
     cluster = _reported({"A": 10, "B": 22, "C": 100}, table)
     index.apply(KvEvents(node_id="B", seq=0, stored=list(system), snapshot=True))
     link, metrics = _Link(), GatewayMetrics(cluster, table, {})
-    fake: Any = link  # replies only: no placer, sizing, service or drop are needed
+    fake: Any = link  # replies only: no service or drop are needed
+    placer: Any = SimpleNamespace(waiting={})  # its queue and the sizing: for the signal a
+    sizing = Sizing(CostModel.named("h100-llama3.1-8b"))  # tick decides on a fresh view
     unused: Any = None
-    pools = PoolCare(GatewayConfig(rebalance=0.75), cluster, table, unused, unused, metrics, fake)
+    pools = PoolCare(GatewayConfig(rebalance=0.75), cluster, table, placer, sizing, metrics, fake)
     policy = make_policy("on_demand")
     messages = NodeMessages(cluster, table, index, policy, unused, metrics, fake, unused, pools,
                             unused, "t")  # fmt: skip

@@ -4,12 +4,17 @@ what pool care (gateway/pools.py) takes for a switch made elsewhere."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
+from typing import Any
 
 from msgspec.structs import replace
 
+from pdserve.common.wire.protocol import Register
+from pdserve.gateway.node_messages import NodeMessages
 from pdserve.gateway.pools import PoolCare
 from pdserve.gateway.roles import RoleSwitcher
+from pdserve.gateway.succession import Succession
 from tests.unit.test_policies import cluster_with
 
 SHORT_PREFILL = {"prefill": 2, "decode": 1}
@@ -131,3 +136,44 @@ def test_pool_care_counts_a_node_back_in_its_old_role_as_a_failed_switch():
     pools.switching["d0"] = ("prefill", 150.0)
     pools.registered(replace(cluster.nodes["d0"].info, role="prefill"), b"d0/new", 160.0)
     assert "d0" not in pools.switcher.failures  # switched
+
+
+def _messages(cluster, pools: PoolCare) -> NodeMessages:
+    """A gateway's node messages as far as a Register goes; the answer is not kept."""
+
+    async def reply(identity: bytes, msg: object) -> None:
+        pass
+
+    messages = NodeMessages.__new__(NodeMessages)
+    messages.cluster, messages.pools, messages.tokenizer_fingerprint = cluster, pools, "t"
+    messages.succession = Succession(cluster)
+    none: Any = SimpleNamespace(drop=lambda node_id: None, queueing=False,
+                                capacity_changed=lambda: None)  # fmt: skip
+    messages.index, messages.policy, messages.placer = none, none, none
+    link: Any = SimpleNamespace(reply=reply, tokens_address="t", gateway_id="g")
+    messages.link = link
+    return messages
+
+
+def test_a_node_registering_again_from_the_same_process_keeps_its_dwell():
+    """Dropped for a late heartbeat, or registering with a restarted gateway, a node's
+    process says how long it has served its role (`Register.served_s`): its dwell runs on.
+    It began anew at each repeat, so a node that registered again often was never a donor;
+    a new process under the id (a restart, saying 0) starts it anew."""
+    cluster = _cluster()  # d0 runs 7 sequences, d1 3
+    pools = _pools(cluster)
+    pools.switcher, pools.gone_since = RoleSwitcher(hold=0.0, dwell=30.0, cooldown=0.0), {}
+    d0, d1 = cluster.nodes["d0"], cluster.nodes["d1"]
+    now = time.monotonic()  # the gateway's clock, as its Register handler reads it
+    pools.registered(d1.info, b"d1/restarted", now)
+    asyncio.run(_messages(cluster, pools)._on_register(
+        d0.identity, Register(info=d0.info, served_s=40.0)))  # fmt: skip
+    move = pools.switcher.decide(cluster, SHORT_PREFILL, {}, False, time.monotonic())
+    assert move is not None and move.node_id == "d0"  # d1 within its dwell
+    rules = RoleSwitcher(hold=0.0, dwell=30.0)
+    rules.registered("d0", 100.0)
+    rules.registered("d0", 110.0, served=10.0)  # the same process, 10 s on
+    assert rules.registered_at["d0"] == 100.0
+    for unsaid in (float("nan"), float("inf"), -5.0):  # not a duration: from now
+        rules.registered("d1", 120.0, served=unsaid)
+        assert rules.registered_at["d1"] == 120.0
