@@ -97,6 +97,9 @@ class PoolCare:
         if not self.leading():
             # a lead regained later starts its hold afresh: not from a sample taken before
             self.switcher.toward = self.switcher.since = None
+            # and its first switch a cooldown after it: the last leader's switch may still be
+            # under way, its node between roles and seen by no gateway (so not "busy")
+            self.switcher.last_switch = now
             self.decided = {}  # nor exports a signal decided then
             return
         self._give_up_switches(now)

@@ -147,7 +147,7 @@ class ControlPlane:
     async def stop(self) -> None:
         """Deregister and end the loops (the role's included)."""
         with contextlib.suppress(asyncio.TimeoutError):  # 3.10: not builtin
-            await asyncio.wait_for(self.gateways.deregister(), 0.5)  # those it registered with
+            await asyncio.wait_for(self.gateways.deregister(), 1.0)  # each send bounded alone
         for task in self.tasks:
             task.cancel()
         for task in self.tasks:

@@ -4,6 +4,7 @@ request is its and nothing is looked up."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -29,6 +30,7 @@ from pdserve.common.wire.protocol import (
 )
 
 log = logging.getLogger(__name__)
+DEREGISTER_S = 0.5  # a leaving role waits no longer on a gateway (its lease ends it)
 
 
 class Holdings(Protocol):
@@ -57,10 +59,13 @@ class Gateways:
         """Leaving: a Deregister to each gateway this role asked to register it (on that
         socket it follows the Register, answered or not) and that did not refuse it; none to
         a gateway that never heard of it (signalled as it started, say)."""
-        for link in self.links:
-            if link.asked and not link.refused:
-                with contextlib.suppress(zmq.ZMQError):
-                    await link.send(Deregister(node_id=self.node_id))
+        asked = [link for link in self.links if link.asked and not link.refused]
+        # side by side, each bounded: one gateway's full socket holds up no other's
+        await asyncio.gather(*(self._deregister(link) for link in asked))
+
+    async def _deregister(self, link: GatewayLink) -> None:
+        with contextlib.suppress(zmq.ZMQError, asyncio.TimeoutError):  # 3.10: not builtin
+            await asyncio.wait_for(link.send(Deregister(node_id=self.node_id)), DEREGISTER_S)
 
     def link_for(self, rid: str) -> GatewayLink | None:
         """The live gateway `rid` belongs to (with one gateway, that one), None for an orphan

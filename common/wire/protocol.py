@@ -74,8 +74,8 @@ class Load(msgspec.Struct, kw_only=True, frozen=True):
 
 class Register(Msg):
     info: NodeInfo
-    # seconds since this process's first registration in its role (0: a first one), so a
-    # repeat (after a drop, or to a restarted gateway) keeps its switch dwell (gateway/roles.py)
+    # seconds since this role's first RegisterAck from any gateway (0: none yet), so a repeat
+    # (after a drop, or to a restarted gateway) keeps its switch dwell (gateway/roles.py)
     served_s: float = 0.0
 
 

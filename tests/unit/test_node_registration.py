@@ -5,6 +5,7 @@ refuse it), and how long it has served its role, said in every Register after th
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 from typing import Any
 
@@ -124,6 +125,31 @@ async def test_a_node_registering_again_says_how_long_it_has_served_its_role(mon
         await control._dispatch(a, HeartbeatReply(unknown_node=True))  # dropped there
         [(link, again)] = _sent(sent, Register)
         assert link is a and 40.0 <= again.served_s < 60.0
+    finally:
+        await control.stop()  # its loops ended (again: harmless) before its sockets close
+        control.close()
+        ctx.term()
+
+
+async def test_a_gateway_whose_socket_is_full_holds_up_no_others_deregister(monkeypatch):
+    """Leaving, a role sends each gateway its Deregister side by side, each send bounded:
+    one gateway whose socket takes nothing (gone, its queue full) costs the others nothing
+    (one after another, it used the whole wait and the next got none)."""
+    ctx, sent = zmq.asyncio.Context(), list[tuple[GatewayLink, Any]]()
+    control = _control_plane(ctx, sent, monkeypatch)
+    recorded = GatewayLink.send
+    try:
+        await control.start([])
+        stuck, other = control.links
+
+        async def full(link: GatewayLink, msg: Any) -> None:
+            if link is stuck and isinstance(msg, Deregister):
+                await asyncio.Event().wait()  # never sent
+            await recorded(link, msg)
+
+        monkeypatch.setattr(GatewayLink, "send", full)
+        await control.stop()
+        assert [link for link, _ in _sent(sent, Deregister)] == [other]
     finally:
         await control.stop()  # its loops ended (again: harmless) before its sockets close
         control.close()

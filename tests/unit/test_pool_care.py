@@ -217,3 +217,28 @@ def test_gateways_no_node_relays_any_more_are_forgotten_without_a_scrape():
     for i in range(100):  # a gateway restarted every 10 s
         others.relayed((GatewayLoad(gateway=f"g{i}", seq=1, waiting_tokens=10),), 10.0 * i)
     assert len(others.seen) <= FORGET_S / 10 + 1
+
+
+async def test_a_gateway_that_gains_the_lead_switches_no_node_for_a_cooldown(monkeypatch):
+    """The last leader's switch may still be under way, its node between roles and seen by no
+    gateway (so not busy): a lead gained waits a cooldown before its first switch, however
+    long the imbalance has held."""
+    cfg = GatewayConfig(role_switching="on", switch_hold=1.0, switch_dwell=0.0)
+    gw = _Gateway(cfg, {"p0": "prefill", "d0": "decode", "d1": "decode"}, 100.0)
+    gw.pools.desired_replicas = lambda now: SHORT_PREFILL  # type: ignore[method-assign]
+    cooldown = gw.pools.switcher.cooldown
+    leads = {"now": False}
+    monkeypatch.setattr(gw.pools, "leading", lambda: leads["now"])
+    empty = Load(running=0, waiting=0, blocks_free=100, blocks_cached=0, blocks_in_use=0)
+    loads = {"p0": empty, "d0": _decode(50, ("x",)), "d1": _decode(50, ("x",) * 3)}
+    gw.read(loads, 100.0)
+    assert await gw.tick(100.1) == []  # another gateway leads
+    leads["now"] = True  # the lead comes here (the last leader gone)
+    got: list = []
+    at = 100.2
+    while not got and at < 100.1 + 2 * cooldown:
+        gw.read(loads, at)
+        got = await gw.tick(at + 0.05)
+        at += 0.25
+    assert got == [(b"d0", SwitchRole(role="prefill"))]
+    assert at - 0.25 >= 100.1 + cooldown  # not before the cooldown from the lead's gain
