@@ -1,8 +1,8 @@
 """One thread working through the paths handed to it, oldest first: the disk tier's writes
 (common/engine/tier_writer.py) and reads ahead (tier_reader.py). The work runs outside the
 lock; what it found is recorded under it (`done`), and whatever `done` returns is called
-after, outside it (a wake-up). An exception in the work is logged, never the thread's end:
-the blocks waiting on it would wait for good."""
+after, outside it (a wake-up). An exception in the work, in `done` or in what it returns is
+logged, never the thread's end: the blocks waiting on it would wait for good."""
 
 from __future__ import annotations
 
@@ -60,10 +60,19 @@ class PathQueue:
             finally:
                 with self.cond:
                     self.current = self.current_item = None
-                    after = self.done(path, item, result)
+                    after = self._record(path, item, result)
                     self.cond.notify_all()
             if after is not None:
                 try:
                     after()
                 except Exception:
                     log.exception("KV disk tier: %s: waking the step loop failed", self.name)
+
+    def _record(self, path: Path, item: Any, result: Any) -> Callable[[], object] | None:
+        """Under `cond`: `done`, whose exception is logged too (raised out of `_run` it ended
+        the thread, and every path queued after waited for good)."""
+        try:
+            return self.done(path, item, result)
+        except Exception:
+            log.exception("KV disk tier: %s: recording %s failed", self.name, path)
+            return None

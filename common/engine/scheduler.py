@@ -223,7 +223,7 @@ class Scheduler(PrefixCaching):
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-            self._release_reads(seq)  # its blocks read ahead are let go now, not kept
+        self._release_reads(seq)  # wherever it was: its blocks read ahead let go, not kept
         self.parked.pop(seq.seq_id, None)
         self._release(seq)
 

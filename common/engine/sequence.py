@@ -16,7 +16,9 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+# compared by identity, one request each: `seq in scheduler.waiting` compares no fields (a
+# value match built every field's tuple), and two alike (one id sent twice) are two
+@dataclass(eq=False)
 class Sequence:
     seq_id: str
     token_ids: list[int]

@@ -13,6 +13,10 @@ block asked for by many (a burst sharing a prefix) is read once and serves them 
 step loop is woken as each owner's last read ends (a short prefix does not wait behind a
 long one), and what an owner asked for is let go when it no longer waits (`release`: it
 was admitted, or it ended), so the bytes held are what waiting sequences need.
+
+The cap counts a block from when its read is queued (its file's size, reserved) until it is
+let go: the blocks queued, being read and read are never more than `max_ready` bytes. The
+scheduler asks in its queue's order, so the head's blocks are reserved, and read, first.
 """
 
 from __future__ import annotations
@@ -24,37 +28,45 @@ from pathlib import Path
 from pdserve.common.engine.path_queue import PathQueue
 from pdserve.common.engine.tier_writer import read_block
 
-# bytes read ahead for waiting sequences at most: past it a sequence loads the rest as before
+# bytes reserved for waiting sequences' reads at most (queued, being read or read): past it a
+# sequence loads the rest as before, on the caller's thread
 MAX_READY = 256 * 2**20
 
 
 class ReadAhead:
     def __init__(self, on_ready: Callable[[], object], max_ready: int = MAX_READY) -> None:
-        self.on_ready = on_ready  # from the reading thread: must be thread-safe
+        # called on the reading thread, and on the scheduler's too (`drop`, mid-schedule, as a
+        # block leaves the tier): must be thread-safe; never under the lock
+        self.on_ready = on_ready
         self.max_ready = max_ready
         self.jobs = PathQueue("kv-tier-read", _timed_read, self._done)
         self.cond = self.jobs.cond
         # read: the bytes (None: missing or corrupt) and the seconds the read took
         self.ready: dict[Path, tuple[bytes | None, float]] = {}
         self.ready_bytes = 0
+        # each block queued, being read or read: its file's size, counted against `max_ready`
+        self.reserved: dict[Path, int] = {}
+        self.reserved_bytes = 0
         self.owners: dict[Path, set[str]] = {}  # who asked for each block queued, read or ready
         self.asked: dict[str, set[Path]] = {}  # each owner's blocks (the same claims)
         self.unread: dict[str, int] = {}  # each owner's blocks not ready yet
         self.dropped: set[Path] = set()  # dropped while being read: not kept
 
-    def want(self, path: Path, owner: str) -> bool:
+    def want(self, path: Path, owner: str, nbytes: int) -> bool:
         """True once `path` is read (its result waits in `ready`, kept for `owner`); False
-        while it is being read, or queued now. Past `max_ready` True at once: the caller
-        reads it itself."""
+        while it is being read, or queued now (`nbytes`, its file's size, reserved). When
+        those would pass `max_ready`, True at once: the caller reads it itself."""
         with self.cond:
             if self.jobs.closing:
                 return True
             if path in self.ready:
                 self._claim(path, owner, unread=False)
                 return True
-            if path not in self.jobs.queue and path != self.jobs.current:
-                if self.ready_bytes >= self.max_ready:
+            if path not in self.reserved:  # neither queued nor being read
+                if self.reserved_bytes + nbytes > self.max_ready:
                     return True
+                self.reserved[path] = nbytes
+                self.reserved_bytes += nbytes
                 self.jobs.put(path, None)
             self._claim(path, owner, unread=True)
             return False
@@ -76,16 +88,14 @@ class ReadAhead:
                 owners.discard(owner)
                 if not owners:
                     del self.owners[path]
-                    self.jobs.queue.pop(path, None)
-                    self._pop(path)
+                    self._let_go(path)
 
     def drop(self, path: Path) -> None:
         """The block left the tier: neither read nor kept for it. A sequence waiting on it
         alone is woken (it computes that block instead)."""
         with self.cond:
             unread = path not in self.ready
-            self.jobs.queue.pop(path, None)
-            self._pop(path)
+            self._let_go(path)
             if path == self.jobs.current:
                 self.dropped.add(path)
             owners = self.owners.pop(path, set())
@@ -100,6 +110,8 @@ class ReadAhead:
         with self.cond:
             self.ready.clear()
             self.ready_bytes = 0
+            self.reserved.clear()
+            self.reserved_bytes = 0
             self.owners.clear()
             self.asked.clear()
             self.unread.clear()
@@ -119,10 +131,15 @@ class ReadAhead:
             done = done or self.unread[owner] == 0
         return done
 
-    def _pop(self, path: Path) -> None:
+    def _let_go(self, path: Path) -> None:
+        """Neither read nor kept for anyone: its reservation given back, unless it is being
+        read (until that read ends, `_done`: the bytes are in memory until then)."""
+        self.jobs.queue.pop(path, None)
         got = self.ready.pop(path, None)
         if got is not None:
             self.ready_bytes -= len(got[0] or b"")
+        if path != self.jobs.current:
+            self.reserved_bytes -= self.reserved.pop(path, 0)
 
     def _done(
         self, path: Path, _: None, got: tuple[bytes | None, float] | None
@@ -132,6 +149,7 @@ class ReadAhead:
         owners = self.owners.get(path)
         if self.jobs.closing or not owners:  # nobody waits for it now
             self.dropped.discard(path)
+            self.reserved_bytes -= self.reserved.pop(path, 0)
             return None
         if path in self.dropped:  # the block left the tier, then was asked for again
             self.dropped.discard(path)

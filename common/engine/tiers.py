@@ -110,11 +110,14 @@ class TierStore:
         for path in self.writer.take_failed():
             size = self.disk.pop(bytes.fromhex(path.stem), None)
             self.disk_used -= size or 0
+            if self.ahead is not None:  # a read of it (None: no file) would serve the next
+                self.ahead.drop(path)  # block written under its name, deleted as corrupt
 
     # -- out ---------------------------------------------------------------------------------
     def read_ahead(self, on_ready: Callable[[], object]) -> None:
         """Read disk blocks on a thread ahead of their load (`ready`), calling `on_ready`
-        (thread-safe) when an owner's reads are all done."""
+        (thread-safe) when an owner's reads are all done, or a block it waits on left the
+        tier (then on the caller's thread)."""
         if self.dir is not None and self.disk_cap and self.ahead is None:
             self.ahead = ReadAhead(on_ready)
 
@@ -122,15 +125,17 @@ class TierStore:
         """Whether loading `digests` now reads no disk on the caller's thread: each in host
         memory, still waiting to be written, or read ahead. The reads of the others start
         (False until they end), kept for `owner` until `release`d (shared with any other
-        owner asking for the same blocks). Always True without read-ahead (loads read as
-        they go)."""
+        owner asking for the same blocks); past the read-ahead's cap (bytes queued, being read
+        or read) the rest are read by the load. Always True without read-ahead (loads read
+        as they go)."""
         if self.ahead is None:
             return True
         done = True
         for digest in digests:
             path = self._path(digest)
             if self.where(digest) == "disk" and self.writer.pending(path) is None:
-                done = self.ahead.want(path, owner) and done  # each asked for, done or not
+                # each asked for, done or not; its file's size reserved against the cap
+                done = self.ahead.want(path, owner, self.disk[digest]) and done
         return done
 
     def release(self, owner: str) -> None:

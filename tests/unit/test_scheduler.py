@@ -452,3 +452,15 @@ def test_a_prompt_half_prefilled_in_chunks_is_not_parked_to_migrate():
     assert seq.is_prefilling and not sched.park(seq)
     run_step(sched)
     assert not seq.is_prefilling and sched.park(seq)
+
+
+def test_sequences_compare_by_identity():
+    """`seq in sched.waiting` compared every field of the sequences before it (dataclass
+    value equality); two requests alike (one id sent twice) are two sequences."""
+    a, b = make_request("x", 5), make_request("x", 5)
+    assert a == a and a != b and b not in [a]
+    sched = make_scheduler()
+    sched.add(a)
+    sched.add(b)
+    sched.finish(b, "abort")
+    assert list(sched.waiting) == [a] and a.status.value == "waiting"

@@ -4,6 +4,8 @@ meanwhile, and loads them from memory once read; no disk read on the scheduler's
 
 from __future__ import annotations
 
+import errno
+import random
 import threading
 import time
 from pathlib import Path
@@ -59,7 +61,7 @@ def test_blocks_are_read_ahead_and_loaded_from_memory(tmp_path):
 def test_a_block_dropped_while_read_ahead_is_not_kept_and_the_cap_reads_in_place(tmp_path):
     store, woken = _store(tmp_path)
     assert store.ahead is not None
-    store.ahead.max_ready = 1  # full after one block: the rest are read by the caller
+    store.ahead.max_ready = store.disk[b"\0" * 16]  # one block: the rest are read by the caller
     assert not store.ready([b"\0" * 16], "s")
     assert woken.wait(30)
     assert store.ready([b"\1" * 16, b"\2" * 16], "s")  # past the cap: not waited for
@@ -116,7 +118,7 @@ def test_a_queued_read_dropped_wakes_the_sequence_waiting_on_it(tmp_path):
     woken: list[int] = []
     ahead = ReadAhead(lambda: woken.append(1))
     with ahead.cond:  # its thread waits for the lock: the read stays queued
-        assert not ahead.want(tmp_path / "a.kv", "s")
+        assert not ahead.want(tmp_path / "a.kv", "s", 10)
         ahead.drop(tmp_path / "a.kv")
     assert woken == [1] and not ahead.jobs.queue
     ahead.drop(tmp_path / "b.kv")  # nothing of it: nobody waits
@@ -238,3 +240,175 @@ def test_blocks_read_ahead_for_sequences_that_ended_are_let_go_at_once(tmp_path,
     assert _idle(tiers)
     assert tiers.ahead.ready_bytes == 0 and reads.paths == paths[:2]  # none kept; 3rd not read
     tiers.close()
+
+
+def test_the_cap_bounds_the_bytes_queued_being_read_and_read(tmp_path, monkeypatch):
+    """The cap counted only the blocks read: one pass queued the disk blocks of the whole
+    waiting queue (20 sequences of 3 blocks, 30 times a cap of two, held while they waited).
+    Now a block counts from its queueing, the head of the queue's first."""
+    prefixes = [list(range(100 * i, 100 * i + 12)) for i in range(20)]  # three blocks each
+    sched, tiers, _ = _on_disk(tmp_path, *prefixes)
+    ahead = tiers.ahead
+    assert ahead is not None
+    head = [tiers._path(d) for d in prefix_hashes(prefixes[0], 4)]
+    ahead.max_ready = 2 * tiers.disk[prefix_hashes(prefixes[0], 4)[0]]  # two blocks' files
+    reads = Reads(monkeypatch, hold=head[:1])  # nothing read while the pass asks
+    seqs = [Sequence.new(f"s{i}", [*p, 7], GREEDY) for i, p in enumerate(prefixes)]
+    for seq in seqs:
+        sched.add(seq)
+    sched.schedule()  # past the cap the others load in place (as many as the cache holds)
+    assert reads.holding.wait(30) and len(ahead.jobs.queue) == 1  # the head's second block
+    reads.go.set()
+    assert _idle(tiers)
+    assert ahead.ready_bytes <= ahead.max_ready and reads.paths == head[:2]
+    assert ahead.reserved_bytes == ahead.max_ready
+    for seq in seqs:
+        sched.finish(seq, "abort")
+    assert ahead.reserved_bytes == ahead.ready_bytes == 0 and not ahead.reserved
+    tiers.close()
+
+
+def test_a_failed_write_s_read_ahead_is_forgotten_with_it(tmp_path, monkeypatch):
+    """A read made as the block's write failed (no file: None) stayed read: the block written
+    anew under its name was then loaded as that None, and deleted as corrupt."""
+    store = TierStore(host_bytes=0, disk_bytes=100_000, disk_dir=tmp_path)
+    woken = threading.Event()
+    store.read_ahead(woken.set)
+    assert store.ahead is not None
+    digest, path = b"a" * 16, store._path(b"a" * 16)
+
+    def full(_: Path, __: bytes) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Path, "write_bytes", full)
+        store.put(digest, block(1))
+        store.writer.flush()
+        # `ready` looked as the write failed: on disk still, and no bytes waiting to be written
+        mp.setattr(store.writer, "take_failed", lambda: [])
+        assert not store.ready([digest], "s")
+        assert woken.wait(30) and _read(store, 1) and store.ahead.take(path)[:2] == (True, None)
+    assert store.where(digest) is None  # the failure is seen: forgotten, its read too
+    store.put(digest, block(1))  # evicted again: written for good this time
+    store.writer.flush()
+    woken.clear()
+    assert not store.ready([digest], "s")  # read anew
+    assert woken.wait(30) and store.ready([digest], "s")
+    got: list[bytes] = []
+    assert store.load(digest, got.append) and got == [block(1)]
+    assert store.stats["corrupt"] == 0 and path.exists()
+    store.close()
+
+
+def test_a_sequence_ending_anywhere_lets_its_reads_go(tmp_path):
+    """Only a waiting sequence's reads were let go when it ended: a claim under any other's
+    id (kept by a path that missed `release`) stayed for good."""
+    prefix = list(range(1, 9))
+    sched, tiers, _ = _on_disk(tmp_path, prefix)
+    seq = Sequence.new("a", [60, 61, 62], GREEDY)
+    sched.add(seq)
+    assert [s.seq_id for s, _ in sched.schedule().prefills] == ["a"]  # running
+    assert not tiers.ready(prefix_hashes(prefix, 4), "a")
+    sched.finish(seq, "abort")
+    assert tiers.ahead is not None and not tiers.ahead.asked and not tiers.ahead.owners
+    assert _idle(tiers) and tiers.ahead.reserved_bytes == 0 and not tiers.ahead.ready
+    tiers.close()
+
+
+def test_an_exception_recording_a_read_does_not_end_the_reader():
+    """Raised by `done` under the lock, it ended the thread: every read queued after it
+    waited for good, and the sequences waiting on them with it."""
+    from pdserve.common.engine.path_queue import PathQueue
+
+    recorded: list[Path] = []
+
+    def done(path: Path, _: object, __: object) -> None:
+        recorded.append(path)
+        if len(recorded) == 1:
+            raise KeyError(path)
+
+    jobs = PathQueue("test", lambda path, item: b"", done)
+    with jobs.cond:
+        jobs.put(Path("a"), None)
+        jobs.put(Path("b"), None)
+        assert jobs.cond.wait_for(lambda: len(recorded) == 2, timeout=30)
+    jobs.close()
+    assert recorded == [Path("a"), Path("b")]
+
+
+def _begin(ahead: tier_reader.ReadAhead) -> Path | None:
+    """The reader, driven by hand: it takes the oldest queued path and starts reading it."""
+    with ahead.cond:
+        if ahead.jobs.current is None and ahead.jobs.queue:
+            ahead.jobs.current, _ = ahead.jobs.queue.popitem(last=False)
+            return ahead.jobs.current
+        return None
+
+
+def _end(ahead: tier_reader.ReadAhead, data: bytes | None) -> int:
+    """The read under way ends with `data`: the wake-ups it made (0 or 1)."""
+    with ahead.cond:
+        path, ahead.jobs.current = ahead.jobs.current, None
+        after = None if path is None else ahead.jobs.done(path, None, (data, 0.0))
+    if after is not None:
+        after()
+    return int(after is not None)
+
+
+def _check_books(ahead: tier_reader.ReadAhead) -> None:
+    current = {ahead.jobs.current} - {None}
+    assert set(ahead.reserved) == {*ahead.jobs.queue, *current, *ahead.ready}
+    assert ahead.reserved_bytes == sum(ahead.reserved.values()) <= ahead.max_ready
+    assert ahead.ready_bytes == sum(len(got or b"") for got, _ in ahead.ready.values())
+    assert set(ahead.ready) <= set(ahead.owners) <= set(ahead.reserved)
+    assert set(ahead.asked) == set(ahead.unread)
+    for owner, asked in ahead.asked.items():
+        assert all(owner in ahead.owners[path] for path in asked)
+        assert ahead.unread[owner] == sum(path not in ahead.ready for path in asked)
+    for path, who in ahead.owners.items():
+        assert who and all(path in ahead.asked[owner] for owner in who)
+
+
+def test_the_read_ahead_s_books_hold_under_random_asks_releases_drops_and_reads():
+    """Owners ask for, let go of and lose blocks in any order, before, while and after they
+    are read (the reader stepped by hand, seeded): the bytes reserved are those of the blocks
+    queued, being read or read and never pass the cap, each owner's count of blocks not read
+    is right, a read of a file since dropped is never kept, the step loop is woken as an
+    owner's last read ends, and once the reader is idle every block kept is a read one
+    someone asked for."""
+    rng = random.Random(1234)
+    paths = [Path(f"/nowhere/{i}.kv") for i in range(6)]
+    owners = [f"o{i}" for i in range(4)]
+    for _ in range(200):
+        ahead = tier_reader.ReadAhead(lambda: None, rng.choice([20, 50, 1000]))
+        ahead.jobs.thread = threading.current_thread()  # no reader thread: `_begin`, `_end`
+        files = dict.fromkeys(paths, 0)  # each path's file: dropped and written anew, a new one
+        read = b""  # what the read under way will return: its file when it began
+        for _ in range(80):
+            op = rng.random()
+            if op < 0.4:
+                ahead.want(rng.choice(paths), rng.choice(owners), 10)
+            elif op < 0.55:
+                ahead.release(rng.choice(owners))
+            elif op < 0.65:
+                path = rng.choice(paths)
+                ahead.drop(path)
+                files[path] += 1
+            elif op < 0.8:
+                path = _begin(ahead)
+                read = b"%d" % files[path] if path is not None else read
+            else:  # it wakes the step loop when it is the last read one of its owners waits on
+                path = ahead.jobs.current
+                waits = map(ahead.unread.get, ahead.owners.get(path, ()))
+                last = path is not None and path not in ahead.dropped and 1 in waits
+                assert _end(ahead, rng.choice([None, read])) == last
+            _check_books(ahead)
+            for path, (got, _) in ahead.ready.items():
+                assert got in (None, b"%d" % files[path])  # never an older file's
+        while path := _begin(ahead) or ahead.jobs.current:
+            _end(ahead, b"%d" % files[path])
+        _check_books(ahead)
+        assert set(ahead.reserved) == set(ahead.ready) == set(ahead.owners)
+        assert not any(ahead.unread.values()) and not ahead.dropped
+        ahead.jobs.thread = None
+        ahead.close()
