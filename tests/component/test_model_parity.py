@@ -64,17 +64,14 @@ def test_tiny_random_llama_logits_match(tmp_path, tie, shard):
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    out, past = [], None
-    x = torch.tensor([ids])
+def hf_greedy_check(model, prompt: list[int], out: list[int]) -> list[int]:
+    """What transformers' greedy picks after the prompt and each prefix of `out`: equal to
+    `out` exactly when `out` is its greedy text (by induction over the tokens), read from one
+    forward over prompt + out instead of a cached decode step a token (7.7 -> 1.5 CPU s for
+    the five prompts; measured, the narrowest top-2 gap on the way is 0.0028 of a logit)."""
     with torch.no_grad():
-        for _ in range(n):
-            res = model(x, past_key_values=past, use_cache=True)
-            past = res.past_key_values
-            tok = int(res.logits[0, -1].argmax())
-            out.append(tok)
-            x = torch.tensor([[tok]])
-    return out
+        logits = model(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1 :]
+    return logits.argmax(-1).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -96,5 +93,6 @@ def test_smollm2_gguf_greedy_matches_transformers(smol_runner, tokenizer, hf_smo
     prompts = [chat_ids(tokenizer, p) for p in CHAT_PROMPTS[:5]]
     ours = engine.generate(prompts, GREEDY_32)  # all five in one continuous batch
     for prompt, out in zip(prompts, ours, strict=True):
-        assert out.token_ids == hf_greedy(hf_smollm, prompt, 32), tokenizer.decode(prompt)
+        assert len(out.token_ids) == 32, tokenizer.decode(prompt)
+        assert out.token_ids == hf_greedy_check(hf_smollm, prompt, out.token_ids), out.text
     assert "Paris" in ours[0].text

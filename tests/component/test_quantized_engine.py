@@ -158,7 +158,9 @@ def test_perplexity_on_a_fixed_text_within_one_percent(runners, tokenizer):
     assert abs(pq / pp - 1) <= 0.01
 
 
-def test_int8_at_load_quantizes_every_projection_within_one_percent_perplexity(tokenizer):
+def test_int8_at_load_quantizes_every_projection_within_one_percent_perplexity(
+    runners, runners32, tokenizer
+):
     """--quantization int8 (any model; here the GGUF's weights dequantized, as a safetensors
     model would arrive): every projection int8 per output channel, the LM head float.
     The loss is measured in float32, where it is the same on every CPU: +0.83 % (12.0764
@@ -170,6 +172,7 @@ def test_int8_at_load_quantizes_every_projection_within_one_percent_perplexity(t
     float32 one (measured spread -0.62 % to +0.23 % for the plain weights, -0.52 % to -0.41 %
     for int8, across those CPUs)."""
     pairs = {}
+    plains = {"float32": runners32[1], "bfloat16": runners[1]}  # the module's, dequantized
     for dtype in ("float32", "bfloat16"):
         cfg = dict(dtype=dtype, num_kv_blocks=64, kv_shared_cache="off")
         q8 = ModelRunner(EngineConfig(quantization="int8", **cfg))  # type: ignore[arg-type]
@@ -191,7 +194,8 @@ def test_int8_at_load_quantizes_every_projection_within_one_percent_perplexity(t
         for m in q8.model.modules():  # bf16: every row through the int8 kernel; float32:
             if isinstance(m, Int8Linear) and dtype == "bfloat16":  # its dense copy holds the
                 m.dense_from = 1 << 30  # same int8 values exactly, and runs 10x faster
-        plain = ModelRunner(EngineConfig(quantization="none", **cfg))  # type: ignore[arg-type]
+        plain = plains[dtype]
+        assert plain.cfg.quantization == "none" and plain.dtype == q8.dtype
         ids = tokenizer.encode(TEXT)
         pairs[dtype] = (_perplexity(q8, ids), _perplexity(plain, ids))
         print(f"\nperplexity on {len(ids)} tokens, {dtype}: int8 {pairs[dtype][0]:.4f}, "
