@@ -6,6 +6,8 @@ Sub-commands import their modules lazily, so `pdserve gateway` never loads torch
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import logging
 import os
 import sys
@@ -273,6 +275,11 @@ def _label(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # At exit the interpreter's last collections walk every object still alive (a torch
+    # node's: ~0.45 s of CPU at each stop) only to free memory the OS takes back: frozen
+    # first, by an exit handler (registered once; the others still run)
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
     args = parse_args(parser, argv)

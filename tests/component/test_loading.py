@@ -128,8 +128,12 @@ def test_generate_cli_prints_only_the_text(smol_runner, tokenizer):
         "--chat",
         "--max-tokens",
         "12",
+        # one thread (2 spin on a busy core) and a small KV cache (1 GiB by default, zeroed
+        # at start): neither is what this test checks
         "--num-threads",
-        "2",
+        "1",
+        "--kv-cache-gb",
+        "0.05",
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
     engine = LLMEngine(EngineConfig(num_kv_blocks=smol_runner.num_blocks), smol_runner, tokenizer)
