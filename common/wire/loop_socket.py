@@ -60,7 +60,8 @@ class LoopSocket:
             try:
                 got = receive(self._live(), zmq.NOBLOCK)
             except zmq.Again:
-                self._taken = 0  # it waits: others run meanwhile
+                # the count runs on: a wait that finds the descriptor ready need not suspend,
+                # so others may not have run (a burst of 5 + 64 between their turns)
                 await self._wait()
                 continue
             self._wake()  # it may have processed another reader's announcement
