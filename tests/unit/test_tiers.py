@@ -211,6 +211,7 @@ def test_a_killed_node_s_disk_tier_is_not_left_to_fill_the_disk(tmp_path):
     root = tmp_path / "kv-tier"
     dead = TierStore(0, 1 << 20, root / "prefill-0-1")
     dead.put(b"\x02" * 16, b"d" * 64)
+    dead.writer.flush()  # its write landed: a .tmp renamed mid-sweep is not this test's case
     os.close(dead.lock)  # as a kill would: its lock goes, its files stay
     live = TierStore(0, 1 << 20, root / "decode-0-2")
     live.put(b"\x03" * 16, b"l" * 64)
@@ -249,6 +250,7 @@ def test_a_killed_node_s_folder_in_a_given_dir_is_swept_at_the_next_start(tmp_pa
     assert dead is not None and live is not None
     dead.put(b"\x05" * 16, b"d" * 64)
     live.put(b"\x06" * 16, b"l" * 64)
+    dead.writer.flush()  # its write landed (a .tmp renamed mid-sweep is another case)
     os.close(dead.lock)  # killed: its lock goes with the process, its files stay
     (tmp_path / "notes").mkdir()  # the operator's, beside an unheld lock of its own name
     (tmp_path / "notes" / "todo.txt").write_text("mine")
@@ -345,6 +347,8 @@ def test_two_nodes_sweeping_one_dead_folder_at_once_both_start(tmp_path, monkeyp
 
     dead = TierStore(0, 1 << 20, tmp_path / "decode-0")
     dead.put(b"\x08" * 16, b"d" * 64)
+    # its write landed: the writer thread renaming its .tmp under the rmtree below raced it
+    dead.writer.flush()
     os.close(dead.lock)  # killed
     real = tiers._hold
 
