@@ -104,17 +104,21 @@ def start_cluster(
     threads: int = 1,
     extra: dict[str, tuple[str, ...]] | None = None,
     gateways: int = 1,
+    each_gateway: list[tuple[str, ...]] | None = None,
 ) -> Cluster:
     """`extra` adds flags to single nodes by id (say, fixed ports for "decode-0");
-    `gateways` > 1: that many gateways, every node registered with each."""
+    `gateways` > 1: that many gateways, every node registered with each; `each_gateway`:
+    flags of each gateway (after `gateway_flags`), one tuple per gateway."""
     base = [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO"]
     urls, controls, procs = [], [], []
-    for _ in range(gateways):
+    own = each_gateway or [()] * gateways
+    assert len(own) == gateways, (each_gateway, gateways)
+    for i in range(gateways):
         port, control, tokens = free_port(), free_port(), free_port()
         urls.append(f"http://127.0.0.1:{port}")
         controls.append(f"tcp://127.0.0.1:{control}")
         gateway = [*base, "gateway", "--port", str(port), "--control-port", str(control),
-                   "--tokens-port", str(tokens), *gateway_flags]  # fmt: skip
+                   "--tokens-port", str(tokens), *gateway_flags, *own[i]]  # fmt: skip
         procs.append(subprocess.Popen(gateway))
     cluster = Cluster(url=urls[0], control=",".join(controls), urls=urls, gateways=procs)
     cluster.procs += procs

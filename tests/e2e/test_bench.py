@@ -9,9 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.e2e.conftest import Cluster, start_cluster
+
 
 def test_bench_smoke_through_a_real_cluster(make_cluster, tmp_path):
-    cluster = make_cluster(engine="sim", prefill=2, decode=2, node_flags=("--sim-time-scale", "1"))
+    # 1P1D: the tool's run and its reports are the point, not the cluster's size
+    cluster = make_cluster(engine="sim", node_flags=("--sim-time-scale", "1"))
     out = tmp_path / "run"
     cmd = [
         sys.executable,
@@ -68,16 +71,28 @@ def test_bench_smoke_through_a_real_cluster(make_cluster, tmp_path):
     assert summary["server_ttft_ms_p50"] is not None
 
 
-@pytest.mark.parametrize("scheduler", ["round_robin", "jsq"])
-def test_baseline_schedulers_queue_on_prefill_nodes_and_complete(make_cluster, scheduler):
-    cluster = make_cluster(
+@pytest.fixture(scope="module")
+def baseline():
+    """One gateway per baseline scheduler over the same nodes (both keep the prefill nodes'
+    local queues, which the nodes take from the gateway they register with), each test at
+    its own gateway, counting its own placements."""
+    cluster = start_cluster(
         engine="sim",
         prefill=2,
         decode=2,
-        gateway_flags=("--scheduler", scheduler),
+        gateways=2,
+        each_gateway=[("--scheduler", "round_robin"), ("--scheduler", "jsq")],
         node_flags=("--sim-time-scale", "1", "--max-batch", "2"),
     )
+    yield cluster
+    cluster.stop()
+
+
+@pytest.mark.parametrize("scheduler", ["round_robin", "jsq"])
+def test_baseline_schedulers_queue_on_prefill_nodes_and_complete(baseline, scheduler):
+    url = baseline.urls[["round_robin", "jsq"].index(scheduler)]
     body = {"prompt": list(range(100, 1100)), "max_tokens": 4, "ignore_eos": True}
+    cluster = Cluster(url=url, control=baseline.control)
     with ThreadPoolExecutor(12) as pool:
         results = list(pool.map(lambda _: cluster.post("/v1/completions", body), range(12)))
     assert [status for status, _ in results] == [200] * 12

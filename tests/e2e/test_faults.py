@@ -13,12 +13,13 @@ import socket
 import threading
 import time
 
+import pytest
 import zmq
 
 from pdserve.common.kv.tcp import ID_BYTES, frame_head
 from pdserve.common.wire.protocol import Heartbeat, Load, TokenBatch, encode
 from pdserve.common.wire.transport import free_port
-from tests.e2e.conftest import Cluster, start_up, wait_for, wait_up
+from tests.e2e.conftest import Cluster, start_cluster, start_up, wait_for, wait_up
 from tests.e2e.streams import run_streams, sim_text
 
 
@@ -47,16 +48,137 @@ def _blocks_in_use(cluster) -> float:
     return cluster.metric("pdserve:kv_blocks", state="in_use")
 
 
-# -- 3. one malformed message must not kill anything ---------------------------------------
-def test_garbage_on_every_internal_socket_changes_nothing(make_cluster, tokenizer):
-    data_port, kv_port = free_port(), free_port()
+# -- 4. the launcher keeps the cluster serving when a node dies ----------------------------
+def _children(pid: int) -> dict[str, int]:
+    """Node id (or "gateway") -> pid of each child process of `pid`."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().decode().split("\0")
+        except OSError:
+            continue
+        if ppid == pid:
+            name = args[args.index("--node-id") + 1] if "--node-id" in args else "gateway"
+            out[name] = int(entry)
+    return out
+
+
+def test_pdserve_up_restarts_a_killed_node_while_in_flight_requests_complete(tokenizer):
+    """Then a hung one (SIGSTOP): its process runs, but no gateway lists it any more."""
+    port = free_port()
+    args = ["--engine", "sim", "--prefill", "2", "--decode", "2", "--port", str(port)]
+    # 180 s, as start_cluster waits: five processes starting at once on two slow cores
+    args += ["--control-port", str(free_port()), "--tokens-port", str(free_port())]
+    args += ["--startup-timeout", "180"]
+    args += ["--restart-hung-after", "5", "--drain-timeout", "2"]  # drains bound the limit
+    # steps of twice the modelled time: 75 tokens decode as long as 150 (~1.4 s), with half
+    # the tokens to send, and a node killed mid-stream still holds streams
+    args += ["--sim-time-scale", "2"]
+    proc = start_up(args)
+    lines: list[str] = []
+    try:
+        wait_up(proc, lines)
+        before = _children(proc.pid)
+        assert set(before) == {"gateway", "prefill-0", "prefill-1", "decode-0", "decode-1"}
+        bodies = _bodies(120, 75)
+        results: list = []
+        load = threading.Thread(
+            target=lambda: results.extend(run_streams(f"http://127.0.0.1:{port}", bodies, 60))
+        )
+        load.start()
+        # killed once the gateway sees it run streams, not after a fixed sleep: a node that
+        # holds nothing when killed leaves no in-flight request to complete elsewhere
+        gateway = Cluster(url=f"http://127.0.0.1:{port}", control="")
+
+        def running() -> float:
+            return gateway.metric("pdserve:num_requests_running", node="decode-1")
+
+        assert wait_for(lambda: running() > 0, timeout=60), "decode-1 never ran a stream"
+        os.kill(before["decode-1"], signal.SIGKILL)
+        load.join(90)
+        _check_texts(tokenizer, bodies, results)
+        # the kill bit: decode-1's streams were re-placed
+        assert gateway.metric("pdserve:request_replacements_total") > 0
+        assert proc.poll() is None, "the launcher stopped the cluster"
+
+        def restarted(name: str) -> bool:
+            pid = _children(proc.pid).get(name)
+            if pid is None or pid == before[name]:
+                return False
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+                return f'"{name}"'.encode() in s.makefile("rb").read()
+
+        # the restart includes a fresh process's start-up: seconds on a slow, busy CPU; each
+        # look reads every process's /proc entry (and asks /health): 4 a second, not 20
+        assert wait_for(lambda: restarted("decode-1"), timeout=60, interval=0.25)
+        assert _children(proc.pid)["prefill-0"] == before["prefill-0"]  # the rest untouched
+        os.kill(before["prefill-1"], signal.SIGSTOP)  # hung: dropped, never back
+        assert wait_for(lambda: restarted("prefill-1"), timeout=60, interval=0.25)
+        assert _children(proc.pid)["prefill-0"] == before["prefill-0"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert any("restarting decode-1" in line for line in lines), lines[-20:]
+    assert any("prefill-1 runs but no gateway" in line for line in lines), lines[-20:]
+
+
+# -- 5. long prefill passes do not stall KV transfers --------------------------------------
+def test_transfers_behind_a_long_prefill_pass_never_time_out(make_cluster, tokenizer):
+    """The decode node reserves at the KV header, sent as the forward pass starts; a pass
+    longer than --kv-transfer-timeout (16 x 1,000 prompt tokens at this time scale take
+    about 3 s) must not count as a stalled transfer."""
     cluster = make_cluster(
         engine="sim",
-        node_flags=("--sim-time-scale", "0.05", "--kv-backend", "tcp"),
-        extra={"decode-0": ("--data-port", str(data_port), "--kv-tcp-port", str(kv_port))},
+        gateway_flags=("--offer-timeout", "1"),
+        node_flags=("--sim-time-scale", "10", "--kv-transfer-timeout", "1", "--kv-backend", "tcp"),
     )
-    control = cluster.control
+    bodies = [
+        {"prompt": list(range(2000 + i, 3000 + i)), "max_tokens": 3, "seed": i,
+         "temperature": 1.0, "ignore_eos": True, "stream": True}
+        for i in range(16)
+    ]  # fmt: skip
+    results = run_streams(cluster.url, bodies, timeout=60)
+    _check_texts(tokenizer, bodies, results)
+    assert cluster.metric("pdserve:request_replacements_total") == 0
+    assert cluster.metric("pdserve:placement_offer_timeouts_total") == 0
+    assert wait_for(lambda: _blocks_in_use(cluster) == 0, timeout=8)
+
+
+# -- the tests below share one cluster (last in the file: it lives only while they run) ----
+@pytest.fixture(scope="module")
+def shared():
+    """One sim cluster (1P1D, TCP KV) for the tests that leave its nodes as they found them,
+    with two gateways: the first as configured by default, the second with a 3 ms offer
+    timeout; each test counts at its own gateway, or counts what it adds. decode-0 on fixed
+    ports (the garbage test writes to them)."""
+    ports = free_port(), free_port()
+    cluster = start_cluster(
+        engine="sim",
+        gateways=2,
+        each_gateway=[(), ("--offer-timeout", "0.003")],
+        node_flags=("--sim-time-scale", "0.02", "--kv-backend", "tcp", "--max-model-len", "4096"),
+        extra={"decode-0": ("--data-port", str(ports[0]), "--kv-tcp-port", str(ports[1]))},
+    )
+    yield cluster, ports
+    cluster.stop()
+
+
+# -- 3. one malformed message must not kill anything ---------------------------------------
+def test_garbage_on_every_internal_socket_changes_nothing(shared, tokenizer):
+    cluster, (data_port, kv_port) = shared
+    control = cluster.control.split(",")[0]  # the first gateway's
     tokens = control.rsplit(":", 1)[0] + ":" + str(_tokens_port(cluster))
+    messages = "pdserve:node_messages_total"
+    malformed = cluster.metric(messages, type="malformed")
+    batches = cluster.metric(messages, type="TokenBatch")
     rng = random.Random(3)
     ctx = zmq.Context()
     try:
@@ -104,10 +226,10 @@ def test_garbage_on_every_internal_socket_changes_nothing(make_cluster, tokenize
     # the 3 token frames that decode to nothing (a PULL socket reads a multipart's parts one
     # by one), and more: libzmq reads some of the raw TCP bytes as legacy ZMTP/1.0 frames.
     # The unequal batch and the stranger's heartbeat decode, and their handlers drop them
-    messages = "pdserve:node_messages_total"
     # the gateway reads them in its own time: a loaded host may not have counted all by now
-    assert wait_for(lambda: cluster.metric(messages, type="malformed") >= 7, 20)
-    assert wait_for(lambda: cluster.metric(messages, type="TokenBatch") == 1, 20)  # no request ran
+    assert wait_for(lambda: cluster.metric(messages, type="malformed") >= malformed + 7, 20)
+    # no request ran: the unequal batch alone
+    assert wait_for(lambda: cluster.metric(messages, type="TokenBatch") == batches + 1, 20)
     assert cluster.metric(messages, type="Heartbeat") > 0
     bodies = _bodies(40, 8)
     _check_texts(tokenizer, bodies, run_streams(cluster.url, bodies, timeout=30))
@@ -123,124 +245,22 @@ def _load() -> Load:
     return Load(running=0, waiting=0, blocks_free=1, blocks_cached=0, blocks_in_use=0)
 
 
-# -- 4. the launcher keeps the cluster serving when a node dies ----------------------------
-def _children(pid: int) -> dict[str, int]:
-    """Node id (or "gateway") -> pid of each child process of `pid`."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                args = f.read().decode().split("\0")
-        except OSError:
-            continue
-        if ppid == pid:
-            name = args[args.index("--node-id") + 1] if "--node-id" in args else "gateway"
-            out[name] = int(entry)
-    return out
-
-
-def test_pdserve_up_restarts_a_killed_node_while_in_flight_requests_complete(tokenizer):
-    """Then a hung one (SIGSTOP): its process runs, but no gateway lists it any more."""
-    port = free_port()
-    args = ["--engine", "sim", "--prefill", "2", "--decode", "2", "--port", str(port)]
-    # 180 s, as start_cluster waits: five processes starting at once on two slow cores
-    args += ["--control-port", str(free_port()), "--tokens-port", str(free_port())]
-    args += ["--startup-timeout", "180"]
-    args += ["--restart-hung-after", "5", "--drain-timeout", "2"]  # drains bound the limit
-    proc = start_up(args)
-    lines: list[str] = []
-    try:
-        wait_up(proc, lines)
-        before = _children(proc.pid)
-        assert set(before) == {"gateway", "prefill-0", "prefill-1", "decode-0", "decode-1"}
-        bodies = _bodies(120, 150)
-        results: list = []
-        load = threading.Thread(
-            target=lambda: results.extend(run_streams(f"http://127.0.0.1:{port}", bodies, 60))
-        )
-        load.start()
-        # killed once the gateway sees it run streams, not after a fixed sleep: a node that
-        # holds nothing when killed leaves no in-flight request to complete elsewhere
-        gateway = Cluster(url=f"http://127.0.0.1:{port}", control="")
-
-        def running() -> float:
-            return gateway.metric("pdserve:num_requests_running", node="decode-1")
-
-        assert wait_for(lambda: running() > 0, timeout=60), "decode-1 never ran a stream"
-        os.kill(before["decode-1"], signal.SIGKILL)
-        load.join(90)
-        _check_texts(tokenizer, bodies, results)
-        # the kill bit: decode-1's streams were re-placed
-        assert gateway.metric("pdserve:request_replacements_total") > 0
-        assert proc.poll() is None, "the launcher stopped the cluster"
-
-        def restarted(name: str) -> bool:
-            pid = _children(proc.pid).get(name)
-            if pid is None or pid == before[name]:
-                return False
-            with socket.create_connection(("127.0.0.1", port)) as s:
-                s.sendall(b"GET /health HTTP/1.0\r\n\r\n")
-                return f'"{name}"'.encode() in s.makefile("rb").read()
-
-        # the restart includes a fresh process's start-up: seconds on a slow, busy CPU
-        assert wait_for(lambda: restarted("decode-1"), timeout=60)
-        assert _children(proc.pid)["prefill-0"] == before["prefill-0"]  # the rest untouched
-        os.kill(before["prefill-1"], signal.SIGSTOP)  # hung: dropped, never back
-        assert wait_for(lambda: restarted("prefill-1"), timeout=60)
-        assert _children(proc.pid)["prefill-0"] == before["prefill-0"]
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert any("restarting decode-1" in line for line in lines), lines[-20:]
-    assert any("prefill-1 runs but no gateway" in line for line in lines), lines[-20:]
-
-
-# -- 5. long prefill passes do not stall KV transfers --------------------------------------
-def test_transfers_behind_a_long_prefill_pass_never_time_out(make_cluster, tokenizer):
-    """The decode node reserves at the KV header, sent as the forward pass starts; a pass
-    longer than --kv-transfer-timeout (16 x 1,000 prompt tokens at this time scale take
-    about 3 s) must not count as a stalled transfer."""
-    cluster = make_cluster(
-        engine="sim",
-        gateway_flags=("--offer-timeout", "1"),
-        node_flags=("--sim-time-scale", "10", "--kv-transfer-timeout", "1", "--kv-backend", "tcp"),
-    )
-    bodies = [
-        {"prompt": list(range(2000 + i, 3000 + i)), "max_tokens": 3, "seed": i,
-         "temperature": 1.0, "ignore_eos": True, "stream": True}
-        for i in range(16)
-    ]  # fmt: skip
-    results = run_streams(cluster.url, bodies, timeout=60)
-    _check_texts(tokenizer, bodies, results)
-    assert cluster.metric("pdserve:request_replacements_total") == 0
-    assert cluster.metric("pdserve:placement_offer_timeouts_total") == 0
-    assert wait_for(lambda: _blocks_in_use(cluster) == 0, timeout=8)
-
-
 # -- 6. every request ends ------------------------------------------------------------------
-def test_offers_answered_after_their_timeout_leave_no_hung_request_and_no_kv(
-    make_cluster, tokenizer
-):
+def test_offers_answered_after_their_timeout_leave_no_hung_request_and_no_kv(shared, tokenizer):
     """Under load the gateway may read an Accept after it gave up on that offer and offered
-    the request again: the late acceptance must be told apart from the live one."""
-    cluster = make_cluster(
-        engine="sim",
-        gateway_flags=("--offer-timeout", "0.003"),
-        node_flags=("--sim-time-scale", "0.02", "--kv-backend", "tcp"),
-    )
+    the request again: the late acceptance must be told apart from the live one. Through
+    the gateway with a 3 ms --offer-timeout."""
+    cluster, _ = shared
+    url = cluster.urls[1]
     bodies = _bodies(300, 8, stream=False)
-    prefill = cluster.procs[1]
+    prefill = cluster.procs[2]  # the gateways, prefill-0, decode-0
+    accepts = cluster.metric("pdserve:placement_accepts_total", url)
 
     def freeze() -> None:
         # offers sent while the prefill node is frozen get no answer within 3 ms, and are
         # answered late, after the gateway offered again: the case, on a host of any speed
-        wait_for(lambda: cluster.metric("pdserve:placement_accepts_total") >= 20, timeout=30)
+        wait_for(lambda: cluster.metric("pdserve:placement_accepts_total", url) >= accepts + 20,
+                 timeout=30)  # fmt: skip
         prefill.send_signal(signal.SIGSTOP)
         time.sleep(0.3)
         prefill.send_signal(signal.SIGCONT)
@@ -248,11 +268,12 @@ def test_offers_answered_after_their_timeout_leave_no_hung_request_and_no_kv(
     frozen = threading.Thread(target=freeze)
     frozen.start()
     try:
-        _check_texts(tokenizer, bodies, run_streams(cluster.url, bodies, timeout=40))
+        _check_texts(tokenizer, bodies, run_streams(url, bodies, timeout=40))
     finally:
         frozen.join()
         prefill.send_signal(signal.SIGCONT)
-    assert cluster.metric("pdserve:placement_offer_timeouts_total") > 0  # the case did occur
+    # the case did occur (this gateway's own count: the other's offers never time out)
+    assert cluster.metric("pdserve:placement_offer_timeouts_total", url) > 0
     assert wait_for(lambda: _blocks_in_use(cluster) == 0, timeout=8)
 
 
@@ -276,11 +297,8 @@ def _weird_body(rng: random.Random) -> tuple[str, bytes]:
     return path, json.dumps(body).encode()
 
 
-def test_twelve_hundred_malformed_or_unusual_requests_all_end_and_none_is_a_5xx(make_cluster):
-    cluster = make_cluster(
-        engine="sim",
-        node_flags=("--sim-time-scale", "0.02", "--kv-backend", "tcp", "--max-model-len", "4096"),
-    )
+def test_twelve_hundred_malformed_or_unusual_requests_all_end_and_none_is_a_5xx(shared):
+    cluster, _ = shared
     rng = random.Random(11)
     requests = [_weird_body(rng) for _ in range(1200)]
     # multi-megabyte prompts, refused unread (surely past the context), and prompts just

@@ -33,7 +33,9 @@ OPTIONS = {"stream_options": {"include_usage": True, "continuous_usage_stats": T
 def cluster(request):
     """The stream kept by a decode node its prefill node's KV went to, or by the node that
     took the offer (the stream's options reach each from the offer)."""
-    flags = ("--sim-time-scale", "1", "--orphan-grace", "60")
+    # --drain-timeout 1: each stream ended is kept for the grace, which a node stopped at
+    # teardown would wait out (past the 10 s it is given): handed back after 1 s instead
+    flags = ("--sim-time-scale", "1", "--orphan-grace", "60", "--drain-timeout", "1")
     nodes = {"prefill": 0, "decode": 0, **request.param}
     cluster = start_cluster(engine="sim", gateways=2, node_flags=flags, **nodes)
     yield cluster
@@ -124,47 +126,55 @@ def _fold(events: list[Event]) -> list[Event]:
 
 
 async def _check_every_resume(
-    cluster, body: dict[str, Any], query: str, trailers: bool
-) -> tuple[int, str]:
-    """The stream read whole at one gateway, then resumed at the other from each event it
-    has (`trailers`: the finish and usage chunks too, else the rest); `query` is passed to
-    each resume. Returns the number of resumes and the stream's finish reason."""
+    cluster, cases: list[tuple[dict[str, Any], str, bool]]
+) -> list[tuple[int, str]]:
+    """Each case's stream (body, query, trailers) read whole at one gateway, then resumed at
+    the other from each event it has (`trailers`: the finish and usage chunks too, else the
+    rest); `query` is passed to each resume. Returns each stream's number of resumes and
+    finish reason."""
     first, other = cluster.urls
-    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     headers = {"Content-Type": "application/json", "pdserve-resumable": "1"}
     async with aiohttp.ClientSession() as session:
-        async with session.post(f"{first}{path}", data=orjson.dumps(body),
-                                headers=headers) as resp:  # fmt: skip
-            whole = await _events(resp)
-        chunks = [c for _, c in whole if c is not None]
-        stream_id, created = chunks[0]["id"], chunks[0]["created"]
-        # a resume in a later second than the stream began: a new `created` would show
-        while int(time.time()) <= created:
+        streams = []
+        for body, _, _ in cases:
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            async with session.post(f"{first}{path}", data=orjson.dumps(body),
+                                    headers=headers) as resp:  # fmt: skip
+                streams.append(await _events(resp))
+        # every resume in a later second than its stream began (a new `created` would show):
+        # one wait for all of them, not one each
+        created = [next(c for _, c in whole if c is not None)["created"] for whole in streams]
+        while int(time.time()) <= max(created):
             await asyncio.sleep(0.05)
-        resumes = 0
-        for i, (event_id, chunk) in enumerate(whole):
-            if event_id is None or not (trailers or _text_chunk(chunk) or i == 0):
-                continue
-            rest = await _resume(session, other, stream_id, event_id, query)
-            assert _fold(whole[: i + 1] + rest) == _fold(whole), (event_id, rest)
-            resumes += 1
-        reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
-        return resumes, reasons[-1]
+        out = []
+        for (_, query, trailers), whole in zip(cases, streams, strict=True):
+            chunks = [c for _, c in whole if c is not None]
+            stream_id = chunks[0]["id"]
+            resumes = 0
+            for i, (event_id, chunk) in enumerate(whole):
+                if event_id is None or not (trailers or _text_chunk(chunk) or i == 0):
+                    continue
+                rest = await _resume(session, other, stream_id, event_id, query)
+                assert _fold(whole[: i + 1] + rest) == _fold(whole), (event_id, rest)
+                resumes += 1
+            reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+            out.append((resumes, reasons[-1]))
+        return out
 
 
 def test_a_resume_from_any_event_brings_exactly_the_events_after_it(cluster, tokenizer):
     """From each event id, the finish and usage chunks included: nothing repeated (a client
     that had the usage chunk gets only [DONE]), nothing lost. The usage chunk is asked for
     again by the resume's `?include_usage=true`, as a client of an older gateway would."""
-    for name, body in _bodies(tokenizer).items():
-        body = {**body, "stream_options": {"include_usage": True}}
-        resumes, reason = asyncio.run(
-            _check_every_resume(cluster, body, "?include_usage=true", True)
-        )
+    bodies = _bodies(tokenizer)
+    usage = {"stream_options": {"include_usage": True}}
+    cases = [({**body, **usage}, "?include_usage=true", True) for body in bodies.values()]
+    cases.append((bodies["completion"], "", True))  # no usage chunk: the finish chunk is last
+    *checked, (plain, _) = asyncio.run(_check_every_resume(cluster, cases))
+    for name, (resumes, reason) in zip(bodies, checked, strict=True):
         assert resumes >= 4, name  # the role or a text chunk, the finish and usage chunks
         assert reason == ("stop" if name == "stop string" else "length"), name
-    body = _bodies(tokenizer)["completion"]  # no usage chunk: the finish chunk is the last
-    assert asyncio.run(_check_every_resume(cluster, body, "", True))[0] >= 2
+    assert plain >= 2
 
 
 def test_a_resumed_stream_keeps_its_requests_output_options(cluster, tokenizer):
@@ -172,6 +182,8 @@ def test_a_resumed_stream_keeps_its_requests_output_options(cluster, tokenizer):
     were the request's only (the resume says none): the resumed chunks carry the token ids
     from where the client's left off (the prompt's once, in the stream's first), `usage`
     (each chunk's so far), and the stream's `created`, as the uninterrupted stream's do."""
-    for name, body in _bodies(tokenizer).items():
-        resumes, _ = asyncio.run(_check_every_resume(cluster, {**body, **OPTIONS}, "", False))
+    bodies = _bodies(tokenizer)
+    cases = [({**body, **OPTIONS}, "", False) for body in bodies.values()]
+    checked = asyncio.run(_check_every_resume(cluster, cases))
+    for name, (resumes, _) in zip(bodies, checked, strict=True):
         assert resumes >= 2, name
