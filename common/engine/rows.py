@@ -1,18 +1,22 @@
-"""float32 CPU matmuls whose rows do not depend on the batch: rows padded to a row group.
+"""float32 CPU matmuls whose rows do not depend on the batch: calls of measured sizes only.
 
 The token-for-token invariant needs a row's result to be the same whichever rows share its
-call. MKL's float32 matmul breaks that at few rows: one row runs a GEMV, and below 12 rows
-the rows past a multiple of 4 take another path, each with other last bits (measured, torch
-2.13 with MKL on an AMD EPYC Zen 5: `F.linear(x[:m], W)` differs from `F.linear(x, W)[:m]`
-at m = 1, 2, 3, 5, 6, 7, 9, 10, 11). Padded with zero rows to a multiple of 4, every row
-matches the big call's at every m measured: 1-300 at every layer shape of SmolLM2, up to
-2,048 at two of them.
+call. MKL's float32 matmul breaks that in two ways. At few rows a row takes another kernel:
+one row runs a GEMV, and below 12 rows the rows past a multiple of 4 take another path, each
+with other last bits (torch 2.13 with MKL on an AMD EPYC Zen 5: `F.linear(x[:m], W)` differs
+from `F.linear(x, W)[:m]` at m = 1, 2, 3, 5, 6, 7, 9, 10, 11); padding with zero rows to a
+multiple of a row group mends that. And on two threads MKL splits some calls' work another
+way by their size: on a 2-vCPU Intel Xeon (family 6 model 167, AVX-512, AMX) SmolLM2's
+1536 x 576 down projection gives other bits for every call of 49-192 rows, padded or not,
+than for calls of up to 48 or from 193 rows.
 
-The row group is measured, not assumed: once per process, thread count and weight shape
-(at load: `warm`, called by the runner; else at first use), `row_group` tries 4, 8 and 16
-rows on a random matrix of the weight's shape and keeps the smallest for which every row
-count up to 3 groups and a few larger ones give the rows of a 320-row call bit for bit. If
-none does, a WARNING says so once and calls run unpadded.
+So a call's rows go to F.linear only in calls of sizes measured to agree (`RowPlan`): once
+per process, thread count and weight shape (at load: `warm`, called by the runner; else at
+first use), `probe` takes the smallest row group of 4, 8 and 16 at which calls of 1-3
+groups, padded, give a 516-row call's rows, then keeps each of LADDER's larger sizes that
+gives them too (none giving them: the group's own one-group calls are the reference). A
+call of m rows runs as a few calls of kept sizes, the last padded with zero rows. If no
+group holds, a WARNING says so once and calls run unpadded.
 
 Padding costs at few rows (1536 x 576: 52 us at one row, 155 us at four): decode rows run on
 gguf_matmul.c's kernels where they build (gguf_linear.py), and this serves prompt rows.
@@ -31,9 +35,31 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 CANDIDATES = (4, 8, 16)
-REFERENCE_ROWS = 320  # the big call rows are held to: a multiple of every candidate group
-_groups: dict[tuple[int, int, int], int] = {}  # (threads, N, K) -> row group (1: none holds)
+LADDER = (64, 128, 256, 512)  # larger call sizes tried: a long prompt's rows in few calls
+_plans: dict[tuple[int, int, int], RowPlan] = {}  # (threads, N, K) -> its plan
 _warned: list[bool] = []
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """The call sizes (multiples of `group`, ascending) whose rows agree; group 1: none."""
+
+    group: int
+    sizes: tuple[int, ...]
+
+    def calls(self, m: int) -> list[tuple[int, int]]:
+        """m rows as (rows, call size) pieces: one call where padding stays within a group,
+        else the largest kept size and on."""
+        out: list[tuple[int, int]] = []
+        while m > 0:
+            up = next((s for s in self.sizes if s >= m), 0)
+            if up and up - m < self.group:
+                out.append((m, up))
+                break
+            size = max((s for s in self.sizes if s <= m), default=self.sizes[0])
+            out.append((min(size, m), size))
+            m -= size
+        return out
 
 
 @dataclass
@@ -47,55 +73,91 @@ def _applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == w.dtype == torch.float32
 
 
-def padded(x: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:
-    """F.linear(x, w) with x's rows padded with zeros to a multiple of `group`."""
+def padded(x: torch.Tensor, w: torch.Tensor, size: int) -> torch.Tensor:
+    """F.linear(x, w) for x's rows padded with zeros to `size` rows (x has at most that)."""
     m = x.shape[0]
-    extra = -m % group
-    if extra == 0:
+    if m == size:
         return F.linear(x, w)
-    return F.linear(F.pad(x, (0, 0, 0, extra)), w)[:m]  # the first rows: still contiguous
+    return F.linear(F.pad(x, (0, 0, 0, size - m)), w)[:m]  # the first rows: still contiguous
 
 
-def _holds(group: int, w: torch.Tensor, x: torch.Tensor, full: torch.Tensor) -> bool:
-    counts = [*range(1, 3 * group + 1), 5 * group + 1, 8 * group + 3, 64, 99, 257]
-    for m in counts:
-        at = m % 5  # rows at other offsets than the first: their place must not matter either
-        if not torch.equal(padded(x[at : at + m], w, group), full[at : at + m]):
+def _agrees(size: int, w: torch.Tensor, x: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Calls of `size` rows, full and one row short (padded), at rows off a group's start,
+    give the reference's rows."""
+    for m in {size, size - 1} - {0}:
+        at = 1 + m % 3  # rows at other offsets than the first: their place must not matter
+        if not torch.equal(padded(x[at : at + m], w, size), ref[at : at + m]):
             return False
     return True
 
 
-def probe(n: int, k: int) -> int:
-    """The smallest row group at which padded calls give a 320-row call's rows, or 1."""
+def _reference(x: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:
+    return torch.cat([padded(c, w, group) for c in x.split(group)])
+
+
+def _holds(group: int, w: torch.Tensor, x: torch.Tensor, ref: torch.Tensor) -> bool:
+    return all(_agrees(s, w, x, ref) for s in (group, 2 * group, 3 * group)) and torch.equal(
+        padded(x[2:3], w, group), ref[2:3]
+    )  # and one row among zeros
+
+
+def probe(n: int, k: int) -> RowPlan:
+    """The smallest row group whose calls give a big call's rows and the LADDER sizes that
+    do too; failing that, the smallest whose calls agree with its own one-group calls."""
     gen = torch.Generator().manual_seed(n * 7919 + k)
     w = torch.randn(n, k, generator=gen) * k**-0.5
-    x = torch.randn(REFERENCE_ROWS, k, generator=gen)
-    full = F.linear(x, w)
-    return next((g for g in CANDIDATES if _holds(g, w, x, full)), 1)
+    x = torch.randn(max(LADDER) + 4, k, generator=gen)
+    big = F.linear(x, w)
+    return (
+        _plan(w, x, lambda group, rows: big[:rows])
+        # each row from a call of one group at a group's start, the rows a check needs
+        # first (a large N reads its whole weight at every call)
+        or _plan(w, x, lambda group, rows: _reference(x[:rows], w, group))
+        or RowPlan(1, (1,))
+    )
 
 
-def row_group(w: torch.Tensor) -> int:
-    """The row group for F.linear with this (N, K) weight on this thread count (cached)."""
+def _plan(
+    w: torch.Tensor, x: torch.Tensor, reference: Callable[[int, int], torch.Tensor]
+) -> RowPlan | None:
+    for group in CANDIDATES:
+        if _holds(group, w, x, reference(group, 4 * group)):
+            ref = reference(group, x.shape[0])
+            kept = [s for s in LADDER if s % group == 0 and _agrees(s, w, x, ref)]
+            return RowPlan(group, (group, 2 * group, 3 * group, *kept))
+    return None
+
+
+def row_plan(w: torch.Tensor) -> RowPlan:
+    """The plan for F.linear with this (N, K) weight on this thread count (cached)."""
     key = (torch.get_num_threads(), w.shape[0], w.shape[1])
-    if key not in _groups:
-        _groups[key] = probe(key[1], key[2])
-        if _groups[key] == 1 and not _warned:
+    if key not in _plans:
+        _plans[key] = probe(key[1], key[2])
+        if _plans[key].group == 1 and not _warned:
             _warned.append(True)
             log.warning(
                 "float32 F.linear's rows depend on the batch at every row group tried %s "
                 "(%d threads, %d x %d): a sequence's tokens may then depend on its batch",
                 CANDIDATES, *key,
             )  # fmt: skip
-    return _groups[key]
+    return _plans[key]
 
 
 def row_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias) for x (M, K), with rows that do not depend on M or on the other
-    rows in float32 on CPU (padded to the row group); other dtypes and devices as F.linear.
+    rows in float32 on CPU (calls of the plan's sizes); other dtypes and devices as F.linear.
     The bias is added apart: its own elementwise op, the same for every row."""
     if not _applies(x, w):
         return F.linear(x, w, bias)
-    out = padded(x, w, row_group(w))
+    plan = row_plan(w)
+    if plan.group == 1 or x.shape[0] == 0:
+        out = F.linear(x, w)
+    else:
+        parts, at = [], 0
+        for m, size in plan.calls(x.shape[0]):
+            parts.append(padded(x[at : at + m], w, size))
+            at += m
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out if bias is None else out + bias
 
 
@@ -135,11 +197,11 @@ class RowLinear(nn.Module):
 def warm(model: nn.Module) -> int:
     """Measure the row group of every float32 CPU weight the model's layers pad (a RowLinear's
     weight, a prompt rows' `dense`) now, at load, not in the first request (~10-40 ms a layer
-    shape, ~0.8 s for SmolLM2's LM head, 2 threads); how many shapes there are."""
+    shape, ~1.2 s for SmolLM2's LM head, 2 threads); how many shapes there are."""
     shapes = set()
     for m in model.modules():
         w = m.weight if isinstance(m, RowLinear) else getattr(m, "dense", None)
         if isinstance(w, torch.Tensor) and w.dim() == 2 and _applies(w, w):
-            row_group(w)
+            row_plan(w)
             shapes.add(tuple(w.shape))
     return len(shapes)

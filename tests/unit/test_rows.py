@@ -1,36 +1,39 @@
 """rows.py: float32 CPU matmuls whose rows do not depend on the batch (the token-for-token
-invariant), by padding F.linear's rows to a row group measured at first use.
+invariant), by calls of sizes measured at first use to agree, padded with zero rows.
 
 Plain F.linear fails the first test on an AMD EPYC Zen 5 with torch 2.13's MKL (rows of 1-3,
-5-7 and 9-11 rows take other paths, other last bits); padded, every row count gives the
-big call's rows."""
+5-7 and 9-11 rows take other paths, other last bits); padding to a row group alone fails it
+on a 2-vCPU Intel Xeon family 6 model 167 at 2 threads (the 1536 x 576 layer's calls of
+49-192 rows split their work another way); with the measured sizes every row count gives
+the same rows."""
 
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pdserve.common.engine import rows
-from pdserve.common.engine.rows import RowLinear, StepRows, by_step, row_linear
+from pdserve.common.engine.rows import RowLinear, RowPlan, StepRows, by_step, row_linear
 
 pytestmark = pytest.mark.cpu  # make test-cpu-variants: native and AVX2-only
 
 # SmolLM2-135M's linear layers (N, K): fused qkv, o_proj, fused gate_up, down_proj, LM head
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
-COUNTS = [*range(1, 41), 64, 300]
+COUNTS = [*range(1, 41), 64, 100, 150, 300]
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_a_rows_bits_do_not_depend_on_how_many_rows_share_the_call(n, k):
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g) * k**-0.5
-    x = torch.randn(rows.REFERENCE_ROWS, k, generator=g)
+    x = torch.randn(320, k, generator=g)
     full = row_linear(x, w)
-    assert torch.equal(full, nn.functional.linear(x, w))  # 320 rows: a multiple of any group
-    assert rows.row_group(w) in rows.CANDIDATES, "no row group holds on this CPU"
+    assert rows.row_plan(w).group in rows.CANDIDATES, "no row group holds on this CPU"
     for m in COUNTS:
         got = row_linear(x[:m], w)
         assert got.shape == (m, n) and got.is_contiguous()
@@ -48,13 +51,13 @@ def test_the_bias_is_added_apart_and_other_dtypes_run_plain_f_linear():
 
 
 def test_no_row_group_holding_is_warned_once_and_runs_unpadded(monkeypatch, caplog):
-    monkeypatch.setattr(rows, "_groups", {})
+    monkeypatch.setattr(rows, "_plans", {})
     monkeypatch.setattr(rows, "_warned", [])
     monkeypatch.setattr(rows, "_holds", lambda *a: False)  # a CPU where no padding helps
     w, x = torch.randn(32, 64), torch.randn(3, 64)
     with caplog.at_level(logging.WARNING, logger=rows.__name__):
-        assert rows.row_group(w) == 1
-        assert rows.row_group(torch.randn(48, 64)) == 1
+        assert rows.row_plan(w).group == 1
+        assert rows.row_plan(torch.randn(48, 64)).group == 1
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
     assert torch.equal(row_linear(x, w), nn.functional.linear(x, w))
 
@@ -85,3 +88,34 @@ def test_row_linear_keeps_the_layers_parameters():
         layer(x), row_linear(x.reshape(6, 64), linear.weight, linear.bias).view(2, 3, 24)
     )
     assert StepRows().prompt == 0
+
+
+def test_a_call_runs_as_few_calls_of_kept_sizes_padding_within_a_group():
+    plan = RowPlan(16, (16, 32, 48, 256, 512))  # 64 and 128 gave other rows: not kept
+    assert plan.calls(0) == [] and plan.calls(5) == [(5, 16)] and plan.calls(48) == [(48, 48)]
+    assert plan.calls(100) == [(48, 48), (48, 48), (4, 16)]
+    assert plan.calls(250) == [(250, 256)]  # one call: 6 zero rows, within a group
+    assert plan.calls(1100) == [(512, 512), (512, 512), (48, 48), (28, 32)]
+    assert RowPlan(4, (4, 8, 12, 64)).calls(13) == [(12, 12), (1, 4)]
+
+
+def test_sizes_whose_calls_split_the_work_another_way_are_not_used(monkeypatch):
+    """A CPU whose F.linear gives calls of 49-192 rows other last bits (the Xeon above at
+    2 threads), played on any CPU: the probe drops 64 and 128, and every row count still
+    gives the same rows. Padding to the group alone gave 64 rows other bits."""
+    real = nn.functional.linear
+
+    def split_another_way(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = real(x, w)
+        return out * (1 + 2**-20) if 49 <= x.shape[0] <= 192 else out
+
+    monkeypatch.setattr(rows, "F", SimpleNamespace(linear=split_another_way, pad=F.pad))
+    monkeypatch.setattr(rows, "_plans", {})
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(40, 64, generator=g), torch.randn(400, 64, generator=g)
+    plan = rows.row_plan(w)
+    assert 64 not in plan.sizes and 128 not in plan.sizes and 256 in plan.sizes, plan
+    full = row_linear(x, w)
+    for m in (1, 5, 49, 64, 100, 150, 192, 193, 300):
+        assert torch.equal(row_linear(x[3 : 3 + m], w), full[3 : 3 + m]), m
+    assert not torch.equal(rows.padded(x[:64], w, 64), full[:64])  # what padding alone ran
