@@ -5,16 +5,20 @@ one KV cache per node)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import hashlib
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
+
+from aiohttp import web
 
 from pdserve.common.config import EngineConfig, GatewayConfig, NodeConfig
 from pdserve.common.engine.sim import SimEngine
 from pdserve.common.node import NodeRuntime, RegistrationRefused, RoleDefaults
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.wire.transport import free_port
+from pdserve.gateway.app import CONFIG, SERVICE, errors_middleware
 from pdserve.gateway.core import Gateway
 from pdserve.gateway.requests import Done, Failed, GatewayRequest
 
@@ -30,6 +34,23 @@ async def until(pred: Callable[[], bool], timeout: float = TIMEOUT, what: str = 
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what or pred}")
         await asyncio.sleep(0.005)
+
+
+@contextlib.asynccontextmanager
+async def http_front(gw: Gateway, routes: Iterable[web.RouteDef]) -> AsyncIterator[str]:
+    """The gateway's handlers `routes` on a free port, as gateway/app.py serves them: the
+    base URL while the context lasts."""
+    app = web.Application(middlewares=[errors_middleware])
+    app[CONFIG], app[SERVICE] = gw.cfg, gw.service
+    app.add_routes(routes)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
 
 
 async def outcome(req: GatewayRequest, timeout: float = TIMEOUT) -> Done | Failed:

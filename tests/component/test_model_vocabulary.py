@@ -6,6 +6,7 @@ tokenizer's is served (the sim profiles' is Llama 3.1's, 128256, past SmolLM2's 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -13,11 +14,10 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.common.engine.sim import SimEngine
-from pdserve.common.wire.transport import free_port
 from pdserve.decode_node.server import DecodeRole
-from pdserve.gateway.app import CONFIG, SERVICE, chat_completions, completions, errors_middleware
+from pdserve.gateway.app import chat_completions, completions
 from pdserve.prefill_node.server import PrefillRole
-from tests.component.cluster import SIM, SIM_VOCAB, Cluster, prompt, until
+from tests.component.cluster import SIM, SIM_VOCAB, Cluster, http_front, prompt, until
 
 SMALL = 40_000  # a model vocabulary below the tokenizer's (49152)
 BETWEEN = 45_000  # in the tokenizer's vocabulary, not in the model's
@@ -29,17 +29,10 @@ def _engine(vocab: int) -> SimEngine:
     return engine
 
 
-async def _serve(gw: Any) -> tuple[web.AppRunner, str]:
-    """The gateway's two generating endpoints over HTTP, as gateway/app.py routes them."""
-    app = web.Application(middlewares=[errors_middleware])
-    app[CONFIG], app[SERVICE] = gw.cfg, gw.service
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}/v1"
+def _serve(gw: Any) -> contextlib.AbstractAsyncContextManager[str]:
+    """The gateway's two generating endpoints over HTTP: the base URL of its v1 API."""
+    return http_front(gw, [web.post("/v1/completions", completions),
+                           web.post("/v1/chat/completions", chat_completions)])  # fmt: skip
 
 
 async def _post(url: str, path: str, body: dict) -> tuple[int, dict]:
@@ -70,8 +63,8 @@ async def test_an_id_past_the_models_vocabulary_is_a_400_at_once(tokenizer):
         await c.add(c.node(PrefillRole, "prefill-0", engine=_engine(SMALL + 1000)))
         await c.add(c.node(DecodeRole, "decode-0", engine=_engine(SMALL)))
         offers = _offers(c)
-        runner, url = await _serve(c.gw)
-        try:
+        async with _serve(c.gw) as base:
+            url = base + "/v1"
             chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
             text = {"prompt": prompt(5), "max_tokens": 2}
             bad = [
@@ -92,8 +85,6 @@ async def test_an_id_past_the_models_vocabulary_is_a_400_at_once(tokenizer):
             status, data = await _post(url, "/chat/completions", chat)
             assert status == 200 and data["usage"]["completion_tokens"] == 2, data
             assert len(offers) == 2
-        finally:
-            await runner.cleanup()
         await until(lambda: not c.gw.table, what="every request finished")
 
 
@@ -105,13 +96,11 @@ async def test_an_id_a_padded_vocabulary_has_past_the_tokenizers_is_served(token
     async with Cluster(tokenizer) as c:
         await c.add(c.node(PrefillRole, "prefill-0"))
         await c.add(c.node(DecodeRole, "decode-0"))
-        runner, url = await _serve(c.gw)
-        try:
+        async with _serve(c.gw) as base:
+            url = base + "/v1"
             body = {"prompt": [*prompt(5), padded], "max_tokens": 2, "stop_token_ids": [padded]}
             status, data = await _post(url, "/completions", body)
             assert status == 200 and data["usage"]["completion_tokens"] == 2, data
             status, data = await _post(url, "/completions", {**body, "prompt": [SIM_VOCAB]})
             assert status == 400 and f"[0, {SIM_VOCAB})" in data["error"]["message"], data
-        finally:
-            await runner.cleanup()
         await until(lambda: not c.gw.table, what="every request finished")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -20,14 +19,13 @@ from aiohttp import web
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.sim import SimEngine
-from pdserve.common.wire.transport import free_port
 from pdserve.decode_node.server import DecodeRole
-from pdserve.gateway.app import CONFIG, SERVICE, completions, errors_middleware, resume_stream
+from pdserve.gateway.app import completions, resume_stream
 from pdserve.gateway.core import Gateway
 from pdserve.gateway.requests import Failed
 from pdserve.loadgen.resumable import sse_events
 from pdserve.prefill_node.server import PrefillRole
-from tests.component.cluster import Cluster, until
+from tests.component.cluster import Cluster, http_front, until
 
 FAST = EngineConfig(engine="sim", sim_time_scale=0.05, num_kv_blocks=1024)
 # decode steps of ~0.3 s: a stream still running when its client, however slow, leaves it
@@ -45,21 +43,9 @@ async def _nodes(c: Cluster) -> tuple[Any, SimEngine]:
     return await c.add(c.node(DecodeRole, "decode-0", engine=engine, orphan_grace=60.0)), engine
 
 
-@contextlib.asynccontextmanager
-async def _http(gw: Gateway) -> AsyncIterator[str]:
-    """The gateway's handlers on a free port, as `create_app` serves them."""
-    app = web.Application(middlewares=[errors_middleware])
-    app[CONFIG], app[SERVICE] = gw.cfg, gw.service
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/streams/{stream_id}", resume_stream)
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+def _http(gw: Gateway) -> contextlib.AbstractAsyncContextManager[str]:
+    return http_front(gw, [web.post("/v1/completions", completions),
+                           web.get("/v1/streams/{stream_id}", resume_stream)])  # fmt: skip
 
 
 def _checked(event_id: str | None, chunk: dict) -> None:

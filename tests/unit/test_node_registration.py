@@ -6,6 +6,8 @@ refuse it), and how long it has served its role, said in every Register after th
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -49,9 +51,12 @@ class _Role:
         pass
 
 
-def _control_plane(ctx: Any, sent: list, monkeypatch: Any) -> ControlPlane:
-    """A node's control plane linked to two gateways that are not there: what it sends is
-    in `sent` (link, message), nothing goes on the wire."""
+@asynccontextmanager
+async def _control_plane(monkeypatch: Any) -> AsyncIterator[tuple[ControlPlane, list]]:
+    """A node's control plane linked to two gateways that are not there, and what it sends
+    (link, message) kept in a list: nothing goes on the wire. Its loops end (again:
+    harmless) before its sockets close."""
+    sent: list[tuple[GatewayLink, Any]] = []
 
     async def recorded(link: GatewayLink, msg: Any) -> None:
         sent.append((link, msg))
@@ -62,7 +67,14 @@ def _control_plane(ctx: Any, sent: list, monkeypatch: Any) -> ControlPlane:
     metrics: Any = SimpleNamespace(orphans=lambda outcome, n: None)
     node: Any = _Serving()
     role: Any = _Role()
-    return ControlPlane(cfg, "node-x", ctx, node, role, events, metrics)
+    ctx = zmq.asyncio.Context()
+    control = ControlPlane(cfg, "node-x", ctx, node, role, events, metrics)
+    try:
+        yield control, sent
+    finally:
+        await control.stop()
+        control.close()
+        ctx.term()
 
 
 def _sent(sent: list, kind: type) -> list[tuple[GatewayLink, Any]]:
@@ -72,25 +84,17 @@ def _sent(sent: list, kind: type) -> list[tuple[GatewayLink, Any]]:
 async def test_a_role_signalled_as_it_started_deregisters_from_no_gateway(monkeypatch):
     """Signalled before it registered (a switch's new role, or a first start), a role drains
     at once and registers with no gateway: it sent each one a Deregister all the same."""
-    ctx, sent = zmq.asyncio.Context(), list[tuple[GatewayLink, Any]]()
-    control = _control_plane(ctx, sent, monkeypatch)
-    try:
+    async with _control_plane(monkeypatch) as (control, sent):
         control.begin_drain()
         await control.start([])
         await control.stop()
         assert _sent(sent, Register) == [] and _sent(sent, Deregister) == []
-    finally:
-        await control.stop()  # its loops ended (again: harmless) before its sockets close
-        control.close()
-        ctx.term()
 
 
 async def test_a_node_refused_by_one_gateway_deregisters_from_the_other_alone(monkeypatch):
     """The refusing gateway never took it (the id may be another process's there); the other,
     asked too, may have: it hears the node leave instead of waiting out its lease."""
-    ctx, sent = zmq.asyncio.Context(), list[tuple[GatewayLink, Any]]()
-    control = _control_plane(ctx, sent, monkeypatch)
-    try:
+    async with _control_plane(monkeypatch) as (control, sent):
         await control.start([])
         refusing, other = control.links
         assert [link for link, _ in _sent(sent, Register)] == [refusing, other]
@@ -98,19 +102,13 @@ async def test_a_node_refused_by_one_gateway_deregisters_from_the_other_alone(mo
             await control._dispatch(refusing, RegisterRefuse(node_id="node-x", reason="model"))
         await control.stop()
         assert [link for link, _ in _sent(sent, Deregister)] == [other]
-    finally:
-        await control.stop()  # its loops ended (again: harmless) before its sockets close
-        control.close()
-        ctx.term()
 
 
 async def test_a_node_registering_again_says_how_long_it_has_served_its_role(monkeypatch):
     """Dropped by a gateway (a late heartbeat) or asked by a restarted one, the same process
     registers again: its role-switch dwell runs on from its first registration
     (gateway/roles.py), so it says how long ago that was; a first registration says 0."""
-    ctx, sent = zmq.asyncio.Context(), list[tuple[GatewayLink, Any]]()
-    control = _control_plane(ctx, sent, monkeypatch)
-    try:
+    async with _control_plane(monkeypatch) as (control, sent):
         await control.start([])
         a, b = control.links
         assert [msg.served_s for _, msg in _sent(sent, Register)] == [0.0, 0.0]
@@ -125,20 +123,14 @@ async def test_a_node_registering_again_says_how_long_it_has_served_its_role(mon
         await control._dispatch(a, HeartbeatReply(unknown_node=True))  # dropped there
         [(link, again)] = _sent(sent, Register)
         assert link is a and 40.0 <= again.served_s < 60.0
-    finally:
-        await control.stop()  # its loops ended (again: harmless) before its sockets close
-        control.close()
-        ctx.term()
 
 
 async def test_a_gateway_whose_socket_is_full_holds_up_no_others_deregister(monkeypatch):
     """Leaving, a role sends each gateway its Deregister side by side, each send bounded:
     one gateway whose socket takes nothing (gone, its queue full) costs the others nothing
     (one after another, it used the whole wait and the next got none)."""
-    ctx, sent = zmq.asyncio.Context(), list[tuple[GatewayLink, Any]]()
-    control = _control_plane(ctx, sent, monkeypatch)
-    recorded = GatewayLink.send
-    try:
+    async with _control_plane(monkeypatch) as (control, sent):
+        recorded = GatewayLink.send  # the recorder the control plane sends through
         await control.start([])
         stuck, other = control.links
 
@@ -150,7 +142,3 @@ async def test_a_gateway_whose_socket_is_full_holds_up_no_others_deregister(monk
         monkeypatch.setattr(GatewayLink, "send", full)
         await control.stop()
         assert [link for link, _ in _sent(sent, Deregister)] == [other]
-    finally:
-        await control.stop()  # its loops ended (again: harmless) before its sockets close
-        control.close()
-        ctx.term()
