@@ -12,11 +12,16 @@ than for calls of up to 48 or from 193 rows.
 
 So a call's rows go to F.linear only in calls of sizes measured to agree (`RowPlan`): once
 per process, thread count and weight shape (at load: `warm`, called by the runner; else at
-first use), `probe` takes the smallest row group of 4, 8 and 16 at which calls of 1-3
+first use), `probe` takes the smallest row group of CANDIDATES at which calls of 1-3
 groups, padded, give a 516-row call's rows, then keeps each of LADDER's larger sizes that
-gives them too (none giving them: the group's own one-group calls are the reference). A
-call of m rows runs as a few calls of kept sizes, the last padded with zero rows. If no
-group holds, a WARNING says so once and calls run unpadded.
+gives them too. If no group's calls give the big call's rows, a row's result from a call
+of one group is the reference instead (then few LADDER sizes agree, if any: a long prompt
+runs as many small calls, and a WARNING says so). A call of m rows runs as the calls of
+kept sizes that cost least, the last a whole call over the last rows (or padded). If no
+group holds at all, a WARNING says so once and calls run unpadded. What a call's bits
+depend on is taken to be its size, not its rows' values or where they sit: each size is
+checked at a row off a group's start, one row short (padded) and for a group's sizes also
+full (views of rows stay 64-byte aligned where K is a multiple of 16).
 
 Padding costs at few rows (1536 x 576: 52 us at one row, 155 us at four): decode rows run on
 gguf_matmul.c's kernels where they build (gguf_linear.py), and this serves prompt rows.
@@ -24,6 +29,7 @@ gguf_matmul.c's kernels where they build (gguf_linear.py), and this serves promp
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,8 +40,10 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-CANDIDATES = (4, 8, 16)
-LADDER = (64, 128, 256, 512)  # larger call sizes tried: a long prompt's rows in few calls
+# row groups tried, smallest first; 32 and 64 for MKL's AVX2 kernels (held to AVX2 on the
+# Xeon below, calls of up to 32 rows gave other bits at each offset, from 48-64 rows none)
+CANDIDATES = (4, 8, 16, 32, 64)
+LADDER = (64, 128, 192, 256, 384, 512)  # larger call sizes tried: a prompt's rows in few calls
 _plans: dict[tuple[int, int, int], RowPlan] = {}  # (threads, N, K) -> its plan
 _warned: list[bool] = []
 
@@ -47,19 +55,32 @@ class RowPlan:
     group: int
     sizes: tuple[int, ...]
 
-    def calls(self, m: int) -> list[tuple[int, int]]:
-        """m rows as (rows, call size) pieces: one call where padding stays within a group,
-        else the largest kept size and on."""
-        out: list[tuple[int, int]] = []
-        while m > 0:
-            up = next((s for s in self.sizes if s >= m), 0)
-            if up and up - m < self.group:
-                out.append((m, up))
-                break
-            size = max((s for s in self.sizes if s <= m), default=self.sizes[0])
-            out.append((min(size, m), size))
-            m -= size
-        return out
+    def calls(self, m: int) -> tuple[tuple[int, int], ...]:
+        """m rows as (rows, call size) pieces, the last maybe padded with zero rows."""
+        return _pieces(self.sizes, m)
+
+
+# what a call costs beyond its rows, in rows: the weight read again, the threads started
+# (SmolLM2's layers on a 2-vCPU Intel Xeon, 2 threads: a 12-row call ~2.5x its share of a
+# 100-row one)
+CALL_ROWS = 32
+
+
+@functools.lru_cache(maxsize=4096)
+def _pieces(sizes: tuple[int, ...], m: int) -> tuple[tuple[int, int], ...]:
+    """The pieces costing least, a call of s rows costing s + CALL_ROWS (a zero row as much
+    as a real one): calls of the largest size first, the last two sizes' worth chosen."""
+    top = sizes[-1]
+    lead = max(0, m // top - 1)
+    rest = m - lead * top
+    cost, pick = [0] * (rest + 1), [0] * (rest + 1)
+    for r in range(1, rest + 1):
+        cost[r], pick[r] = min((s + CALL_ROWS + cost[max(0, r - s)], s) for s in sizes)
+    out = [(top, top)] * lead
+    while rest > 0:
+        out.append((min(pick[rest], rest), pick[rest]))
+        rest -= out[-1][0]
+    return tuple(out)
 
 
 @dataclass
@@ -73,20 +94,34 @@ def _applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == w.dtype == torch.float32
 
 
-def padded(x: torch.Tensor, w: torch.Tensor, size: int) -> torch.Tensor:
-    """F.linear(x, w) for x's rows padded with zeros to `size` rows (x has at most that)."""
+def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
+
+
+def _call(x: torch.Tensor, w: torch.Tensor, size: int, out: torch.Tensor) -> None:
+    """x @ w.T into `out` (x's rows), in one call of `size` rows: x padded with zero rows."""
     m = x.shape[0]
     if m == size:
-        return F.linear(x, w)
-    return F.linear(F.pad(x, (0, 0, 0, size - m)), w)[:m]  # the first rows: still contiguous
+        _mm(x, w.t(), out)  # F.linear's product, written in place: no copy after
+    else:
+        out.copy_(_mm(F.pad(x, (0, 0, 0, size - m)), w.t())[:m])
 
 
-def _agrees(size: int, w: torch.Tensor, x: torch.Tensor, ref: torch.Tensor) -> bool:
+def padded(x: torch.Tensor, w: torch.Tensor, size: int, at: int = 0) -> torch.Tensor:
+    """x @ w.T in one call of `size` rows, written `at` rows into a new output."""
+    out = x.new_empty(at + x.shape[0], w.shape[0])[at:]
+    _call(x, w, size, out)
+    return out
+
+
+def _agrees(
+    size: int, w: torch.Tensor, x: torch.Tensor, ref: torch.Tensor, short: tuple[int, ...] = (0, 1)
+) -> bool:
     """Calls of `size` rows, full and one row short (padded), at rows off a group's start,
     give the reference's rows."""
-    for m in {size, size - 1} - {0}:
+    for m in {size - n for n in short} - {0}:
         at = 1 + m % 3  # rows at other offsets than the first: their place must not matter
-        if not torch.equal(padded(x[at : at + m], w, size), ref[at : at + m]):
+        if not torch.equal(padded(x[at : at + m], w, size, at), ref[at : at + m]):
             return False
     return True
 
@@ -107,7 +142,7 @@ def probe(n: int, k: int) -> RowPlan:
     gen = torch.Generator().manual_seed(n * 7919 + k)
     w = torch.randn(n, k, generator=gen) * k**-0.5
     x = torch.randn(max(LADDER) + 4, k, generator=gen)
-    big = F.linear(x, w)
+    big = _mm(x, w.t())
     return (
         _plan(w, x, lambda group, rows: big[:rows])
         # each row from a call of one group at a group's start, the rows a check needs
@@ -123,8 +158,12 @@ def _plan(
     for group in CANDIDATES:
         if _holds(group, w, x, reference(group, 4 * group)):
             ref = reference(group, x.shape[0])
-            kept = [s for s in LADDER if s % group == 0 and _agrees(s, w, x, ref)]
-            return RowPlan(group, (group, 2 * group, 3 * group, *kept))
+            # one call a size (one row short, padded): the group's sizes tried both paths
+            own = (group, 2 * group, 3 * group)
+            kept = [
+                s for s in LADDER if s % group == 0 and s not in own and _agrees(s, w, x, ref, (1,))
+            ]
+            return RowPlan(group, tuple(sorted({*own, *kept})))
     return None
 
 
@@ -132,14 +171,23 @@ def row_plan(w: torch.Tensor) -> RowPlan:
     """The plan for F.linear with this (N, K) weight on this thread count (cached)."""
     key = (torch.get_num_threads(), w.shape[0], w.shape[1])
     if key not in _plans:
-        _plans[key] = probe(key[1], key[2])
-        if _plans[key].group == 1 and not _warned:
-            _warned.append(True)
+        plan = _plans[key] = probe(key[1], key[2])
+        if plan.group == 1:
+            if not _warned:
+                _warned.append(True)
+                log.warning(
+                    "float32 F.linear's rows depend on the batch at every row group tried %s "
+                    "(%d threads, %d x %d): a sequence's tokens may then depend on its batch",
+                    CANDIDATES, *key,
+                )  # fmt: skip
+        elif plan.sizes[-1] < LADDER[0]:
             log.warning(
-                "float32 F.linear's rows depend on the batch at every row group tried %s "
-                "(%d threads, %d x %d): a sequence's tokens may then depend on its batch",
-                CANDIDATES, *key,
+                "float32 F.linear (%d threads, %d x %d) agrees across the batch only in calls "
+                "of up to %d rows: a long prompt runs as many small calls",
+                *key, plan.sizes[-1],
             )  # fmt: skip
+        else:
+            log.debug("float32 rows (%d threads, %d x %d): %s", *key, plan)
     return _plans[key]
 
 
@@ -153,11 +201,14 @@ def row_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     if plan.group == 1 or x.shape[0] == 0:
         out = F.linear(x, w)
     else:
-        parts, at = [], 0
-        for m, size in plan.calls(x.shape[0]):
-            parts.append(padded(x[at : at + m], w, size))
+        rows = x.shape[0]
+        out, at = x.new_empty(rows, w.shape[0]), 0
+        for m, size in plan.calls(rows):
+            if m < size <= rows:  # the last piece, short: a whole call over the last rows
+                _call(x[rows - size :], w, size, out[rows - size :])  # rewrites equal bits
+            else:
+                _call(x[at : at + m], w, size, out[at : at + m])
             at += m
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out if bias is None else out + bias
 
 
@@ -195,9 +246,10 @@ class RowLinear(nn.Module):
 
 
 def warm(model: nn.Module) -> int:
-    """Measure the row group of every float32 CPU weight the model's layers pad (a RowLinear's
-    weight, a prompt rows' `dense`) now, at load, not in the first request (~10-40 ms a layer
-    shape, ~1.2 s for SmolLM2's LM head, 2 threads); how many shapes there are."""
+    """Measure the row plan of every float32 CPU weight the model's layers pad (a RowLinear's
+    weight, a prompt rows' `dense`) now, at load, not in the first request (SmolLM2 on a
+    2-vCPU Intel Xeon, 2 threads: 30-240 ms a layer shape, 1.2 s for the LM head, which
+    runs here only where the C kernels are not built); how many shapes there are."""
     shapes = set()
     for m in model.modules():
         w = m.weight if isinstance(m, RowLinear) else getattr(m, "dense", None)

@@ -10,17 +10,32 @@ the same rows."""
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.common.engine import rows
 from pdserve.common.engine.rows import RowLinear, RowPlan, StepRows, by_step, row_linear
 
 pytestmark = pytest.mark.cpu  # make test-cpu-variants: native and AVX2-only
+
+
+def _exact(a: torch.Tensor, b: torch.Tensor, out: Any = None) -> torch.Tensor:
+    """A product whose rows never depend on the call: one row at a time. Small weights'
+    plans on MKL vary by CPU and level (at the avx2 level some hold at no group): the tests
+    of what row_linear does with a plan run on this, the SmolLM2 shapes below on MKL."""
+    got = torch.stack([row @ b for row in a]) if a.shape[0] else a.new_empty(0, b.shape[1])
+    return got if out is None else out.copy_(got)
+
+
+@pytest.fixture
+def exact(monkeypatch):
+    monkeypatch.setattr(rows, "_mm", _exact)
+    monkeypatch.setattr(rows, "_plans", {})
+    return _exact
+
 
 # SmolLM2-135M's linear layers (N, K): fused qkv, o_proj, fused gate_up, down_proj, LM head
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
@@ -38,11 +53,11 @@ def test_a_rows_bits_do_not_depend_on_how_many_rows_share_the_call(n, k):
         got = row_linear(x[:m], w)
         assert got.shape == (m, n) and got.is_contiguous()
         assert torch.equal(got, full[:m]), m
-    at = 7  # and not on where the row sits among them
-    assert torch.equal(row_linear(x[at : at + 5], w), full[at : at + 5])
+    for at, m in ((7, 5), (3, 100), (5, 300)):  # and not on where the rows sit among them
+        assert torch.equal(row_linear(x[at : at + m], w), full[at : at + m]), (at, m)
 
 
-def test_the_bias_is_added_apart_and_other_dtypes_run_plain_f_linear():
+def test_the_bias_is_added_apart_and_other_dtypes_run_plain_f_linear(exact):
     g = torch.Generator().manual_seed(1)
     w, b, x = torch.randn(64, 96, generator=g), torch.randn(64, generator=g), torch.randn(9, 96)
     assert torch.equal(row_linear(x[:3], w, b), row_linear(x, w)[:3] + b)
@@ -62,7 +77,7 @@ def test_no_row_group_holding_is_warned_once_and_runs_unpadded(monkeypatch, capl
     assert torch.equal(row_linear(x, w), nn.functional.linear(x, w))
 
 
-def test_prompt_rows_go_dense_and_generated_rows_to_the_kernel_by_the_step():
+def test_prompt_rows_go_dense_and_generated_rows_to_the_kernel_by_the_step(exact):
     g = torch.Generator().manual_seed(2)
     w, x = torch.randn(40, 64, generator=g), torch.randn(6, 64, generator=g)
     seen: list[int] = []
@@ -79,7 +94,7 @@ def test_prompt_rows_go_dense_and_generated_rows_to_the_kernel_by_the_step():
     assert seen == [2, 6]
 
 
-def test_row_linear_keeps_the_layers_parameters():
+def test_row_linear_keeps_the_layers_parameters(exact):
     linear = nn.Linear(64, 24)
     layer = RowLinear(linear)
     assert layer.weight is linear.weight and layer.bias is linear.bias
@@ -90,32 +105,61 @@ def test_row_linear_keeps_the_layers_parameters():
     assert StepRows().prompt == 0
 
 
-def test_a_call_runs_as_few_calls_of_kept_sizes_padding_within_a_group():
+def test_a_call_runs_as_the_calls_of_kept_sizes_costing_least():
+    """The pieces costing least, a call of s rows costing s + CALL_ROWS rows."""
+    assert rows.CALL_ROWS == 32  # the figures below
     plan = RowPlan(16, (16, 32, 48, 256, 512))  # 64 and 128 gave other rows: not kept
-    assert plan.calls(0) == [] and plan.calls(5) == [(5, 16)] and plan.calls(48) == [(48, 48)]
-    assert plan.calls(100) == [(48, 48), (48, 48), (4, 16)]
-    assert plan.calls(250) == [(250, 256)]  # one call: 6 zero rows, within a group
-    assert plan.calls(1100) == [(512, 512), (512, 512), (48, 48), (28, 32)]
-    assert RowPlan(4, (4, 8, 12, 64)).calls(13) == [(12, 12), (1, 4)]
+    assert plan.calls(0) == () and plan.calls(5) == ((5, 16),) and plan.calls(48) == ((48, 48),)
+    assert sorted(s for _, s in plan.calls(100)) == [16, 48, 48]  # 208 against 288 for 256
+    assert plan.calls(250) == ((250, 256),)
+    assert plan.calls(1100)[0] == (512, 512) and sum(s for _, s in plan.calls(1100)) == 1104
+    ladder = RowPlan(4, (4, 8, 12, 64, 128, 256, 512))
+    assert ladder.calls(240) == ((240, 256),) and ladder.calls(100) == ((100, 128),)
+    assert ladder.calls(2000) == ((512, 512),) * 3 + ((464, 512),)
+    for plan in (ladder, RowPlan(16, (16, 32, 48, 256))):
+        for m in range(600):
+            pieces = plan.calls(m)
+            assert sum(r for r, _ in pieces) == m and all(s in plan.sizes for _, s in pieces)
 
 
-def test_sizes_whose_calls_split_the_work_another_way_are_not_used(monkeypatch):
+def test_sizes_whose_calls_split_the_work_another_way_are_not_used(monkeypatch, exact):
     """A CPU whose F.linear gives calls of 49-192 rows other last bits (the Xeon above at
     2 threads), played on any CPU: the probe drops 64 and 128, and every row count still
     gives the same rows. Padding to the group alone gave 64 rows other bits."""
-    real = nn.functional.linear
+    real = exact
 
-    def split_another_way(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        out = real(x, w)
-        return out * (1 + 2**-20) if 49 <= x.shape[0] <= 192 else out
+    def split_another_way(a: torch.Tensor, b: torch.Tensor, out: Any = None) -> torch.Tensor:
+        got = real(a, b, out)
+        return got.mul_(1 + 2**-20) if 49 <= a.shape[0] <= 192 else got
 
-    monkeypatch.setattr(rows, "F", SimpleNamespace(linear=split_another_way, pad=F.pad))
-    monkeypatch.setattr(rows, "_plans", {})
+    monkeypatch.setattr(rows, "_mm", split_another_way)
     g = torch.Generator().manual_seed(3)
     w, x = torch.randn(40, 64, generator=g), torch.randn(400, 64, generator=g)
     plan = rows.row_plan(w)
-    assert 64 not in plan.sizes and 128 not in plan.sizes and 256 in plan.sizes, plan
+    assert {64, 128, 192} - set(plan.sizes) == {64, 128, 192} and 256 in plan.sizes, plan
     full = row_linear(x, w)
     for m in (1, 5, 49, 64, 100, 150, 192, 193, 300):
         assert torch.equal(row_linear(x[3 : 3 + m], w), full[3 : 3 + m]), m
     assert not torch.equal(rows.padded(x[:64], w, 64), full[:64])  # what padding alone ran
+
+
+def test_no_group_giving_a_big_calls_rows_falls_back_to_one_group_calls(monkeypatch, caplog, exact):
+    """A CPU whose calls of 49 rows and more give other bits at each size: no group agrees
+    with the big call, so a call of one group is the reference; the larger sizes
+    disagree with it and are dropped (a WARNING: long prompts run as many small calls), and
+    every row count still gives the same rows."""
+    real = exact
+
+    def big_calls_another_way(a: torch.Tensor, b: torch.Tensor, out: Any = None) -> torch.Tensor:
+        got = real(a, b, out)
+        return got.mul_(1 + 2**-20 * (a.shape[0] // 49))  # each size its own bits from 49
+
+    monkeypatch.setattr(rows, "_mm", big_calls_another_way)
+    g = torch.Generator().manual_seed(4)
+    w, x = torch.randn(40, 64, generator=g), torch.randn(200, 64, generator=g)
+    with caplog.at_level(logging.WARNING, logger=rows.__name__):
+        assert rows.row_plan(w) == RowPlan(4, (4, 8, 12))
+    assert "many small calls" in caplog.text
+    full = row_linear(x, w)
+    for m in (1, 13, 49, 64, 150):
+        assert torch.equal(row_linear(x[3 : 3 + m], w), full[3 : 3 + m]), m
