@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
-from aiohttp import web
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -31,6 +31,9 @@ from prometheus_client.registry import Collector
 
 from pdserve.common.wire.protocol import Load
 from pdserve.common.wire.security import REFUSALS
+
+if TYPE_CHECKING:  # imported where the server starts: most nodes serve no --metrics-port
+    from aiohttp import web
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +267,7 @@ async def start_http(
 ) -> web.AppRunner:
     """Serve /metrics, /health and /live; `healthy()` returns None when serving, else why
     not; `hung()` why the process should be restarted (a liveness probe), else None."""
+    from aiohttp import web
 
     async def get_metrics(request: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8")

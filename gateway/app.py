@@ -29,7 +29,7 @@ from pdserve.common.wire.address import bracket
 from pdserve.gateway.core import Gateway
 from pdserve.gateway.cors import Cors
 from pdserve.gateway.openai_api import ApiError, error_body, final_response, usage
-from pdserve.gateway.openapi import spec
+from pdserve.gateway.openapi import spec_json
 from pdserve.gateway.requests import Delta, Done, Failed, GatewayRequest
 from pdserve.gateway.service import RequestService
 from pdserve.gateway.sse import Connection
@@ -327,7 +327,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return json_response(spec(request.app[SERVICE].model_id))
+    body = spec_json(request.app[SERVICE].model_id)
+    return web.Response(body=body, content_type="application/json")
 
 
 async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -1,12 +1,13 @@
 """Simulated engine: the `Engine` interface with the forward pass replaced by the cost model.
 
 It waits the modelled step time (x `sim_time_scale`), fires `on_layer` at evenly spaced
-moments through a prefill as a real engine would, and returns deterministic tokens: a pure
-function of (seed, position), so runs are reproducible and a request's text does not depend
-on which node produced it. KV frames have the simulated model's real size x `sim_kv_scale`,
-so transfers cost what they would. The "cache" does not store them (dozens of sim nodes
-must fit in a small machine): import copies each frame into one reused scratch buffer, which
-pays the copy a real cache would, and export hands out one reused, pre-filled buffer.
+moments through a prefill as a real engine would (with no hook, one wait for the step), and
+returns deterministic tokens: a pure function of (seed, position), so runs are reproducible
+and a request's text does not depend on which node produced it. KV frames have the simulated
+model's real size x `sim_kv_scale`, so transfers cost what they would. The "cache" does not
+store them (dozens of sim nodes must fit in a small machine): import copies each frame into
+one reused scratch buffer, which pays the copy a real cache would, and export hands out one
+reused, pre-filled buffer.
 Never imports torch.
 """
 
@@ -69,7 +70,9 @@ class SimEngine:
         self.modelled_seconds += modelled
         wall = modelled * self.cfg.sim_time_scale
         start = time.monotonic()
-        layers = self.model_config.num_layers
+        # layer by layer only where a hook watches each layer land (a layer-wise KV push);
+        # else one wait to the same end: a wake per layer cost CPU and changed nothing
+        layers = self.model_config.num_layers if on_layer is not None else 1
         for i in range(layers):
             if self.sleep:
                 delay = start + wall * (i + 1) / layers - time.monotonic()

@@ -26,7 +26,7 @@ from tests.e2e.test_half_open import FLAGS, Vanished, _body, _resume
 
 # the stream's node: its own /metrics tells when it found the frozen gateway silent
 NODE = "decode-0"
-TOKENS = 2000
+TOKENS = 500  # a 10 s stream at --sim-time-scale 2 (test 2): fewer, slower tokens, as long
 
 
 def _node_metric(port: int, name: str, **labels: str) -> float:
@@ -94,8 +94,8 @@ def test_a_stream_freed_while_its_gateway_was_frozen_is_placed_again_there(make_
     placed again (a preemption's re-placement, from prompt and tokens so far) and its client
     gets the rest of the exact text, not a stream that waits for the progress lease."""
     port = free_port()
-    # the later flag wins: ~200 tokens/s (a 10 s stream, freed ~3 s in), a 1 s grace
-    flags = (*FLAGS, "--sim-time-scale", "0.5", "--orphan-grace", "1")
+    # the later flag wins: ~50 tokens/s (a 10 s stream, freed ~3 s in), a 1 s grace
+    flags = (*FLAGS, "--sim-time-scale", "2.0", "--orphan-grace", "1")
     cluster = make_cluster(prefill=1, decode=1, engine="sim", node_flags=flags,
                            extra={NODE: ("--metrics-port", str(port))})  # fmt: skip
     body = {**_body(6), "max_tokens": TOKENS}

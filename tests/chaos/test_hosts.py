@@ -53,7 +53,7 @@ HUB = f"pdhub{PID}"  # the namespace holding the bridge ("the switch")
 ROOT_IF = f"pdr{PID % 100000}"  # this namespace's end of its link to the switch
 HOSTS = {"gw": 2, "p0": 3, "d0": 4, "d1": 5}  # host -> last octet of its address
 SHM = 'mount -t tmpfs -o size=256m pdshm /dev/shm && exec "$@"'  # a host's own /dev/shm
-TOKENS = 100  # ~1 s of decode each at --sim-time-scale 0.1: decode-0 holds some when cut
+TOKENS = 50  # ~1 s of decode each at --sim-time-scale 0.2: decode-0 holds some when cut
 STATES = ("running", "waiting")  # a decode node's requests: decoding, or their KV arriving
 TOOLS = ("ip", "tc", "ss", "iptables", "unshare", "nsenter")
 
@@ -224,7 +224,7 @@ def test_nodes_on_separate_hosts_move_kv_over_tcp_and_survive_a_cut_link(hosts, 
     base = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING"]
     control = f"tcp://{addr('gw')}:8001"
     p0, d0 = addr("p0"), addr("d0")
-    flags = ["--engine", "sim", "--heartbeat-interval", "0.2", "--sim-time-scale", "0.1",
+    flags = ["--engine", "sim", "--heartbeat-interval", "0.2", "--sim-time-scale", "0.2",
              "--kv-backend", "auto"]  # fmt: skip
 
     def node(role: str, node_id: str, host: str, port: int, *extra: str) -> list[str]:

@@ -26,8 +26,10 @@ from pdserve.common.wire.transport import free_port
 from tests.e2e.conftest import Cluster, wait_for
 from tests.e2e.streams import SteadyLoad, run_streams, sim_text
 
-# ~1 s of decode per request: at 20 requests/s each node holds work when it is hit
-NODE_FLAGS = ("--sim-time-scale", "0.5", "--kv-backend", "tcp")
+# ~1 s of decode per request: at 20 requests/s each node holds work when it is hit. 80
+# tokens at the modelled speed rather than 160 at twice it: streams as long, half the steps
+# and token messages (CPU) per stream
+NODE_FLAGS = ("--sim-time-scale", "1.0", "--kv-backend", "tcp")
 BOUND_S = 60.0  # a request not ended this long after it was sent counts as hung
 DECODES = ("decode-0", "decode-1")
 WAIT_S = 60.0  # for a node to hold work: generous, the load keeps coming until it does
@@ -36,7 +38,7 @@ WAIT_S = 60.0  # for a node to hold work: generous, the load keeps coming until 
 def _body(i: int, seed: int) -> dict[str, Any]:
     return {
         "prompt": list(range(1000 + 7 * i, 1000 + 7 * i + 40 + i % 50)),
-        "max_tokens": 160,  # long enough that the drained node holds running sequences
+        "max_tokens": 80,  # ~1 s: long enough that the drained node holds running sequences
         "temperature": 1.0,
         "seed": seed,
         "ignore_eos": True,

@@ -21,6 +21,11 @@ from tests.chaos.test_hung_engine import _sim_ids
 from tests.component.cluster import Cluster, outcome, own_cache, prompt, until
 from tests.conftest import make_engine
 
+# The sim's KV at 1/1024 of the real model's (~0.5 MB a 4,000-token prompt, not the default
+# 1/16's 32 MB): what these tests check is the switching rule, which reads prefill demand,
+# and the texts, never the KV's size; at 1/16 copying the frames was ~1/4 of their CPU
+KV_SCALE = 1 / 1024
+
 
 class Swing:
     """A node served through `serve_roles`, as `pdserve prefill|decode` serves one."""
@@ -87,7 +92,9 @@ async def test_the_gateway_switches_a_decode_node_when_prefill_is_short(tokenize
     """1P2D, 4,000-token prompts arriving at ~3 prefill nodes' worth: the rule moves one
     decode node to prefill, one only (the decode pool keeps one; the hold and the dwell keep
     it from flapping)."""
-    real_time = EngineConfig(engine="sim", sim_time_scale=1.0, num_kv_blocks=8192)
+    real_time = EngineConfig(
+        engine="sim", sim_time_scale=1.0, num_kv_blocks=8192, sim_kv_scale=KV_SCALE
+    )
     async with Cluster(
         tokenizer, role_switching="on", switch_hold=0.5, switch_dwell=1.0, sizing_window=1.0
     ) as c:
@@ -130,7 +137,9 @@ async def test_two_gateways_that_would_both_switch_a_node_switch_one(tokenizer):
     rules want a decode node moved to prefill. Only the leader (the lowest gateway id, as
     every node names it) decides: one switch in all, the other gateway orders none and
     publishes no desired-replicas signal, and the decode pool keeps a node."""
-    real_time = EngineConfig(engine="sim", sim_time_scale=1.0, num_kv_blocks=8192)
+    real_time = EngineConfig(
+        engine="sim", sim_time_scale=1.0, num_kv_blocks=8192, sim_kv_scale=KV_SCALE
+    )
     rules = dict(role_switching="on", switch_hold=0.5, switch_dwell=1.0, sizing_window=1.0)
     async with Cluster(tokenizer, **rules) as c1, Cluster(tokenizer, **rules) as c2:
         both = f"{c1.address},{c2.address}"
@@ -194,7 +203,8 @@ def test_pdserve_processes_switch_a_role_and_rebind_their_ports(make_cluster, to
         decode=2,
         gateway_flags=("--role-switching", "on", "--switch-hold", "0.5", "--switch-dwell",
                        "1", "--sizing-window", "1"),
-        node_flags=("--sim-time-scale", "1.0", "--kv-backend", "tcp"),
+        node_flags=("--sim-time-scale", "1.0", "--kv-backend", "tcp", "--sim-kv-scale",
+                    repr(KV_SCALE)),
         extra={d: ("--data-port", str(a), "--metrics-port", str(m)) for d, (a, m) in ports.items()},
     )  # fmt: skip
     pids = {p.pid for p in cluster.procs}

@@ -17,7 +17,10 @@ from tests.conftest import CHAT_PROMPTS, chat_ids, make_engine
 from tests.e2e.conftest import wait_for
 from tests.e2e.streams import run_streams
 
-MAX_TOKENS = 48
+# Streams of 32 tokens still run when the victim is killed (the kill waits for 3 running on
+# the decode nodes, and replacements are asserted); 128 blocks (2,048 tokens) hold all six
+# streams with room, and each node zeroes a smaller cache at start than --kv-cache-gb 0.25
+MAX_TOKENS = 32
 
 
 def test_greedy_text_survives_a_killed_decode_node(make_cluster, smol_runner, tokenizer):
@@ -29,6 +32,7 @@ def test_greedy_text_survives_a_killed_decode_node(make_cluster, smol_runner, to
         prefill=1,
         decode=2,
         engine="torch",
+        node_flags=("--num-kv-blocks", "128"),
         extra={d: ("--metrics-port", str(port)) for d, port in ports.items()},
     )
     bodies = [

@@ -10,6 +10,7 @@ import dataclasses
 import time
 from typing import Any
 
+import pytest
 import zmq
 
 from pdserve.common.config import EngineConfig
@@ -130,15 +131,19 @@ async def holder_and_fetcher(c: Cluster, tokenizer: Any, runners: Any) -> tuple[
     return holder, fetcher
 
 
+@pytest.fixture(scope="module")
 def second_and_expected(tokenizer, torch_runners) -> tuple[list[int], Any]:
-    """The prompt whose prefix the fetcher fetches, and the single-process engine's output."""
+    """The prompt whose prefix the fetcher fetches, and the single-process engine's output
+    (greedy, so one computation serves every test that compares with it)."""
     second_prompt = shared_prefix(tokenizer) + tokenizer.encode(" Name one:")
     engine = make_engine(own_cache(torch_runners[1]), tokenizer, prefix_caching="off")
     return second_prompt, engine.generate([second_prompt], GREEDY)[0]
 
 
-async def test_a_fetch_whose_holder_dies_midway_is_computed_instead(tokenizer, torch_runners):
-    second_prompt, expected = second_and_expected(tokenizer, torch_runners)
+async def test_a_fetch_whose_holder_dies_midway_is_computed_instead(
+    tokenizer, torch_runners, second_and_expected
+):
+    second_prompt, expected = second_and_expected
     async with Cluster(tokenizer) as c:
         holder, fetcher = await holder_and_fetcher(c, tokenizer, torch_runners)
         push_all = holder.sender.push_all
@@ -158,12 +163,12 @@ async def test_a_fetch_whose_holder_dies_midway_is_computed_instead(tokenizer, t
 
 
 async def test_a_fetch_that_lands_too_slowly_is_given_up_before_its_holder_unpins(
-    tokenizer, torch_runners
+    tokenizer, torch_runners, second_and_expected
 ):
     """A holder pins what it serves for 3 x --kv-transfer-timeout; a fetch whose layers keep
     landing, but too slowly to end before that, is given up at 2 x (else the holder's
     frames still queued could read blocks it reused, cached here as the prefix)."""
-    second_prompt, expected = second_and_expected(tokenizer, torch_runners)
+    second_prompt, expected = second_and_expected
     async with Cluster(tokenizer) as c:
         holder, fetcher = await holder_and_fetcher(c, tokenizer, torch_runners)
         sender, loop = holder.sender, asyncio.get_running_loop()

@@ -31,6 +31,21 @@ def test_a_serving_process_imports_no_tool(argv):
     assert out.split()[0] in SERVING and out.strip().endswith("[]"), out
 
 
+def test_a_node_without_a_metrics_port_imports_no_aiohttp():
+    """aiohttp (~0.12 s of CPU to import) serves a node's --metrics-port only: imported when
+    that server starts, not at every node process's start."""
+    code = (
+        "import sys\n"
+        "from pdserve import launch\n"
+        "import pdserve.decode_node.server, pdserve.prefill_node.server\n"
+        "import pdserve.colocated_node.server, pdserve.common.node_metrics\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'aiohttp'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout  # fmt: skip
+    assert out.strip() == "[]", out
+
+
 @pytest.mark.parametrize(
     ("argv", "command"),
     [

@@ -55,6 +55,24 @@ def test_waits_the_modelled_time_scaled_and_fires_every_layer():
     assert elapsed < 8.0 * modelled * 1.5
 
 
+def test_a_step_no_hook_watches_sleeps_once_for_its_whole_time(monkeypatch):
+    """A wake per layer is CPU spent for nothing where no hook watches the layers land (a
+    decode step, a prefill sent at its end): one wait to the same end. With a hook, one wait
+    per layer, as before. No real sleeping: the waits are recorded."""
+    import pdserve.common.engine.sim as sim
+
+    waits: list[float] = []
+    monkeypatch.setattr(sim.time, "sleep", waits.append)
+    eng = SimEngine(EngineConfig(engine="sim", sim_time_scale=1000.0))
+    work = [PrefillWork("a", list(range(2000)), 0, list(range(125)), P)]
+    wall = 1000.0 * eng.cost.prefill_seconds(2000)
+    eng.step(work, [])
+    assert len(waits) == 1 and wall * 0.99 <= waits[0] <= wall
+    waits.clear()
+    eng.step(work, [], on_layer=lambda i: None)
+    assert len(waits) == 32
+
+
 def test_kv_frames_have_the_scaled_real_size():
     eng = SimEngine(EngineConfig(engine="sim", sim_kv_scale=0.5), sleep=False)
     real_per_layer = 131072 // 32  # Llama-3.1-8B fp16: 4 KiB per token per layer
