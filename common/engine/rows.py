@@ -20,8 +20,9 @@ runs as many small calls, and a WARNING says so). A call of m rows runs as the c
 kept sizes that cost least, the last a whole call over the last rows (or padded). If no
 group holds at all, a WARNING says so once and calls run unpadded. What a call's bits
 depend on is taken to be its size, not its rows' values or where they sit: each size is
-checked at a row off a group's start, one row short (padded) and for a group's sizes also
-full (views of rows stay 64-byte aligned where K is a multiple of 16).
+checked at a row off a group's start, whole (on a view of x's rows, into a view of the
+output) and one row short (padded); a short last piece overlaps the one before only where
+K and N are multiples of 16 (views of rows start 64-byte aligned as fresh tensors do).
 
 Padding costs at few rows (1536 x 576: 52 us at one row, 155 us at four): decode rows run on
 gguf_matmul.c's kernels where they build (gguf_linear.py), and this serves prompt rows.
@@ -69,9 +70,9 @@ CALL_ROWS = 32
 @functools.lru_cache(maxsize=4096)
 def _pieces(sizes: tuple[int, ...], m: int) -> tuple[tuple[int, int], ...]:
     """The pieces costing least, a call of s rows costing s + CALL_ROWS (a zero row as much
-    as a real one): calls of the largest size first, the last two sizes' worth chosen."""
+    as a real one): calls of the largest size first, the last sizes' worth chosen."""
     top = sizes[-1]
-    lead = max(0, m // top - 1)
+    lead = max(0, m // top - len(sizes))
     rest = m - lead * top
     cost, pick = [0] * (rest + 1), [0] * (rest + 1)
     for r in range(1, rest + 1):
@@ -114,12 +115,10 @@ def padded(x: torch.Tensor, w: torch.Tensor, size: int, at: int = 0) -> torch.Te
     return out
 
 
-def _agrees(
-    size: int, w: torch.Tensor, x: torch.Tensor, ref: torch.Tensor, short: tuple[int, ...] = (0, 1)
-) -> bool:
+def _agrees(size: int, w: torch.Tensor, x: torch.Tensor, ref: torch.Tensor) -> bool:
     """Calls of `size` rows, full and one row short (padded), at rows off a group's start,
     give the reference's rows."""
-    for m in {size - n for n in short} - {0}:
+    for m in {size, size - 1} - {0}:
         at = 1 + m % 3  # rows at other offsets than the first: their place must not matter
         if not torch.equal(padded(x[at : at + m], w, size, at), ref[at : at + m]):
             return False
@@ -158,11 +157,8 @@ def _plan(
     for group in CANDIDATES:
         if _holds(group, w, x, reference(group, 4 * group)):
             ref = reference(group, x.shape[0])
-            # one call a size (one row short, padded): the group's sizes tried both paths
             own = (group, 2 * group, 3 * group)
-            kept = [
-                s for s in LADDER if s % group == 0 and s not in own and _agrees(s, w, x, ref, (1,))
-            ]
+            kept = [s for s in LADDER if s % group == 0 and s not in own and _agrees(s, w, x, ref)]
             return RowPlan(group, tuple(sorted({*own, *kept})))
     return None
 
@@ -200,16 +196,30 @@ def row_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     plan = row_plan(w)
     if plan.group == 1 or x.shape[0] == 0:
         out = F.linear(x, w)
-    else:
-        rows = x.shape[0]
-        out, at = x.new_empty(rows, w.shape[0]), 0
-        for m, size in plan.calls(rows):
-            if m < size <= rows:  # the last piece, short: a whole call over the last rows
-                _call(x[rows - size :], w, size, out[rows - size :])  # rewrites equal bits
-            else:
-                _call(x[at : at + m], w, size, out[at : at + m])
+    elif torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        # writes in place have no gradient: the pieces apart, joined (as F.linear, with one)
+        pieces, at = [], 0
+        for m, size in plan.calls(x.shape[0]):
+            pad = F.pad(x[at : at + m], (0, 0, 0, size - m))
+            pieces.append(_mm(pad, w.t())[:m])
             at += m
+        out = torch.cat(pieces)
+    else:
+        out = _in_place(x, w, plan)
     return out if bias is None else out + bias
+
+
+def _in_place(x: torch.Tensor, w: torch.Tensor, plan: RowPlan) -> torch.Tensor:
+    rows = x.shape[0]
+    out, at = x.new_empty(rows, w.shape[0]), 0
+    aligned = x.shape[1] % 16 == 0 and w.shape[0] % 16 == 0  # a view's rows: 64-byte aligned
+    for m, size in plan.calls(rows):
+        if m < size <= rows and aligned:  # the last piece, short: a whole call over the last
+            _call(x[rows - size :], w, size, out[rows - size :])  # rows (rewrites equal bits)
+        else:
+            _call(x[at : at + m], w, size, out[at : at + m])
+        at += m
+    return out
 
 
 def by_step(
