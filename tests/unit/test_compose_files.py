@@ -215,3 +215,16 @@ def test_every_gpu_scale_example_says_how_many_gpus_the_prefill_replicas_take():
             scaled = re.search(r"--scale prefill=(\d+)", line)
             if scaled and "compose.cpu.yaml" not in line and int(scaled.group(1)) > 1:
                 assert f"PDSERVE_PREFILL_GPUS={scaled.group(1)}" in line, (doc, line)
+
+
+def test_nodes_give_up_on_a_stopped_gateways_name_in_1_s():
+    """On the internal `nodes` network a name Docker does not know can only fail, after the
+    resolver's 5 s x 2 by default: a node started while a gateway was stopped waited ~40 s
+    on its name before registering with the other (tests/e2e/test_compose_ha.py: 61 ->
+    22-24 s with this). Every stack's nodes, and only they, give up after 1 s."""
+    for files in (("compose.yaml", "compose.cpu.yaml"),
+                  ("compose.yaml", "compose.cpu.yaml", "compose.ha.yaml")):  # fmt: skip
+        services = _config(*files)["services"]
+        for name, service in services.items():
+            want = ["timeout:1", "attempts:1"] if name in ("prefill", "decode") else None
+            assert service.get("dns_opt") == want, (files, name)
