@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -174,8 +175,16 @@ def dynamic(given: str) -> bool:
 
 def resolve(given: str) -> dict[str, list[str]]:
     """Each configured address -> the tcp:// addresses its host name resolves to now ([]:
-    none, or it is no name)."""
-    return {a: _resolve(a) for a in configured(given)}
+    none, or it is no name). Names are looked up side by side: one that fails slowly (a
+    stopped gateway's name, the resolver's timeout) holds up the others by nothing, where
+    one after another a node's start and each discovery round waited the sum."""
+    addresses = configured(given)
+    names = [a for a in addresses if _name(a) is not None]
+    if len(names) < 2:
+        return {a: _resolve(a) for a in addresses}
+    with ThreadPoolExecutor(len(names), thread_name_prefix="resolve") as pool:
+        found = dict(zip(names, pool.map(_resolve, names), strict=True))
+    return {a: found[a] if a in found else [] for a in addresses}
 
 
 def _name(address: str) -> tuple[str, int] | None:
