@@ -104,13 +104,18 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> to
     return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
 
 
+def _one(x: torch.Tensor, w: torch.Tensor, size: int) -> torch.Tensor:
+    """x @ w.T in one call of `size` rows (x padded with zero rows): a view of its rows."""
+    m = x.shape[0]
+    return _mm(F.pad(x, (0, 0, 0, size - m)) if size > m else x, w.t())[:m]
+
+
 def _call(x: torch.Tensor, w: torch.Tensor, size: int, out: torch.Tensor) -> None:
     """x @ w.T into `out` (x's rows), in one call of `size` rows: x padded with zero rows."""
-    m = x.shape[0]
-    if m == size:
+    if x.shape[0] == size:
         _mm(x, w.t(), out)  # F.linear's product, written in place: no copy after
     else:
-        out.copy_(_mm(F.pad(x, (0, 0, 0, size - m)), w.t())[:m])
+        out.copy_(_one(x, w, size))
 
 
 def padded(x: torch.Tensor, w: torch.Tensor, size: int, at: int = 0) -> torch.Tensor:
@@ -205,17 +210,13 @@ def row_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
         # writes in place have no gradient: the pieces apart, joined (as F.linear, with one)
         parts, at = [], 0
         for m, size in plan.calls(x.shape[0]):
-            pad = F.pad(x[at : at + m], (0, 0, 0, size - m))
-            parts.append(_mm(pad, w.t())[:m])
+            parts.append(_one(x[at : at + m], w, size))
             at += m
         out = torch.cat(parts)
     else:
         calls = plan.calls(x.shape[0])
-        if len(calls) == 1:  # one call: its output's rows, a view (no copy out)
-            m, size = calls[0]
-            out = _mm(F.pad(x, (0, 0, 0, size - m)) if size > m else x, w.t())[:m]
-        else:
-            out = _in_place(x, w, plan)
+        # one call: its output's rows, a view (no copy out)
+        out = _one(x, w, calls[0][1]) if len(calls) == 1 else _in_place(x, w, plan)
     return out if bias is None else out + bias
 
 
